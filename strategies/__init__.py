@@ -1,0 +1,27 @@
+"""Strategy selection from TF_CONFIG: parse it once, build one strategy."""
+
+from strategies.factory import (
+    ALL_REDUCE,
+    STRATEGY_NAMES,
+    StrategyBundle,
+    check_batch_size,
+    make_strategy,
+    replicas_per_step,
+    resolve_strategy_name,
+)
+from strategies.tf_config import ROLES, ClusterConfig, ConfigError, from_environ, parse_tf_config
+
+__all__ = [
+    "ALL_REDUCE",
+    "ROLES",
+    "STRATEGY_NAMES",
+    "ClusterConfig",
+    "ConfigError",
+    "StrategyBundle",
+    "check_batch_size",
+    "from_environ",
+    "make_strategy",
+    "parse_tf_config",
+    "replicas_per_step",
+    "resolve_strategy_name",
+]

@@ -1,0 +1,63 @@
+"""Which local GPUs a task uses: a pure plan, then one call that applies it.
+
+Parameter servers only hold variables, so they never take a GPU; several
+worker processes on one host split the host's GPUs between them instead of
+all grabbing GPU 0.
+"""
+
+from __future__ import annotations
+
+from strategies.tf_config import TRAINING_ROLES, ClusterConfig
+
+
+def _host(address: str) -> str:
+    return address.rpartition(":")[0]
+
+
+def local_rank(cfg: ClusterConfig) -> tuple[int, int]:
+    """(this task's rank, number of training tasks) on this task's host."""
+    if cfg.is_local or cfg.task_type not in TRAINING_ROLES:
+        return 0, 1
+    host = _host(cfg.address)
+    peers = [
+        (role, i)
+        for role, i, addr in cfg.tasks()
+        if role in TRAINING_ROLES and _host(addr) == host
+    ]
+    return peers.index((cfg.task_type, cfg.task_index)), len(peers)
+
+
+def plan_devices(strategy: str, cfg: ClusterConfig, gpus: list[str]) -> dict:
+    """Split ``gpus`` (names of this host's physical GPUs) for this task."""
+    role = "local" if cfg.is_local else cfg.task_type
+    if role in ("ps", "evaluator") or (strategy == "ps" and role == "chief"):
+        # ps: variables only; the ps coordinator dispatches and evaluates
+        # a small model on the CPU, leaving every GPU to the workers.
+        visible: list[str] = []
+    else:
+        rank, sharing = local_rank(cfg)
+        if sharing <= 1 or not gpus:
+            visible = list(gpus)
+        elif len(gpus) >= sharing:
+            visible = [g for i, g in enumerate(gpus) if i % sharing == rank]
+        else:
+            visible = [gpus[rank % len(gpus)]]
+    return {
+        "visible_gpus": visible,
+        "hidden_gpus": [g for g in gpus if g not in visible],
+        "memory_growth": bool(visible),
+    }
+
+
+def configure_devices(strategy: str, cfg: ClusterConfig) -> dict:
+    """Apply :func:`plan_devices` before TensorFlow initialises its runtime."""
+    import tensorflow as tf
+
+    physical = tf.config.list_physical_devices("GPU")
+    plan = plan_devices(strategy, cfg, [d.name for d in physical])
+    keep = [d for d in physical if d.name in plan["visible_gpus"]]
+    tf.config.set_visible_devices(keep, "GPU")
+    for device in keep:
+        tf.config.experimental.set_memory_growth(device, True)
+    plan["logical_gpus"] = [d.name for d in tf.config.list_logical_devices("GPU")]
+    return plan

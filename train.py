@@ -1,0 +1,203 @@
+"""Train the MNIST model under any tf.distribute strategy.
+
+Each process runs this same program; ``TF_CONFIG`` says which task it is.
+
+    # one process, every local GPU (CPU when none):
+    python train.py --strategy=mirrored --epochs 1 --model-dir runs/mirrored
+
+    # synchronous all-reduce, one process per worker (TF_CONFIG differs per process):
+    TF_CONFIG='{"cluster": {"worker": ["host1:2222", "host2:2222"]},
+                "task": {"type": "worker", "index": 0}}' \
+        python train.py --strategy=multiworker --epochs 1 --model-dir /shared/runs/mw
+
+    # asynchronous parameter servers: run on chief, every worker and every ps:
+    TF_CONFIG='{"cluster": {"chief": ["host1:2222"], "worker": ["host1:2223", "host2:2222"],
+                "ps": ["host2:2223"]}, "task": {"type": "chief", "index": 0}}' \
+        python train.py --strategy=ps --epochs 1 --model-dir /shared/runs/ps
+
+    # check a TF_CONFIG without starting anything:
+    python train.py --strategy=auto --dry-run
+
+``launch.py`` starts a whole simulated cluster on one host with these commands.
+Bad input ends with one ``error:`` line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from strategies import (
+    ClusterConfig, ConfigError, check_batch_size, from_environ, replicas_per_step,
+    resolve_strategy_name,
+)
+from strategies.devices import plan_devices
+from training.config import TrainConfig
+
+EXIT_BAD_INPUT = 2
+
+
+def _role_action(strategy: str, cfg: ClusterConfig) -> tuple[str, str]:
+    role = "local" if cfg.is_local else cfg.task_type
+    if role == "evaluator":
+        return role, "not used by train.py: evaluation runs on the chief after training"
+    if strategy == "ps":
+        return role, {
+            "chief": "coordinate: hold no data, schedule training steps on the workers, "
+                     "checkpoint, evaluate and write results",
+            "worker": "serve: run the training steps the chief schedules",
+            "ps": "serve: hold the model variables (CPU only)",
+        }[role]
+    if strategy == "multiworker":
+        duty = "write checkpoints, logs and results" if cfg.is_chief else "keep checkpoints private"
+        return role, f"train on its data shard with all-reduce every step; {duty}"
+    return role, "train on all local devices; write checkpoints, logs and results"
+
+
+def _physical_gpus() -> list[str]:
+    import tensorflow as tf
+
+    return [d.name for d in tf.config.list_physical_devices("GPU")]
+
+
+def plan(config: TrainConfig, gpus: list[str]) -> dict:
+    """Validate everything that can be checked without a server; describe the run."""
+    config.validate()
+    cfg = config.cluster
+    strategy = resolve_strategy_name(config.strategy, cfg)
+    devices = plan_devices(strategy, cfg, gpus)
+    replicas = replicas_per_step(strategy, cfg, len(devices["visible_gpus"]))
+    check_batch_size(config.global_batch_size, replicas)
+    role, action = _role_action(strategy, cfg)
+    return {
+        "strategy": strategy,
+        "requested_strategy": config.strategy,
+        "task": cfg.task_name,
+        "role": role,
+        "is_chief": cfg.is_chief,
+        "action": action,
+        "cluster": cfg.cluster_dict(),
+        "num_workers": cfg.num_workers,
+        "num_ps": cfg.num_ps,
+        "replicas_in_sync": replicas,
+        "global_batch_size": config.global_batch_size,
+        "per_replica_batch_size": config.global_batch_size // replicas,
+        "total_steps": config.total_steps,
+        "devices": {**devices, "cpu": True},
+        "model_dir": config.model_dir,
+    }
+
+
+def run(config: TrainConfig) -> dict | None:
+    """Run this task's part of the job; the chief returns the results dict.
+
+    Raises ConfigError for bad input before anything is written.
+    """
+    the_plan = plan(config, _physical_gpus())
+    if config.dry_run:
+        print(json.dumps(the_plan, indent=None, sort_keys=True), flush=True)
+        return None
+    cfg, strategy = config.cluster, the_plan["strategy"]
+    if strategy == "ps":
+        # TensorFlow's ps guide: fail RPCs to a lost task at once instead of
+        # retrying, so the coordinator can reschedule the closure elsewhere.
+        os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+
+    from strategies.devices import configure_devices
+    from training import data
+
+    configure_devices(strategy, cfg)
+    if the_plan["role"] in ("chief", "local", "worker") and not (
+        strategy == "ps" and the_plan["role"] == "worker"
+    ):
+        data.load_split("test", config.data_dir)  # one clear line if MNIST is missing
+    if the_plan["role"] == "evaluator":
+        print(f"{cfg.task_name}: {the_plan['action']}; exiting", flush=True)
+        return None
+    if strategy == "ps" and the_plan["role"] in ("ps", "worker"):
+        from strategies.server import serve
+
+        serve(cfg, startup_timeout=config.startup_timeout)
+        return None
+
+    from strategies import make_strategy
+
+    bundle = make_strategy(
+        strategy, cfg, all_reduce=config.all_reduce, ps_shards=config.ps_shards
+    )
+    if cfg.is_chief:
+        os.makedirs(config.model_dir, exist_ok=True)
+    if strategy == "ps":
+        from training.ps_runner import run_ps
+
+        return run_ps(config, bundle, the_plan["replicas_in_sync"])
+    from training.runners import run_sync
+
+    return run_sync(config, bundle, the_plan["replicas_in_sync"])
+
+
+class _ArgumentError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors take our one-line error path (exit 2)."""
+
+    def error(self, message):
+        raise _ArgumentError(f"{message}; see --help")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = _Parser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="TF_CONFIG (environment) describes the cluster and this task.",
+    )
+    d = TrainConfig()
+    p.add_argument("--strategy", default=d.strategy, help="auto|mirrored|multiworker|ps")
+    p.add_argument("--model", default=d.model, help="cnn|logreg")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--steps", type=int, default=None, help="total steps; overrides --epochs")
+    p.add_argument("--global-batch-size", type=int, default=d.global_batch_size)
+    p.add_argument("--optimizer", default=d.optimizer, help="adam|sgd")
+    p.add_argument("--learning-rate", type=float, default=None,
+                   help="default 0.001 for adam, 0.1 for sgd")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--model-dir", default=d.model_dir)
+    p.add_argument("--data-dir", default=None,
+                   help="tfds data dir holding mnist (default: TFDS_DATA_DIR, else tfds's own)")
+    p.add_argument("--steps-per-execution", type=int, default=d.steps_per_execution)
+    p.add_argument("--log-every", type=int, default=d.log_every, help="steps between progress lines")
+    p.add_argument("--all-reduce", default=d.all_reduce, help="auto|ring|nccl (multiworker)")
+    p.add_argument("--ps-shards", type=int, default=d.ps_shards,
+                   help="split large variables over up to this many ps tasks")
+    p.add_argument("--startup-timeout", type=float, default=d.startup_timeout,
+                   help="seconds to wait for the other tasks before giving up")
+    p.add_argument("--synthetic-data", action="store_true",
+                   help="train on one in-memory random batch (input-pipeline benchmark)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the resolved plan as JSON and exit without starting anything")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+        config = TrainConfig(
+            cluster=from_environ(os.environ),
+            **vars(args),
+        )
+        run(config)
+    except (ConfigError, _ArgumentError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

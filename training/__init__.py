@@ -1,0 +1,1 @@
+"""Input pipeline, training step and one runner per strategy."""

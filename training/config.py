@@ -1,0 +1,75 @@
+"""The frozen run configuration that ``train.run`` takes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from models import MODELS
+from strategies import ALL_REDUCE, STRATEGY_NAMES, ClusterConfig, ConfigError
+from strategies.tf_config import LOCAL
+
+OPTIMIZERS = ("adam", "sgd")
+TRAIN_EXAMPLES = 60_000  # MNIST train split; checked against tfds in the tests
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    strategy: str = "auto"
+    model: str = "cnn"
+    epochs: int = 1
+    steps: int | None = None  # overrides epochs when set
+    global_batch_size: int = 128
+    optimizer: str = "adam"
+    learning_rate: float | None = None
+    seed: int = 42
+    model_dir: str = "runs/default"
+    data_dir: str | None = None
+    steps_per_execution: int = 1
+    log_every: int = 100
+    all_reduce: str = "auto"
+    ps_shards: int = 1
+    startup_timeout: float = 120.0
+    synthetic_data: bool = False
+    dry_run: bool = False
+    cluster: ClusterConfig = field(default=LOCAL)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return max(1, TRAIN_EXAMPLES // self.global_batch_size)
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps if self.steps is not None else self.epochs * self.steps_per_epoch
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad value; touches nothing."""
+        choices = {
+            "strategy": STRATEGY_NAMES, "model": tuple(MODELS),
+            "optimizer": OPTIMIZERS, "all_reduce": ALL_REDUCE,
+        }
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ConfigError(
+                    f"unknown --{name.replace('_', '-')} {value!r}; allowed: {', '.join(allowed)}"
+                )
+        positive = {
+            "epochs": self.epochs, "global_batch_size": self.global_batch_size,
+            "steps_per_execution": self.steps_per_execution, "log_every": self.log_every,
+            "ps_shards": self.ps_shards, "startup_timeout": self.startup_timeout,
+        }
+        if self.steps is not None:
+            positive["steps"] = self.steps
+        if self.learning_rate is not None:
+            positive["learning_rate"] = self.learning_rate
+        for name, value in positive.items():
+            if not value > 0:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')}={value} is not allowed; it must be greater than 0"
+                )
+        if os.path.exists(self.model_dir) and not os.path.isdir(self.model_dir):
+            raise ConfigError(
+                f"--model-dir {self.model_dir!r} exists and is not a directory; "
+                "pass a directory path (it is created if missing)"
+            )
