@@ -108,11 +108,11 @@ def run(config: TrainConfig) -> dict | None:
     from strategies.devices import configure_devices
     from training import data
 
-    configure_devices(strategy, cfg)
-    if the_plan["role"] in ("chief", "local", "worker") and not (
-        strategy == "ps" and the_plan["role"] == "worker"
+    if the_plan["role"] in ("chief", "local") or (
+        strategy == "multiworker" and the_plan["role"] == "worker"
     ):
-        data.load_split("test", config.data_dir)  # one clear line if MNIST is missing
+        data.ensure_available(config.data_dir)  # one clear line if MNIST is missing
+    configure_devices(strategy, cfg)
     if the_plan["role"] == "evaluator":
         print(f"{cfg.task_name}: {the_plan['action']}; exiting", flush=True)
         return None

@@ -50,7 +50,11 @@ def plan_devices(strategy: str, cfg: ClusterConfig, gpus: list[str]) -> dict:
 
 
 def configure_devices(strategy: str, cfg: ClusterConfig) -> dict:
-    """Apply :func:`plan_devices` before TensorFlow initialises its runtime."""
+    """Apply :func:`plan_devices` before TensorFlow initialises its runtime.
+
+    Nothing here may start the runtime (no logical-device listing, no eager
+    op): MultiWorkerMirroredStrategy must configure collectives first.
+    """
     import tensorflow as tf
 
     physical = tf.config.list_physical_devices("GPU")
@@ -59,5 +63,4 @@ def configure_devices(strategy: str, cfg: ClusterConfig) -> dict:
     tf.config.set_visible_devices(keep, "GPU")
     for device in keep:
         tf.config.experimental.set_memory_growth(device, True)
-    plan["logical_gpus"] = [d.name for d in tf.config.list_logical_devices("GPU")]
     return plan

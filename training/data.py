@@ -36,6 +36,27 @@ def load_split(split: str, data_dir: str | None) -> tf.data.Dataset:
         ) from None
 
 
+def ensure_available(data_dir: str | None) -> None:
+    """Make sure MNIST is prepared (downloading it when online), or raise.
+
+    Uses only the tfds builder, which starts no TensorFlow runtime, so it can
+    run before the strategy is created.
+    """
+    import tensorflow_datasets as tfds
+
+    where = data_dir or os.path.join("~", "tensorflow_datasets")
+    try:
+        builder = tfds.builder("mnist", data_dir=data_dir)
+        if not builder.is_prepared():
+            builder.download_and_prepare()
+    except Exception as err:  # offline download failures come in many types
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"MNIST is not prepared in {where!r} and could not be downloaded ({_clip(first)}); "
+            "point --data-dir (or TFDS_DATA_DIR) at a prepared tfds copy that holds mnist/3.0.1"
+        ) from None
+
+
 def _clip(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -49,7 +70,7 @@ def build_pipeline(
     input_context: tf.distribute.InputContext | None,
     global_batch_size: int,
     *,
-    seed: int,
+    seed: int | None,
     shuffle: bool = True,
     repeat: bool = True,
     map_fn=preprocess,
@@ -69,8 +90,10 @@ def build_pipeline(
             )
     ds = source.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE).cache()
     if shuffle:
-        pipeline = 0 if input_context is None else input_context.input_pipeline_id
-        ds = ds.shuffle(SHUFFLE_BUFFER, seed=seed + pipeline, reshuffle_each_iteration=True)
+        if seed is not None:
+            pipeline = 0 if input_context is None else input_context.input_pipeline_id
+            seed += pipeline
+        ds = ds.shuffle(SHUFFLE_BUFFER, seed=seed, reshuffle_each_iteration=True)
     if repeat:
         ds = ds.repeat()
     ds = ds.batch(batch, drop_remainder=repeat)
@@ -80,13 +103,16 @@ def build_pipeline(
 def make_dataset_fn(
     global_batch_size: int,
     *,
-    seed: int,
+    seed: int | None,
     data_dir: str | None,
     split: str = "train",
     synthetic: bool = False,
 ):
     """``dataset_fn(input_context)`` for training on ``split``.
 
+    ``seed=None`` shuffles differently in every process: the ps coordinator
+    sends one traced ``dataset_fn`` to all workers (each sees input pipeline 0
+    of 1), so a fixed seed would feed every worker the same batches.
     ``synthetic`` replaces MNIST with one in-memory random batch, repeated:
     the benchmark uses it to show whether input is the bottleneck.
     """
@@ -95,7 +121,7 @@ def make_dataset_fn(
             batch = global_batch_size
             if input_context is not None:
                 batch = input_context.get_per_replica_batch_size(global_batch_size)
-            rng = tf.random.Generator.from_seed(seed)
+            rng = tf.random.Generator.from_seed(seed or 0)
             images = rng.uniform((batch, 28, 28, 1))
             labels = rng.uniform((batch,), 0, 10, dtype=tf.int64)
             return tf.data.Dataset.from_tensors((images, labels)).repeat()

@@ -120,7 +120,10 @@ def make_train_fn(strategy, step_fn, global_step: tf.Variable, examples_per_step
             "staleness": staleness.stack(),
         }
         if local_step is not None:
-            out["local_step"] = local_step.assign_add(tf.cast(num_steps, tf.int64))
+            # Per-worker variables get no automatic control dependencies.
+            update = local_step.assign_add(tf.cast(num_steps, tf.int64), read_value=False)
+            with tf.control_dependencies([update]):
+                out["local_step"] = local_step.read_value()
         return out
 
     return train_fn

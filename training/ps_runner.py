@@ -1,0 +1,136 @@
+"""The parameter-server runner: the chief schedules, workers compute, ps hold.
+
+Closures of ``--steps-per-execution`` steps are scheduled on whichever worker
+is free; the chief keeps a bounded window of them in flight, reads their
+results as they complete (for progress and staleness), and joins only at
+epoch ends, where it checkpoints.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from strategies.server import startup_watchdog
+from training import data
+from training.config import TrainConfig
+from training.loop import Throughput, build_state, make_step_fn, make_train_fn
+from training.runners import _Reporter, _base_results, _finish, _restore, _steps_this_call
+
+
+def staleness_stats(values) -> dict:
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.size == 0:
+        return {"count": 0, "mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0}
+    return {
+        "count": int(arr.size),
+        "mean": round(float(arr.mean()), 4),
+        "p50": float(np.percentile(arr, 50)),
+        "p99": float(np.percentile(arr, 99)),
+        "max": int(arr.max()),
+    }
+
+
+def run_ps(config: TrainConfig, bundle, replicas: int) -> dict:
+    cfg, strategy, coordinator = config.cluster, bundle.strategy, bundle.coordinator
+    workers = [f"{role}:{i}" for role, i, _ in cfg.tasks() if role == "worker"]
+    started = time.perf_counter()
+    keras.utils.set_random_seed(config.seed)
+    with startup_watchdog(cfg, config.startup_timeout, "reach every worker and ps task"):
+        state = build_state(config.model, config.optimizer, config.learning_rate, strategy)
+        with strategy.scope():
+            # One copy per worker, so each worker counts the steps it ran
+            # (the classic example's local_step).
+            local_step = tf.Variable(0, dtype=tf.int64, trainable=False, per_worker_variable=True)
+        ckpt_dir = os.path.join(config.model_dir, "checkpoints")
+        step = start_step = _restore(state, ckpt_dir, config.model)
+        manager = tf.train.CheckpointManager(state.checkpoint, ckpt_dir, max_to_keep=3)
+        dataset_fn = data.make_dataset_fn(
+            config.global_batch_size, seed=None, data_dir=config.data_dir,
+            synthetic=config.synthetic_data,
+        )
+        per_worker_iter = iter(coordinator.create_per_worker_dataset(
+            lambda: strategy.distribute_datasets_from_function(dataset_fn)
+        ))
+        train_fn = make_train_fn(
+            strategy, make_step_fn(state, config.global_batch_size), state.global_step,
+            config.global_batch_size, local_step=local_step,
+        )
+        total = config.total_steps
+        reporter = _Reporter(config, True, start_step)
+        staleness: list[np.ndarray] = []
+        if step < total:
+            n = _steps_this_call(step, total, config)
+            first = coordinator.schedule(train_fn, args=(per_worker_iter, tf.constant(n)))
+            out = first.fetch()
+            staleness.append(out["staleness"])
+            step += n
+    startup_seconds = time.perf_counter() - started
+    reporter.throughput = Throughput(config.global_batch_size, step)
+    steady_from = step
+
+    # Enough closures in flight to keep every worker busy while we read results.
+    max_in_flight = 4 * max(1, len(workers))
+    pending: collections.deque = collections.deque()
+    done = step
+    last = {"loss": float(out["loss"]), "accuracy": float(out["accuracy"])} if step > start_step else {}
+
+    def collect_one():
+        nonlocal done, last
+        remote, n = pending.popleft()
+        result = remote.fetch()
+        staleness.append(result["staleness"])
+        last = {"loss": float(result["loss"]), "accuracy": float(result["accuracy"])}
+        done += n
+
+    def report():
+        counts = local_step.read_all()
+        recent = np.concatenate(staleness[-max_in_flight:]) if staleness else []
+        stats = staleness_stats(recent)
+        extra = (
+            f" | global_step {int(state.global_step.numpy())} local_steps "
+            + " ".join(f"{w}={int(c)}" for w, c in zip(workers, counts))
+            + f" | staleness mean {stats['mean']:.2f} max {stats['max']}"
+        )
+        reporter.report(done, last, extra)
+
+    while done < total:
+        while step < total and len(pending) < max_in_flight:
+            n = _steps_this_call(step, total, config)
+            pending.append(
+                (coordinator.schedule(train_fn, args=(per_worker_iter, tf.constant(n))), n)
+            )
+            step += n
+            if step % config.steps_per_epoch == 0 or step >= total:
+                break  # join at the epoch end before scheduling the next epoch
+        collect_one()
+        if reporter.due(done) and pending:
+            report()
+        if not pending:
+            # Epoch end (or the end): everything scheduled has been applied.
+            coordinator.join()
+            report()
+            manager.save(checkpoint_number=int(state.global_step.numpy()))
+    train_seconds, examples_per_sec = reporter.throughput.overall(done)
+
+    results = _base_results(config, bundle.name, replicas)
+    all_staleness = np.concatenate(staleness) if staleness else np.zeros(0)
+    results.update(
+        global_steps=int(state.global_step.numpy()),
+        scheduled_steps=done - start_step,
+        steps_this_run=done - start_step,
+        resumed_from_step=start_step,
+        steps_per_worker={w: int(c) for w, c in zip(workers, local_step.read_all())},
+        staleness=staleness_stats(all_staleness),
+        startup_seconds=round(startup_seconds, 3),
+        train_seconds=round(train_seconds, 3),
+        steady_steps=done - steady_from,
+        examples_per_sec=examples_per_sec,
+        wall_seconds=round(time.perf_counter() - started, 3),
+    )
+    return _finish(config, state, reporter, results)
