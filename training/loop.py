@@ -108,7 +108,10 @@ def make_train_fn(strategy, step_fn, global_step: tf.Variable, examples_per_step
         staleness = tf.TensorArray(tf.int64, size=num_steps)
         for i in tf.range(num_steps):
             read_at = global_step.read_value()
-            loss, correct = strategy.run(step_fn, args=next(iterator))
+            # The step's parameter reads must come after this read for the
+            # staleness figure to mean what it says.
+            with tf.control_dependencies([read_at]):
+                loss, correct = strategy.run(step_fn, args=next(iterator))
             applied_at = global_step.assign_add(1)
             loss_sum += local_sum(loss) / local_fraction
             correct_sum += local_sum(correct)
@@ -121,7 +124,9 @@ def make_train_fn(strategy, step_fn, global_step: tf.Variable, examples_per_step
         }
         if local_step is not None:
             # Per-worker variables get no automatic control dependencies.
-            update = local_step.assign_add(tf.cast(num_steps, tf.int64), read_value=False)
+            # Count only once the steps are done (after the loop's outputs).
+            with tf.control_dependencies([out["loss"], out["staleness"]]):
+                update = local_step.assign_add(tf.cast(num_steps, tf.int64), read_value=False)
             with tf.control_dependencies([update]):
                 out["local_step"] = local_step.read_value()
         return out

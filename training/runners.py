@@ -104,7 +104,8 @@ def _base_results(config: TrainConfig, strategy_name: str, replicas: int) -> dic
         "model": config.model,
         "optimizer": config.optimizer,
         "learning_rate": config.learning_rate or DEFAULT_LEARNING_RATE[config.optimizer],
-        "num_workers": cfg.num_workers,
+        # Under ps the chief coordinates and does not train.
+        "num_workers": cfg.num_tasks("worker") if strategy_name == "ps" else cfg.num_workers,
         "num_ps": cfg.num_ps,
         "replicas_in_sync": replicas,
         "global_batch_size": config.global_batch_size,
