@@ -62,11 +62,17 @@ def _physical_gpus() -> list[str]:
     return [d.name for d in tf.config.list_physical_devices("GPU")]
 
 
-def plan(config: TrainConfig, gpus: list[str]) -> dict:
-    """Validate everything that can be checked without a server; describe the run."""
+def plan(config: TrainConfig, gpus: list[str] | None = None) -> dict:
+    """Validate everything that can be checked without a server; describe the run.
+
+    TensorFlow is imported only to list GPUs (when ``gpus`` is None), after
+    every check that does not need it.
+    """
     config.validate()
     cfg = config.cluster
     strategy = resolve_strategy_name(config.strategy, cfg)
+    if gpus is None:
+        gpus = _physical_gpus()
     devices = plan_devices(strategy, cfg, gpus)
     replicas = replicas_per_step(strategy, cfg, len(devices["visible_gpus"]))
     check_batch_size(config.global_batch_size, replicas)
@@ -95,7 +101,7 @@ def run(config: TrainConfig) -> dict | None:
 
     Raises ConfigError for bad input before anything is written.
     """
-    the_plan = plan(config, _physical_gpus())
+    the_plan = plan(config)
     if config.dry_run:
         print(json.dumps(the_plan, indent=None, sort_keys=True), flush=True)
         return None
@@ -151,6 +157,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = _Parser(
+        allow_abbrev=False,
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="TF_CONFIG (environment) describes the cluster and this task.",
@@ -185,10 +192,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
-        config = TrainConfig(
-            cluster=from_environ(os.environ),
-            **vars(args),
-        )
+        if args.data_dir is None:
+            # tfds would read it too; resolved here so the config says where data comes from.
+            args.data_dir = os.environ.get("TFDS_DATA_DIR") or None
+        config = TrainConfig(cluster=from_environ(os.environ), **vars(args))
         run(config)
     except (ConfigError, _ArgumentError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)

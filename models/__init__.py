@@ -1,5 +1,17 @@
-"""Models shared by every strategy."""
+"""Models shared by every strategy.
 
-from models.mnist import MODELS, build_model
+Importing this package does not import Keras, so flag validation and
+``train.py --dry-run`` errors come before TensorFlow's start-up noise.
+"""
 
-__all__ = ["MODELS", "build_model"]
+MODEL_NAMES = ("cnn", "logreg")
+
+
+def build_model(name: str):
+    """The Keras model called ``name`` (see ``models.mnist``); outputs logits."""
+    from models.mnist import build_model as build
+
+    return build(name)
+
+
+__all__ = ["MODEL_NAMES", "build_model"]

@@ -14,15 +14,17 @@ def _host(address: str) -> str:
     return address.rpartition(":")[0]
 
 
-def local_rank(cfg: ClusterConfig) -> tuple[int, int]:
-    """(this task's rank, number of training tasks) on this task's host."""
-    if cfg.is_local or cfg.task_type not in TRAINING_ROLES:
+def local_rank(cfg: ClusterConfig, strategy: str = "multiworker") -> tuple[int, int]:
+    """(this task's rank, number of GPU-using tasks) on this task's host."""
+    # Under ps the chief only coordinates, so it takes no share of the GPUs.
+    gpu_roles = ("worker",) if strategy == "ps" else TRAINING_ROLES
+    if cfg.is_local or cfg.task_type not in gpu_roles:
         return 0, 1
     host = _host(cfg.address)
     peers = [
         (role, i)
         for role, i, addr in cfg.tasks()
-        if role in TRAINING_ROLES and _host(addr) == host
+        if role in gpu_roles and _host(addr) == host
     ]
     return peers.index((cfg.task_type, cfg.task_index)), len(peers)
 
@@ -35,7 +37,7 @@ def plan_devices(strategy: str, cfg: ClusterConfig, gpus: list[str]) -> dict:
         # a small model on the CPU, leaving every GPU to the workers.
         visible: list[str] = []
     else:
-        rank, sharing = local_rank(cfg)
+        rank, sharing = local_rank(cfg, strategy)
         if sharing <= 1 or not gpus:
             visible = list(gpus)
         elif len(gpus) >= sharing:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from models import MODELS
+from models import MODEL_NAMES
 from strategies import ALL_REDUCE, STRATEGY_NAMES, ClusterConfig, ConfigError
 from strategies.tf_config import LOCAL
 
@@ -45,7 +45,7 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise ConfigError naming the first bad value; touches nothing."""
         choices = {
-            "strategy": STRATEGY_NAMES, "model": tuple(MODELS),
+            "strategy": STRATEGY_NAMES, "model": MODEL_NAMES,
             "optimizer": OPTIMIZERS, "all_reduce": ALL_REDUCE,
         }
         for name, allowed in choices.items():

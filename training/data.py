@@ -48,11 +48,15 @@ def ensure_available(data_dir: str | None) -> None:
     try:
         builder = tfds.builder("mnist", data_dir=data_dir)
         if not builder.is_prepared():
+            if data_dir is not None:
+                # A directory the user chose should already hold the data;
+                # downloading into it offline only retries for minutes.
+                raise FileNotFoundError(f"no prepared mnist/{builder.version} there")
             builder.download_and_prepare()
     except Exception as err:  # offline download failures come in many types
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(
-            f"MNIST is not prepared in {where!r} and could not be downloaded ({_clip(first)}); "
+            f"MNIST could not be loaded from {where!r} ({_clip(first)}); "
             "point --data-dir (or TFDS_DATA_DIR) at a prepared tfds copy that holds mnist/3.0.1"
         ) from None
 

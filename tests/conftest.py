@@ -1,0 +1,136 @@
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+if "TFDS_DATA_DIR" not in os.environ:
+    shared = REPO.parent / "shared" / "data" / "tfds"
+    if (shared / "mnist").is_dir():
+        os.environ["TFDS_DATA_DIR"] = str(shared)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def child_env(tf_config=None, **extra):
+    env = dict(os.environ)
+    env.pop("TF_CONFIG", None)
+    if tf_config is not None:
+        env["TF_CONFIG"] = tf_config if isinstance(tf_config, str) else json.dumps(tf_config)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+class Proc:
+    """A child process whose output is collected line by line as it comes."""
+
+    def __init__(self, cmd, env, cwd=REPO):
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self.proc = subprocess.Popen(
+            cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        for raw in iter(self.proc.stdout.readline, b""):
+            with self._cond:
+                self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_for_line(self, pattern, timeout):
+        """The first output line matching ``pattern``; fails after ``timeout``."""
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._cond:
+            while True:
+                for line in self.lines[seen:]:
+                    if rx.search(line):
+                        return line
+                seen = len(self.lines)
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._thread.is_alive()):
+                    raise AssertionError(
+                        f"no line matching {pattern!r} within {timeout}s; output tail:\n"
+                        + "\n".join(self.lines[-40:])
+                    )
+                self._cond.wait(min(left, 1.0))
+
+    def wait(self, timeout):
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(
+                f"process still running after {timeout}s; output tail:\n" + "\n".join(self.lines[-40:])
+            )
+        self._thread.join(timeout=10)
+        return code
+
+    @property
+    def output(self):
+        return "\n".join(self.lines)
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+
+
+@pytest.fixture
+def spawn():
+    """Start processes; whatever a test leaves running is killed afterwards."""
+    procs: list[Proc] = []
+
+    def start(cmd, env=None):
+        p = Proc(cmd, env or child_env())
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        if p.proc.poll() is None:
+            p.kill()
+
+
+def descendants_alive(marker: str) -> list[str]:
+    """Processes whose command line contains ``marker`` (e.g. a model dir)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and state != "Z":
+            found.append(f"{pid}: {cmd}")
+    return found
+
+
+def launch_cmd(strategy, *launch_args, train_args=()):
+    return [sys.executable, str(REPO / "launch.py"), "--strategy", strategy, *launch_args,
+            "--", *train_args]
+
+
+def read_results(model_dir):
+    with open(Path(model_dir) / "results.json") as f:
+        return json.load(f)
