@@ -222,6 +222,9 @@ def supervise(strategy: str, tasks: list[Task], timeout: float, poll: float = 0.
             if code is not None:
                 if code != 0:
                     log(f"[launch] job failed (exit {code}); stopping the other tasks")
+                elif strategy == "ps":
+                    # Servers notice the chief is gone and exit on their own.
+                    _wait_all(tasks, grace)
                 return code
             if time.monotonic() > deadline:
                 log(f"[launch] error: job still running after --timeout={timeout:g}s; stopping it")
@@ -231,6 +234,15 @@ def supervise(strategy: str, tasks: list[Task], timeout: float, poll: float = 0.
         # Serving tasks (ps) notice the chief is gone and exit on their own;
         # give them that chance before the SIGTERM/SIGKILL sequence.
         stop_tasks(tasks, grace=grace)
+
+
+def _wait_all(tasks: list[Task], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for t in tasks:
+        try:
+            t.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return
 
 
 def _train_arg(train_args: list[str], flag: str, default: str) -> str:

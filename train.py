@@ -129,7 +129,11 @@ def run(config: TrainConfig) -> dict | None:
         return None
 
     from strategies import make_strategy
+    from strategies.server import StartupWatchdog
 
+    watchdog = StartupWatchdog(
+        cfg, config.startup_timeout, "connect to every task and run the first step"
+    )
     bundle = make_strategy(
         strategy, cfg, all_reduce=config.all_reduce, ps_shards=config.ps_shards
     )
@@ -138,10 +142,10 @@ def run(config: TrainConfig) -> dict | None:
     if strategy == "ps":
         from training.ps_runner import run_ps
 
-        return run_ps(config, bundle, the_plan["replicas_in_sync"])
+        return run_ps(config, bundle, the_plan["replicas_in_sync"], watchdog.done)
     from training.runners import run_sync
 
-    return run_sync(config, bundle, the_plan["replicas_in_sync"])
+    return run_sync(config, bundle, the_plan["replicas_in_sync"], watchdog.done)
 
 
 class _ArgumentError(Exception):

@@ -9,11 +9,11 @@ a serving task exits once the chief it served has gone away.
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
 import sys
-import threading
 import time
-from contextlib import contextmanager
 
 from strategies.tf_config import ClusterConfig
 
@@ -45,31 +45,51 @@ def _exit_now(code: int, message: str) -> None:
     os._exit(code)
 
 
-@contextmanager
-def startup_watchdog(cfg: ClusterConfig, timeout: float, what: str):
-    """End the process with one line if the body has not finished in time."""
-    if cfg.is_local:
-        yield
+class StartupWatchdog:
+    """Ends this process with one line unless ``done()`` comes in time.
+
+    Started before the strategy is built and marked done after the first
+    step. MultiWorkerMirroredStrategy waits for its peers inside a call that
+    holds the GIL, so no thread of ours could run meanwhile: the watchdog is
+    a small child process instead. It reads our pipe; ``done()`` (or our
+    death) closes it, and on timeout it names the missing peers and kills us.
+    """
+
+    def __init__(self, cfg: ClusterConfig, timeout: float, what: str):
+        self._proc = None
+        if cfg.is_local:
+            return
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "strategies.server", cfg.to_json(), str(timeout),
+             what, str(os.getpid())],
+            stdin=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+
+    def done(self) -> None:
+        if self._proc is not None:
+            self._proc.stdin.close()
+            self._proc.wait()
+            self._proc = None
+
+
+def _watch(tf_config: str, timeout: float, what: str, parent: int) -> None:
+    import select
+
+    from strategies.tf_config import parse_tf_config
+
+    ready, _, _ = select.select([sys.stdin], [], [], timeout)
+    if ready:  # the parent said done, or died: either way, nothing to do
         return
-    done = threading.Event()
-
-    def watch():
-        if not done.wait(timeout):
-            missing = missing_tasks(cfg)
-            names = ", ".join(missing) if missing else "none unreachable (a peer is up but stuck)"
-            _exit_now(
-                3,
-                f"error: {cfg.task_name} gave up after --startup-timeout={timeout:g}s "
-                f"waiting to {what}; missing tasks: {names}. Start every task in "
-                "TF_CONFIG, or raise --startup-timeout",
-            )
-
-    thread = threading.Thread(target=watch, name="startup-watchdog", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
+    cfg = parse_tf_config(tf_config)
+    missing = missing_tasks(cfg)
+    names = ", ".join(missing) if missing else "none unreachable (a peer is up but stuck)"
+    print(
+        f"error: {cfg.task_name} gave up after --startup-timeout={timeout:g}s "
+        f"waiting to {what}; missing tasks: {names}. Start every task in "
+        "TF_CONFIG, or raise --startup-timeout",
+        file=sys.stderr, flush=True,
+    )
+    os.kill(parent, signal.SIGKILL)
 
 
 def serve(cfg: ClusterConfig, *, startup_timeout: float, poll: float = 0.5,
@@ -105,3 +125,7 @@ def serve(cfg: ClusterConfig, *, startup_timeout: float, poll: float = 0.5,
             print(f"{cfg.task_name}: chief at {chief} is gone; stopping", flush=True)
             _exit_now(0, f"{cfg.task_name} stopped")
         time.sleep(poll)
+
+
+if __name__ == "__main__":
+    _watch(sys.argv[1], float(sys.argv[2]), sys.argv[3], int(sys.argv[4]))

@@ -42,6 +42,7 @@ CASES = [
     ("unknown-model", None, ["--model=resnet"], ["'resnet'", "cnn, logreg"]),
     ("zero-epochs", None, ["--epochs=0"], ["--epochs=0", "greater than 0"]),
     ("non-int-steps", None, ["--steps=ten"], ["'ten'", "--help"]),
+    ("ps-shards", None, ["--ps-shards=2"], ["--ps-shards=2", "--ps-shards=1"]),
     ("unknown-flag", None, ["--learning-rat=1"], ["--learning-rat", "--help"]),
 ]
 

@@ -68,6 +68,14 @@ class TrainConfig:
                 raise ConfigError(
                     f"--{name.replace('_', '-')}={value} is not allowed; it must be greater than 0"
                 )
+        if self.ps_shards > 1:
+            # Measured: Keras 3 layers fail on the ShardedVariable a partitioner
+            # makes ("'ShardedVariable' object has no attribute 'handle'").
+            raise ConfigError(
+                f"--ps-shards={self.ps_shards} is not supported: Keras 3 layers cannot use "
+                "partitioned (sharded) variables; use --ps-shards=1 (whole variables are "
+                "spread round-robin over the ps tasks)"
+            )
         if os.path.exists(self.model_dir) and not os.path.isdir(self.model_dir):
             raise ConfigError(
                 f"--model-dir {self.model_dir!r} exists and is not a directory; "

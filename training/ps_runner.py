@@ -16,7 +16,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from strategies.server import startup_watchdog
 from training import data
 from training.config import TrainConfig
 from training.loop import Throughput, build_state, make_step_fn, make_train_fn
@@ -36,40 +35,52 @@ def staleness_stats(values) -> dict:
     }
 
 
-def run_ps(config: TrainConfig, bundle, replicas: int) -> dict:
+def variables_per_ps(model: keras.Model) -> dict[str, int]:
+    """How many variable pieces (shards count separately) each ps task holds."""
+    counts: collections.Counter = collections.Counter()
+    for weight in model.weights:
+        var = getattr(weight, "_value", weight)  # the tf.Variable behind a Keras variable
+        for piece in getattr(var, "variables", [var]):  # a ShardedVariable's shards
+            spec = tf.DeviceSpec.from_string(piece.device)
+            counts[f"{spec.job}:{spec.task}"] += 1
+    return dict(sorted(counts.items()))
+
+
+def run_ps(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None) -> dict:
     cfg, strategy, coordinator = config.cluster, bundle.strategy, bundle.coordinator
     workers = [f"{role}:{i}" for role, i, _ in cfg.tasks() if role == "worker"]
     started = time.perf_counter()
     keras.utils.set_random_seed(config.seed)
-    with startup_watchdog(cfg, config.startup_timeout, "reach every worker and ps task"):
-        state = build_state(config.model, config.optimizer, config.learning_rate, strategy)
-        with strategy.scope():
-            # One copy per worker, so each worker counts the steps it ran
-            # (the classic example's local_step).
-            local_step = tf.Variable(0, dtype=tf.int64, trainable=False, per_worker_variable=True)
-        ckpt_dir = os.path.join(config.model_dir, "checkpoints")
-        step = start_step = _restore(state, ckpt_dir, config.model)
-        manager = tf.train.CheckpointManager(state.checkpoint, ckpt_dir, max_to_keep=3)
-        dataset_fn = data.make_dataset_fn(
-            config.global_batch_size, seed=None, data_dir=config.data_dir,
-            synthetic=config.synthetic_data,
-        )
-        per_worker_iter = iter(coordinator.create_per_worker_dataset(
-            lambda: strategy.distribute_datasets_from_function(dataset_fn)
-        ))
-        train_fn = make_train_fn(
-            strategy, make_step_fn(state, config.global_batch_size), state.global_step,
-            config.global_batch_size, local_step=local_step,
-        )
-        total = config.total_steps
-        reporter = _Reporter(config, True, start_step)
-        staleness: list[np.ndarray] = []
-        if step < total:
-            n = _steps_this_call(step, total, config)
-            first = coordinator.schedule(train_fn, args=(per_worker_iter, tf.constant(n)))
-            out = first.fetch()
-            staleness.append(out["staleness"])
-            step += n
+    state = build_state(config.model, config.optimizer, config.learning_rate, strategy)
+    with strategy.scope():
+        # One copy per worker, so each worker counts the steps it ran
+        # (the classic example's local_step).
+        local_step = tf.Variable(0, dtype=tf.int64, trainable=False, per_worker_variable=True)
+    ckpt_dir = os.path.join(config.model_dir, "checkpoints")
+    step = start_step = _restore(state, ckpt_dir, config.model)
+    manager = tf.train.CheckpointManager(state.checkpoint, ckpt_dir, max_to_keep=3)
+    dataset_fn = data.make_dataset_fn(
+        config.global_batch_size, seed=None, data_dir=config.data_dir,
+        synthetic=config.synthetic_data,
+    )
+    per_worker_iter = iter(coordinator.create_per_worker_dataset(
+        lambda: strategy.distribute_datasets_from_function(dataset_fn)
+    ))
+    train_fn = make_train_fn(
+        strategy, make_step_fn(state, config.global_batch_size), state.global_step,
+        config.global_batch_size, local_step=local_step,
+    )
+    total = config.total_steps
+    reporter = _Reporter(config, True, start_step)
+    staleness: list[np.ndarray] = []
+    if step < total:
+        n = _steps_this_call(step, total, config)
+        first = coordinator.schedule(train_fn, args=(per_worker_iter, tf.constant(n)))
+        out = first.fetch()
+        staleness.append(out["staleness"])
+        step += n
+    # The first step ran: every peer is connected, so stop the startup watchdog.
+    started_ok()
     startup_seconds = time.perf_counter() - started
     reporter.throughput = Throughput(config.global_batch_size, step)
     steady_from = step
@@ -127,6 +138,7 @@ def run_ps(config: TrainConfig, bundle, replicas: int) -> dict:
         resumed_from_step=start_step,
         steps_per_worker={w: int(c) for w, c in zip(workers, local_step.read_all())},
         staleness=staleness_stats(all_staleness),
+        variables_per_ps=variables_per_ps(state.model),
         startup_seconds=round(startup_seconds, 3),
         train_seconds=round(train_seconds, 3),
         steady_steps=done - steady_from,

@@ -12,7 +12,6 @@ import numpy as np
 import tensorflow as tf
 
 from strategies import ConfigError
-from strategies.server import startup_watchdog
 from training import data
 from training.config import TrainConfig
 from training.loop import (
@@ -120,7 +119,7 @@ def _steps_this_call(step: int, total: int, config: TrainConfig) -> int:
     return min(config.steps_per_execution, total - step, to_epoch_end)
 
 
-def run_sync(config: TrainConfig, bundle, replicas: int) -> dict | None:
+def run_sync(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None) -> dict | None:
     """Mirrored and multi-worker mirrored: every task runs every step.
 
     Every worker saves checkpoints (the save may need collectives), but only
@@ -131,33 +130,34 @@ def run_sync(config: TrainConfig, bundle, replicas: int) -> dict | None:
     is_chief = cfg.is_chief
     started = time.perf_counter()
     keras.utils.set_random_seed(config.seed)
-    with startup_watchdog(cfg, config.startup_timeout, "connect to every worker"):
-        state = build_state(config.model, config.optimizer, config.learning_rate, strategy)
-        chief_ckpt_dir = os.path.join(config.model_dir, "checkpoints")
-        # Every worker resumes from the chief's checkpoints: on a real cluster
-        # --model-dir is shared storage.
-        step = start_step = _restore(state, chief_ckpt_dir, config.model)
-        ckpt_dir = chief_ckpt_dir if is_chief else tempfile.mkdtemp(
-            prefix=f"ckpt-{cfg.task_type}-{cfg.task_index}-"
-        )
-        manager = tf.train.CheckpointManager(state.checkpoint, ckpt_dir, max_to_keep=3)
-        dataset_fn = data.make_dataset_fn(
-            config.global_batch_size, seed=config.seed + start_step,
-            data_dir=config.data_dir, synthetic=config.synthetic_data,
-        )
-        iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
-        train_fn = make_train_fn(
-            strategy, make_step_fn(state, config.global_batch_size), state.global_step,
-            config.global_batch_size,
-        )
-        total = config.total_steps
-        reporter = _Reporter(config, is_chief, start_step)
-        if step < total:
-            # The first call traces and runs the first collective: the last
-            # point where a missing peer can leave us waiting.
-            n = _steps_this_call(step, total, config)
-            out = train_fn(iterator, tf.constant(n))
-            step += n
+    state = build_state(config.model, config.optimizer, config.learning_rate, strategy)
+    chief_ckpt_dir = os.path.join(config.model_dir, "checkpoints")
+    # Every worker resumes from the chief's checkpoints: on a real cluster
+    # --model-dir is shared storage.
+    step = start_step = _restore(state, chief_ckpt_dir, config.model)
+    ckpt_dir = chief_ckpt_dir if is_chief else tempfile.mkdtemp(
+        prefix=f"ckpt-{cfg.task_type}-{cfg.task_index}-"
+    )
+    manager = tf.train.CheckpointManager(state.checkpoint, ckpt_dir, max_to_keep=3)
+    dataset_fn = data.make_dataset_fn(
+        config.global_batch_size, seed=config.seed + start_step,
+        data_dir=config.data_dir, synthetic=config.synthetic_data,
+    )
+    iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+    train_fn = make_train_fn(
+        strategy, make_step_fn(state, config.global_batch_size), state.global_step,
+        config.global_batch_size,
+    )
+    total = config.total_steps
+    reporter = _Reporter(config, is_chief, start_step)
+    if step < total:
+        # The first call traces and runs the first collective: the last
+        # point where a missing peer can leave us waiting.
+        n = _steps_this_call(step, total, config)
+        out = train_fn(iterator, tf.constant(n))
+        step += n
+    # The first step ran: every peer is connected, so stop the startup watchdog.
+    started_ok()
     startup_seconds = time.perf_counter() - started
     reporter.throughput = Throughput(config.global_batch_size, step)
     steady_from = step

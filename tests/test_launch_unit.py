@@ -1,0 +1,75 @@
+"""The launcher's pure stages, without starting any process."""
+
+import json
+
+import pytest
+
+import launch
+from strategies import parse_tf_config, resolve_strategy_name
+
+
+def test_multiworker_cluster_one_tf_config_per_worker():
+    tasks = launch.build_cluster("multiworker", 3, ports=[11, 12, 13], host="127.0.0.1")
+    assert list(tasks) == ["worker:0", "worker:1", "worker:2"]
+    cluster = {"worker": ["127.0.0.1:11", "127.0.0.1:12", "127.0.0.1:13"]}
+    for i, (name, tf_config) in enumerate(tasks.items()):
+        assert tf_config == {"cluster": cluster, "task": {"type": "worker", "index": i}}
+        cfg = parse_tf_config(json.dumps(tf_config))  # our own parser accepts it
+        assert cfg.task_name == name and cfg.is_chief == (i == 0)
+        assert resolve_strategy_name("auto", cfg) == "multiworker"
+
+
+def test_ps_cluster_has_a_chief_workers_and_ps():
+    tasks = launch.build_cluster("ps", 2, ps=2, ports=[1, 2, 3, 4, 5])
+    assert list(tasks) == ["chief:0", "worker:0", "worker:1", "ps:0", "ps:1"]
+    assert tasks["ps:1"]["cluster"] == {
+        "chief": ["localhost:1"], "worker": ["localhost:2", "localhost:3"],
+        "ps": ["localhost:4", "localhost:5"],
+    }
+    assert tasks["ps:1"]["task"] == {"type": "ps", "index": 1}
+
+
+def test_mirrored_is_one_task_without_tf_config():
+    assert launch.build_cluster("mirrored", 1) == {"local:0": None}
+
+
+@pytest.mark.parametrize("args,words", [
+    (("horovod", 2), "unknown --strategy 'horovod'"),
+    (("ps", 2, 0), "--ps >= 1"),
+    (("multiworker", 2, 1), "takes no ps tasks"),
+    (("multiworker", 0), "at least 1 worker"),
+    (("mirrored", 2), "one process"),
+])
+def test_bad_layouts(args, words):
+    with pytest.raises(launch.LaunchError, match=words.replace("(", r"\(")):
+        launch.build_cluster(*args, ports=list(range(1, 10)))
+
+
+def test_free_ports_are_distinct():
+    ports = launch.free_ports(5)
+    assert len(set(ports)) == 5 and all(0 < p < 65536 for p in ports)
+
+
+@pytest.mark.parametrize("strategy,exits,expected", [
+    ("multiworker", {"worker:0": None, "worker:1": None}, None),
+    ("multiworker", {"worker:0": 0, "worker:1": None}, None),
+    ("multiworker", {"worker:0": None, "worker:1": -9}, -9),
+    ("multiworker", {"worker:0": 0, "worker:1": 0}, 0),
+    ("ps", {"chief:0": None, "worker:0": -9, "ps:0": None}, None),  # chief reschedules
+    ("ps", {"chief:0": 0, "worker:0": None, "ps:0": None}, 0),
+    ("ps", {"chief:0": 1, "worker:0": None, "ps:0": None}, 1),
+])
+def test_decide(strategy, exits, expected):
+    assert launch.decide(strategy, exits) == expected
+
+
+def test_saved_files_replay_each_task(tmp_path):
+    tasks = launch.build_cluster("multiworker", 2, ports=[21, 22])
+    cmd = launch.task_command("multiworker", ["--epochs", "1"], python="python")
+    launch.save_launch_files(str(tmp_path), tasks, cmd)
+    for name, tf_config in tasks.items():
+        saved = json.loads((tmp_path / f"{name.replace(':', '-')}.tf_config.json").read_text())
+        assert saved == tf_config
+    script = (tmp_path / "commands.sh").read_text()
+    assert script.count("--strategy=multiworker --epochs 1") == 2
+    assert "worker-1.tf_config.json" in script

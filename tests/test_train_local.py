@@ -1,0 +1,65 @@
+"""A few-step run of train.run in this process: outputs, resume, dry run."""
+
+import json
+import os
+
+import pytest
+
+import train
+from conftest import read_results
+from strategies import parse_tf_config
+from training.config import TrainConfig
+
+REQUIRED = {
+    "strategy", "model", "num_workers", "num_ps", "replicas_in_sync", "global_batch_size",
+    "global_steps", "steps_per_worker", "wall_seconds", "examples_per_sec", "test_accuracy",
+    "test_loss", "weights_sha256", "tf_version", "keras_version",
+}
+
+
+def test_mirrored_few_steps_writes_outputs_and_resumes(tmp_path, capsys):
+    model_dir = str(tmp_path / "run")
+    cfg = TrainConfig(strategy="mirrored", steps=30, log_every=10, model_dir=model_dir,
+                      steps_per_execution=4, data_dir=os.environ.get("TFDS_DATA_DIR"))
+    results = train.run(cfg)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("SUMMARY strategy=mirrored")
+    # Four steps per call: progress at the first call past each 10 steps.
+    assert [l.split()[1] for l in out if l.startswith("step ")] == ["12/30", "20/30", "30/30"]
+    on_disk = read_results(model_dir)
+    assert REQUIRED <= set(on_disk)
+    assert on_disk == json.loads(json.dumps(results))
+    assert on_disk["global_steps"] == 30 and on_disk["steps_per_worker"] == {"local:0": 30}
+    assert on_disk["test_accuracy"] > 0.5  # 30 steps of Adam already learn a lot
+    assert os.path.exists(os.path.join(model_dir, "model.keras"))
+    assert any(f.startswith("events") for f in os.listdir(os.path.join(model_dir, "logs")))
+    assert os.path.exists(os.path.join(model_dir, "checkpoints", "checkpoint"))
+
+    resumed = train.run(TrainConfig(**{**cfg.__dict__, "steps": 40}))
+    assert "resumed from" in capsys.readouterr().out
+    assert resumed["resumed_from_step"] == 30 and resumed["global_steps"] == 40
+    assert resumed["steps_this_run"] == 10
+
+
+def test_logreg_sgd_learns(tmp_path):
+    results = train.run(TrainConfig(
+        strategy="auto", model="logreg", optimizer="sgd", learning_rate=0.5, steps=100,
+        log_every=50, steps_per_execution=10, model_dir=str(tmp_path / "lr"),
+        data_dir=os.environ.get("TFDS_DATA_DIR"),
+    ))
+    assert results["strategy"] == "mirrored" and results["model"] == "logreg"
+    assert results["test_accuracy"] > 0.85
+
+
+def test_dry_run_prints_plan_and_starts_nothing(tmp_path, capsys):
+    cluster = {"chief": ["localhost:1"], "worker": ["localhost:2", "localhost:3"], "ps": ["localhost:4"]}
+    cfg = TrainConfig(
+        dry_run=True, model_dir=str(tmp_path / "m"),
+        cluster=parse_tf_config(json.dumps({"cluster": cluster, "task": {"type": "ps", "index": 0}})),
+    )
+    assert train.run(cfg) is None
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert plan["strategy"] == "ps" and plan["role"] == "ps" and plan["task"] == "ps:0"
+    assert plan["devices"]["visible_gpus"] == [] and "variables" in plan["action"]
+    assert plan["cluster"] == cluster and plan["num_workers"] == 3
+    assert not (tmp_path / "m").exists()
