@@ -22,8 +22,9 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# A fresh run directory each time: rerunning into an old one would resume a finished run.
 demo: venv
-	$(PY) launch.py --strategy multiworker --workers 2 -- --epochs 1 --model-dir runs/demo-multiworker
+	$(PY) launch.py --strategy multiworker --workers 2 -- --epochs 1 --model-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: venv
 	$(PY) -m pytest -q

@@ -170,12 +170,7 @@ def stop_tasks(tasks: list[Task], grace: float = 5.0) -> None:
     live = [t for t in tasks if t.proc.poll() is None]
     for t in live:
         _signal_group(t.proc, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for t in live:
-        try:
-            t.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
+    _wait_all(live, grace)
     for t in tasks:
         if t.proc.poll() is None:
             _signal_group(t.proc, signal.SIGKILL)
