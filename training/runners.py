@@ -8,7 +8,6 @@ import tempfile
 import time
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from strategies import ConfigError
