@@ -174,7 +174,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--global-batch-size", type=int, default=d.global_batch_size)
     p.add_argument("--optimizer", default=d.optimizer, help="adam|sgd")
     p.add_argument("--learning-rate", type=float, default=None,
-                   help="default 0.001 for adam, 0.1 for sgd")
+                   help="peak rate; default 0.005 for adam, 0.1 for sgd")
+    p.add_argument("--lr-schedule", default=d.lr_schedule,
+                   help="cosine (decay to 0 over the run, default) | constant")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--model-dir", default=d.model_dir)
     p.add_argument("--data-dir", default=None,

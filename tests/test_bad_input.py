@@ -40,6 +40,7 @@ CASES = [
     ("batch-not-divisible", tfc({"worker": ["a:1", "b:1", "c:1"]}), ["--strategy=multiworker", "--global-batch-size=128"],
      ["128", "3 replica", "multiple of 3"]),
     ("unknown-model", None, ["--model=resnet"], ["'resnet'", "cnn, logreg"]),
+    ("unknown-lr-schedule", None, ["--lr-schedule=linear"], ["'linear'", "cosine, constant"]),
     ("zero-epochs", None, ["--epochs=0"], ["--epochs=0", "greater than 0"]),
     ("non-int-steps", None, ["--steps=ten"], ["'ten'", "--help"]),
     ("ps-shards", None, ["--ps-shards=2"], ["--ps-shards=2", "--ps-shards=1"]),

@@ -10,6 +10,7 @@ from strategies import ALL_REDUCE, STRATEGY_NAMES, ClusterConfig, ConfigError
 from strategies.tf_config import LOCAL
 
 OPTIMIZERS = ("adam", "sgd")
+LR_SCHEDULES = ("cosine", "constant")
 TRAIN_EXAMPLES = 60_000  # MNIST train split; checked against tfds in the tests
 
 
@@ -22,6 +23,7 @@ class TrainConfig:
     global_batch_size: int = 128
     optimizer: str = "adam"
     learning_rate: float | None = None
+    lr_schedule: str = "cosine"
     seed: int = 42
     model_dir: str = "runs/default"
     data_dir: str | None = None
@@ -47,6 +49,7 @@ class TrainConfig:
         choices = {
             "strategy": STRATEGY_NAMES, "model": MODEL_NAMES,
             "optimizer": OPTIMIZERS, "all_reduce": ALL_REDUCE,
+            "lr_schedule": LR_SCHEDULES,
         }
         for name, allowed in choices.items():
             value = getattr(self, name)

@@ -51,7 +51,7 @@ def run_ps(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None) 
     workers = [f"{role}:{i}" for role, i, _ in cfg.tasks() if role == "worker"]
     started = time.perf_counter()
     keras.utils.set_random_seed(config.seed)
-    state = build_state(config.model, config.optimizer, config.learning_rate, strategy)
+    state = build_state(config, strategy)
     with strategy.scope():
         # One copy per worker, so each worker counts the steps it ran
         # (the classic example's local_step).
@@ -67,7 +67,7 @@ def run_ps(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None) 
         lambda: strategy.distribute_datasets_from_function(dataset_fn)
     ))
     train_fn = make_train_fn(
-        strategy, make_step_fn(state, config.global_batch_size), state.global_step,
+        strategy, make_step_fn(state, config.global_batch_size), state,
         config.global_batch_size, local_step=local_step,
     )
     total = config.total_steps

@@ -102,6 +102,7 @@ def _base_results(config: TrainConfig, strategy_name: str, replicas: int) -> dic
         "model": config.model,
         "optimizer": config.optimizer,
         "learning_rate": config.learning_rate or DEFAULT_LEARNING_RATE[config.optimizer],
+        "lr_schedule": config.lr_schedule,
         # Under ps the chief coordinates and does not train.
         "num_workers": cfg.num_tasks("worker") if strategy_name == "ps" else cfg.num_workers,
         "num_ps": cfg.num_ps,
@@ -129,7 +130,7 @@ def run_sync(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None
     is_chief = cfg.is_chief
     started = time.perf_counter()
     keras.utils.set_random_seed(config.seed)
-    state = build_state(config.model, config.optimizer, config.learning_rate, strategy)
+    state = build_state(config, strategy)
     chief_ckpt_dir = os.path.join(config.model_dir, "checkpoints")
     # Every worker resumes from the chief's checkpoints: on a real cluster
     # --model-dir is shared storage.
@@ -144,7 +145,7 @@ def run_sync(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None
     )
     iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
     train_fn = make_train_fn(
-        strategy, make_step_fn(state, config.global_batch_size), state.global_step,
+        strategy, make_step_fn(state, config.global_batch_size), state,
         config.global_batch_size,
     )
     total = config.total_steps
