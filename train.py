@@ -2,6 +2,9 @@
 
 Each process runs this same program; ``TF_CONFIG`` says which task it is.
 
+    # one process, no distribution strategy at all (the benchmark's baseline):
+    python train.py --strategy=none --epochs 1 --model-dir runs/none
+
     # one process, every local GPU (CPU when none):
     python train.py --strategy=mirrored --epochs 1 --model-dir runs/mirrored
 
@@ -167,7 +170,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog="TF_CONFIG (environment) describes the cluster and this task.",
     )
     d = TrainConfig()
-    p.add_argument("--strategy", default=d.strategy, help="auto|mirrored|multiworker|ps")
+    p.add_argument("--strategy", default=d.strategy, help="auto|none|mirrored|multiworker|ps (none: no distribution, the baseline)")
     p.add_argument("--model", default=d.model, help="cnn|logreg")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--steps", type=int, default=None, help="total steps; overrides --epochs")
@@ -183,6 +186,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tfds data dir holding mnist (default: TFDS_DATA_DIR, else tfds's own)")
     p.add_argument("--steps-per-execution", type=int, default=d.steps_per_execution)
     p.add_argument("--log-every", type=int, default=d.log_every, help="steps between progress lines")
+    p.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="steps between test-accuracy evaluations on the chief (0: at the end only); "
+                        "their time is left out of examples/s")
     p.add_argument("--all-reduce", default=d.all_reduce, help="auto|ring|nccl (multiworker)")
     p.add_argument("--ps-shards", type=int, default=d.ps_shards,
                    help="split large variables over up to this many ps tasks")

@@ -12,7 +12,9 @@ from typing import Any
 
 from strategies.tf_config import ClusterConfig, ConfigError
 
-STRATEGY_NAMES = ("auto", "mirrored", "multiworker", "ps")
+# "none": TensorFlow's default strategy, i.e. no distribution at all; the
+# single-process baseline the benchmark compares every strategy against.
+STRATEGY_NAMES = ("auto", "none", "mirrored", "multiworker", "ps")
 ALL_REDUCE = ("auto", "ring", "nccl")
 
 
@@ -43,9 +45,9 @@ def resolve_strategy_name(name: str, cfg: ClusterConfig) -> str:
             f"--strategy=multiworker is all-reduce and takes no 'ps' job, but "
             f"TF_CONFIG has {cfg.num_ps} ps task(s); remove the ps job or use --strategy=ps"
         )
-    if name == "mirrored" and len(cfg.tasks()) > 1:
+    if name in ("none", "mirrored") and len(cfg.tasks()) > 1:
         raise ConfigError(
-            f"--strategy=mirrored is one process, but TF_CONFIG describes "
+            f"--strategy={name} is one process, but TF_CONFIG describes "
             f"{len(cfg.tasks())} tasks; unset TF_CONFIG or use --strategy=multiworker|ps"
         )
     return name
@@ -57,6 +59,8 @@ def replicas_per_step(strategy: str, cfg: ClusterConfig, local_gpus: int) -> int
     Sync strategies split it over every replica of every worker; under ps each
     worker runs whole steps on its own, split only over its local devices.
     """
+    if strategy == "none":
+        return 1  # one device, whatever the host has
     local = max(1, local_gpus)
     if strategy == "multiworker":
         return cfg.num_workers * local
@@ -107,6 +111,8 @@ def make_strategy(
     name = resolve_strategy_name(name, cfg)
     import tensorflow as tf
 
+    if name == "none":
+        return StrategyBundle(name, tf.distribute.get_strategy())
     if name == "mirrored":
         return StrategyBundle(name, tf.distribute.MirroredStrategy())
     if name == "multiworker":

@@ -36,7 +36,7 @@ CASES = [
     ("multiworker-with-ps-job", tfc(PS, "worker"), ["--strategy=multiworker"], ["1 ps task", "--strategy=ps"]),
     ("ps-without-chief", tfc(PS_NO_CHIEF, "worker"), ["--strategy=ps"], ["'chief'", "received roles"]),
     ("mirrored-with-cluster", tfc(W2), ["--strategy=mirrored"], ["2 tasks", "multiworker"]),
-    ("unknown-strategy", None, ["--strategy=horovod"], ["'horovod'", "auto, mirrored, multiworker, ps"]),
+    ("unknown-strategy", None, ["--strategy=horovod"], ["'horovod'", "auto, none, mirrored, multiworker, ps"]),
     ("batch-not-divisible", tfc({"worker": ["a:1", "b:1", "c:1"]}), ["--strategy=multiworker", "--global-batch-size=128"],
      ["128", "3 replica", "multiple of 3"]),
     ("unknown-model", None, ["--model=resnet"], ["'resnet'", "cnn, logreg"]),

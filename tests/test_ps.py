@@ -16,7 +16,8 @@ def test_one_ps_two_workers_reach_accuracy_with_no_lost_update(tmp_path, spawn):
     model_dir = str(tmp_path / "ps1")
     p = spawn(launch_cmd("ps", "--workers", "2", "--ps", "1", "--timeout", "240",
                          train_args=["--steps", "400", "--steps-per-execution", "5",
-                                     "--log-every", "100", "--model-dir", model_dir]))
+                                     "--log-every", "100", "--eval-every", "150",
+                                     "--model-dir", model_dir]))
     assert p.wait(270) == 0, p.output
     results = read_results(model_dir)
     assert results["strategy"] == "ps" and results["num_workers"] == 2 and results["num_ps"] == 1
@@ -28,6 +29,9 @@ def test_one_ps_two_workers_reach_accuracy_with_no_lost_update(tmp_path, spawn):
     assert sum(workers.values()) == 400
     assert set(results["staleness"]) >= {"mean", "p50", "p99", "max"}
     assert results["staleness"]["count"] == 400
+    assert sum(results["staleness"]["histogram"].values()) == 400
+    # The chief drains the closures at each evaluation, so it sees exact steps.
+    assert [p["step"] for p in results["eval_curve"]] == [150, 300, 400]
     assert results["variables_per_ps"] == {"ps:0": 8}
     progress = [l for l in p.lines if l.startswith("[chief:0] step ")]
     assert progress and all("local_steps worker:0=" in l and "staleness" in l for l in progress)

@@ -63,3 +63,21 @@ def test_dry_run_prints_plan_and_starts_nothing(tmp_path, capsys):
     assert plan["devices"]["visible_gpus"] == [] and "variables" in plan["action"]
     assert plan["cluster"] == cluster and plan["num_workers"] == 3
     assert not (tmp_path / "m").exists()
+
+
+def test_no_strategy_baseline_with_periodic_eval(tmp_path, capsys):
+    results = train.run(TrainConfig(
+        strategy="none", model="logreg", optimizer="sgd", learning_rate=0.5, steps=60,
+        eval_every=25, log_every=30, model_dir=str(tmp_path / "none"),
+        data_dir=os.environ.get("TFDS_DATA_DIR"),
+    ))
+    out = capsys.readouterr().out
+    assert results["strategy"] == "none" and results["replicas_in_sync"] == 1
+    # Evaluations at 25 and 50, then the final one at 60; each on the whole test split.
+    curve = results["eval_curve"]
+    assert [p["step"] for p in curve] == [25, 50, 60]
+    assert out.count("eval step ") == 2
+    seconds = [p["seconds"] for p in curve]
+    assert seconds == sorted(seconds) and results["eval_seconds"] > 0
+    assert curve[-1]["test_accuracy"] == round(results["test_accuracy"], 5)
+    assert curve[0]["test_accuracy"] > 0.7

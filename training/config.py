@@ -29,6 +29,7 @@ class TrainConfig:
     data_dir: str | None = None
     steps_per_execution: int = 1
     log_every: int = 100
+    eval_every: int = 0  # steps between test-set evaluations on the chief; 0: at the end only
     all_reduce: str = "auto"
     ps_shards: int = 1
     startup_timeout: float = 120.0
@@ -66,6 +67,11 @@ class TrainConfig:
             positive["steps"] = self.steps
         if self.learning_rate is not None:
             positive["learning_rate"] = self.learning_rate
+        if self.eval_every < 0:
+            raise ConfigError(
+                f"--eval-every={self.eval_every} is not allowed; use 0 (evaluate at the end "
+                "only) or a number of steps"
+            )
         for name, value in positive.items():
             if not value > 0:
                 raise ConfigError(

@@ -121,7 +121,10 @@ def make_train_fn(strategy, step_fn, state: TrainState, examples_per_step: int,
         return tf.add_n(strategy.experimental_local_results(per_replica))
 
     global_step, variables = state.global_step, state.model.trainable_variables
-    local_replicas = len(strategy.extended.worker_devices)
+    try:
+        local_replicas = len(strategy.extended.worker_devices)
+    except RuntimeError:  # the default (no-op) strategy: one replica, no device list
+        local_replicas = 1
     # This worker's share of the global batch, to turn local sums into means.
     local_fraction = local_replicas / strategy.num_replicas_in_sync
 
@@ -176,7 +179,10 @@ def local_copy(model: keras.Model, model_name: str) -> keras.Model:
 
 def evaluate(model: keras.Model, dataset: tf.data.Dataset) -> tuple[float, float]:
     """(accuracy, mean loss) of a local model over ``dataset``."""
+    return _evaluator(model)(dataset)
 
+
+def _evaluator(model: keras.Model):
     @tf.function
     def batch_stats(images, labels):
         logits = model(images, training=False)
@@ -184,13 +190,33 @@ def evaluate(model: keras.Model, dataset: tf.data.Dataset) -> tuple[float, float
         correct = tf.cast(tf.equal(tf.argmax(logits, axis=-1), labels), tf.float64)
         return tf.reduce_sum(tf.cast(loss, tf.float64)), tf.reduce_sum(correct)
 
-    total_loss = total_correct = count = 0.0
-    for images, labels in dataset:
-        loss, correct = batch_stats(images, labels)
-        total_loss += float(loss)
-        total_correct += float(correct)
-        count += int(labels.shape[0])
-    return total_correct / count, total_loss / count
+    def run(dataset) -> tuple[float, float]:
+        total_loss = total_correct = count = 0.0
+        for images, labels in dataset:
+            loss, correct = batch_stats(images, labels)
+            total_loss += float(loss)
+            total_correct += float(correct)
+            count += int(labels.shape[0])
+        return total_correct / count, total_loss / count
+
+    return run
+
+
+class PeriodicEval:
+    """Test accuracy of the training weights, during training, on the chief.
+
+    One local model and one traced function are reused, so each evaluation
+    costs a weight copy and a pass over the test split, no retracing.
+    """
+
+    def __init__(self, model_name: str, dataset: tf.data.Dataset):
+        self.local = build_model(model_name)
+        self.dataset = dataset.cache()
+        self.run = _evaluator(self.local)
+
+    def __call__(self, model: keras.Model) -> tuple[float, float]:
+        self.local.set_weights([np.asarray(w) for w in model.get_weights()])
+        return self.run(self.dataset)
 
 
 def weights_sha256(model: keras.Model) -> str:
@@ -231,6 +257,11 @@ class Throughput:
         self.examples_per_step = examples_per_step
         self.start_time = self.last_time = time.perf_counter()
         self.start_step = self.last_step = start_step
+
+    def pause(self, seconds: float) -> None:
+        """Leave ``seconds`` spent on something else (evaluation) out of the rates."""
+        self.start_time += seconds
+        self.last_time += seconds
 
     def tick(self, step: int) -> tuple[float, float]:
         now = time.perf_counter()

@@ -25,13 +25,15 @@ from training.runners import _Reporter, _base_results, _finish, _restore, _steps
 def staleness_stats(values) -> dict:
     arr = np.asarray(values, dtype=np.float64)
     if arr.size == 0:
-        return {"count": 0, "mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0}
+        return {"count": 0, "mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0, "histogram": {}}
     return {
         "count": int(arr.size),
         "mean": round(float(arr.mean()), 4),
         "p50": float(np.percentile(arr, 50)),
         "p99": float(np.percentile(arr, 99)),
         "max": int(arr.max()),
+        # {staleness: how many updates}, for the benchmark's histogram.
+        "histogram": {str(int(v)): int(c) for v, c in zip(*np.unique(arr, return_counts=True))},
     }
 
 
@@ -71,7 +73,7 @@ def run_ps(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None) 
         config.global_batch_size, local_step=local_step,
     )
     total = config.total_steps
-    reporter = _Reporter(config, True, start_step)
+    reporter = _Reporter(config, True, start_step, started)
     staleness: list[np.ndarray] = []
     if step < total:
         n = _steps_this_call(step, total, config)
@@ -110,23 +112,33 @@ def run_ps(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None) 
         )
         reporter.report(done, last, extra)
 
+    def boundary(at: int) -> bool:
+        # Points where the chief drains every closure before scheduling more:
+        # epoch ends (checkpoint) and evaluations (a consistent model).
+        return at % config.steps_per_epoch == 0 or at >= total or reporter.eval_due(at)
+
+    at_boundary = boundary(step)
     while done < total:
-        while step < total and len(pending) < max_in_flight:
+        while not at_boundary and len(pending) < max_in_flight:
             n = _steps_this_call(step, total, config)
             pending.append(
                 (coordinator.schedule(train_fn, args=(per_worker_iter, tf.constant(n))), n)
             )
             step += n
-            if step % config.steps_per_epoch == 0 or step >= total:
-                break  # join at the epoch end before scheduling the next epoch
-        collect_one()
-        if reporter.due(done) and pending:
-            report()
+            at_boundary = boundary(step)
+        if pending:
+            collect_one()
+            if reporter.due(done) and pending:
+                report()
         if not pending:
-            # Epoch end (or the end): everything scheduled has been applied.
+            # Everything scheduled has been applied: done == step.
             coordinator.join()
             report()
-            manager.save(checkpoint_number=int(state.global_step.numpy()))
+            if reporter.eval_due(step):
+                reporter.evaluate(step, state.model)
+            if step % config.steps_per_epoch == 0 or step >= total:
+                manager.save(checkpoint_number=int(state.global_step.numpy()))
+            at_boundary = False
     train_seconds, examples_per_sec = reporter.throughput.overall(done)
 
     results = _base_results(config, bundle.name, replicas)

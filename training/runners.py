@@ -14,7 +14,8 @@ from strategies import ConfigError
 from training import data
 from training.config import TrainConfig
 from training.loop import (
-    DEFAULT_LEARNING_RATE, Throughput, build_state, evaluate, local_copy, make_step_fn, make_train_fn,
+    DEFAULT_LEARNING_RATE, PeriodicEval, Throughput, build_state, evaluate, local_copy, make_step_fn,
+    make_train_fn,
     summary_line, weights_sha256, write_json_atomic,
 )
 
@@ -40,8 +41,10 @@ def _restore(state, ckpt_dir: str, model_name: str) -> int:
 class _Reporter:
     """Progress lines on every task; TensorBoard scalars on the chief only."""
 
-    def __init__(self, config: TrainConfig, is_chief: bool, start_step: int):
+    def __init__(self, config: TrainConfig, is_chief: bool, start_step: int,
+                 started: float | None = None):
         self.config = config
+        self.is_chief = is_chief
         self.total = config.total_steps
         self.throughput = Throughput(config.global_batch_size, start_step)
         self.next_log = start_step + config.log_every
@@ -49,6 +52,44 @@ class _Reporter:
             tf.summary.create_file_writer(os.path.join(config.model_dir, "logs"))
             if is_chief else None
         )
+        # The eval curve's clock starts with the process's work, startup included.
+        self.started = time.perf_counter() if started is None else started
+        self.eval_seconds = 0.0
+        self.next_eval = (start_step // config.eval_every + 1) * config.eval_every \
+            if config.eval_every else None
+        self.curve: list[dict] = []  # test accuracy against training time
+        self._eval = None
+
+    def eval_due(self, step: int) -> bool:
+        return self.is_chief and self.next_eval is not None and step >= self.next_eval \
+            and step < self.total  # the final evaluation is _finish's
+
+    def evaluate(self, step: int, model) -> None:
+        """Test accuracy now; its time is left out of every rate and clock."""
+        t0, seconds = time.perf_counter(), self.clock()
+        if self._eval is None:
+            self._eval = PeriodicEval(self.config.model, data.eval_dataset(self.config.data_dir))
+        accuracy, loss = self._eval(model)
+        self.add_point(step, accuracy, seconds)
+        print(f"eval step {step} test_accuracy {accuracy:.4f} test_loss {loss:.4f} "
+              f"at {self.curve[-1]['seconds']:.1f}s", flush=True)
+        if self.writer is not None:
+            with self.writer.as_default(step=step):
+                tf.summary.scalar("test/accuracy", accuracy)
+        self.next_eval = (step // self.config.eval_every + 1) * self.config.eval_every
+        spent = time.perf_counter() - t0
+        self.eval_seconds += spent
+        if self.throughput is not None:
+            self.throughput.pause(spent)
+
+    def clock(self) -> float:
+        """Seconds of this task's work so far, evaluations left out."""
+        return time.perf_counter() - self.started - self.eval_seconds
+
+    def add_point(self, step: int, accuracy: float, seconds: float | None = None) -> None:
+        seconds = self.clock() if seconds is None else seconds
+        self.curve.append({"step": step, "seconds": round(seconds, 3),
+                           "test_accuracy": round(accuracy, 5)})
 
     def due(self, step: int) -> bool:
         return step >= self.next_log or step >= self.total
@@ -79,9 +120,13 @@ class _Reporter:
 
 def _finish(config: TrainConfig, state, reporter: _Reporter, results: dict) -> dict:
     """Evaluate a local copy of the weights; write the chief's outputs."""
+    seconds = reporter.clock()
     model = local_copy(state.model, config.model)
     accuracy, loss = evaluate(model, data.eval_dataset(config.data_dir))
+    reporter.add_point(results["global_steps"], accuracy, seconds)
     results.update(
+        eval_curve=reporter.curve,
+        eval_seconds=round(reporter.eval_seconds, 3),
         test_accuracy=accuracy,
         test_loss=loss,
         weights_sha256=weights_sha256(model),
@@ -149,7 +194,7 @@ def run_sync(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None
         config.global_batch_size,
     )
     total = config.total_steps
-    reporter = _Reporter(config, is_chief, start_step)
+    reporter = _Reporter(config, is_chief, start_step, started)
     if step < total:
         # The first call traces and runs the first collective: the last
         # point where a missing peer can leave us waiting.
@@ -165,6 +210,8 @@ def run_sync(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None
         while True:
             if reporter.due(step) and step > start_step:
                 reporter.report(step, {"loss": float(out["loss"]), "accuracy": float(out["accuracy"])})
+            if reporter.eval_due(step):
+                reporter.evaluate(step, state.model)
             if step > start_step and (step % config.steps_per_epoch == 0 or step >= total):
                 manager.save(checkpoint_number=step)
             if step >= total:
