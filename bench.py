@@ -1,0 +1,400 @@
+"""Benchmark every strategy on the same work, against a single process, in one run.
+
+    python bench.py                      # cnn, 3 epochs, 2 workers: ~8 min on 2 CPU cores
+    python bench.py --workers 1,2,4      # adds a scaling curve for multiworker and ps
+    python bench.py --steps 40 --eval-every 20 --out /tmp/bench   # a smoke run
+
+Every run trains the same model with the same global batch, steps, seed,
+learning-rate schedule and steps per call, each in fresh processes:
+
+  none         one process, no distribution strategy: the baseline
+  synthetic    the baseline on one in-memory batch: is the input pipeline a bottleneck?
+  mirrored     MirroredStrategy, one process
+  multiworker  MultiWorkerMirroredStrategy, N worker processes (launch.py)
+  ps           ParameterServerStrategy, N workers + 1 ps + the chief (launch.py)
+
+Throughput is steady state (the first call, which traces and connects, is
+reported apart as startup) with evaluation time left out. The chief
+evaluates on the test split every ``--eval-every`` steps, which gives the
+accuracy-against-time curves and the time to ``--target``. Writes
+``<out>/benchmark.md``, ``<out>/benchmark.json`` and PNG plots; each run's
+log and model dir go under ``<out>/runs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KINDS = ("none", "synthetic", "mirrored", "multiworker", "ps")
+# Steady-state examples/s as a fraction of the baseline's, in the same bench run
+# (for synthetic: the baseline's real-data rate as a fraction of the synthetic one).
+TARGETS = {"mirrored": 0.95, "multiworker": 0.8, "ps": 0.8, "synthetic": 0.95}
+
+
+class BenchError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str  # unique: also the folder under <out>/runs/
+    kind: str
+    workers: int
+    cmd: tuple[str, ...]
+    model_dir: str
+
+
+def parse_workers(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise BenchError(
+            f"--workers {text!r} is not a comma-separated list of positive integers; "
+            "e.g. --workers 2 or --workers 1,2,4"
+        )
+    return sorted(set(values))
+
+
+def parse_only(text: str | None) -> tuple[str, ...]:
+    if not text:
+        return KINDS
+    kinds = tuple(k.strip() for k in text.split(","))
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise BenchError(f"--only {text!r} names {bad}; allowed: {', '.join(KINDS)}")
+    if "none" not in kinds:
+        raise BenchError(f"--only {text!r} leaves out 'none', the baseline every ratio needs")
+    return kinds
+
+
+def plan_runs(args: argparse.Namespace, python: str = sys.executable) -> list[Run]:
+    """Every run of this benchmark, in order; pure (starts nothing)."""
+    length = ["--steps", str(args.steps)] if args.steps else ["--epochs", str(args.epochs)]
+    common = [
+        "--model", args.model, *length, "--global-batch-size", str(args.global_batch_size),
+        "--seed", str(args.seed), "--steps-per-execution", str(args.steps_per_execution),
+        "--eval-every", str(args.eval_every), "--log-every", str(args.log_every),
+    ]
+    if args.data_dir:
+        common += ["--data-dir", args.data_dir]
+    train = os.path.join(HERE, "train.py")
+    launch = os.path.join(HERE, "launch.py")
+    runs = []
+
+    def add(name, kind, workers, prefix, extra=()):
+        model_dir = os.path.join(args.out, "runs", name)
+        cmd = (*prefix, *common, *extra, "--model-dir", model_dir)
+        runs.append(Run(name, kind, workers, tuple(cmd), model_dir))
+
+    kinds = parse_only(args.only)
+    for kind in kinds:
+        if kind in ("none", "mirrored"):
+            add(kind, kind, 1, [python, train, f"--strategy={kind}"])
+        elif kind == "synthetic":
+            # No evaluation: this run only measures the input pipeline's cost.
+            add(kind, kind, 1, [python, train, "--strategy=none"],
+                ["--synthetic-data", "--eval-every", "0"])
+        else:
+            for n in parse_workers(args.workers):
+                ps = ["--ps", "1"] if kind == "ps" else []
+                add(f"{kind}-{n}w", kind, n, [python, launch, "--strategy", kind,
+                                               "--workers", str(n), *ps,
+                                               "--timeout", str(args.run_timeout), "--"])
+    return runs
+
+
+def time_to_target(curve: list[dict], target: float) -> float | None:
+    """Seconds (startup included, evaluation excluded) to first reach ``target``."""
+    for point in curve:
+        if point["test_accuracy"] >= target:
+            return point["seconds"]
+    return None
+
+
+def summarize(results: dict[str, dict], runs: list[Run], target: float) -> list[dict]:
+    """One row per run, with ratios to the baseline of this same bench run; pure."""
+    base = results.get("none")
+    rows = []
+    for run in runs:
+        r = results.get(run.name)
+        row = {"name": run.name, "kind": run.kind, "workers": run.workers, "ok": r is not None}
+        if r is None:
+            rows.append(row)
+            continue
+        eps = r["examples_per_sec"]
+        tta = time_to_target(r.get("eval_curve", []), target)
+        row.update(
+            examples_per_sec=eps,
+            test_accuracy=r["test_accuracy"],
+            global_steps=r["global_steps"],
+            startup_seconds=r.get("startup_seconds"),
+            train_seconds=r.get("train_seconds"),
+            time_to_target=tta,
+            steps_per_worker=r.get("steps_per_worker", {}),
+            staleness=r.get("staleness"),
+        )
+        if base is not None:
+            if run.kind == "synthetic":
+                # Real data's rate over the synthetic rate: 1.0 = input costs nothing.
+                row["ratio"] = base["examples_per_sec"] / eps
+            else:
+                row["ratio"] = eps / base["examples_per_sec"]
+            base_tta = time_to_target(base.get("eval_curve", []), target)
+            if tta is not None and base_tta:
+                row["tta_ratio"] = tta / base_tta
+        target_ratio = TARGETS.get(run.kind)
+        if target_ratio is not None and "ratio" in row:
+            row["target_ratio"] = target_ratio
+            row["meets_target"] = row["ratio"] >= target_ratio
+        rows.append(row)
+    return rows
+
+
+def _fmt(value, spec, missing="–"):
+    return missing if value is None else format(value, spec)
+
+
+def render_markdown(rows: list[dict], settings: dict, machine: str, target: float) -> str:
+    lines = [
+        "# Benchmark: every strategy on the same work",
+        "",
+        f"Machine: {machine}.  ",
+        "Work: " + ", ".join(f"{k} {v}" for k, v in settings.items()) + ".",
+        "",
+        "Examples/s is steady state (startup and evaluation excluded); *ratio* is "
+        "against `none` (one process, no strategy) from this same run; for "
+        "`synthetic` it is real-data over in-memory-data throughput of the baseline "
+        "(1.0: the input pipeline costs nothing). Every run sees the same examples, so "
+        f"the accuracy column compares sync and async at equal examples seen. "
+        f"Time to {target} includes startup.",
+        "",
+        "| run | workers | test accuracy | examples/s | ratio | target | startup s "
+        f"| time to {target} s | steps per worker | staleness mean / p99 / max |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if not row["ok"]:
+            lines.append(f"| {row['name']} | {row['workers']} | FAILED (see runs/{row['name']}.log) "
+                         "| | | | | | | |")
+            continue
+        target_cell = ""
+        if "target_ratio" in row:
+            target_cell = f"≥ {row['target_ratio']} {'met' if row['meets_target'] else '**missed**'}"
+        steps = row["steps_per_worker"]
+        share = " / ".join(str(v) for v in steps.values()) if len(steps) > 1 else ""
+        st = row["staleness"]
+        stale = f"{st['mean']:.2f} / {st['p99']:g} / {st['max']}" if st else ""
+        lines.append(
+            f"| {row['name']} | {row['workers']} | {row['test_accuracy']:.4f} "
+            f"| {row['examples_per_sec']:,.0f} | {_fmt(row.get('ratio'), '.2f')} | {target_cell} "
+            f"| {_fmt(row['startup_seconds'], '.1f')} | {_fmt(row['time_to_target'], '.1f', 'not reached')} "
+            f"| {share} | {stale} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
+        if names:
+            cpu = names[0]
+    except OSError:
+        pass
+    gpus = "no GPU"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        if out.returncode == 0 and out.stdout.strip():
+            gpus = ", ".join(out.stdout.split("\n")[:-1])
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return f"{os.cpu_count()} CPU cores ({cpu}), {gpus}, {platform.system()} {platform.release()}"
+
+
+def run_one(run: Run, timeout: float, log=print) -> dict | None:
+    """Run one configuration in fresh processes; its results.json, or None."""
+    # The bench owns <out>/runs/: a stale run there would be resumed, not measured.
+    shutil.rmtree(run.model_dir, ignore_errors=True)
+    log_path = run.model_dir + ".log"
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.pop("TF_CONFIG", None)  # the single-process runs must not join a cluster
+    started = time.perf_counter()
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(run.cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            code = "timeout"
+    seconds = time.perf_counter() - started
+    path = os.path.join(run.model_dir, "results.json")
+    if code != 0 or not os.path.exists(path):
+        log(f"[bench] {run.name}: FAILED (exit {code}) after {seconds:.0f}s; log: {log_path}")
+        return None
+    with open(path) as f:
+        results = json.load(f)
+    log(f"[bench] {run.name}: test accuracy {results['test_accuracy']:.4f}, "
+        f"{results['examples_per_sec']:,.0f} examples/s, {seconds:.0f}s")
+    return results
+
+
+def _stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def plot(rows: list[dict], results: dict[str, dict], out: str, target: float) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    ok = [r for r in rows if r["ok"]]
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in ok:
+        curve = results[row["name"]].get("eval_curve", [])
+        if row["kind"] != "synthetic" and curve:
+            ax.plot([p["seconds"] for p in curve], [p["test_accuracy"] for p in curve],
+                    marker="o", markersize=3, label=row["name"])
+    ax.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"target {target}")
+    ax.set_xlabel("seconds since start (evaluation time excluded)")
+    ax.set_ylabel("test accuracy")
+    low = min([p["test_accuracy"] for r in ok for p in results[r["name"]].get("eval_curve", [])]
+              + [target - 0.02])
+    ax.set_ylim(max(low, target - 0.05), 1.0)
+    ax.legend(loc="lower right")
+    ax.set_title("Test accuracy against time")
+    paths.append(_save(fig, out, "accuracy_vs_time.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = [r["name"] for r in ok]
+    values = [r["examples_per_sec"] for r in ok]
+    bars = ax.bar(names, values, color=["#888" if r["kind"] in ("none", "synthetic") else "#3a7"
+                                        for r in ok])
+    for bar, row in zip(bars, ok):
+        if "ratio" in row and row["kind"] != "none":
+            ax.annotate(f"{row['ratio']:.2f}×", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("examples / s (steady state)")
+    ax.set_title("Throughput (ratio to the no-strategy baseline)")
+    ax.tick_params(axis="x", rotation=20)
+    paths.append(_save(fig, out, "throughput.png"))
+
+    ps_rows = [r for r in ok if r["kind"] == "ps"]
+    if ps_rows:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+        row = ps_rows[-1]
+        steps = row["steps_per_worker"]
+        left.bar(list(steps), list(steps.values()), color="#37a")
+        left.set_title(f"{row['name']}: steps each worker ran")
+        left.set_ylabel("steps")
+        hist = row["staleness"]["histogram"]
+        xs = sorted(int(k) for k in hist)
+        right.bar(xs, [hist[str(x)] for x in xs], color="#a73")
+        right.set_yscale("log")
+        right.set_ylim(bottom=0.8)
+        right.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        right.set_title(f"{row['name']}: staleness of each update")
+        right.set_xlabel("updates applied by others between read and apply")
+        right.set_ylabel("updates (log scale)")
+        paths.append(_save(fig, out, "ps_workers.png"))
+    return paths
+
+
+def _save(fig, out, name):
+    path = os.path.join(out, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    fig.clf()
+    return path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--model", default="cnn")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=None, help="overrides --epochs")
+    p.add_argument("--global-batch-size", type=int, default=128)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--steps-per-execution", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=234, help="steps between test evaluations")
+    p.add_argument("--log-every", type=int, default=200)
+    p.add_argument("--workers", default="2", help="worker counts for multiworker and ps, e.g. 1,2,4")
+    p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(KINDS)}")
+    p.add_argument("--target", type=float, default=0.99, help="test accuracy for time-to-target")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--out", default="results")
+    p.add_argument("--run-timeout", type=float, default=900.0, help="seconds per run")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.steps is not None and args.steps < 1 or args.epochs < 1:
+            raise BenchError("--steps and --epochs must be positive")
+        runs = plan_runs(args)
+    except BenchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    started = time.perf_counter()
+    print(f"[bench] {len(runs)} runs: {', '.join(r.name for r in runs)}", flush=True)
+    results = {}
+    for run in runs:
+        r = run_one(run, args.run_timeout + 60, log=lambda m: print(m, flush=True))
+        if r is not None:
+            results[run.name] = r
+    rows = summarize(results, runs, args.target)
+    settings = {
+        "model": args.model,
+        "steps" if args.steps else "epochs": args.steps or args.epochs,
+        "global batch": args.global_batch_size, "seed": args.seed,
+        "steps per call": args.steps_per_execution, "eval every": f"{args.eval_every} steps",
+    }
+    machine = machine_description()
+    markdown = render_markdown(rows, settings, machine, args.target)
+    with open(os.path.join(args.out, "benchmark.md"), "w") as f:
+        f.write(markdown)
+    with open(os.path.join(args.out, "benchmark.json"), "w") as f:
+        json.dump({"machine": machine, "settings": settings, "rows": rows, "results": results},
+                  f, indent=2, sort_keys=True)
+    paths = plot(rows, results, args.out, args.target) if results else []
+    print(markdown, flush=True)
+    print(f"[bench] wrote {args.out}/benchmark.md, benchmark.json, "
+          f"{', '.join(os.path.basename(p) for p in paths)} in {time.perf_counter() - started:.0f}s",
+          flush=True)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
