@@ -270,7 +270,8 @@ def decide_netns(mode: str, strategy: str, probe) -> tuple[bool, str | None]:
     if mode == "on":
         raise LaunchError(
             f"--netns on, but this host cannot make a private network namespace ({problem}); "
-            "allow unprivileged user namespaces (sysctl user.max_user_namespaces > 0, and "
+            f"make `{' '.join(UNSHARE)} true` work (util-linux installed; unprivileged user "
+            "namespaces allowed: sysctl user.max_user_namespaces > 0, and "
             "kernel.unprivileged_userns_clone=1 or kernel.apparmor_restrict_unprivileged_userns=0 "
             "where those exist), or use --netns auto to run on the host network"
         )
@@ -363,10 +364,11 @@ except ConfigError as err:
 def prepare_data(train_args: list[str], env: dict[str, str]) -> int:
     """Download MNIST first if tfds would: the namespace has no network."""
     data_dir = _train_arg(train_args, "--data-dir", env.get("TFDS_DATA_DIR") or "")
-    if mnist_prepared(data_dir or os.path.join("~", "tensorflow_datasets")):
+    where = data_dir or os.path.join("~", "tensorflow_datasets")
+    if mnist_prepared(where):
         return 0
-    print("[launch] MNIST is not prepared; fetching it before entering the network "
-          "namespace, which has no network", flush=True)
+    print(f"[launch] no MNIST in {where}; checking or downloading it before entering the "
+          "network namespace, which has no network", flush=True)
     return subprocess.run([sys.executable, "-c", _PREPARE, data_dir], cwd=HERE, env=env,
                           stdin=subprocess.DEVNULL).returncode
 
