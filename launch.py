@@ -9,13 +9,20 @@ in ``<model-dir>/launch/`` so any task can be replayed by hand. Output lines
 are prefixed with their task. If a task fails the others are stopped, and
 the launcher exits with that task's code; no task outlives the launcher.
 
-Stages: ``build_cluster`` (pure), ``start_tasks``, ``supervise``.
+TensorFlow's servers listen on every interface without authentication, so
+where the OS allows it (``--netns auto``, the default) the launcher runs
+the whole cluster in a private network namespace of its own: its ports
+exist only there, and nothing outside can connect to them.
+
+Stages: ``build_cluster`` (pure), ``start_tasks``, ``supervise``; around
+them, ``decide_netns`` (pure) and ``run_in_netns``.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import glob
 import json
 import os
 import shlex
@@ -32,6 +39,11 @@ TRAIN = os.path.join(HERE, "train.py")
 STRATEGIES = ("mirrored", "multiworker", "ps")
 EXIT_BAD_INPUT = 2
 EXIT_TIMEOUT = 124
+NETNS_MODES = ("auto", "on", "off")
+# A user namespace makes an unprivileged network namespace possible; mapping
+# our uid to root inside it lets the launcher bring the loopback device up.
+UNSHARE = ("unshare", "--user", "--map-root-user", "--net")
+INSIDE_FLAG = "--netns-inside"
 
 
 class LaunchError(ValueError):
@@ -240,6 +252,127 @@ def _wait_all(tasks: list[Task], timeout: float) -> None:
             return
 
 
+# --- around the stages: a private network namespace ---------------------------
+
+def decide_netns(mode: str, strategy: str, probe) -> tuple[bool, str | None]:
+    """Whether to run the cluster in a private network namespace (pure).
+
+    ``probe()`` says why no namespace can be made here (``None``: it can); it
+    is called only when the answer matters. Returns ``(use, warning)``.
+    """
+    if mode not in NETNS_MODES:
+        raise LaunchError(f"unknown --netns {mode!r}; allowed: {', '.join(NETNS_MODES)}")
+    if mode == "off" or strategy == "mirrored":  # one process opens no port
+        return False, None
+    problem = probe()
+    if problem is None:
+        return True, None
+    if mode == "on":
+        raise LaunchError(
+            f"--netns on, but this host cannot make a private network namespace ({problem}); "
+            f"make `{' '.join(UNSHARE)} true` work (util-linux installed; unprivileged user "
+            "namespaces allowed: sysctl user.max_user_namespaces > 0, and "
+            "kernel.unprivileged_userns_clone=1 or kernel.apparmor_restrict_unprivileged_userns=0 "
+            "where those exist), or use --netns auto to run on the host network"
+        )
+    return False, (
+        f"[launch] warning: no private network namespace ({problem}); the cluster's ports are "
+        "open on every interface of this host. --netns off silences this, --netns on makes it an error"
+    )
+
+
+def netns_problem(timeout: float = 10.0) -> str | None:
+    """Why ``unshare`` cannot make a user + network namespace here, or ``None``."""
+    try:
+        probe = subprocess.run(
+            [*UNSHARE, "true"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            timeout=timeout,
+        )
+    except FileNotFoundError:
+        return "the unshare command (util-linux) is not installed"
+    except subprocess.TimeoutExpired:
+        return f"unshare did not finish within {timeout:g}s"
+    if probe.returncode != 0:
+        lines = probe.stderr.strip().splitlines()
+        return lines[-1] if lines else f"unshare exited with code {probe.returncode}"
+    return None
+
+
+def netns_command(launch_argv: list[str], train_args: list[str],
+                  python: str = sys.executable) -> list[str]:
+    """This launcher again, inside new namespaces, told that it is inside (pure)."""
+    return [*UNSHARE, python, os.path.abspath(__file__), *launch_argv, INSIDE_FLAG, "--",
+            *train_args]
+
+
+def loopback_up() -> None:
+    """Bring ``lo`` up: a new network namespace starts with it down."""
+    import fcntl
+    import struct
+
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    ifreq = "16sH22x"  # struct ifreq: name, then ifr_flags in a 24-byte union
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        flags = struct.unpack(ifreq, fcntl.ioctl(s, siocgifflags, struct.pack(ifreq, b"lo", 0)))[1]
+        fcntl.ioctl(s, siocsifflags, struct.pack(ifreq, b"lo", flags | iff_up))
+
+
+def run_in_netns(command: list[str], grace: float) -> int:
+    """Run the inner launcher; forward SIGTERM/SIGINT to it; return its exit code.
+
+    The inner launcher stops its tasks on SIGTERM as usual. A second signal
+    kills it outright, and its tasks die with it (``PR_SET_PDEATHSIG``).
+    """
+    # Own session: a terminal's Ctrl-C reaches only this process, which
+    # forwards it once, instead of both launchers acting on it at once.
+    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+    signals = []
+
+    def forward(signum, _frame):
+        signals.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM if len(signals) == 1 else signal.SIGKILL)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    # Killed by a signal: report it the way a shell would.
+    return code if code >= 0 else 128 - code
+
+
+def mnist_prepared(data_dir: str) -> bool:
+    return bool(glob.glob(os.path.join(os.path.expanduser(data_dir), "mnist", "*",
+                                       "dataset_info.json")))
+
+
+# Runs outside the namespace: the one place left that can download.
+_PREPARE = """import sys
+from strategies import ConfigError
+from training.data import ensure_available
+try:
+    ensure_available(sys.argv[1] or None)
+except ConfigError as err:
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def prepare_data(train_args: list[str], env: dict[str, str]) -> int:
+    """Download MNIST first if tfds would: the namespace has no network."""
+    data_dir = _train_arg(train_args, "--data-dir", env.get("TFDS_DATA_DIR") or "")
+    where = data_dir or os.path.join("~", "tensorflow_datasets")
+    if mnist_prepared(where):
+        return 0
+    print(f"[launch] no MNIST in {where}; checking or downloading it before entering the "
+          "network namespace, which has no network", flush=True)
+    return subprocess.run([sys.executable, "-c", _PREPARE, data_dir], cwd=HERE, env=env,
+                          stdin=subprocess.DEVNULL).returncode
+
+
 def _train_arg(train_args: list[str], flag: str, default: str) -> str:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument(flag, default=default)
@@ -260,6 +393,10 @@ def parse_args(argv=None):
     p.add_argument("--host", default="localhost", help="address written into TF_CONFIG")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the job is stopped")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--netns", default="auto", choices=NETNS_MODES,
+                   help="run the cluster in a private network namespace, unreachable from "
+                        "outside: auto (when the OS allows it; else a warning), on (or fail), off")
+    p.add_argument(INSIDE_FLAG, action="store_true", help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
     train_args = []
     if "--" in argv:
@@ -268,6 +405,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if any(a == "--strategy" or a.startswith("--strategy=") for a in train_args):
         p.error("pass --strategy to launch.py only; it forwards it to every task")
+    args.launch_argv = argv
     return args, train_args
 
 
@@ -278,9 +416,23 @@ def main(argv=None) -> int:
         tasks = build_cluster(
             args.strategy, args.workers, args.ps, free_ports(ntasks), args.host, args.chief
         )
+        use_netns, warning = (False, None) if args.netns_inside else decide_netns(
+            args.netns, args.strategy, netns_problem
+        )
     except LaunchError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    if use_netns:
+        code = prepare_data(train_args, dict(os.environ))
+        if code != 0:
+            return code
+        print("[launch] private network namespace: only the cluster's own tasks can reach "
+              "its ports", flush=True)
+        return run_in_netns(netns_command(args.launch_argv, train_args), args.grace)
+    if args.netns_inside:
+        loopback_up()
     model_dir = _train_arg(train_args, "--model-dir", f"runs/{args.strategy}")
     if "--model-dir" not in " ".join(train_args):
         train_args = [*train_args, "--model-dir", model_dir]

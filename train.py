@@ -21,6 +21,9 @@ Each process runs this same program; ``TF_CONFIG`` says which task it is.
     # check a TF_CONFIG without starting anything:
     python train.py --strategy=auto --dry-run
 
+    # the cluster from a Slurm job step instead of TF_CONFIG (one task per srun rank):
+    srun python train.py --cluster-resolver=slurm --slurm-ps 1 --strategy=ps --model-dir /shared/runs/ps
+
 ``launch.py`` starts a whole simulated cluster on one host with these commands.
 Bad input ends with one ``error:`` line on stderr and exit code 2.
 """
@@ -33,8 +36,8 @@ import os
 import sys
 
 from strategies import (
-    ClusterConfig, ConfigError, check_batch_size, from_environ, replicas_per_step,
-    resolve_strategy_name,
+    CLUSTER_RESOLVERS, ClusterConfig, ConfigError, check_batch_size, cluster_from_environ,
+    replicas_per_step, resolve_strategy_name,
 )
 from strategies.devices import plan_devices
 from training.config import TrainConfig
@@ -167,7 +170,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         allow_abbrev=False,
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="TF_CONFIG (environment) describes the cluster and this task.",
+        epilog="TF_CONFIG (environment) describes the cluster and this task; with "
+               "--cluster-resolver=slurm, the Slurm job step does.",
     )
     d = TrainConfig()
     p.add_argument("--strategy", default=d.strategy, help="auto|none|mirrored|multiworker|ps (none: no distribution, the baseline)")
@@ -198,6 +202,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="train on one in-memory random batch (input-pipeline benchmark)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved plan as JSON and exit without starting anything")
+    p.add_argument("--cluster-resolver", default="tf_config",
+                   help=f"where the cluster comes from: {'|'.join(CLUSTER_RESOLVERS)} (default tf_config)")
+    p.add_argument("--slurm-ps", type=int, default=None,
+                   help="slurm: rank 0 is the chief, the next N ranks are ps tasks, the rest "
+                        "workers (default 0: every rank is a worker)")
+    p.add_argument("--slurm-port", type=int, default=None,
+                   help="slurm: first port on each node; a node's tasks take consecutive ports "
+                        "(default 2222)")
     return p.parse_args(argv)
 
 
@@ -207,7 +219,12 @@ def main(argv=None) -> int:
         if args.data_dir is None:
             # tfds would read it too; resolved here so the config says where data comes from.
             args.data_dir = os.environ.get("TFDS_DATA_DIR") or None
-        config = TrainConfig(cluster=from_environ(os.environ), **vars(args))
+        options = vars(args)
+        cluster = cluster_from_environ(
+            options.pop("cluster_resolver"), os.environ,
+            slurm_ps=options.pop("slurm_ps"), slurm_port=options.pop("slurm_port"),
+        )
+        config = TrainConfig(cluster=cluster, **options)
         run(config)
     except (ConfigError, _ArgumentError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)

@@ -1,5 +1,6 @@
-"""Strategy selection from TF_CONFIG: parse it once, build one strategy."""
+"""Strategy selection: read the cluster once (TF_CONFIG or Slurm), build one strategy."""
 
+from strategies.cluster import CLUSTER_RESOLVERS, cluster_from_environ
 from strategies.factory import (
     ALL_REDUCE,
     STRATEGY_NAMES,
@@ -13,12 +14,14 @@ from strategies.tf_config import ROLES, ClusterConfig, ConfigError, from_environ
 
 __all__ = [
     "ALL_REDUCE",
+    "CLUSTER_RESOLVERS",
     "ROLES",
     "STRATEGY_NAMES",
     "ClusterConfig",
     "ConfigError",
     "StrategyBundle",
     "check_batch_size",
+    "cluster_from_environ",
     "from_environ",
     "make_strategy",
     "parse_tf_config",

@@ -1,7 +1,8 @@
 """Parse and validate ``TF_CONFIG`` into one frozen object.
 
 This module is the only place that reads ``TF_CONFIG`` (``from_environ``);
-everything else receives a :class:`ClusterConfig`.
+everything else receives a :class:`ClusterConfig`, whether it came from here
+or from a Slurm job step (``strategies/slurm.py``).
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ class ClusterConfig:
 
     @property
     def address(self) -> str | None:
-        if self.is_local:
-            return None
+        if self.is_local or self.task_type not in self.cluster:
+            return None  # local, or an evaluator kept outside the cluster
         return self.cluster[self.task_type][self.task_index]
 
     def num_tasks(self, role: str) -> int:
@@ -198,23 +199,27 @@ def parse_tf_config(text: str | None) -> ClusterConfig:
             '{"type": "worker", "index": 0}'
         )
     task_type = task.get("type")
-    if task_type not in parsed:
+    # TensorFlow's convention, which Kubeflow's training operator follows: the
+    # evaluator is not a member of the training cluster, so its TF_CONFIG may
+    # name a task type that the cluster lacks.
+    outside = task_type == "evaluator" and task_type not in parsed
+    if task_type not in parsed and not outside:
         raise ConfigError(
             f"TF_CONFIG task.type is {task_type!r}, which is not a role in the "
             f"cluster; allowed: {', '.join(parsed)}"
         )
+    count = 1 if outside else len(parsed[task_type])
     index = task.get("index", 0)
     # bool is an int in Python; "index": true is a mistake, not task 1.
     if isinstance(index, bool) or not isinstance(index, int):
         raise ConfigError(
             f"TF_CONFIG task.index is {index!r}; expected an integer "
-            f"from 0 to {len(parsed[task_type]) - 1}"
+            f"from 0 to {count - 1}"
         )
-    if not 0 <= index < len(parsed[task_type]):
+    if not 0 <= index < count:
         raise ConfigError(
             f"TF_CONFIG task.index is {index}, out of range for {task_type!r}, "
-            f"which has {len(parsed[task_type])} task(s); allowed: "
-            f"0 to {len(parsed[task_type]) - 1}"
+            f"which has {count} task(s); allowed: 0 to {count - 1}"
         )
     environment = data.get("environment")
     if environment is not None and not isinstance(environment, str):
@@ -229,3 +234,8 @@ def parse_tf_config(text: str | None) -> ClusterConfig:
 def from_environ(environ: Mapping[str, str]) -> ClusterConfig:
     """The single reader of ``TF_CONFIG`` in this project."""
     return parse_tf_config(environ.get("TF_CONFIG"))
+
+
+def tf_config_set(environ: Mapping[str, str]) -> bool:
+    """Whether ``TF_CONFIG`` names a cluster, for sources that must not meet one."""
+    return bool((environ.get("TF_CONFIG") or "").strip())

@@ -73,3 +73,66 @@ def test_saved_files_replay_each_task(tmp_path):
     script = (tmp_path / "commands.sh").read_text()
     assert script.count("--strategy=multiworker --epochs 1") == 2
     assert "worker-1.tf_config.json" in script
+
+
+def _probe(answer):
+    calls = []
+
+    def probe():
+        calls.append(1)
+        return answer
+    return probe, calls
+
+
+@pytest.mark.parametrize("mode,strategy,problem,use,warns,probed", [
+    ("auto", "multiworker", None, True, False, True),
+    ("on", "ps", None, True, False, True),
+    ("auto", "ps", "unshare: Operation not permitted", False, True, True),
+    ("off", "multiworker", None, False, False, False),   # no probe, no namespace
+    ("auto", "mirrored", None, False, False, False),     # one process opens no port
+    ("on", "mirrored", "denied", False, False, False),
+])
+def test_decide_netns(mode, strategy, problem, use, warns, probed):
+    probe, calls = _probe(problem)
+    got_use, warning = launch.decide_netns(mode, strategy, probe)
+    assert got_use is use
+    assert (warning is not None) is warns
+    assert bool(calls) is probed
+    if warns:
+        assert problem in warning and "--netns on" in warning and "\n" not in warning
+
+
+def test_netns_on_without_namespaces_is_an_error_naming_the_cause():
+    probe, _ = _probe("unshare: unshare failed: Operation not permitted")
+    with pytest.raises(launch.LaunchError, match="Operation not permitted.*--netns auto"):
+        launch.decide_netns("on", "multiworker", probe)
+    with pytest.raises(launch.LaunchError, match="unknown --netns 'yes'"):
+        launch.decide_netns("yes", "multiworker", probe)
+
+
+def test_netns_command_reruns_this_launcher_inside_and_keeps_the_train_args():
+    cmd = launch.netns_command(["--strategy", "ps", "--ps", "1"], ["--epochs", "1"], python="py")
+    assert cmd[:4] == ["unshare", "--user", "--map-root-user", "--net"]
+    assert cmd[4:6] == ["py", launch.__file__]
+    assert cmd[6:] == ["--strategy", "ps", "--ps", "1", launch.INSIDE_FLAG, "--", "--epochs", "1"]
+    args, train_args = launch.parse_args(cmd[6:])
+    assert args.netns_inside and train_args == ["--epochs", "1"]
+
+
+def test_inner_launcher_does_not_decide_again(monkeypatch):
+    # Inside the namespace a second unshare would nest namespaces forever.
+    monkeypatch.setattr(launch, "netns_problem", lambda: pytest.fail("probed inside"))
+    monkeypatch.setattr(launch, "start_tasks", lambda *a, **k: [])
+    monkeypatch.setattr(launch, "supervise", lambda *a, **k: 0)
+    monkeypatch.setattr(launch, "loopback_up", lambda: None)
+    monkeypatch.setattr(launch, "save_launch_files", lambda *a: None)
+    monkeypatch.setattr(launch, "run_in_netns", lambda *a: pytest.fail("re-entered"))
+    monkeypatch.setattr(launch.signal, "signal", lambda *a: None)  # keep pytest's handlers
+    assert launch.main(["--strategy", "multiworker", launch.INSIDE_FLAG, "--", "--steps", "1"]) == 0
+
+
+def test_mnist_prepared_looks_for_a_tfds_copy(tmp_path):
+    assert not launch.mnist_prepared(str(tmp_path))
+    (tmp_path / "mnist" / "3.0.1").mkdir(parents=True)
+    (tmp_path / "mnist" / "3.0.1" / "dataset_info.json").write_text("{}")
+    assert launch.mnist_prepared(str(tmp_path))

@@ -98,3 +98,15 @@ def test_workers_sharing_a_host_split_its_gpus():
 def test_bad_tf_config_raises_config_error():
     with pytest.raises(ConfigError, match="not valid JSON"):
         parse_tf_config("{nope")
+
+
+def test_evaluator_may_stay_outside_the_cluster_as_kubeflow_writes_it():
+    # The training operator leaves the evaluator out of "cluster".
+    cfg = parse_tf_config(json.dumps({"cluster": PS_CLUSTER, "task": {"type": "evaluator", "index": 0},
+                                      "environment": "cloud"}))
+    assert cfg.task_name == "evaluator:0" and cfg.address is None and not cfg.is_chief
+    assert parse_tf_config(cfg.to_json()) == cfg
+    with pytest.raises(ConfigError, match="index is 1"):
+        parse_tf_config(tfc(PS_CLUSTER, "evaluator", 1))
+    with pytest.raises(ConfigError, match="'master'"):  # only the evaluator may be missing
+        parse_tf_config(tfc(PS_CLUSTER, "master"))
