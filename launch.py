@@ -156,13 +156,26 @@ def _pump(task_name: str, stream, sink, keep: list[str], lock: threading.Lock):
     stream.close()
 
 
+def thread_env(strategy: str, tasks: dict[str, dict | None], cpus: int) -> dict[str, dict[str, str]]:
+    """Each task's share of this host's cores, as TensorFlow's thread-pool variables.
+
+    The simulated hosts share one machine: left alone, every task sizes its
+    intra-op pool to all the cores, and N workers oversubscribe them N times
+    over. Tasks that only serve or dispatch (ps, and the ps chief) get one.
+    """
+    busy = [n for n in tasks if n.startswith(("worker:", "chief:"))
+            and not (strategy == "ps" and n.startswith("chief:"))]
+    share = max(1, cpus // max(1, len(busy)))
+    return {n: {"TF_NUM_INTRAOP_THREADS": str(share if n in busy else 1)} for n in tasks}
+
+
 def start_tasks(tasks: dict[str, dict | None], command: list[str], env: dict[str, str],
-                sink=None) -> list[Task]:
+                sink=None, task_envs: dict[str, dict[str, str]] | None = None) -> list[Task]:
     sink = sink or sys.stdout
     lock = threading.Lock()
     started: list[Task] = []
     for name, tf_config in tasks.items():
-        task_env = dict(env)
+        task_env = {**(task_envs or {}).get(name, {}), **env}  # the caller's env wins
         task_env.pop("TF_CONFIG", None)
         if tf_config is not None:
             task_env["TF_CONFIG"] = json.dumps(tf_config)
@@ -450,7 +463,8 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        running = start_tasks(tasks, command, env)
+        running = start_tasks(tasks, command, env,
+                              task_envs=thread_env(args.strategy, tasks, os.cpu_count() or 1))
         code = supervise(args.strategy, running, args.timeout, grace=args.grace,
                          log=lambda m: print(m, flush=True))
     except KeyboardInterrupt:

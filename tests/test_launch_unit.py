@@ -136,3 +136,16 @@ def test_mnist_prepared_looks_for_a_tfds_copy(tmp_path):
     (tmp_path / "mnist" / "3.0.1").mkdir(parents=True)
     (tmp_path / "mnist" / "3.0.1" / "dataset_info.json").write_text("{}")
     assert launch.mnist_prepared(str(tmp_path))
+
+
+def test_thread_env_splits_cores_between_computing_tasks():
+    mw = launch.build_cluster("multiworker", 2, ports=[1, 2])
+    assert launch.thread_env("multiworker", mw, 8) == {
+        "worker:0": {"TF_NUM_INTRAOP_THREADS": "4"}, "worker:1": {"TF_NUM_INTRAOP_THREADS": "4"},
+    }
+    ps = launch.build_cluster("ps", 3, ps=1, ports=[1, 2, 3, 4, 5])
+    env = {n: e["TF_NUM_INTRAOP_THREADS"] for n, e in launch.thread_env("ps", ps, 2).items()}
+    # The ps chief only dispatches and the ps only applies updates; never below one thread.
+    assert env == {"chief:0": "1", "worker:0": "1", "worker:1": "1", "worker:2": "1", "ps:0": "1"}
+    ps6 = {n: e["TF_NUM_INTRAOP_THREADS"] for n, e in launch.thread_env("ps", ps, 6).items()}
+    assert ps6["worker:0"] == "2" and ps6["chief:0"] == ps6["ps:0"] == "1"
