@@ -29,6 +29,7 @@ class TrainConfig:
     data_dir: str | None = None
     steps_per_execution: int = 1
     log_every: int = 100
+    checkpoint_every: int | None = None  # steps; epoch ends and the end always checkpoint
     all_reduce: str = "auto"
     ps_shards: int = 1
     startup_timeout: float = 120.0
@@ -64,6 +65,8 @@ class TrainConfig:
         }
         if self.steps is not None:
             positive["steps"] = self.steps
+        if self.checkpoint_every is not None:
+            positive["checkpoint_every"] = self.checkpoint_every
         if self.learning_rate is not None:
             positive["learning_rate"] = self.learning_rate
         for name, value in positive.items():
