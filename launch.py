@@ -370,14 +370,16 @@ class FaultInjector:
     called from the output pumps); times count from the launcher's start.
     """
 
-    def __init__(self, faults, log=print, clock=time.monotonic):
+    def __init__(self, faults, log=print, clock=time.monotonic, grace: float | None = None):
         self.waiting = list(faults)
         self.fired: list[str] = []
         self.log = log
         self.clock = clock
+        self.grace = grace
         self.started = clock()
         self.step = -1
         self._lock = threading.Lock()
+        self._terminating: list[tuple[Task, float]] = []
 
     def on_line(self, task_name: str, line: str) -> None:
         step = step_in_line(line)
@@ -397,6 +399,7 @@ class FaultInjector:
         return ready
 
     def __call__(self, tasks: list[Task], exits: dict[str, int | None]) -> None:
+        self._enforce_grace()
         for fault in self.due():
             task = next((t for t in tasks if t.name == fault.task), None)
             if task is None or task.proc.poll() is not None:
@@ -407,10 +410,28 @@ class FaultInjector:
                 _signal_group(task.proc, sig)  # the whole task, as if its host died
             else:
                 task.proc.send_signal(sig)  # the task's own process, as Kubernetes does
+                if self.grace is not None:
+                    self._terminating.append((task, self.clock() + self.grace))
             self.fired.append(str(fault))
             self.log(f"[launch] fault {fault}: sent {signal.Signals(sig).name} to {fault.task} "
                      f"(pid {task.proc.pid}) at {self.clock() - self.started:.1f}s, "
                      f"step {max(self.step, 0)}")
+
+
+    def _enforce_grace(self) -> None:
+        """A preempted task still running ``--grace`` s later is SIGKILLed, as
+        a cluster manager does (TensorFlow may have swallowed the SIGTERM)."""
+        now, keep = self.clock(), []
+        for task, deadline in self._terminating:
+            if task.proc.poll() is not None:
+                continue
+            if now < deadline:
+                keep.append((task, deadline))
+                continue
+            self.log(f"[launch] {task.name} still running {self.grace:g}s (--grace) after "
+                     "its SIGTERM; SIGKILL, as a cluster manager would")
+            _signal_group(task.proc, signal.SIGKILL)
+        self._terminating = keep
 
 
 class TaskRestarter:
@@ -476,7 +497,7 @@ def run_with_recovery(args, tasks: dict[str, dict | None], command: list[str],
     Kubernetes pod restarted under the same service names) and the same
     ``--model-dir``, so the tasks resume from the latest checkpoint.
     """
-    injector = FaultInjector(recovery.faults, log=log)
+    injector = FaultInjector(recovery.faults, log=log, grace=args.grace)
     restarter = TaskRestarter(tasks, command, env, recovery.restart_delay,
                               on_line=injector.on_line, log=log) if recovery.restart_tasks else None
 

@@ -142,6 +142,9 @@ def run_ps(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None) 
     patience = config.startup_timeout
     saved_at = start_step
     done = step
+    # From here on a SIGTERM is a request to stop at the next checkpoint,
+    # even one that arrives while the first closure runs.
+    sigterm = _StopOnSigterm()
     try:
         if step < total:
             n = _steps_this_call(step, total, config)
@@ -153,6 +156,7 @@ def run_ps(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None) 
         # The first step ran: every peer is connected, so stop the startup watchdog.
         started_ok()
     except PS_PEER_ERRORS as err:
+        sigterm.restore()
         raise task_lost(err, cfg, "starting", done, saved_at) from None
     startup_seconds = time.perf_counter() - started
     reporter.throughput = Throughput(config.global_batch_size, step)
@@ -163,7 +167,6 @@ def run_ps(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None) 
     pending: collections.deque = collections.deque()
     last = {"loss": float(out["loss"]), "accuracy": float(out["accuracy"])} if step > start_step else {}
     stall = StallWatchdog(cfg, patience)
-    sigterm = _StopOnSigterm()
 
     def collect_one():
         nonlocal done, last

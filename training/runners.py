@@ -172,21 +172,29 @@ def run_sync(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None
     )
     total = config.total_steps
     reporter = _Reporter(config, is_chief, start_step)
-    handler = None
+    # As early as the coordination service allows (the strategy is up, so
+    # every peer is): until the handler takes SIGTERM over, TensorFlow's own
+    # notifier swallows it and the preemption would go unnoticed.
+    previous_sigterm = signal.getsignal(signal.SIGTERM)
+    handler = preemption_handler(strategy, lambda: save(step), lambda: step)
+
+    def run_call(n: int):
+        # The handler checks for a preemption notice (any worker's) before
+        # the call; at the agreed call it saves and raises Preempted.
+        if handler is None:
+            return train_fn(iterator, tf.constant(n))
+        return handler.run(train_fn, iterator, tf.constant(n))
+
     try:
         if step < total:
             # The first call traces and runs the first collective: the last
             # point where a missing peer can leave us waiting.
             n = _steps_this_call(step, total, config)
-            out = train_fn(iterator, tf.constant(n))
+            out = run_call(n)
             step += n
         # The first step ran: every peer is connected, so stop the startup watchdog.
         started_ok()
         startup_seconds = time.perf_counter() - started
-        # Created after the first step: its constructor talks to the
-        # coordination service, which is only up once every peer is.
-        previous_sigterm = signal.getsignal(signal.SIGTERM)
-        handler = preemption_handler(strategy, lambda: save(step), lambda: step)
         reporter.throughput = Throughput(config.global_batch_size, step)
         steady_from = step
         while True:
@@ -197,12 +205,7 @@ def run_sync(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None
             if step >= total:
                 break
             n = _steps_this_call(step, total, config)
-            # The handler checks for a preemption notice (any worker's) before
-            # the call; at the agreed call it saves and raises Preempted.
-            if handler is not None:
-                out = handler.run(train_fn, iterator, tf.constant(n))
-            else:
-                out = train_fn(iterator, tf.constant(n))
+            out = run_call(n)
             step += n
         train_seconds, examples_per_sec = reporter.throughput.overall(step)
     except PEER_ERRORS as err:
