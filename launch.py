@@ -448,6 +448,10 @@ class TaskRestarter:
         self.restarts: dict[str, int] = {}
         self._due: dict[str, float] = {}
 
+    def new_attempt(self) -> None:
+        """A relaunched job starts with no restart pending (counts are kept)."""
+        self._due.clear()
+
     @staticmethod
     def restartable(name: str) -> bool:
         return name.startswith("worker:")
@@ -508,6 +512,8 @@ def run_with_recovery(args, tasks: dict[str, dict | None], command: list[str],
 
     attempt = 0
     while True:
+        if restarter is not None:
+            restarter.new_attempt()
         running[:] = start_tasks(tasks, command, env, on_line=injector.on_line)
         code = supervise(args.strategy, running, args.timeout, grace=args.grace, log=log,
                          on_poll=on_poll)

@@ -54,6 +54,16 @@ def test_checkpoint_every_saves_and_announces(tmp_path, capsys):
     assert results["global_steps"] == 25
 
 
+def test_relative_model_dir_resumes(tmp_path, monkeypatch, capsys):
+    """As typed on the command line (``--model-dir runs/x``), not only absolute."""
+    monkeypatch.chdir(tmp_path)
+    train.run(_config("runs/rel", 20))
+    capsys.readouterr()
+    results = train.run(_config("runs/rel", 30))
+    assert "resumed from runs/rel/checkpoints/ckpt-20 at step 20" in capsys.readouterr().out
+    assert results["resumed_from_step"] == 20 and results["global_steps"] == 30
+
+
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(trained, capsys):
     model_dir = trained()
     data = _data_file(model_dir, 30)

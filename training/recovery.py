@@ -58,7 +58,6 @@ def _candidates(ckpt_dir: str) -> list[str]:
     """
     import tensorflow as tf
 
-    listed: list[str] = []
     try:
         state = tf.train.get_checkpoint_state(ckpt_dir)
     except Exception:  # pylint: disable=broad-except
@@ -68,8 +67,9 @@ def _candidates(ckpt_dir: str) -> list[str]:
         print(f"warning: the checkpoint index {os.path.join(ckpt_dir, 'checkpoint')!r} is "
               "unreadable; looking at the checkpoint files instead", flush=True)
     if state is not None:
-        listed = [_absolute(p, ckpt_dir) for p in reversed(state.all_model_checkpoint_paths)]
-        latest = _absolute(state.model_checkpoint_path, ckpt_dir)
+        # TF has already joined relative entries to ckpt_dir.
+        listed = list(reversed(state.all_model_checkpoint_paths))
+        latest = state.model_checkpoint_path
         if latest not in listed:
             listed.insert(0, latest)
         return listed
@@ -77,10 +77,6 @@ def _candidates(ckpt_dir: str) -> list[str]:
         (p[: -len(".index")] for p in glob.glob(os.path.join(ckpt_dir, "ckpt-*.index"))),
         key=_number, reverse=True,
     )
-
-
-def _absolute(path: str, ckpt_dir: str) -> str:
-    return path if os.path.isabs(path) else os.path.join(ckpt_dir, path)
 
 
 def _number(prefix: str) -> int:
