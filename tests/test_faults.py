@@ -169,6 +169,7 @@ def test_multiworker_preemption_checkpoints_at_an_agreed_step_and_loses_none(tmp
     assert sum(l.startswith("[launch] worker:") and l.endswith("exited with code 42")
                for l in lines) == 2
     assert any(l.startswith("[launch] relaunching the job") and "after exit 42" in l for l in lines)
+    assert not any("Traceback" in l for l in lines), "\n".join(lines[-40:])
     assert {f"[worker:{i}] resumed from" for i in (0, 1)} <= {
         l.split(" ", 2)[0] + " resumed from" for l in lines if " resumed from " in l}
     r = read_results(model_dir)

@@ -328,3 +328,22 @@ class _Handler:
 
         with deprecation.silence():
             return self.handler.run(fn, *args)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the handler's watcher threads after a normal end of training.
+
+        TF leaves that to ``__del__``, which never runs while the watcher
+        thread holds the handler; the thread then dies with a traceback when
+        the coordination service's host (the chief) exits first. Bounded, in
+        case a peer is already gone.
+        """
+        def stop():
+            try:
+                self.handler._stop_cluster_wise_termination_watcher_thread()  # pylint: disable=protected-access
+                self.handler._stop_poll_termination_signal_thread()  # pylint: disable=protected-access
+            except Exception:  # pylint: disable=broad-except
+                pass
+
+        stopper = threading.Thread(target=stop, daemon=True)
+        stopper.start()
+        stopper.join(timeout)

@@ -208,6 +208,8 @@ def run_sync(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None
             out = run_call(n)
             step += n
         train_seconds, examples_per_sec = reporter.throughput.overall(step)
+        if handler is not None:
+            handler.close()
     except PEER_ERRORS as err:
         if cfg.is_local:
             raise
