@@ -16,6 +16,11 @@ exist only there, and nothing outside can connect to them.
 
 Stages: ``build_cluster`` (pure), ``start_tasks``, ``supervise``; around
 them, ``decide_netns`` (pure) and ``run_in_netns``.
+
+Fault injection and recovery (``--kill``, ``--preempt``, ``--restart-tasks``,
+``--max-restarts``) are layered on top: ``parse_fault`` and ``plan_recovery``
+(pure) check the flags, ``FaultInjector`` and ``TaskRestarter`` run inside
+``supervise``'s poll loop, and ``run_with_recovery`` relaunches a failed job.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import ctypes
 import glob
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -44,6 +50,10 @@ NETNS_MODES = ("auto", "on", "off")
 # our uid to root inside it lets the launcher bring the loopback device up.
 UNSHARE = ("unshare", "--user", "--map-root-user", "--net")
 INSIDE_FLAG = "--netns-inside"
+# train.py's codes: checkpointed after a SIGTERM / lost a peer. Both mean
+# "relaunch me and I resume"; kept in step with training/recovery.py.
+EXIT_PREEMPTED = 42
+EXIT_TASK_LOST = 75
 
 
 class LaunchError(ValueError):
@@ -146,13 +156,15 @@ class Task:
     lines: list[str] = field(default_factory=list)
 
 
-def _pump(task_name: str, stream, sink, keep: list[str], lock: threading.Lock):
+def _pump(task_name: str, stream, sink, keep: list[str], lock: threading.Lock, on_line=None):
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip("\n")
         keep.append(line)
         with lock:
             sink.write(f"[{task_name}] {line}\n")
             sink.flush()
+        if on_line is not None:
+            on_line(task_name, line)
     stream.close()
 
 
@@ -169,10 +181,18 @@ def thread_env(strategy: str, tasks: dict[str, dict | None], cpus: int) -> dict[
     return {n: {"TF_NUM_INTRAOP_THREADS": str(share if n in busy else 1)} for n in tasks}
 
 
+_SINK_LOCK = threading.Lock()  # one for every pump, restarted tasks' too
+
+
 def start_tasks(tasks: dict[str, dict | None], command: list[str], env: dict[str, str],
-                sink=None, task_envs: dict[str, dict[str, str]] | None = None) -> list[Task]:
+                sink=None, on_line=None,
+                task_envs: dict[str, dict[str, str]] | None = None) -> list[Task]:
+    """Start one process per task; ``on_line(task, line)`` sees every output line.
+
+    ``task_envs`` adds per-task variables, under ``env`` (the caller's wins).
+    """
     sink = sink or sys.stdout
-    lock = threading.Lock()
+    lock = _SINK_LOCK
     started: list[Task] = []
     for name, tf_config in tasks.items():
         task_env = {**(task_envs or {}).get(name, {}), **env}  # the caller's env wins
@@ -184,7 +204,8 @@ def start_tasks(tasks: dict[str, dict | None], command: list[str], env: dict[str
             stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
         )
         keep: list[str] = []
-        pump = threading.Thread(target=_pump, args=(name, proc.stdout, sink, keep, lock), daemon=True)
+        pump = threading.Thread(target=_pump, args=(name, proc.stdout, sink, keep, lock, on_line),
+                                daemon=True)
         pump.start()
         started.append(Task(name, proc, pump, keep))
     return started
@@ -229,7 +250,12 @@ def decide(strategy: str, exits: dict[str, int | None]) -> int | None:
 
 
 def supervise(strategy: str, tasks: list[Task], timeout: float, poll: float = 0.1,
-              grace: float = 5.0, log=print) -> int:
+              grace: float = 5.0, log=print, on_poll=None) -> int:
+    """Wait for the job's outcome; stop every task whatever it is.
+
+    ``on_poll(tasks, exits)`` runs every poll: fault injection, and task
+    restarts (which replace an entry of ``tasks`` and reset its ``exits``).
+    """
     deadline = time.monotonic() + timeout
     exits: dict[str, int | None] = {t.name: None for t in tasks}
     try:
@@ -238,9 +264,20 @@ def supervise(strategy: str, tasks: list[Task], timeout: float, poll: float = 0.
                 if exits[t.name] is None and (code := t.proc.poll()) is not None:
                     exits[t.name] = code
                     log(f"[launch] {t.name} exited with code {code}")
+            if on_poll is not None:
+                on_poll(tasks, exits)
             code = decide(strategy, exits)
             if code is not None:
-                if code != 0:
+                if code == EXIT_PREEMPTED:
+                    # Every worker saves at the agreed step and exits by
+                    # itself; a SIGTERM now would be read as another notice.
+                    log("[launch] job preempted: waiting for every task to checkpoint and exit")
+                    _wait_all(tasks, grace)
+                    for t in tasks:
+                        if exits[t.name] is None and (late := t.proc.poll()) is not None:
+                            exits[t.name] = late
+                            log(f"[launch] {t.name} exited with code {late}")
+                elif code != 0:
                     log(f"[launch] job failed (exit {code}); stopping the other tasks")
                 elif strategy == "ps":
                     # Servers notice the chief is gone and exit on their own.
@@ -254,6 +291,277 @@ def supervise(strategy: str, tasks: list[Task], timeout: float, poll: float = 0.
         # Serving tasks (ps) notice the chief is gone and exit on their own;
         # give them that chance before the SIGTERM/SIGKILL sequence.
         stop_tasks(tasks, grace=grace)
+
+
+# --- faults and recovery ------------------------------------------------------
+
+FAULT_ACTIONS = {"kill": signal.SIGKILL, "preempt": signal.SIGTERM}
+FAULT_SPEC = "ROLE:INDEX@WHEN, WHEN being seconds (@20, @2.5s) or a step reached (@step=150)"
+MAX_TASK_RESTARTS = 3  # per task: a worker that keeps dying is not a transient fault
+
+
+@dataclass(frozen=True)
+class Fault:
+    """``--kill``/``--preempt``: signal ``task`` once ``seconds`` or ``step`` is reached."""
+
+    action: str
+    task: str
+    seconds: float | None = None
+    step: int | None = None
+
+    def __str__(self) -> str:
+        when = f"step={self.step}" if self.step is not None else f"{self.seconds:g}s"
+        return f"--{self.action} {self.task}@{when}"
+
+
+_FAULT_RX = re.compile(r"^(chief|worker|ps|local):(\d+)@(?:step=(\d+)|(\d+(?:\.\d+)?)s?)$")
+
+
+def parse_fault(action: str, spec: str) -> Fault:
+    """``worker:1@20`` / ``ps:0@step=150`` into a Fault, or LaunchError (pure)."""
+    if action not in FAULT_ACTIONS:
+        raise LaunchError(f"unknown fault action {action!r}; allowed: {', '.join(FAULT_ACTIONS)}")
+    m = _FAULT_RX.match(spec.strip())
+    if not m:
+        raise LaunchError(
+            f"--{action} {spec!r} is not a fault spec; expected {FAULT_SPEC}, "
+            f"e.g. --{action} worker:1@step=150"
+        )
+    role, index, step, seconds = m.groups()
+    task = f"{role}:{int(index)}"
+    if step is not None:
+        return Fault(action, task, step=int(step))
+    return Fault(action, task, seconds=float(seconds))
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    faults: tuple[Fault, ...] = ()
+    restart_tasks: bool = False
+    restart_delay: float = 2.0
+    max_restarts: int = 0
+
+
+def plan_recovery(args, tasks: dict[str, dict | None]) -> RecoveryPlan:
+    """Check the fault and restart flags against the cluster (pure)."""
+    faults = tuple(
+        parse_fault(action, spec)
+        for action in FAULT_ACTIONS for spec in (getattr(args, action) or [])
+    )
+    for fault in faults:
+        if fault.task not in tasks:
+            raise LaunchError(
+                f"{fault} names a task this cluster does not have; tasks: {', '.join(tasks)}"
+            )
+    if args.max_restarts < 0:
+        raise LaunchError(f"--max-restarts={args.max_restarts}; use 0 (never) or more")
+    if args.restart_delay < 0:
+        raise LaunchError(f"--restart-delay={args.restart_delay:g}; use 0 or more seconds")
+    if args.restart_tasks and args.strategy != "ps":
+        raise LaunchError(
+            f"--restart-tasks restarts lost workers under --strategy ps, received "
+            f"--strategy {args.strategy}, whose workers cannot rejoin a running all-reduce; "
+            "use --max-restarts N to relaunch the whole job from its checkpoint"
+        )
+    return RecoveryPlan(faults, bool(args.restart_tasks), args.restart_delay, args.max_restarts)
+
+
+def add_recovery_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kill", action="append", metavar="ROLE:INDEX@WHEN",
+                   help=f"SIGKILL a task (repeatable); {FAULT_SPEC}")
+    p.add_argument("--preempt", action="append", metavar="ROLE:INDEX@WHEN",
+                   help="SIGTERM a task, a polite preemption (repeatable); same WHEN")
+    p.add_argument("--restart-tasks", action="store_true",
+                   help=f"ps: restart a dead worker with its TF_CONFIG (at most "
+                        f"{MAX_TASK_RESTARTS} times each), as a cluster manager would")
+    p.add_argument("--restart-delay", type=float, default=2.0,
+                   help="seconds before a task or job is restarted")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="relaunch a failed or preempted job up to N times with the same "
+                        "--model-dir (it resumes from its checkpoint)")
+
+
+_STEP_LINE = re.compile(r"^(?:step (\d+)/\d+ |checkpoint saved at step (\d+))")
+
+
+def step_in_line(line: str) -> int | None:
+    """The step a progress or checkpoint line reports (pure)."""
+    m = _STEP_LINE.match(line)
+    if not m:
+        return None
+    return int(m.group(1) or m.group(2))
+
+
+class FaultInjector:
+    """Fires each fault once, when its time or step comes.
+
+    Steps come from any task's progress and checkpoint lines (``on_line``,
+    called from the output pumps); times count from the launcher's start.
+    """
+
+    def __init__(self, faults, log=print, clock=time.monotonic, grace: float | None = None):
+        self.waiting = list(faults)
+        self.fired: list[str] = []
+        self.log = log
+        self.clock = clock
+        self.grace = grace
+        self.started = clock()
+        self.step = -1
+        self._lock = threading.Lock()
+        self._terminating: list[tuple[Task, float]] = []
+
+    def on_line(self, task_name: str, line: str) -> None:
+        step = step_in_line(line)
+        if step is not None:
+            with self._lock:
+                self.step = max(self.step, step)
+
+    def due(self) -> list[Fault]:
+        with self._lock:
+            elapsed, step = self.clock() - self.started, self.step
+        ready = [
+            f for f in self.waiting
+            if (f.step is not None and step >= f.step)
+            or (f.seconds is not None and elapsed >= f.seconds)
+        ]
+        self.waiting = [f for f in self.waiting if f not in ready]
+        return ready
+
+    def __call__(self, tasks: list[Task], exits: dict[str, int | None]) -> None:
+        self._enforce_grace()
+        for fault in self.due():
+            task = next((t for t in tasks if t.name == fault.task), None)
+            if task is None or task.proc.poll() is not None:
+                self.log(f"[launch] fault {fault}: {fault.task} is not running; skipped")
+                continue
+            sig = FAULT_ACTIONS[fault.action]
+            if fault.action == "kill":
+                _signal_group(task.proc, sig)  # the whole task, as if its host died
+            else:
+                task.proc.send_signal(sig)  # the task's own process, as Kubernetes does
+                if self.grace is not None:
+                    self._terminating.append((task, self.clock() + self.grace))
+            self.fired.append(str(fault))
+            self.log(f"[launch] fault {fault}: sent {signal.Signals(sig).name} to {fault.task} "
+                     f"(pid {task.proc.pid}) at {self.clock() - self.started:.1f}s, "
+                     f"step {max(self.step, 0)}")
+
+
+    def _enforce_grace(self) -> None:
+        """A preempted task still running ``--grace`` s later is SIGKILLed, as
+        a cluster manager does (TensorFlow may have swallowed the SIGTERM)."""
+        now, keep = self.clock(), []
+        for task, deadline in self._terminating:
+            if task.proc.poll() is not None:
+                continue
+            if now < deadline:
+                keep.append((task, deadline))
+                continue
+            self.log(f"[launch] {task.name} still running {self.grace:g}s (--grace) after "
+                     "its SIGTERM; SIGKILL, as a cluster manager would")
+            _signal_group(task.proc, signal.SIGKILL)
+        self._terminating = keep
+
+
+class TaskRestarter:
+    """Restarts a dead ps-strategy worker with the same TF_CONFIG after a delay.
+
+    Under ps the coordinator waits for a lost worker to come back at the same
+    address, and gives it work again once it does.
+    """
+
+    def __init__(self, tf_configs: dict[str, dict | None], command, env, delay: float,
+                 on_line=None, log=print, limit: int = MAX_TASK_RESTARTS, clock=time.monotonic,
+                 task_envs: dict[str, dict[str, str]] | None = None):
+        self.tf_configs, self.command, self.env = tf_configs, command, env
+        self.task_envs = task_envs
+        self.delay, self.on_line, self.log, self.limit, self.clock = delay, on_line, log, limit, clock
+        self.restarts: dict[str, int] = {}
+        self._due: dict[str, float] = {}
+
+    def new_attempt(self) -> None:
+        """A relaunched job starts with no restart pending (counts are kept)."""
+        self._due.clear()
+
+    @staticmethod
+    def restartable(name: str) -> bool:
+        return name.startswith("worker:")
+
+    def __call__(self, tasks: list[Task], exits: dict[str, int | None]) -> None:
+        now = self.clock()
+        for i, t in enumerate(tasks):
+            code = exits.get(t.name)
+            # Exit 0 is a server that saw its chief finish: nothing to restart.
+            if code in (None, 0) or not self.restartable(t.name):
+                continue
+            if self.restarts.get(t.name, 0) >= self.limit:
+                continue
+            if t.name not in self._due:
+                self._due[t.name] = now + self.delay
+                self.log(f"[launch] {t.name} is down (exit {code}); restarting it in {self.delay:g}s")
+                continue
+            if now < self._due[t.name]:
+                continue
+            del self._due[t.name]
+            t.pump.join(timeout=5)
+            (new,) = start_tasks({t.name: self.tf_configs[t.name]}, self.command, self.env,
+                                 on_line=self.on_line, task_envs=self.task_envs)
+            tasks[i] = new
+            exits[t.name] = None
+            self.restarts[t.name] = self.restarts.get(t.name, 0) + 1
+            self.log(f"[launch] restarted {t.name} (pid {new.proc.pid}), same TF_CONFIG; "
+                     f"restart {self.restarts[t.name]} of at most {self.limit}")
+
+
+def should_relaunch(code: int, attempt: int, max_restarts: int) -> bool:
+    """Relaunch after this attempt's exit ``code``? (pure)
+
+    Failures a relaunch can cure: a lost task, a preemption, a crash. Bad
+    input, a timeout and success end the job.
+    """
+    return code not in (0, EXIT_BAD_INPUT, EXIT_TIMEOUT, 130) and attempt < max_restarts
+
+
+def run_with_recovery(args, tasks: dict[str, dict | None], command: list[str],
+                      env: dict[str, str], recovery: RecoveryPlan, running: list[Task],
+                      log=print) -> int:
+    """Start, supervise and, under ``--max-restarts``, relaunch the job.
+
+    ``running`` is filled with the live tasks so the caller can stop them on
+    an interrupt. A relaunch reuses every TF_CONFIG (same ports, like a
+    Kubernetes pod restarted under the same service names) and the same
+    ``--model-dir``, so the tasks resume from the latest checkpoint.
+    """
+    injector = FaultInjector(recovery.faults, log=log, grace=args.grace)
+    task_envs = thread_env(args.strategy, tasks, os.cpu_count() or 1)
+    restarter = TaskRestarter(tasks, command, env, recovery.restart_delay,
+                              on_line=injector.on_line, log=log,
+                              task_envs=task_envs) if recovery.restart_tasks else None
+
+    def on_poll(live, exits):
+        injector(live, exits)
+        if restarter is not None:
+            restarter(live, exits)
+
+    attempt = 0
+    while True:
+        if restarter is not None:
+            restarter.new_attempt()
+        running[:] = start_tasks(tasks, command, env, on_line=injector.on_line,
+                                 task_envs=task_envs)
+        code = supervise(args.strategy, running, args.timeout, grace=args.grace, log=log,
+                         on_poll=on_poll)
+        if not should_relaunch(code, attempt, recovery.max_restarts):
+            break
+        attempt += 1
+        log(f"[launch] relaunching the job ({attempt} of --max-restarts={recovery.max_restarts}) "
+            f"after exit {code}, in {recovery.restart_delay:g}s; it resumes from its checkpoint")
+        time.sleep(recovery.restart_delay)
+    restarts = sum(restarter.restarts.values()) if restarter is not None else 0
+    log(f"[launch] recovery: faults injected {len(injector.fired)}, task restarts {restarts}, "
+        f"job relaunches {attempt}")
+    return code
+
 
 
 def _wait_all(tasks: list[Task], timeout: float) -> None:
@@ -410,6 +718,7 @@ def parse_args(argv=None):
                    help="run the cluster in a private network namespace, unreachable from "
                         "outside: auto (when the OS allows it; else a warning), on (or fail), off")
     p.add_argument(INSIDE_FLAG, action="store_true", help=argparse.SUPPRESS)
+    add_recovery_args(p)
     argv = list(sys.argv[1:] if argv is None else argv)
     train_args = []
     if "--" in argv:
@@ -429,6 +738,7 @@ def main(argv=None) -> int:
         tasks = build_cluster(
             args.strategy, args.workers, args.ps, free_ports(ntasks), args.host, args.chief
         )
+        recovery = plan_recovery(args, tasks)
         use_netns, warning = (False, None) if args.netns_inside else decide_netns(
             args.netns, args.strategy, netns_problem
         )
@@ -463,10 +773,8 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        running = start_tasks(tasks, command, env,
-                              task_envs=thread_env(args.strategy, tasks, os.cpu_count() or 1))
-        code = supervise(args.strategy, running, args.timeout, grace=args.grace,
-                         log=lambda m: print(m, flush=True))
+        code = run_with_recovery(args, tasks, command, env, recovery, running,
+                                 log=lambda m: print(m, flush=True))
     except KeyboardInterrupt:
         print("[launch] interrupted; stopping every task", flush=True)
         stop_tasks(running, grace=args.grace)

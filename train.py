@@ -25,7 +25,9 @@ Each process runs this same program; ``TF_CONFIG`` says which task it is.
     srun python train.py --cluster-resolver=slurm --slurm-ps 1 --strategy=ps --model-dir /shared/runs/ps
 
 ``launch.py`` starts a whole simulated cluster on one host with these commands.
-Bad input ends with one ``error:`` line on stderr and exit code 2.
+Bad input ends with one ``error:`` line on stderr and exit code 2; a lost
+peer task with one ``error:`` line and exit code 75 (relaunch to resume); a
+preemption (SIGTERM) with a checkpoint at an agreed step and exit code 42.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from strategies.devices import plan_devices
 from training.config import TrainConfig
 
 EXIT_BAD_INPUT = 2
+# Kept in step with training.recovery, which TensorFlow-free code cannot import.
+EXIT_PREEMPTED = 42
+EXIT_TASK_LOST = 75
 
 
 def _role_action(strategy: str, cfg: ClusterConfig) -> tuple[str, str]:
@@ -193,6 +198,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=d.eval_every,
                    help="steps between test-accuracy evaluations on the chief (0: at the end only); "
                         "their time is left out of examples/s")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                   help="steps between checkpoints (default: epoch ends only; the end always)")
     p.add_argument("--all-reduce", default=d.all_reduce, help="auto|ring|nccl (multiworker)")
     p.add_argument("--ps-shards", type=int, default=d.ps_shards,
                    help="split large variables over up to this many ps tasks")
@@ -232,8 +239,34 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
         return 130
+    except Exception as err:
+        code = _fault_exit(err)
+        if code is None:
+            raise
+        return code
     return 0
 
 
+def _fault_exit(err: Exception) -> int | None:
+    """The exit code and line for a survived fault; None for anything else."""
+    from training.recovery import Preempted, TaskLost
+
+    if isinstance(err, TaskLost):
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return EXIT_TASK_LOST
+    if isinstance(err, Preempted):
+        print(f"preempted: checkpoint saved at step {err.step}; exiting with code "
+              f"{EXIT_PREEMPTED} so the job is relaunched and resumes there", flush=True)
+        return EXIT_PREEMPTED
+    return None
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code in (EXIT_PREEMPTED, EXIT_TASK_LOST):
+        # Interpreter teardown can block on gRPC channels to tasks that are
+        # gone; everything worth keeping is already on disk.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -107,6 +107,10 @@ def serve(cfg: ClusterConfig, *, startup_timeout: float, poll: float = 0.5,
         tf.train.ClusterSpec(jobs), job_name=cfg.task_type,
         task_index=cfg.task_index, protocol="grpc", start=True,
     )
+    # A polite preemption: the coordinator reschedules this worker's closures
+    # (or, for a ps task, the chief stops and the job is relaunched).
+    signal.signal(signal.SIGTERM, lambda *_: _exit_now(
+        128 + signal.SIGTERM, f"{cfg.task_name}: SIGTERM; stopping serving"))
     print(f"{cfg.task_name} serving at {cfg.address} (target {server.target})", flush=True)
     chief = cfg.cluster["chief"][0]
     started = time.monotonic()

@@ -149,3 +149,130 @@ def test_thread_env_splits_cores_between_computing_tasks():
     assert env == {"chief:0": "1", "worker:0": "1", "worker:1": "1", "worker:2": "1", "ps:0": "1"}
     ps6 = {n: e["TF_NUM_INTRAOP_THREADS"] for n, e in launch.thread_env("ps", ps, 6).items()}
     assert ps6["worker:0"] == "2" and ps6["chief:0"] == ps6["ps:0"] == "1"
+# --- fault injection and recovery flags (pure) ------------------------------------
+
+@pytest.mark.parametrize("action,spec,expected", [
+    ("kill", "worker:1@20", launch.Fault("kill", "worker:1", seconds=20.0)),
+    ("kill", "worker:1@2.5s", launch.Fault("kill", "worker:1", seconds=2.5)),
+    ("preempt", "chief:0@step=150", launch.Fault("preempt", "chief:0", step=150)),
+    ("kill", " ps:0@step=0 ", launch.Fault("kill", "ps:0", step=0)),
+    ("kill", "local:0@step=7", launch.Fault("kill", "local:0", step=7)),
+])
+def test_parse_fault(action, spec, expected):
+    assert launch.parse_fault(action, spec) == expected
+
+
+@pytest.mark.parametrize("spec", [
+    "worker1@20", "worker:1", "worker:x@20", "worker:1@-3", "worker:1@step=abc",
+    "@20", "evaluator:0@5", "worker:1@20m", "worker:1@step=", "worker:1@step=5@6",
+])
+def test_parse_fault_rejects_with_the_expected_form(spec):
+    with pytest.raises(launch.LaunchError) as err:
+        launch.parse_fault("kill", spec)
+    message = str(err.value)
+    assert repr(spec) in message and "ROLE:INDEX@WHEN" in message and "@step=" in message
+
+
+def _args(strategy="ps", kill=None, preempt=None, restart_tasks=False, max_restarts=0,
+          restart_delay=2.0):
+    import argparse
+    return argparse.Namespace(strategy=strategy, kill=kill, preempt=preempt,
+                              restart_tasks=restart_tasks, max_restarts=max_restarts,
+                              restart_delay=restart_delay)
+
+
+def test_plan_recovery_checks_tasks_and_flags():
+    tasks = launch.build_cluster("ps", 2, ps=1, ports=[1, 2, 3, 4])
+    plan = launch.plan_recovery(_args(kill=["worker:1@step=10"], preempt=["chief:0@5"],
+                                      restart_tasks=True, max_restarts=2), tasks)
+    assert plan.faults == (launch.Fault("kill", "worker:1", step=10),
+                           launch.Fault("preempt", "chief:0", seconds=5.0))
+    assert plan.restart_tasks and plan.max_restarts == 2
+    assert launch.plan_recovery(_args(), tasks) == launch.RecoveryPlan()
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(kill=["worker:2@5"]), ["worker:2", "does not have", "chief:0, worker:0, worker:1, ps:0"]),
+    (dict(preempt=["local:0@5"]), ["local:0", "does not have"]),
+    (dict(max_restarts=-1), ["--max-restarts=-1", "0 (never)"]),
+    (dict(restart_delay=-1), ["--restart-delay=-1"]),
+    (dict(strategy="multiworker", restart_tasks=True), ["--restart-tasks", "--max-restarts"]),
+])
+def test_plan_recovery_rejects(kwargs, words):
+    strategy = kwargs.get("strategy", "ps")
+    tasks = (launch.build_cluster("ps", 2, ps=1, ports=[1, 2, 3, 4]) if strategy == "ps"
+             else launch.build_cluster(strategy, 2, ports=[1, 2]))
+    with pytest.raises(launch.LaunchError) as err:
+        launch.plan_recovery(_args(**kwargs), tasks)
+    for word in words:
+        assert word in str(err.value)
+
+
+@pytest.mark.parametrize("line,step", [
+    ("step 150/936 epoch 1 loss 0.1 accuracy 0.9 steps/s 1.0 examples/s 5", 150),
+    ("checkpoint saved at step 468: runs/x/checkpoints/ckpt-468", 468),
+    ("resumed from runs/x/checkpoints/ckpt-400 at step 400 (global step 400)", None),
+    ("stepping 3/4", None),
+    ("SUMMARY strategy=ps global_steps=9", None),
+])
+def test_step_in_line(line, step):
+    assert launch.step_in_line(line) == step
+
+
+def test_fault_injector_fires_each_fault_once_when_due():
+    now = [100.0]
+    injector = launch.FaultInjector(
+        [launch.Fault("kill", "worker:1", step=150), launch.Fault("preempt", "ps:0", seconds=20)],
+        log=lambda m: None, clock=lambda: now[0],
+    )
+    assert injector.due() == []
+    injector.on_line("chief:0", "step 149/900 epoch 1 loss 1")
+    assert injector.due() == []
+    injector.on_line("worker:0", "checkpoint saved at step 152: x")
+    assert injector.due() == [launch.Fault("kill", "worker:1", step=150)]
+    injector.on_line("chief:0", "step 10/900 epoch 1 loss 1")  # a relaunch starts lower
+    assert injector.due() == []
+    now[0] = 120.0
+    assert injector.due() == [launch.Fault("preempt", "ps:0", seconds=20)]
+    assert injector.due() == [] and injector.waiting == []
+
+
+@pytest.mark.parametrize("code,attempt,max_restarts,expected", [
+    (0, 0, 3, False),
+    (-9, 0, 1, True),
+    (42, 0, 1, True),
+    (75, 1, 2, True),
+    (75, 2, 2, False),
+    (1, 0, 0, False),
+    (2, 0, 3, False),    # bad input does not heal
+    (124, 0, 3, False),  # nor does a timeout
+])
+def test_should_relaunch(code, attempt, max_restarts, expected):
+    assert launch.should_relaunch(code, attempt, max_restarts) is expected
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--kill", "worker1@20"], ["'worker1@20'", "ROLE:INDEX@WHEN"]),
+    (["--preempt", "worker:5@step=3"], ["worker:5", "does not have"]),
+    (["--max-restarts", "-2"], ["--max-restarts=-2"]),
+])
+def test_bad_fault_flags_exit_2_with_one_line_and_touch_nothing(tmp_path, flags, words):
+    import subprocess
+    import sys
+
+    from conftest import REPO, child_env
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "results.json").write_text('{"keep": true}\n')
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), "--strategy", "ps", "--workers", "2",
+         "--ps", "1", *flags, "--", "--model-dir", str(run_dir)],
+        env=child_env(), capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for word in words:
+        assert word in lines[0]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["results.json"]
+    assert proc.stdout == ""

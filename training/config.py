@@ -30,6 +30,7 @@ class TrainConfig:
     steps_per_execution: int = 1
     log_every: int = 100
     eval_every: int = 0  # steps between test-set evaluations on the chief; 0: at the end only
+    checkpoint_every: int | None = None  # steps; epoch ends and the end always checkpoint
     all_reduce: str = "auto"
     ps_shards: int = 1
     startup_timeout: float = 120.0
@@ -65,6 +66,8 @@ class TrainConfig:
         }
         if self.steps is not None:
             positive["steps"] = self.steps
+        if self.checkpoint_every is not None:
+            positive["checkpoint_every"] = self.checkpoint_every
         if self.learning_rate is not None:
             positive["learning_rate"] = self.learning_rate
         if self.eval_every < 0:

@@ -45,6 +45,10 @@ class TrainState:
     model: keras.Model
     optimizer: keras.optimizers.Optimizer
     global_step: tf.Variable
+    # Requested steps done: the run's (and the data's) position. Equal to
+    # global_step under sync strategies; under ps global_step also counts the
+    # updates of closures that ran twice after a worker was lost.
+    completed_steps: tf.Variable
     checkpoint: tf.train.Checkpoint
 
 
@@ -63,8 +67,13 @@ def build_state(config, strategy) -> TrainState:
             0, dtype=tf.int64, trainable=False, name="global_step",
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
-    checkpoint = tf.train.Checkpoint(model=model, optimizer=opt, global_step=global_step)
-    return TrainState(model, opt, global_step, checkpoint)
+        completed_steps = tf.Variable(
+            0, dtype=tf.int64, trainable=False, name="completed_steps",
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=opt, global_step=global_step,
+                                     completed_steps=completed_steps)
+    return TrainState(model, opt, global_step, completed_steps, checkpoint)
 
 
 def make_step_fn(state: TrainState, global_batch_size: int):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 import time
 
 import keras
 import tensorflow as tf
 
-from strategies import ConfigError
 from training import data
 from training.config import TrainConfig
 from training.loop import (
@@ -18,24 +18,13 @@ from training.loop import (
     make_train_fn,
     summary_line, weights_sha256, write_json_atomic,
 )
+from training.recovery import preemption_handler, restore_latest, task_lost
 
-
-def _restore(state, ckpt_dir: str, model_name: str) -> int:
-    """Resume from the newest checkpoint in ``ckpt_dir``; return its step."""
-    latest = tf.train.latest_checkpoint(ckpt_dir)
-    if not latest:
-        return 0
-    try:
-        state.checkpoint.restore(latest).assert_existing_objects_matched()
-    except (AssertionError, ValueError, tf.errors.OpError) as err:
-        first = str(err).strip().splitlines()[0][:160]
-        raise ConfigError(
-            f"checkpoint {latest!r} does not match --model={model_name} ({first}); "
-            "use a fresh --model-dir or the model that wrote it"
-        ) from None
-    step = int(state.global_step.numpy())
-    print(f"resumed from {latest} at global step {step}", flush=True)
-    return step
+# Errors that mean a peer went away rather than a bug in this program.
+PEER_ERRORS = (
+    tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError,
+    tf.errors.DeadlineExceededError,
+)
 
 
 class _Reporter:
@@ -159,9 +148,33 @@ def _base_results(config: TrainConfig, strategy_name: str, replicas: int) -> dic
 
 
 def _steps_this_call(step: int, total: int, config: TrainConfig) -> int:
-    """Up to ``steps_per_execution`` steps, never across an epoch end."""
+    """Up to ``steps_per_execution`` steps, never across an epoch end or checkpoint."""
     to_epoch_end = config.steps_per_epoch - step % config.steps_per_epoch
-    return min(config.steps_per_execution, total - step, to_epoch_end)
+    n = min(config.steps_per_execution, total - step, to_epoch_end)
+    if config.checkpoint_every:
+        n = min(n, config.checkpoint_every - step % config.checkpoint_every)
+    return n
+
+
+def checkpoint_due(step: int, total: int, config: TrainConfig) -> bool:
+    """Epoch ends, every ``--checkpoint-every`` steps, and the end."""
+    return (
+        step >= total
+        or step % config.steps_per_epoch == 0
+        or bool(config.checkpoint_every and step % config.checkpoint_every == 0)
+    )
+
+
+def save_checkpoint(state, manager, step: int, announce: bool) -> str:
+    """Save at ``step`` requested steps done; the chief says so in one line.
+
+    The line is what ``launch.py --kill ...@step=N`` and the tests wait for.
+    """
+    state.completed_steps.assign(step)
+    path = manager.save(checkpoint_number=step)
+    if announce:
+        print(f"checkpoint saved at step {step}: {path}", flush=True)
+    return path
 
 
 def run_sync(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None) -> dict | None:
@@ -169,7 +182,9 @@ def run_sync(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None
 
     Every worker saves checkpoints (the save may need collectives), but only
     the chief's copy lands in ``--model-dir``; the others go to a private
-    temporary directory that is removed at the end.
+    temporary directory that is removed at the end. A SIGTERM to any worker
+    makes every worker save at one agreed step and stop (``Preempted``); a
+    lost peer ends the run with ``TaskLost``.
     """
     cfg, strategy = config.cluster, bundle.strategy
     is_chief = cfg.is_chief
@@ -179,11 +194,18 @@ def run_sync(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None
     chief_ckpt_dir = os.path.join(config.model_dir, "checkpoints")
     # Every worker resumes from the chief's checkpoints: on a real cluster
     # --model-dir is shared storage.
-    step = start_step = _restore(state, chief_ckpt_dir, config.model)
+    step = start_step = restore_latest(state, chief_ckpt_dir, config.model)
     ckpt_dir = chief_ckpt_dir if is_chief else tempfile.mkdtemp(
         prefix=f"ckpt-{cfg.task_type}-{cfg.task_index}-"
     )
     manager = tf.train.CheckpointManager(state.checkpoint, ckpt_dir, max_to_keep=3)
+    saved_at = start_step
+
+    def save(current: int) -> None:
+        nonlocal saved_at
+        save_checkpoint(state, manager, current, announce=is_chief)
+        saved_at = current
+
     dataset_fn = data.make_dataset_fn(
         config.global_batch_size, seed=config.seed + start_step,
         data_dir=config.data_dir, synthetic=config.synthetic_data,
@@ -195,34 +217,58 @@ def run_sync(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None
     )
     total = config.total_steps
     reporter = _Reporter(config, is_chief, start_step, started)
-    if step < total:
-        # The first call traces and runs the first collective: the last
-        # point where a missing peer can leave us waiting.
-        n = _steps_this_call(step, total, config)
-        out = train_fn(iterator, tf.constant(n))
-        step += n
-    # The first step ran: every peer is connected, so stop the startup watchdog.
-    started_ok()
-    startup_seconds = time.perf_counter() - started
-    reporter.throughput = Throughput(config.global_batch_size, step)
-    steady_from = step
+    # As early as the coordination service allows (the strategy is up, so
+    # every peer is): until the handler takes SIGTERM over, TensorFlow's own
+    # notifier swallows it and the preemption would go unnoticed.
+    previous_sigterm = signal.getsignal(signal.SIGTERM)
+    handler = preemption_handler(strategy, lambda: save(step), lambda: step)
+
+    def run_call(n: int):
+        # The handler checks for a preemption notice (any worker's) before
+        # the call; at the agreed call it saves and raises Preempted.
+        if handler is None:
+            return train_fn(iterator, tf.constant(n))
+        return handler.run(train_fn, iterator, tf.constant(n))
+
     try:
+        if step < total:
+            # The first call traces and runs the first collective: the last
+            # point where a missing peer can leave us waiting.
+            n = _steps_this_call(step, total, config)
+            out = run_call(n)
+            step += n
+        # The first step ran: every peer is connected, so stop the startup watchdog.
+        started_ok()
+        startup_seconds = time.perf_counter() - started
+        reporter.throughput = Throughput(config.global_batch_size, step)
+        steady_from = step
         while True:
             if reporter.due(step) and step > start_step:
                 reporter.report(step, {"loss": float(out["loss"]), "accuracy": float(out["accuracy"])})
             if reporter.eval_due(step):
                 reporter.evaluate(step, state.model)
-            if step > start_step and (step % config.steps_per_epoch == 0 or step >= total):
-                manager.save(checkpoint_number=step)
+            if step > start_step and checkpoint_due(step, total, config) and saved_at != step:
+                save(step)
             if step >= total:
                 break
             n = _steps_this_call(step, total, config)
-            out = train_fn(iterator, tf.constant(n))
+            out = run_call(n)
             step += n
         train_seconds, examples_per_sec = reporter.throughput.overall(step)
+        if handler is not None:
+            handler.close()
+    except PEER_ERRORS as err:
+        if cfg.is_local:
+            raise
+        raise task_lost(err, cfg, "training", step, saved_at) from None
     finally:
         if not is_chief:
             shutil.rmtree(ckpt_dir, ignore_errors=True)
+        if handler is not None:
+            shutil.rmtree(handler.counter_dir, ignore_errors=True)
+            # The handler took over SIGTERM; a caller (a test, a notebook)
+            # gets its own back.
+            signal.signal(signal.SIGTERM, previous_sigterm)
 
     results = _base_results(config, bundle.name, replicas)
     ran = step - start_step

@@ -1,0 +1,184 @@
+"""Soak test: back-to-back training jobs with random faults; not part of CI.
+
+    python soak.py --runs 3                 # 3 ps jobs, then 3 multi-worker jobs
+    python soak.py --runs 20 --steps 2000 --seed 7 --out runs/soak
+
+Each job runs under ``launch.py`` with one or two random faults (``--kill``
+or ``--preempt`` of a random task at a random step) and every recovery
+mechanism on (``--restart-tasks`` under ps, ``--max-restarts``). A job
+counts as finished when it exits 0 with every requested step done and no
+process left behind; the faults it had injected count as survived. Any
+other outcome is a crash: its command and the tail of its log are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# (action, task) pairs each strategy survives, and the recovery flags it needs.
+PS_FAULTS = [("kill", "worker:0"), ("kill", "worker:1"), ("preempt", "worker:1"),
+             ("kill", "ps:0"), ("kill", "chief:0"), ("preempt", "chief:0")]
+MW_FAULTS = [("kill", "worker:0"), ("kill", "worker:1"),
+             ("preempt", "worker:0"), ("preempt", "worker:1")]
+
+
+@dataclass
+class Run:
+    strategy: str
+    faults: list[str]
+    command: list[str]
+    log: str
+    code: int | None = None
+    seconds: float = 0.0
+    injected: int = 0
+    relaunches: int = 0
+    task_restarts: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+def pick_faults(rng: random.Random, strategy: str, steps: int) -> list[str]:
+    pool = PS_FAULTS if strategy == "ps" else MW_FAULTS
+    chosen = rng.sample(pool, rng.choice((1, 2)))
+    return [f"--{action}={task}@step={rng.randrange(100, steps - 100)}" for action, task in chosen]
+
+
+def job_command(strategy: str, faults: list[str], steps: int, model_dir: str) -> list[str]:
+    recovery = ["--max-restarts", "3", "--restart-delay", "1"]
+    if strategy == "ps":
+        layout = ["--workers", "2", "--ps", "1", "--restart-tasks"]
+        train = ["--steps-per-execution", "5"]
+    else:
+        layout = ["--workers", "2"]
+        train = []
+    return [sys.executable, os.path.join(HERE, "launch.py"), "--strategy", strategy, *layout,
+            "--grace", "5", "--timeout", "600", *recovery, *faults, "--",
+            "--model", "logreg", "--steps", str(steps), "--log-every", "100",
+            "--checkpoint-every", "200", *train, "--model-dir", model_dir]
+
+
+def leftovers(marker: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmd:
+            found.append(f"{pid}: {cmd[:200]}")
+    return found
+
+
+def check(run: Run, steps: int, model_dir: str, lines: list[str]) -> None:
+    run.injected = sum(1 for l in lines if re.match(r"^\[launch\] fault .*: sent ", l))
+    m = next((re.search(r"task restarts (\d+), job relaunches (\d+)", l) for l in lines
+              if l.startswith("[launch] recovery:")), None)
+    if m:
+        run.task_restarts, run.relaunches = int(m.group(1)), int(m.group(2))
+    if run.code != 0:
+        run.problems.append(f"exit code {run.code}")
+    try:
+        with open(os.path.join(model_dir, "results.json")) as f:
+            results = json.load(f)
+    except (OSError, ValueError):
+        run.problems.append("no results.json")
+        results = {}
+    if results:
+        done = results.get("completed_steps", results.get("global_steps"))
+        if done != steps:
+            run.problems.append(f"completed {done} steps of {steps}")
+        if run.strategy == "ps" and results["applied_steps"] < results["scheduled_steps"]:
+            run.problems.append(f"applied {results['applied_steps']} < scheduled "
+                                f"{results['scheduled_steps']}: a step is missing")
+        if run.strategy == "multiworker" and results["global_steps"] != steps:
+            run.problems.append(f"global step {results['global_steps']} != {steps}")
+    time.sleep(1)  # servers that saw the chief go have a moment to exit
+    if left := leftovers(model_dir):
+        run.problems.append(f"{len(left)} process(es) left behind: {left[0]}")
+
+
+def soak(strategy: str, index: int, rng: random.Random, steps: int, out: str) -> Run:
+    model_dir = os.path.join(out, f"{strategy}-{index}")
+    faults = pick_faults(rng, strategy, steps)
+    log_path = f"{model_dir}.log"
+    run = Run(strategy, faults, job_command(strategy, faults, steps, model_dir), log_path)
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(run.command, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, cwd=HERE)
+        try:
+            run.code = proc.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            run.code = proc.wait()
+            run.problems.append("launcher still running after 900 s")
+    run.seconds = time.monotonic() - started
+    with open(log_path, errors="replace") as f:
+        lines = f.read().splitlines()
+    check(run, steps, model_dir, lines)
+    return run
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=3, help="jobs per strategy")
+    p.add_argument("--steps", type=int, default=1200, help="steps per job")
+    p.add_argument("--seed", type=int, default=None, help="seed for the fault choice")
+    p.add_argument("--out", default=None, help="run directories and logs (default runs/soak-TIME)")
+    p.add_argument("--strategies", default="ps,multiworker")
+    args = p.parse_args(argv)
+    if args.runs < 1 or args.steps < 300:
+        print(f"error: --runs={args.runs} --steps={args.steps}; need --runs >= 1 and "
+              "--steps >= 300 (faults land between step 100 and steps-100)", file=sys.stderr)
+        return 2
+    seed = args.seed if args.seed is not None else random.randrange(1 << 30)
+    out = args.out or os.path.join("runs", time.strftime("soak-%Y%m%d-%H%M%S"))
+    if os.path.exists(out) and os.listdir(out):
+        print(f"error: --out {out!r} is not empty; pass a new directory", file=sys.stderr)
+        return 2
+    os.makedirs(out, exist_ok=True)
+    rng = random.Random(seed)
+    print(f"soak: seed {seed}, {args.runs} job(s) per strategy, {args.steps} steps each, in {out}",
+          flush=True)
+    runs: list[Run] = []
+    for strategy in args.strategies.split(","):
+        for i in range(args.runs):
+            run = soak(strategy, i, rng, args.steps, out)
+            runs.append(run)
+            verdict = "ok" if not run.problems else "CRASH: " + "; ".join(run.problems)
+            print(f"  {strategy}-{i}: {' '.join(run.faults)} -> exit {run.code} in "
+                  f"{run.seconds:.0f}s, injected {run.injected}, task restarts "
+                  f"{run.task_restarts}, relaunches {run.relaunches}: {verdict}", flush=True)
+    print("soak summary:")
+    for strategy in args.strategies.split(","):
+        mine = [r for r in runs if r.strategy == strategy]
+        ok = [r for r in mine if not r.problems]
+        print(f"  {strategy}: {len(ok)}/{len(mine)} jobs finished correctly; faults injected "
+              f"{sum(r.injected for r in mine)}, survived {sum(r.injected for r in ok)}; "
+              f"task restarts {sum(r.task_restarts for r in mine)}, "
+              f"job relaunches {sum(r.relaunches for r in mine)}")
+    crashes = [r for r in runs if r.problems]
+    for r in crashes:
+        print(f"\ncrash: {r.strategy} {' '.join(r.faults)}: {'; '.join(r.problems)}")
+        print(f"  command: {' '.join(r.command)}")
+        print(f"  log: {r.log}; last lines:")
+        with open(r.log, errors="replace") as f:
+            for line in f.read().splitlines()[-25:]:
+                print(f"    {line[:240]}")
+    return 1 if crashes else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,349 @@
+"""Surviving faults: checkpoint restore with fallback, lost tasks, preemption.
+
+What a fault looks like from inside a task, and what this module turns it into:
+
+- a peer dies (multi-worker all-reduce, or a ps task / every worker under ps):
+  TensorFlow raises a multi-screen gRPC error; ``task_lost`` turns it into a
+  ``TaskLost`` whose message is one line naming the unreachable tasks, and
+  ``train.py`` exits with ``EXIT_TASK_LOST`` so a cluster manager relaunches;
+- this task (or a peer, multi-worker) gets SIGTERM: ``PreemptionCheckpointHandler``
+  agrees a step with every worker, each saves there, and ``Preempted`` ends
+  the run with ``EXIT_PREEMPTED``;
+- a checkpoint is corrupt or half-written: ``restore_latest`` falls back to
+  the previous readable one and says so, and refuses a foreign one.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+import sys
+import threading
+import time
+
+from strategies import ConfigError
+from strategies.server import missing_tasks
+
+# TensorFlow's own choice for "preempted, checkpoint saved, relaunch me"
+# (BorgTerminationConfig's exit_fn); launch.py relaunches on it.
+EXIT_PREEMPTED = 42
+# EX_TEMPFAIL: a peer was lost; relaunching the same command resumes.
+EXIT_TASK_LOST = 75
+
+
+class TaskLost(Exception):
+    """A peer task was lost; ``str(err)`` is the one line shown to the user."""
+
+
+class Preempted(Exception):
+    """A checkpoint was saved at an agreed step after a SIGTERM; end the run."""
+
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
+
+
+# --- checkpoints --------------------------------------------------------------
+
+def _candidates(ckpt_dir: str) -> list[str]:
+    """Checkpoint prefixes in ``ckpt_dir``, newest first.
+
+    The ``checkpoint`` index lists what the manager kept; it is written
+    (atomically) only after a checkpoint's files are complete, so its newest
+    entry is the newest finished checkpoint. Without an index (killed while
+    writing the very first one, or the index file itself lost), ``*.index``
+    files are the evidence.
+    """
+    import tensorflow as tf
+
+    try:
+        state = tf.train.get_checkpoint_state(ckpt_dir)
+    except Exception:  # pylint: disable=broad-except
+        state = None
+    if state is None and os.path.exists(os.path.join(ckpt_dir, "checkpoint")):
+        # TF logs a parse error and returns None: as if there were nothing.
+        print(f"warning: the checkpoint index {os.path.join(ckpt_dir, 'checkpoint')!r} is "
+              "unreadable; looking at the checkpoint files instead", flush=True)
+    if state is not None:
+        # TF has already joined relative entries to ckpt_dir.
+        listed = list(reversed(state.all_model_checkpoint_paths))
+        latest = state.model_checkpoint_path
+        if latest not in listed:
+            listed.insert(0, latest)
+        return listed
+    return sorted(
+        (p[: -len(".index")] for p in glob.glob(os.path.join(ckpt_dir, "ckpt-*.index"))),
+        key=_number, reverse=True,
+    )
+
+
+def _number(prefix: str) -> int:
+    m = re.search(r"-(\d+)$", prefix)
+    return int(m.group(1)) if m else -1
+
+
+def _first_line(err: BaseException, limit: int = 160) -> str:
+    text = str(err).strip()
+    first = text.splitlines()[0] if text else type(err).__name__
+    return first if len(first) <= limit else first[: limit - 3] + "..."
+
+
+def restore_latest(state, ckpt_dir: str, model_name: str) -> int:
+    """Resume from the newest readable checkpoint in ``ckpt_dir``; return its step.
+
+    The step is the number of requested steps already done (``completed_steps``;
+    ``global_step`` in checkpoints from before it existed). An unreadable
+    checkpoint is skipped for the one before it, with a warning; a checkpoint
+    of another model, or nothing readable at all, raises ConfigError: training
+    from scratch over someone's run would destroy it silently.
+    """
+    import tensorflow as tf
+
+    candidates = _candidates(ckpt_dir)
+    if not candidates:
+        return 0
+    unreadable: list[str] = []
+    for path in candidates:
+        try:
+            keys = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+        except Exception as err:  # pylint: disable=broad-except
+            unreadable.append(f"{os.path.basename(path)} ({_first_line(err, 100)})")
+            continue
+        has_position = any(k.startswith("completed_steps/") for k in keys)
+        root = state.checkpoint if has_position else tf.train.Checkpoint(
+            model=state.model, optimizer=state.optimizer, global_step=state.global_step
+        )
+        try:
+            root.restore(path).assert_existing_objects_matched()
+        except (AssertionError, ValueError) as err:
+            raise ConfigError(
+                f"checkpoint {path!r} does not match --model={model_name} "
+                f"({_first_line(err)}); use a fresh --model-dir or the model that wrote it"
+            ) from None
+        except Exception as err:  # pylint: disable=broad-except
+            # A truncated or corrupt data file: OpError (bad checksum),
+            # IndexError ("Read less bytes than requested"), and more.
+            unreadable.append(f"{os.path.basename(path)} ({_first_line(err, 100)})")
+            continue
+        step = int((state.completed_steps if has_position else state.global_step).numpy())
+        if unreadable:
+            print(f"warning: skipped unreadable checkpoint(s) {'; '.join(unreadable)}; "
+                  f"fell back to {path}", flush=True)
+        print(f"resumed from {path} at step {step} "
+              f"(global step {int(state.global_step.numpy())})", flush=True)
+        return step
+    raise ConfigError(
+        f"no readable checkpoint in {ckpt_dir!r}: {'; '.join(unreadable)}; "
+        "move the directory away to start from scratch, or pass a fresh --model-dir"
+    )
+
+
+# --- lost tasks ---------------------------------------------------------------
+
+_TASK_IN_ERROR = re.compile(r"/job:(chief|worker|ps)/replica:\d+/task:(\d+)")
+
+
+def named_in_error(err: BaseException, cfg) -> list[str]:
+    """Tasks (other than this one) that a TensorFlow error message names."""
+    names = []
+    for role, index in _TASK_IN_ERROR.findall(str(err)):
+        name = f"{role}:{index}"
+        if name != cfg.task_name and name not in names:
+            names.append(name)
+    return names
+
+
+_TELLING = re.compile(
+    r"Connection refused|Connection reset|failed to connect|Socket closed|recvmsg|"
+    r"UNAVAILABLE|unavailable|heartbeat", re.IGNORECASE)
+
+
+def _telling_line(err: BaseException, limit: int = 120) -> str:
+    """The line of a gRPC error that says what happened, not "Graph execution error:"."""
+    for line in str(err).splitlines():
+        line = line.strip()
+        if _TELLING.search(line):
+            line = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", line)
+            return line if len(line) <= limit else line[: limit - 3] + "..."
+    return _first_line(err, limit)
+
+
+def task_lost(err: BaseException, cfg, doing: str, step: int | None = None,
+              checkpoint_step: int | None = None) -> TaskLost:
+    """One line for a gRPC error: which peers are gone, and what to do.
+
+    Reachability is asked of every peer (a TCP connect), because the error
+    text names whichever connection noticed first, not necessarily the task
+    that died.
+    """
+    gone = missing_tasks(cfg)
+    named = named_in_error(err, cfg)
+    if gone:
+        who = "lost " + ", ".join(gone)
+    elif named:
+        who = f"lost contact with {', '.join(named)}"
+    else:
+        who = "a peer failed"
+    where = f" at step {step}" if step is not None else ""
+    resume = (
+        f"relaunch the same command to resume from the checkpoint at step {checkpoint_step}"
+        if checkpoint_step else "relaunch the same command to start again"
+    )
+    return TaskLost(
+        f"{cfg.task_name} {who} while {doing}{where} ({type(err).__name__}: "
+        f"{_telling_line(err)}); {resume}"
+    )
+
+
+def is_worker_failure(err: BaseException) -> bool:
+    """The errors ClusterCoordinator treats as "worker lost, reschedule"."""
+    from tensorflow.python.distribute.coordinator import cluster_coordinator as cc
+
+    return cc._is_worker_failure(err)  # pylint: disable=protected-access
+
+
+def fetch(remote, deadline: float, retry_every: float = 0.2):
+    """``remote.fetch()``, riding out the loss of the worker that ran it.
+
+    The coordinator puts a lost worker's closure back on the queue and runs it
+    elsewhere, but ``RemoteValue.fetch`` can still raise: the closure may have
+    finished, and the copy of its outputs from the dead worker fails. The
+    rerun sets fresh outputs on the same RemoteValue, so fetching again works.
+    """
+    while True:
+        try:
+            return remote.fetch()
+        except Exception as err:  # pylint: disable=broad-except
+            if not is_worker_failure(err) or time.monotonic() > deadline:
+                raise
+            time.sleep(retry_every)
+
+
+class StallWatchdog:
+    """Ends the chief with one line if no closure completes for ``timeout`` s.
+
+    With every worker gone, the coordinator waits up to an hour for one to
+    come back, inside calls that have no timeout of their own.
+    """
+
+    def __init__(self, cfg, timeout: float, exit_code: int = EXIT_TASK_LOST):
+        self.cfg, self.timeout, self.exit_code = cfg, timeout, exit_code
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="StallWatchdog", daemon=True)
+        self._thread.start()
+
+    def progress(self) -> None:
+        self._last = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            if time.monotonic() - self._last > self.timeout:
+                gone = missing_tasks(self.cfg)
+                names = ", ".join(gone) if gone else "none unreachable (all up but stuck)"
+                print(
+                    f"error: {self.cfg.task_name}: no training step completed for "
+                    f"{self.timeout:g}s (--startup-timeout); unreachable tasks: {names}. "
+                    "Restart the lost tasks, or relaunch the job to resume from its checkpoint",
+                    file=sys.stderr, flush=True,
+                )
+                sys.stdout.flush()
+                os._exit(self.exit_code)
+
+
+class _OneLine(logging.Filter):
+    """Clips TensorFlow's multi-screen gRPC log records to their first line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "tf_function_save" in message:
+            # Saving ps-held variables retraces TF's internal save function
+            # every time; the retracing warning is about TF, not this program.
+            return False
+        if "\n" in message or len(message) > 300:
+            record.msg, record.args = _first_line(Exception(message), 300), None
+        return True
+
+
+def condense_tf_logs() -> None:
+    import tensorflow as tf
+
+    logger = tf.get_logger()
+    if not any(isinstance(f, _OneLine) for f in logger.filters):
+        logger.addFilter(_OneLine())
+    if logger.handlers:
+        logger.propagate = False  # else the root logger prints every record again
+
+
+# --- preemption -----------------------------------------------------------------
+
+def preemption_handler(strategy, save, step_now):
+    """A PreemptionCheckpointHandler that saves with ``save`` and raises Preempted.
+
+    (None off the main thread, where no SIGTERM handler can be installed.)
+
+    On SIGTERM to any worker, every worker saves at the same agreed call and
+    then ``Preempted`` ends the run, so none is left waiting in a collective.
+    TensorFlow restores its call counter from its own checkpoint manager; we
+    give it an empty private directory so every worker counts from 0 in every
+    run and they agree on the call number (ours restore from the chief's).
+    """
+    import tempfile
+
+    import tensorflow as tf
+
+    if threading.current_thread() is not threading.main_thread():
+        return None  # signal handlers can only be installed from the main thread
+    counter_dir = tempfile.mkdtemp(prefix="preemption-")
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(), counter_dir, max_to_keep=1)
+
+    def exit_fn():
+        raise Preempted(step_now())
+
+    config = tf.distribute.experimental.TerminationConfig(
+        exit_fn=exit_fn, save_fn=save, grace_period=0,
+    )
+    handler = tf.distribute.experimental.PreemptionCheckpointHandler(
+        getattr(strategy, "cluster_resolver", None), manager, termination_config=config,
+    )
+    return _Handler(handler, counter_dir)
+
+
+class _Handler:
+    """``run`` without the deprecation warning TF's own save path triggers.
+
+    (The handler reads its deprecated ``total_run_calls`` when it saves.)
+    """
+
+    def __init__(self, handler, counter_dir: str):
+        self.handler, self.counter_dir = handler, counter_dir
+
+    def run(self, fn, *args):
+        from tensorflow.python.util import deprecation
+
+        with deprecation.silence():
+            return self.handler.run(fn, *args)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the handler's watcher threads after a normal end of training.
+
+        TF leaves that to ``__del__``, which never runs while the watcher
+        thread holds the handler; the thread then dies with a traceback when
+        the coordination service's host (the chief) exits first. Bounded, in
+        case a peer is already gone.
+        """
+        def stop():
+            try:
+                self.handler._stop_cluster_wise_termination_watcher_thread()  # pylint: disable=protected-access
+                self.handler._stop_poll_termination_signal_thread()  # pylint: disable=protected-access
+            except Exception:  # pylint: disable=broad-except
+                pass
+
+        stopper = threading.Thread(target=stop, daemon=True)
+        stopper.start()
+        stopper.join(timeout)
