@@ -695,7 +695,8 @@ def prepare_data(train_args: list[str], env: dict[str, str]) -> int:
 
 
 def _train_arg(train_args: list[str], flag: str, default: str) -> str:
-    p = argparse.ArgumentParser(add_help=False)
+    # No abbreviations: "--model logreg" must not read as "--model-dir logreg".
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     p.add_argument(flag, default=default)
     known, _ = p.parse_known_args(train_args)
     return getattr(known, flag.lstrip("-").replace("-", "_"))

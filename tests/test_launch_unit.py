@@ -276,3 +276,10 @@ def test_bad_fault_flags_exit_2_with_one_line_and_touch_nothing(tmp_path, flags,
         assert word in lines[0]
     assert sorted(p.name for p in run_dir.iterdir()) == ["results.json"]
     assert proc.stdout == ""
+
+
+def test_train_args_are_read_by_exact_flag_not_prefix():
+    # argparse's default abbreviation matching read "--model logreg" as "--model-dir".
+    args = ["--model-dir", "runs/x", "--model", "logreg"]
+    assert launch._train_arg(args, "--model-dir", "default") == "runs/x"
+    assert launch._train_arg(["--model", "logreg"], "--model-dir", "default") == "default"

@@ -70,3 +70,25 @@ def test_dataset_fn_gives_per_replica_batches_of_mnist():
 def test_model_names_match_models():
     assert MODEL_NAMES == tuple(MODELS)
     assert MODELS["logreg"]().count_params() == 784 * 10 + 10
+
+
+def test_resumed_pipeline_replays_the_same_batches():
+    def batches(first_batch, k):
+        ds = data.build_pipeline(tf.data.Dataset.range(20), None, 6, seed=5, map_fn=lambda x: x,
+                                 first_batch=first_batch)
+        return [b.numpy().tolist() for b in ds.take(k)]
+
+    whole = batches(0, 9)  # 54 positions: almost three epochs of 20
+    assert batches(4, 5) == whole[4:]
+    # Each epoch is a permutation of its own, and every example is in each.
+    flat = sum(whole, [])
+    assert sorted(flat[:20]) == sorted(flat[20:40]) == list(range(20)) and flat[:20] != flat[20:40]
+
+
+def test_unseeded_pipelines_differ_per_build():
+    """seed=None (ps workers) must not feed two workers the same batches."""
+    tf.random.set_seed(1)  # a global seed, as the chief sets one, must not make them equal
+    first = [next(iter(data.build_pipeline(tf.data.Dataset.range(1000), None, 50, seed=None,
+                                           map_fn=lambda x: x))).numpy().tolist()
+             for _ in range(2)]
+    assert first[0] != first[1]

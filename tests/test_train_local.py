@@ -81,3 +81,15 @@ def test_no_strategy_baseline_with_periodic_eval(tmp_path, capsys):
     assert seconds == sorted(seconds) and results["eval_seconds"] > 0
     assert curve[-1]["test_accuracy"] == round(results["test_accuracy"], 5)
     assert curve[0]["test_accuracy"] > 0.7
+
+
+def test_resume_replays_the_data_exactly(tmp_path):
+    """Stopping and resuming gives the weights of an uninterrupted run."""
+    common = dict(strategy="none", model="logreg", optimizer="sgd", learning_rate=0.5,
+                  lr_schedule="constant", log_every=100, steps_per_execution=5,
+                  data_dir=os.environ.get("TFDS_DATA_DIR"))
+    straight = train.run(TrainConfig(steps=20, model_dir=str(tmp_path / "a"), **common))
+    train.run(TrainConfig(steps=10, model_dir=str(tmp_path / "b"), **common))
+    resumed = train.run(TrainConfig(steps=20, model_dir=str(tmp_path / "b"), **common))
+    assert resumed["resumed_from_step"] == 10
+    assert resumed["weights_sha256"] == straight["weights_sha256"]

@@ -207,7 +207,7 @@ def run_sync(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None
         saved_at = current
 
     dataset_fn = data.make_dataset_fn(
-        config.global_batch_size, seed=config.seed + start_step,
+        config.global_batch_size, seed=config.seed, start_step=start_step,
         data_dir=config.data_dir, synthetic=config.synthetic_data,
     )
     iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
