@@ -1,6 +1,8 @@
 """The launcher's pure stages, without starting any process."""
 
 import json
+import os
+import sys
 
 import pytest
 
@@ -140,8 +142,13 @@ def test_mnist_prepared_looks_for_a_tfds_copy(tmp_path):
 
 def test_thread_env_splits_cores_between_computing_tasks():
     mw = launch.build_cluster("multiworker", 2, ports=[1, 2])
+    # Each worker also gets cores of its own, and an inter-op pool as large as
+    # the host's (a one-thread pool deadlocks a ps worker).
     assert launch.thread_env("multiworker", mw, 8) == {
-        "worker:0": {"TF_NUM_INTRAOP_THREADS": "4"}, "worker:1": {"TF_NUM_INTRAOP_THREADS": "4"},
+        "worker:0": {"TF_NUM_INTRAOP_THREADS": "4", "LAUNCH_CPUS": "0,1,2,3",
+                     "TF_NUM_INTEROP_THREADS": "8"},
+        "worker:1": {"TF_NUM_INTRAOP_THREADS": "4", "LAUNCH_CPUS": "4,5,6,7",
+                     "TF_NUM_INTEROP_THREADS": "8"},
     }
     ps = launch.build_cluster("ps", 3, ps=1, ports=[1, 2, 3, 4, 5])
     env = {n: e["TF_NUM_INTRAOP_THREADS"] for n, e in launch.thread_env("ps", ps, 2).items()}
@@ -149,6 +156,24 @@ def test_thread_env_splits_cores_between_computing_tasks():
     assert env == {"chief:0": "1", "worker:0": "1", "worker:1": "1", "worker:2": "1", "ps:0": "1"}
     ps6 = {n: e["TF_NUM_INTRAOP_THREADS"] for n, e in launch.thread_env("ps", ps, 6).items()}
     assert ps6["worker:0"] == "2" and ps6["chief:0"] == ps6["ps:0"] == "1"
+    pinned = {n: e.get("LAUNCH_CPUS") for n, e in launch.thread_env("ps", ps, 6).items()}
+    assert pinned == {"chief:0": None, "worker:0": "0,1", "worker:1": "2,3", "worker:2": "4,5",
+                      "ps:0": None}
+    # More busy tasks than cores: nobody is pinned.
+    assert all("LAUNCH_CPUS" not in e for e in launch.thread_env("ps", ps, 2).values())
+
+
+def test_pinned_task_runs_on_its_own_cores(tmp_path):
+    """The CPU set reaches the child process (Linux)."""
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs Linux and 2 usable cores to observe pinning")
+    out = tmp_path / "out.txt"
+    code = f"import os; open({str(out)!r}, 'w').write(repr(sorted(os.sched_getaffinity(0))))"
+    (task,) = launch.start_tasks({"worker:1": None}, [sys.executable, "-c", code], {},
+                                 sink=open(os.devnull, "w"),
+                                 task_envs={"worker:1": {"LAUNCH_CPUS": "1"}})
+    assert task.proc.wait(30) == 0
+    assert out.read_text() == "[1]"
 # --- fault injection and recovery flags (pure) ------------------------------------
 
 @pytest.mark.parametrize("action,spec,expected", [
