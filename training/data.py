@@ -121,7 +121,11 @@ def build_pipeline(
     n = tf.shape(tf.nest.flatten(elements)[0], out_type=tf.int64)[0]
     seed_t = _seed_tensor(seed)
 
-    def positions_to_batch(positions):
+    b = tf.constant(batch, tf.int64)
+
+    def batch_at(k):
+        start = k * b
+        positions = tf.range(start, start + b if repeat else tf.minimum(start + b, n))
         index = positions % n
         if shuffle:
             epoch = positions // n
@@ -135,15 +139,10 @@ def build_pipeline(
         picked = tf.nest.map_structure(lambda t: tf.gather(t, index), elements)
         return map_fn(*picked) if isinstance(picked, tuple) else map_fn(picked)
 
-    b = tf.constant(batch, tf.int64)
-    if repeat:
-        starts = tf.data.Dataset.range(first_batch, 1 << 62).map(lambda k: k * b)
-        positions = starts.map(lambda s: s + tf.range(b))
-    else:
-        positions = tf.data.Dataset.range(0, n, batch).map(
-            lambda s: tf.range(s, tf.minimum(s + b, n))
-        )
-    ds = positions.map(positions_to_batch, num_parallel_calls=tf.data.AUTOTUNE)
+    # Batch numbers: endless with ``repeat``, else one pass with a short last batch.
+    ks = (tf.data.Dataset.range(first_batch, 1 << 62) if repeat
+          else tf.data.Dataset.range((n + b - 1) // b))
+    ds = ks.map(batch_at, num_parallel_calls=tf.data.AUTOTUNE)
     return ds.prefetch(tf.data.AUTOTUNE)
 
 
