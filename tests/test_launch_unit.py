@@ -1,4 +1,4 @@
-"""The launcher's pure stages, without starting any process."""
+"""The launcher's pure stages, without a cluster (one test starts a trivial child to read its CPU set)."""
 
 import json
 import os
