@@ -13,8 +13,10 @@ learning-rate schedule and steps per call, each in fresh processes:
   multiworker  MultiWorkerMirroredStrategy, N worker processes (launch.py)
   ps           ParameterServerStrategy, N workers + 1 ps + the chief (launch.py)
 
-Throughput is steady state (the first call, which traces and connects, is
-reported apart as startup) with evaluation time left out. The chief
+Each configuration runs ``--repeats`` times (default 2), interleaved, and
+its row averages them: on a shared host a single run of each varies by about
+±10 %. Throughput is steady state (the first call, which traces and
+connects, is reported apart as startup) with evaluation time left out. The chief
 evaluates on the test split every ``--eval-every`` steps, which gives the
 accuracy-against-time curves and the time to ``--target``. Writes
 ``<out>/benchmark.md``, ``<out>/benchmark.json`` and PNG plots; each run's
@@ -51,6 +53,7 @@ class Run:
     workers: int
     cmd: tuple[str, ...]
     model_dir: str
+    config: str = ""  # the table row: repeats of one configuration share it
 
 
 def parse_workers(text: str) -> list[int]:
@@ -92,25 +95,31 @@ def plan_runs(args: argparse.Namespace, python: str = sys.executable) -> list[Ru
     launch = os.path.join(HERE, "launch.py")
     runs = []
 
-    def add(name, kind, workers, prefix, extra=()):
+    def add(config, kind, workers, prefix, extra=()):
+        name = config if args.repeats == 1 else f"{config}-r{repeat}"
         model_dir = os.path.join(args.out, "runs", name)
         cmd = (*prefix, *common, *extra, "--model-dir", model_dir)
-        runs.append(Run(name, kind, workers, tuple(cmd), model_dir))
+        runs.append(Run(name, kind, workers, tuple(cmd), model_dir, config))
 
     kinds = parse_only(args.only)
-    for kind in kinds:
-        if kind in ("none", "mirrored"):
-            add(kind, kind, 1, [python, train, f"--strategy={kind}"])
-        elif kind == "synthetic":
-            # No evaluation: this run only measures the input pipeline's cost.
-            add(kind, kind, 1, [python, train, "--strategy=none"],
-                ["--synthetic-data", "--eval-every", "0"])
-        else:
-            for n in parse_workers(args.workers):
-                ps = ["--ps", "1"] if kind == "ps" else []
-                add(f"{kind}-{n}w", kind, n, [python, launch, "--strategy", kind,
-                                               "--workers", str(n), *ps,
-                                               "--timeout", str(args.run_timeout), "--"])
+    if args.repeats < 1:
+        raise BenchError(f"--repeats {args.repeats} must be at least 1")
+    # Repeats are interleaved (every configuration once, then again), so a
+    # slow spell of a shared host falls on all of them, not on one.
+    for repeat in range(1, args.repeats + 1):
+        for kind in kinds:
+            if kind in ("none", "mirrored"):
+                add(kind, kind, 1, [python, train, f"--strategy={kind}"])
+            elif kind == "synthetic":
+                # No evaluation: this run only measures the input pipeline's cost.
+                add(kind, kind, 1, [python, train, "--strategy=none"],
+                    ["--synthetic-data", "--eval-every", "0"])
+            else:
+                for n in parse_workers(args.workers):
+                    ps = ["--ps", "1"] if kind == "ps" else []
+                    add(f"{kind}-{n}w", kind, n, [python, launch, "--strategy", kind,
+                                                   "--workers", str(n), *ps,
+                                                   "--timeout", str(args.run_timeout), "--"])
     return runs
 
 
@@ -122,42 +131,56 @@ def time_to_target(curve: list[dict], target: float) -> float | None:
     return None
 
 
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
 def summarize(results: dict[str, dict], runs: list[Run], target: float) -> list[dict]:
-    """One row per run, with ratios to the baseline of this same bench run; pure."""
-    base = results.get("none")
-    rows = []
+    """One row per configuration, its repeats averaged, with ratios to the
+    baseline's average from this same bench run; pure."""
+    groups: dict[str, list[Run]] = {}
     for run in runs:
-        r = results.get(run.name)
-        row = {"name": run.name, "kind": run.kind, "workers": run.workers, "ok": r is not None}
-        if r is None:
+        groups.setdefault(run.config or run.name, []).append(run)
+    rows = []
+    for config, group in groups.items():
+        first = group[0]
+        done = [results[run.name] for run in group if run.name in results]
+        row = {"name": config, "kind": first.kind, "workers": first.workers,
+               "runs": [run.name for run in group],
+               "failed": [run.name for run in group if run.name not in results]}
+        row["ok"] = not row["failed"]
+        if not done:
             rows.append(row)
             continue
-        eps = r["examples_per_sec"]
-        tta = time_to_target(r.get("eval_curve", []), target)
+        last = done[-1]
         row.update(
-            examples_per_sec=eps,
-            test_accuracy=r["test_accuracy"],
-            global_steps=r["global_steps"],
-            startup_seconds=r.get("startup_seconds"),
-            train_seconds=r.get("train_seconds"),
-            time_to_target=tta,
-            steps_per_worker=r.get("steps_per_worker", {}),
-            staleness=r.get("staleness"),
+            examples_per_sec=_mean([r["examples_per_sec"] for r in done]),
+            examples_per_sec_each=[r["examples_per_sec"] for r in done],
+            test_accuracy=_mean([r["test_accuracy"] for r in done]),
+            global_steps=last["global_steps"],
+            startup_seconds=_mean([r.get("startup_seconds") for r in done]),
+            train_seconds=_mean([r.get("train_seconds") for r in done]),
+            time_to_target=_mean([time_to_target(r.get("eval_curve", []), target) for r in done]),
+            steps_per_worker=last.get("steps_per_worker", {}),
+            staleness=last.get("staleness"),
         )
-        if base is not None:
-            if run.kind == "synthetic":
-                # Real data's rate over the synthetic rate: 1.0 = input costs nothing.
-                row["ratio"] = base["examples_per_sec"] / eps
-            else:
-                row["ratio"] = eps / base["examples_per_sec"]
-            base_tta = time_to_target(base.get("eval_curve", []), target)
-            if tta is not None and base_tta:
-                row["tta_ratio"] = tta / base_tta
-        target_ratio = TARGETS.get(run.kind)
-        if target_ratio is not None and "ratio" in row:
+        rows.append(row)
+    base = next((r for r in rows if r["kind"] == "none" and "examples_per_sec" in r), None)
+    for row in rows:
+        if base is None or "examples_per_sec" not in row:
+            continue
+        if row["kind"] == "synthetic":
+            # Real data's rate over the synthetic rate: 1.0 = input costs nothing.
+            row["ratio"] = base["examples_per_sec"] / row["examples_per_sec"]
+        else:
+            row["ratio"] = row["examples_per_sec"] / base["examples_per_sec"]
+        if row["time_to_target"] is not None and base["time_to_target"]:
+            row["tta_ratio"] = row["time_to_target"] / base["time_to_target"]
+        target_ratio = TARGETS.get(row["kind"])
+        if target_ratio is not None:
             row["target_ratio"] = target_ratio
             row["meets_target"] = row["ratio"] >= target_ratio
-        rows.append(row)
     return rows
 
 
@@ -172,21 +195,25 @@ def render_markdown(rows: list[dict], settings: dict, machine: str, target: floa
         f"Machine: {machine}.  ",
         "Work: " + ", ".join(f"{k} {v}" for k, v in settings.items()) + ".",
         "",
-        "Examples/s is steady state (startup and evaluation excluded); *ratio* is "
-        "against `none` (one process, no strategy) from this same run; for "
+        "Examples/s is steady state (startup and evaluation excluded), averaged over "
+        "the repeats (each run's figure is in the last column; repeats are "
+        "interleaved); *ratio* is against `none` (one process, no strategy) from "
+        "this same bench run; for "
         "`synthetic` it is real-data over in-memory-data throughput of the baseline "
         "(1.0: the input pipeline costs nothing). Every run sees the same examples, so "
         f"the accuracy column compares sync and async at equal examples seen. "
         f"Time to {target} includes startup.",
         "",
         "| run | workers | test accuracy | examples/s | ratio | target | startup s "
-        f"| time to {target} s | steps per worker | staleness mean / p99 / max |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| time to {target} s | steps per worker | staleness mean / p99 / max "
+        "| examples/s each run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if not row["ok"]:
-            lines.append(f"| {row['name']} | {row['workers']} | FAILED (see runs/{row['name']}.log) "
-                         "| | | | | | | |")
+            logs = ", ".join(f"runs/{name}.log" for name in row["failed"])
+            lines.append(f"| {row['name']} | {row['workers']} | FAILED (see {logs}) "
+                         "| | | | | | | | |")
             continue
         target_cell = ""
         if "target_ratio" in row:
@@ -199,7 +226,8 @@ def render_markdown(rows: list[dict], settings: dict, machine: str, target: floa
             f"| {row['name']} | {row['workers']} | {row['test_accuracy']:.4f} "
             f"| {row['examples_per_sec']:,.0f} | {_fmt(row.get('ratio'), '.2f')} | {target_cell} "
             f"| {_fmt(row['startup_seconds'], '.1f')} | {_fmt(row['time_to_target'], '.1f', 'not reached')} "
-            f"| {share} | {stale} |"
+            f"| {share} | {stale} "
+            f"| {' / '.join(format(v, ',.0f') for v in row['examples_per_sec_each'])} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -281,14 +309,14 @@ def plot(rows: list[dict], results: dict[str, dict], out: str, target: float) ->
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for row in ok:
-        curve = results[row["name"]].get("eval_curve", [])
+        curve = results[row["runs"][0]].get("eval_curve", [])
         if row["kind"] != "synthetic" and curve:
             ax.plot([p["seconds"] for p in curve], [p["test_accuracy"] for p in curve],
                     marker="o", markersize=3, label=row["name"])
     ax.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"target {target}")
     ax.set_xlabel("seconds since start (evaluation time excluded)")
     ax.set_ylabel("test accuracy")
-    low = min([p["test_accuracy"] for r in ok for p in results[r["name"]].get("eval_curve", [])]
+    low = min([p["test_accuracy"] for r in ok for p in results[r["runs"][0]].get("eval_curve", [])]
               + [target - 0.02])
     ax.set_ylim(max(low, target - 0.05), 1.0)
     ax.legend(loc="lower right")
@@ -349,6 +377,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=234, help="steps between test evaluations")
     p.add_argument("--log-every", type=int, default=200)
     p.add_argument("--workers", default="2", help="worker counts for multiworker and ps, e.g. 1,2,4")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="runs of each configuration, interleaved; rows show their average")
     p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(KINDS)}")
     p.add_argument("--target", type=float, default=0.99, help="test accuracy for time-to-target")
     p.add_argument("--data-dir", default=None)
@@ -380,6 +410,7 @@ def main(argv=None) -> int:
         "steps" if args.steps else "epochs": args.steps or args.epochs,
         "global batch": args.global_batch_size, "seed": args.seed,
         "steps per call": args.steps_per_execution, "eval every": f"{args.eval_every} steps",
+        "repeats": args.repeats,
     }
     machine = machine_description()
     markdown = render_markdown(rows, settings, machine, args.target)

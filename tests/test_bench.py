@@ -16,7 +16,8 @@ def args(**kw):
 
 
 def test_plan_runs_same_work_for_every_strategy(tmp_path):
-    runs = bench.plan_runs(args(workers="1,2", out=str(tmp_path), steps=50), python="py")
+    runs = bench.plan_runs(args(workers="1,2", out=str(tmp_path), steps=50, repeats=1),
+                           python="py")
     assert [r.name for r in runs] == [
         "none", "synthetic", "mirrored", "multiworker-1w", "multiworker-2w", "ps-1w", "ps-2w",
     ]
@@ -34,10 +35,33 @@ def test_plan_runs_same_work_for_every_strategy(tmp_path):
     assert "--synthetic-data" in synthetic and "--strategy=none" in synthetic
 
 
+def test_repeats_are_interleaved_and_averaged(tmp_path):
+    runs = bench.plan_runs(args(only="none,ps", out=str(tmp_path), repeats=2), python="py")
+    # Every configuration once, then again: a slow spell hits all of them.
+    assert [(r.name, r.config) for r in runs] == [
+        ("none-r1", "none"), ("ps-2w-r1", "ps-2w"), ("none-r2", "none"), ("ps-2w-r2", "ps-2w"),
+    ]
+    assert len({r.model_dir for r in runs}) == 4
+    result = lambda eps: {"examples_per_sec": eps, "test_accuracy": 0.99, "global_steps": 10}
+    results = {"none-r1": result(1000.0), "none-r2": result(1200.0),
+               "ps-2w-r1": result(800.0), "ps-2w-r2": result(960.0)}
+    rows = {r["name"]: r for r in bench.summarize(results, runs, 0.99)}
+    assert rows["none"]["examples_per_sec"] == 1100.0
+    assert rows["ps-2w"]["examples_per_sec_each"] == [800.0, 960.0]
+    assert rows["ps-2w"]["ratio"] == pytest.approx(880 / 1100) and rows["ps-2w"]["meets_target"]
+    # One failed repeat fails the row, and the table names that run's log.
+    del results["ps-2w-r2"]
+    rows = {r["name"]: r for r in bench.summarize(results, runs, 0.99)}
+    assert not rows["ps-2w"]["ok"] and rows["ps-2w"]["failed"] == ["ps-2w-r2"]
+    md = bench.render_markdown(list(rows.values()), {}, "m", 0.99)
+    assert "| ps-2w | 2 | FAILED (see runs/ps-2w-r2.log)" in md
+
+
 @pytest.mark.parametrize("flag, words", [
     (["--workers", "0,2"], ["'0,2'", "positive"]),
     (["--only", "ps,horovod"], ["horovod", "allowed"]),
     (["--only", "ps"], ["'none'", "baseline"]),
+    (["--repeats", "0"], ["--repeats 0", "at least 1"]),
 ])
 def test_bad_input_one_line(flag, words, capsys, tmp_path):
     assert bench.main([*flag, "--out", str(tmp_path / "o")]) == 2
@@ -48,7 +72,7 @@ def test_bad_input_one_line(flag, words, capsys, tmp_path):
 
 
 def test_summarize_ratios_and_time_to_target():
-    runs = bench.plan_runs(args(only="none,synthetic,ps", workers="2"), python="py")
+    runs = bench.plan_runs(args(only="none,synthetic,ps", workers="2", repeats=1), python="py")
     curve = lambda *pts: [{"seconds": s, "test_accuracy": a, "step": 0} for s, a in pts]
     results = {
         "none": {"examples_per_sec": 1000.0, "test_accuracy": 0.99, "global_steps": 10,
@@ -66,6 +90,7 @@ def test_summarize_ratios_and_time_to_target():
     assert bench.time_to_target(results["ps-2w"]["eval_curve"], 0.999) is None
     md = bench.render_markdown(list(rows.values()), {"steps": 10}, "test machine", 0.99)
     assert "| ps-2w | 2 | 0.9900 | 850 | 0.85 | ≥ 0.8 met |" in md
+    assert md.splitlines()[-1].endswith("| 850 |")  # each run's figure
     assert "**missed**" in md
 
 
@@ -75,7 +100,7 @@ def test_smoke_run_writes_table_and_plots(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench.py"), "--only", "none,ps", "--steps", "20",
-         "--eval-every", "10", "--steps-per-execution", "5", "--out", str(out),
+         "--eval-every", "10", "--steps-per-execution", "5", "--repeats", "1", "--out", str(out),
          "--run-timeout", "200"],
         env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=280,
     )

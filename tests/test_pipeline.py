@@ -92,3 +92,16 @@ def test_unseeded_pipelines_differ_per_build():
                                            map_fn=lambda x: x))).numpy().tolist()
              for _ in range(2)]
     assert first[0] != first[1]
+
+
+def test_training_pipeline_needs_no_partial_batch_guard():
+    """Infinite and statically shaped: a distributed iterator then skips
+    get_next_as_optional, which under multiworker costs an all-reduce per step."""
+    ds = data.make_dataset_fn(64, seed=1, data_dir=None)(contexts(2)[0])
+    assert ds.cardinality() == tf.data.INFINITE_CARDINALITY
+    images, labels = ds.element_spec
+    assert images.shape == (32, 28, 28, 1) and labels.shape == (32,)
+    dist = tf.distribute.MirroredStrategy().distribute_datasets_from_function(
+        data.make_dataset_fn(64, seed=1, data_dir=None))
+    # The private flag the decision ends in (input_lib._enable_get_next_as_optional).
+    assert dist._enable_get_next_as_optional is False
