@@ -1,6 +1,6 @@
 """Benchmark every strategy on the same work, against a single process, in one run.
 
-    python bench.py                      # cnn, 3 epochs, 2 workers: ~8 min on 2 CPU cores
+    python bench.py                      # cnn, 3 epochs, 2 workers, 2 repeats: ~10 min on 2 CPU cores
     python bench.py --workers 1,2,4      # adds a scaling curve for multiworker and ps
     python bench.py --steps 40 --eval-every 20 --out /tmp/bench   # a smoke run
 
