@@ -33,10 +33,6 @@ def test_two_workers_train_to_identical_weights(tmp_path, spawn):
     # Exactly one results.json: the chief's. worker:1 kept nothing of its own.
     assert sorted(x.name for x in (tmp_path / "mw2").rglob("results.json")) == ["results.json"]
     assert any(l.startswith("[worker:1] step 300/300") for l in p.lines)
-    # worker:1 waited for the chief's final evaluation before leaving, so the
-    # chief's coordination service never saw a task vanish (which costs a
-    # heartbeat timeout at exit).
-    assert not any("tasks are unhealthy" in l for l in p.lines), p.output
     # The saved TF_CONFIGs replay the tasks.
     saved = json.loads((tmp_path / "mw2" / "launch" / "worker-1.tf_config.json").read_text())
     assert saved["task"] == {"type": "worker", "index": 1}

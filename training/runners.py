@@ -291,29 +291,5 @@ def run_sync(config: TrainConfig, bundle, replicas: int, started_ok=lambda: None
             f"{cfg.task_name} done: global_steps={results['global_steps']} "
             f"weights_sha256={digest}", flush=True,
         )
-        _leave_together(strategy, cfg)
         return None
-    results = _finish(config, state, reporter, results)
-    _leave_together(strategy, cfg)
-    return results
-
-
-def _leave_together(strategy, cfg) -> None:
-    """Wait for every worker (the chief after its final evaluation and save).
-
-    A worker that exits while the chief is still busy leaves the chief's
-    coordination service waiting, at its own exit, for the heartbeat
-    timeout ("tasks are unhealthy"): up to 100 s more per run, seen in
-    the benchmark. One tiny all-reduce lines the exits up.
-    """
-    if cfg.is_local or cfg.num_workers < 2:
-        return
-
-    @tf.function
-    def barrier():
-        return strategy.reduce(
-            tf.distribute.ReduceOp.SUM,
-            strategy.run(lambda: tf.constant(1, tf.int32)), axis=None,
-        )
-
-    barrier()
+    return _finish(config, state, reporter, results)
