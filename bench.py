@@ -15,8 +15,9 @@ learning-rate schedule and steps per call, each in fresh processes:
 
 Each configuration runs ``--repeats`` times (default 2), interleaved, and
 its row takes the best throughput: on a shared host other work slows single
-runs down by 10 % and, now and then, by a third. Throughput is steady state (the first call, which traces and
-connects, is reported apart as startup) with evaluation time left out. The chief
+runs down by 10 % and, now and then, by a third. Throughput is steady state
+(the first call, which traces and connects, is reported apart as startup)
+with evaluation time left out. The chief
 evaluates on the test split every ``--eval-every`` steps, which gives the
 accuracy-against-time curves and the time to ``--target``. Writes
 ``<out>/benchmark.md``, ``<out>/benchmark.json`` and PNG plots; each run's
@@ -53,7 +54,7 @@ class Run:
     workers: int
     cmd: tuple[str, ...]
     model_dir: str
-    config: str = ""  # the table row: repeats of one configuration share it
+    config: str  # the table row: repeats of one configuration share it
 
 
 def parse_workers(text: str) -> list[int]:
@@ -148,7 +149,7 @@ def summarize(results: dict[str, dict], runs: list[Run], target: float) -> list[
     """
     groups: dict[str, list[Run]] = {}
     for run in runs:
-        groups.setdefault(run.config or run.name, []).append(run)
+        groups.setdefault(run.config, []).append(run)
     rows = []
     for config, group in groups.items():
         first = group[0]
