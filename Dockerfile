@@ -6,27 +6,53 @@
 #
 #   docker build -t tf-distribute-showcase:0.1.0 .
 #   docker run --rm tf-distribute-showcase:0.1.0 --strategy=auto --dry-run
+#
+# Layers, from the least to the most often changed: the OS packages, the
+# dependencies (several GB, from requirements.lock: pinned and hashed), then
+# the sources. Editing a source file rebuilds only the last two layers, in
+# seconds; only a changed requirements.lock reinstalls the dependencies.
 FROM python:3.11-slim-bookworm
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    TF_CPP_MIN_LOG_LEVEL=2
+    TF_CPP_MIN_LOG_LEVEL=2 \
+    # What the NVIDIA container toolkit mounts into the container: CUDA
+    # compute and nvidia-smi; nothing for graphics or video.
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+
+# tini as PID 1: it forwards SIGTERM (preemption: checkpoint, exit 42) to
+# train.py and reaps the zombies TensorFlow's subprocesses may leave; Python
+# as PID 1 would get no default signal handling from the kernel.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends tini \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --create-home --uid 1000 trainer \
+    && install -d -o 1000 -g 1000 /workspace
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
+# The dependencies alone: the lock is all this layer depends on.
+COPY requirements.lock ./
+RUN pip install --require-hashes --no-deps -r requirements.lock
+
+COPY pyproject.toml README.md LICENSE ./
 COPY strategies/ strategies/
 COPY models/ models/
 COPY training/ training/
+COPY launcher/ launcher/
 COPY *.py ./
-# pyproject.toml is the one list of dependencies, here as everywhere else.
-RUN pip install ".[gpu]" \
-    && useradd --create-home --uid 1000 trainer
+# The package only: its dependencies are in the layer above, and the build
+# backend (setuptools) comes from the lock too, not from the internet.
+RUN pip install --no-deps --no-build-isolation .
 
 # A TensorFlow server runs whatever graph it is sent: the process it lives
 # in should be able to do as little as possible.
 USER 1000
-# The port every TF_CONFIG in k8s/ and slurm/ uses (also Kubeflow's default).
+# train.py's default --model-dir (runs/default) is relative: /workspace is the
+# trainer's, so a run without a volume still has somewhere to write.
+WORKDIR /workspace
+# The port every TF_CONFIG in k8s/ uses (also Kubeflow's default); slurm/
+# derives one per job.
 EXPOSE 2222
-ENTRYPOINT ["python", "/app/train.py"]
+ENTRYPOINT ["tini", "--", "python", "/app/train.py"]
 CMD ["--help"]

@@ -3,14 +3,8 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# Offline machines (like CI here) read a prepared MNIST copy; online ones may
-# leave TFDS_DATA_DIR unset and tfds downloads MNIST itself.
-ifeq ($(origin TFDS_DATA_DIR), undefined)
-  ifneq ($(wildcard ../shared/data/tfds/mnist),)
-    export TFDS_DATA_DIR := $(abspath ../shared/data/tfds)
-  endif
-endif
-export TF_CPP_MIN_LOG_LEVEL ?= 2
+# MNIST: tfds downloads it on first use; offline, set TFDS_DATA_DIR to a
+# prepared tfds copy (the tests and the demo read the same variable).
 
 .PHONY: demo test venv clean
 

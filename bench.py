@@ -36,8 +36,14 @@ import sys
 import time
 from dataclasses import dataclass
 
+import protocol
+from strategies import kinds as strategy_kinds
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-KINDS = ("none", "synthetic", "mirrored", "multiworker", "ps")
+BASELINE = "none"
+# Benchmark configurations: every strategy kind, plus the baseline on synthetic data.
+KINDS = (BASELINE, "synthetic",
+         *(k for k in strategy_kinds.names(include_auto=False) if k != BASELINE))
 # Steady-state examples/s as a fraction of the baseline's, in the same bench run
 # (for synthetic: the baseline's real-data rate as a fraction of the synthetic one).
 TARGETS = {"mirrored": 0.95, "multiworker": 0.8, "ps": 0.8, "synthetic": 0.95}
@@ -77,7 +83,7 @@ def parse_only(text: str | None) -> tuple[str, ...]:
     bad = [k for k in kinds if k not in KINDS]
     if bad:
         raise BenchError(f"--only {text!r} names {bad}; allowed: {', '.join(KINDS)}")
-    if "none" not in kinds:
+    if BASELINE not in kinds:
         raise BenchError(f"--only {text!r} leaves out 'none', the baseline every ratio needs")
     return kinds
 
@@ -109,15 +115,16 @@ def plan_runs(args: argparse.Namespace, python: str = sys.executable) -> list[Ru
     # slow spell of a shared host falls on all of them, not on one.
     for repeat in range(1, args.repeats + 1):
         for kind in kinds:
-            if kind in ("none", "mirrored"):
-                add(kind, kind, 1, [python, train, f"--strategy={kind}"])
-            elif kind == "synthetic":
+            if kind == "synthetic":
                 # No evaluation: this run only measures the input pipeline's cost.
-                add(kind, kind, 1, [python, train, "--strategy=none"],
+                add(kind, kind, 1, [python, train, f"--strategy={BASELINE}"],
                     ["--synthetic-data", "--eval-every", "0"])
+            elif strategy_kinds.get(kind).single_process:
+                add(kind, kind, 1, [python, train, f"--strategy={kind}"])
             else:
+                min_ps = strategy_kinds.get(kind).min_ps
                 for n in parse_workers(args.workers):
-                    ps = ["--ps", "1"] if kind == "ps" else []
+                    ps = ["--ps", str(min_ps)] if min_ps else []
                     add(f"{kind}-{n}w", kind, n, [python, launch, "--strategy", kind,
                                                    "--workers", str(n), *ps,
                                                    "--timeout", str(args.run_timeout), "--"])
@@ -174,7 +181,7 @@ def summarize(results: dict[str, dict], runs: list[Run], target: float) -> list[
             staleness=last.get("staleness"),
         )
         rows.append(row)
-    base = next((r for r in rows if r["kind"] == "none" and "examples_per_sec" in r), None)
+    base = next((r for r in rows if r["kind"] == BASELINE and "examples_per_sec" in r), None)
     for row in rows:
         if base is None or "examples_per_sec" not in row:
             continue
@@ -267,7 +274,6 @@ def run_one(run: Run, timeout: float, log=print) -> dict | None:
     log_path = run.model_dir + ".log"
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.pop("TF_CONFIG", None)  # the single-process runs must not join a cluster
     started = time.perf_counter()
     with open(log_path, "w") as out:
@@ -283,8 +289,8 @@ def run_one(run: Run, timeout: float, log=print) -> dict | None:
     if code != 0 or not os.path.exists(path):
         log(f"[bench] {run.name}: FAILED (exit {code}) after {seconds:.0f}s; log: {log_path}")
         return None
-    with open(path) as f:
-        results = json.load(f)
+    # Through the typed record: a results.json of another schema fails here, loudly.
+    results = protocol.Results.load(path).to_dict()
     log(f"[bench] {run.name}: test accuracy {results['test_accuracy']:.4f}, "
         f"{results['examples_per_sec']:,.0f} examples/s, {seconds:.0f}s")
     return results
@@ -334,10 +340,10 @@ def plot(rows: list[dict], results: dict[str, dict], out: str, target: float) ->
     fig, ax = plt.subplots(figsize=(7, 4))
     names = [r["name"] for r in ok]
     values = [r["examples_per_sec"] for r in ok]
-    bars = ax.bar(names, values, color=["#888" if r["kind"] in ("none", "synthetic") else "#3a7"
+    bars = ax.bar(names, values, color=["#888" if r["kind"] in (BASELINE, "synthetic") else "#3a7"
                                         for r in ok])
     for bar, row in zip(bars, ok):
-        if "ratio" in row and row["kind"] != "none":
+        if "ratio" in row and row["kind"] != BASELINE:
             ax.annotate(f"{row['ratio']:.2f}×", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=9)
     ax.set_ylabel("examples / s (steady state)")
@@ -345,7 +351,7 @@ def plot(rows: list[dict], results: dict[str, dict], out: str, target: float) ->
     ax.tick_params(axis="x", rotation=20)
     paths.append(_save(fig, out, "throughput.png"))
 
-    ps_rows = [r for r in ok if r["kind"] == "ps"]
+    ps_rows = [r for r in ok if r.get("staleness")]  # asynchronous kinds report it
     if ps_rows:
         fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
         row = ps_rows[-1]

@@ -14,22 +14,17 @@ other outcome is a crash: its command and the tail of its log are printed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-import re
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import protocol
+from strategies import ConfigError, kinds
 
-# (action, task) pairs each strategy survives, and the recovery flags it needs.
-PS_FAULTS = [("kill", "worker:0"), ("kill", "worker:1"), ("preempt", "worker:1"),
-             ("kill", "ps:0"), ("kill", "chief:0"), ("preempt", "chief:0")]
-MW_FAULTS = [("kill", "worker:0"), ("kill", "worker:1"),
-             ("preempt", "worker:0"), ("preempt", "worker:1")]
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass
@@ -47,23 +42,22 @@ class Run:
 
 
 def pick_faults(rng: random.Random, strategy: str, steps: int) -> list[str]:
-    pool = PS_FAULTS if strategy == "ps" else MW_FAULTS
-    chosen = rng.sample(pool, rng.choice((1, 2)))
+    # The (action, task) faults the strategy kind survives with recovery on.
+    pool = list(kinds.get(strategy).survivable_faults)
+    chosen = rng.sample(pool, min(len(pool), rng.choice((1, 2))))
     return [f"--{action}={task}@step={rng.randrange(100, steps - 100)}" for action, task in chosen]
 
 
 def job_command(strategy: str, faults: list[str], steps: int, model_dir: str) -> list[str]:
+    kind = kinds.get(strategy)
     recovery = ["--max-restarts", "3", "--restart-delay", "1"]
-    if strategy == "ps":
-        layout = ["--workers", "2", "--ps", "1", "--restart-tasks"]
-        train = ["--steps-per-execution", "5"]
-    else:
-        layout = ["--workers", "2"]
-        train = []
+    layout = ["--workers", "2", "--ps", str(kind.min_ps)]
+    if kind.restartable_roles:
+        recovery.append("--restart-tasks")
     return [sys.executable, os.path.join(HERE, "launch.py"), "--strategy", strategy, *layout,
             "--grace", "5", "--timeout", "600", *recovery, *faults, "--",
             "--model", "logreg", "--steps", str(steps), "--log-every", "100",
-            "--checkpoint-every", "200", *train, "--model-dir", model_dir]
+            "--checkpoint-every", "200", "--steps-per-execution", "5", "--model-dir", model_dir]
 
 
 def leftovers(marker: str) -> list[str]:
@@ -81,29 +75,30 @@ def leftovers(marker: str) -> list[str]:
     return found
 
 
-def check(run: Run, steps: int, model_dir: str, lines: list[str]) -> None:
-    run.injected = sum(1 for l in lines if re.match(r"^\[launch\] fault .*: sent ", l))
-    m = next((re.search(r"task restarts (\d+), job relaunches (\d+)", l) for l in lines
-              if l.startswith("[launch] recovery:")), None)
-    if m:
-        run.task_restarts, run.relaunches = int(m.group(1)), int(m.group(2))
+def check(run: Run, steps: int, model_dir: str) -> None:
+    try:
+        outcome = protocol.LaunchOutcome.load(os.path.join(model_dir, "launch", "outcome.json"))
+        run.injected = len(outcome.faults_fired)
+        run.task_restarts, run.relaunches = outcome.task_restarts, outcome.job_relaunches
+    except (OSError, ValueError, TypeError):
+        run.problems.append("no launch/outcome.json")
     if run.code != 0:
         run.problems.append(f"exit code {run.code}")
     try:
-        with open(os.path.join(model_dir, "results.json")) as f:
-            results = json.load(f)
-    except (OSError, ValueError):
-        run.problems.append("no results.json")
-        results = {}
-    if results:
-        done = results.get("completed_steps", results.get("global_steps"))
-        if done != steps:
-            run.problems.append(f"completed {done} steps of {steps}")
-        if run.strategy == "ps" and results["applied_steps"] < results["scheduled_steps"]:
-            run.problems.append(f"applied {results['applied_steps']} < scheduled "
-                                f"{results['scheduled_steps']}: a step is missing")
-        if run.strategy == "multiworker" and results["global_steps"] != steps:
-            run.problems.append(f"global step {results['global_steps']} != {steps}")
+        results = protocol.Results.load(os.path.join(model_dir, "results.json"))
+    except (OSError, ValueError, TypeError) as err:
+        run.problems.append(f"no readable results.json ({err})")
+        results = None
+    if results is not None:
+        if results.completed_steps != steps:
+            run.problems.append(f"completed {results.completed_steps} steps of {steps}")
+        if results.applied_steps is not None:
+            # Asynchronous: a lost worker's closure may apply steps twice, never fewer.
+            if results.applied_steps < results.scheduled_steps:
+                run.problems.append(f"applied {results.applied_steps} < scheduled "
+                                    f"{results.scheduled_steps}: a step is missing")
+        elif results.global_steps != steps:
+            run.problems.append(f"global step {results.global_steps} != {steps}")
     time.sleep(1)  # servers that saw the chief go have a moment to exit
     if left := leftovers(model_dir):
         run.problems.append(f"{len(left)} process(es) left behind: {left[0]}")
@@ -125,9 +120,7 @@ def soak(strategy: str, index: int, rng: random.Random, steps: int, out: str) ->
             run.code = proc.wait()
             run.problems.append("launcher still running after 900 s")
     run.seconds = time.monotonic() - started
-    with open(log_path, errors="replace") as f:
-        lines = f.read().splitlines()
-    check(run, steps, model_dir, lines)
+    check(run, steps, model_dir)
     return run
 
 
@@ -149,6 +142,13 @@ def main(argv=None) -> int:
         print(f"error: --out {out!r} is not empty; pass a new directory", file=sys.stderr)
         return 2
     os.makedirs(out, exist_ok=True)
+    try:
+        for strategy in args.strategies.split(","):
+            if kinds.get(strategy).single_process or not kinds.get(strategy).survivable_faults:
+                raise ConfigError(f"--strategies names {strategy!r}, which has no faults to soak")
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     rng = random.Random(seed)
     print(f"soak: seed {seed}, {args.runs} job(s) per strategy, {args.steps} steps each, in {out}",
           flush=True)

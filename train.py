@@ -27,7 +27,9 @@ Each process runs this same program; ``TF_CONFIG`` says which task it is.
 ``launch.py`` starts a whole simulated cluster on one host with these commands.
 Bad input ends with one ``error:`` line on stderr and exit code 2; a lost
 peer task with one ``error:`` line and exit code 75 (relaunch to resume); a
-preemption (SIGTERM) with a checkpoint at an agreed step and exit code 42.
+preemption (SIGTERM) with a checkpoint at an agreed step and exit code 42; a
+NaN or infinite loss with one ``error:`` line and exit code 65, the last good
+checkpoint kept. The chief holds ``<model-dir>/.lock`` while it runs.
 """
 
 from __future__ import annotations
@@ -35,36 +37,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
-from strategies import (
-    CLUSTER_RESOLVERS, ClusterConfig, ConfigError, check_batch_size, cluster_from_environ,
-    replicas_per_step, resolve_strategy_name,
-)
+import protocol
+from protocol import Exit
+from strategies import CLUSTER_RESOLVERS, ConfigError, check_batch_size, cluster_from_environ, kinds
 from strategies.devices import plan_devices
-from training.config import TrainConfig
-
-EXIT_BAD_INPUT = 2
-# Kept in step with training.recovery, which TensorFlow-free code cannot import.
-EXIT_PREEMPTED = 42
-EXIT_TASK_LOST = 75
-
-
-def _role_action(strategy: str, cfg: ClusterConfig) -> tuple[str, str]:
-    role = "local" if cfg.is_local else cfg.task_type
-    if role == "evaluator":
-        return role, "not used by train.py: evaluation runs on the chief after training"
-    if strategy == "ps":
-        return role, {
-            "chief": "coordinate: hold no data, schedule training steps on the workers, "
-                     "checkpoint, evaluate and write results",
-            "worker": "serve: run the training steps the chief schedules",
-            "ps": "serve: hold the model variables (CPU only)",
-        }[role]
-    if strategy == "multiworker":
-        duty = "write checkpoints, logs and results" if cfg.is_chief else "keep checkpoints private"
-        return role, f"train on its data shard with all-reduce every step; {duty}"
-    return role, "train on all local devices; write checkpoints, logs and results"
+from training.config import TrainConfig, check_model_dir
 
 
 def _physical_gpus() -> list[str]:
@@ -81,20 +61,23 @@ def plan(config: TrainConfig, gpus: list[str] | None = None) -> dict:
     """
     config.validate()
     cfg = config.cluster
-    strategy = resolve_strategy_name(config.strategy, cfg)
+    kind = kinds.resolve(config.strategy, cfg)
+    config.schedule()  # refuses impossible cadences before anything starts
+    if cfg.is_chief:
+        # The chief writes there; an unusable path fails now, not after TF starts.
+        check_model_dir(config.model_dir)
     if gpus is None:
         gpus = _physical_gpus()
-    devices = plan_devices(strategy, cfg, gpus)
-    replicas = replicas_per_step(strategy, cfg, len(devices["visible_gpus"]))
+    devices = plan_devices(kind.gpu_roles(), cfg, gpus)
+    replicas = kind.replicas(cfg, len(devices["visible_gpus"]))
     check_batch_size(config.global_batch_size, replicas)
-    role, action = _role_action(strategy, cfg)
     return {
-        "strategy": strategy,
+        "strategy": kind.name,
         "requested_strategy": config.strategy,
         "task": cfg.task_name,
-        "role": role,
+        "role": kind.role(cfg),
         "is_chief": cfg.is_chief,
-        "action": action,
+        "action": kind.duty(cfg),
         "cluster": cfg.cluster_dict(),
         "num_workers": cfg.num_workers,
         "num_ps": cfg.num_ps,
@@ -107,56 +90,107 @@ def plan(config: TrainConfig, gpus: list[str] | None = None) -> dict:
     }
 
 
-def run(config: TrainConfig) -> dict | None:
+def run(config: TrainConfig, as_command: bool = False) -> dict | None:
     """Run this task's part of the job; the chief returns the results dict.
 
     Raises ConfigError for bad input before anything is written.
+    ``as_command``: the process ends right after (``python train.py``).
     """
-    the_plan = plan(config)
     if config.dry_run:
-        print(json.dumps(the_plan, indent=None, sort_keys=True), flush=True)
+        print(json.dumps(plan(config), indent=None, sort_keys=True), flush=True)
         return None
-    cfg, strategy = config.cluster, the_plan["strategy"]
-    if strategy == "ps":
-        # TensorFlow's ps guide: fail RPCs to a lost task at once instead of
-        # retrying, so the coordinator can reschedule the closure elsewhere.
-        os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    cfg = config.cluster
+    # Everything that can be checked without TensorFlow first (its import
+    # takes seconds): the plan without this host's GPUs, the run directory's
+    # record and this task's port. None of them writes anything.
+    kind = kinds.get(plan(config, gpus=[])["strategy"])
+    evaluator = kind.role(cfg) == "evaluator"
+    if not evaluator and not kind.serves(cfg):
+        from training.checkpoints import check_run_record
+
+        check_run_record(config.model_dir, config.defining_flags(kind.name))
+    if not cfg.is_local and not evaluator:
+        check_own_port(cfg)
+    the_plan = plan(config)
+    for name, value in kind.process_env().items():
+        os.environ.setdefault(name, value)
 
     from strategies.devices import configure_devices
     from training import data
+    from training.checkpoints import RunLock
 
-    if the_plan["role"] in ("chief", "local") or (
-        strategy == "multiworker" and the_plan["role"] == "worker"
-    ):
-        data.ensure_available(config.data_dir)  # one clear line if MNIST is missing
-    configure_devices(strategy, cfg)
-    if the_plan["role"] == "evaluator":
+    if kind.reads_data(cfg):
+        # One clear line if MNIST is missing, truncated or corrupt (both splits).
+        data.ensure_available(config.data_dir)
+    configure_devices(kind.gpu_roles(), cfg)
+    if evaluator:
         print(f"{cfg.task_name}: {the_plan['action']}; exiting", flush=True)
         return None
-    if strategy == "ps" and the_plan["role"] in ("ps", "worker"):
+    if kind.serves(cfg):
         from strategies.server import serve
 
         serve(cfg, startup_timeout=config.startup_timeout)
         return None
 
-    from strategies import make_strategy
     from strategies.server import StartupWatchdog
+    from training.controller import train_and_evaluate
 
-    watchdog = StartupWatchdog(
-        cfg, config.startup_timeout, "connect to every task and run the first step"
-    )
-    bundle = make_strategy(
-        strategy, cfg, all_reduce=config.all_reduce, ps_shards=config.ps_shards
-    )
+    lock = None
     if cfg.is_chief:
+        # The first thing written: a second job on this directory stops here.
         os.makedirs(config.model_dir, exist_ok=True)
-    if strategy == "ps":
-        from training.ps_runner import run_ps
+        lock = RunLock(config.model_dir)
+    try:
+        watchdog = StartupWatchdog(
+            cfg, config.startup_timeout, "connect to every task and run the first step"
+        )
+        bundle = kind.build(cfg, all_reduce=config.all_reduce)
+        return train_and_evaluate(config, bundle, the_plan["replicas_in_sync"], watchdog.done,
+                                  as_command=as_command)
+    finally:
+        if lock is not None:
+            lock.release()
 
-        return run_ps(config, bundle, the_plan["replicas_in_sync"], watchdog.done)
-    from training.runners import run_sync
 
-    return run_sync(config, bundle, the_plan["replicas_in_sync"], watchdog.done)
+def check_own_port(cfg) -> None:
+    """Refuse to start when this task's port is already taken on this host.
+
+    TensorFlow's server listens on every interface, so a port held on any of
+    them (by a second task started with the same TF_CONFIG, or anything
+    else) fails it with a traceback that names no port. The probe binds the
+    wildcard addresses as gRPC does (SO_REUSEADDR: a port in TIME_WAIT after
+    a relaunch is free) and lets go at once.
+    """
+    import errno
+    import socket
+
+    port = int(cfg.address.rpartition(":")[2])
+    probes = [(socket.AF_INET, "")]
+    if socket.has_ipv6:
+        probes.append((socket.AF_INET6, "::"))
+    for family, wildcard in probes:
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no such address family on this host
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind((wildcard, port))
+                sock.listen(1)
+            except OSError as err:
+                if err.errno == errno.EADDRNOTAVAIL:
+                    continue  # IPv6 switched off: gRPC will not use it either
+                why = ("already in use on this host (by another task started with the same "
+                       "TF_CONFIG, or another program)" if err.errno == errno.EADDRINUSE
+                       else f"not available ({err.strerror})")
+                raise ConfigError(
+                    f"{cfg.task_name} cannot listen on port {port} (its TF_CONFIG address "
+                    f"{cfg.address}): the port is {why}; give every task its own TF_CONFIG "
+                    "task and port, or free the port"
+                ) from None
 
 
 class _ArgumentError(Exception):
@@ -167,62 +201,98 @@ class _Parser(argparse.ArgumentParser):
     """argparse whose errors take our one-line error path (exit 2)."""
 
     def error(self, message):
+        bad_choice = re.match(r"argument ([\w-]+)(?:/\S+)?: invalid choice: (.+) \(choose from (.+)\)$",
+                              message)
+        if bad_choice:
+            flag, value, allowed = bad_choice.groups()
+            message = f"unknown {flag} {value}; allowed: {allowed.replace(chr(39), '')}"
         raise _ArgumentError(f"{message}; see --help")
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every flag's default in --help."""
+
+
 def parse_args(argv=None) -> argparse.Namespace:
+    from models import MODEL_NAMES
+    from strategies.kinds import ALL_REDUCE
+    from training.config import LR_SCHEDULES, OPTIMIZERS
+
     p = _Parser(
         allow_abbrev=False,
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_Formatter,
         epilog="TF_CONFIG (environment) describes the cluster and this task; with "
-               "--cluster-resolver=slurm, the Slurm job step does.",
+               "--cluster-resolver=slurm, the Slurm job step does. " + protocol.exit_epilog(),
     )
     d = TrainConfig()
-    p.add_argument("--strategy", default=d.strategy, help="auto|none|mirrored|multiworker|ps (none: no distribution, the baseline)")
-    p.add_argument("--model", default=d.model, help="cnn|logreg")
-    p.add_argument("--epochs", type=int, default=d.epochs)
-    p.add_argument("--steps", type=int, default=None, help="total steps; overrides --epochs")
-    p.add_argument("--global-batch-size", type=int, default=d.global_batch_size)
-    p.add_argument("--optimizer", default=d.optimizer, help="adam|sgd")
-    p.add_argument("--learning-rate", type=float, default=None,
-                   help="peak rate; default 0.005 for adam, 0.1 for sgd")
-    p.add_argument("--lr-schedule", default=d.lr_schedule,
-                   help="cosine (decay to 0 over the run, default) | constant")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--model-dir", default=d.model_dir)
-    p.add_argument("--data-dir", default=None,
-                   help="tfds data dir holding mnist (default: TFDS_DATA_DIR, else tfds's own)")
-    p.add_argument("--steps-per-execution", type=int, default=d.steps_per_execution)
-    p.add_argument("--log-every", type=int, default=d.log_every, help="steps between progress lines")
-    p.add_argument("--eval-every", type=int, default=d.eval_every,
-                   help="steps between test-accuracy evaluations on the chief (0: at the end only); "
-                        "their time is left out of examples/s")
-    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
-                   help="steps between checkpoints (default: epoch ends only; the end always)")
-    p.add_argument("--all-reduce", default=d.all_reduce, help="auto|ring|nccl (multiworker)")
-    p.add_argument("--ps-shards", type=int, default=d.ps_shards,
-                   help="split large variables over up to this many ps tasks")
-    p.add_argument("--startup-timeout", type=float, default=d.startup_timeout,
-                   help="seconds to wait for the other tasks before giving up")
-    p.add_argument("--synthetic-data", action="store_true",
-                   help="train on one in-memory random batch (input-pipeline benchmark)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the resolved plan as JSON and exit without starting anything")
-    p.add_argument("--cluster-resolver", default="tf_config",
-                   help=f"where the cluster comes from: {'|'.join(CLUSTER_RESOLVERS)} (default tf_config)")
-    p.add_argument("--slurm-ps", type=int, default=None,
-                   help="slurm: rank 0 is the chief, the next N ranks are ps tasks, the rest "
-                        "workers (default 0: every rank is a worker)")
-    p.add_argument("--slurm-port", type=int, default=None,
-                   help="slurm: first port on each node; a node's tasks take consecutive ports "
-                        "(default 2222)")
+    cluster = p.add_argument_group("cluster")
+    cluster.add_argument(
+        "--strategy", default=d.strategy, choices=kinds.names(),
+        help="; ".join(f"{name}: {kind.summary}" for name, kind in kinds.all_kinds().items())
+        + "; auto: ps with ps tasks, multiworker with several workers, else mirrored")
+    cluster.add_argument("--cluster-resolver", default="tf_config", choices=CLUSTER_RESOLVERS,
+                         help="where this task learns the cluster")
+    cluster.add_argument("--all-reduce", default=d.all_reduce, choices=ALL_REDUCE,
+                         help="multiworker's collective implementation")
+    cluster.add_argument("--startup-timeout", type=float, default=d.startup_timeout,
+                         help="seconds to wait for the other tasks before giving up")
+    cluster.add_argument("--replicas-to-aggregate", type=int, default=d.replicas_to_aggregate,
+                         help="ps-sync: gradients averaged into one update (unset: the number of "
+                              "workers; fewer makes the N - K slowest backups whose late gradients "
+                              "are dropped)")
+    train = p.add_argument_group("training")
+    train.add_argument("--model", default=d.model, choices=MODEL_NAMES, help="the Keras model")
+    train.add_argument("--epochs", type=int, default=d.epochs, help="passes over MNIST's 60,000 examples")
+    train.add_argument("--steps", type=int, default=None, help="total steps; overrides --epochs")
+    train.add_argument("--global-batch-size", type=int, default=d.global_batch_size,
+                       help="examples behind one update, split over the replicas in sync")
+    train.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZERS, help="Keras optimizer")
+    train.add_argument("--learning-rate", type=float, default=None,
+                       help="peak rate (default: 0.005 for adam, 0.1 for sgd)")
+    train.add_argument("--lr-schedule", default=d.lr_schedule, choices=LR_SCHEDULES,
+                       help="cosine: decay to 0 over the run")
+    train.add_argument("--seed", type=int, default=d.seed,
+                       help="initial weights and data order (ps workers shuffle on their own)")
+    train.add_argument("--steps-per-execution", type=int, default=d.steps_per_execution,
+                       help="steps per tf.function call (fewer host round trips)")
+    train.add_argument("--data-dir", default=None,
+                       help="tfds data dir holding mnist (default: TFDS_DATA_DIR, else tfds's own)")
+    train.add_argument("--synthetic-data", action="store_true",
+                       help="train on one in-memory random batch (input-pipeline benchmark)")
+    out = p.add_argument_group("checkpoints, evaluation and output")
+    out.add_argument("--model-dir", default=d.model_dir,
+                     help="checkpoints, model.keras, logs/ and results.json; a rerun resumes there")
+    out.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                     help="steps between checkpoints (epoch ends and the end always save)")
+    out.add_argument("--eval-every", type=int, default=d.eval_every,
+                     help="steps between test-accuracy evaluations on the chief (0: at the end "
+                          "only); their time is left out of examples/s")
+    out.add_argument("--log-every", type=int, default=d.log_every, help="steps between progress lines")
+    out.add_argument("--verbose", action="store_true",
+                     help="keep TensorFlow's own start-up and C++ log lines (hidden by default)")
+    out.add_argument("--dry-run", action="store_true",
+                     help="print the resolved plan as JSON and exit without starting anything")
+    slurm = p.add_argument_group("Slurm (--cluster-resolver=slurm)")
+    slurm.add_argument("--slurm-ps", type=int, default=None,
+                       help="rank 0 is the chief, the next N ranks are ps tasks, the rest "
+                            "workers (unset: every rank is a worker)")
+    slurm.add_argument("--slurm-port", type=int, default=None,
+                       help="first port on each node; a node's tasks take consecutive ports "
+                            "(unset: 2222)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
+    """The command line (``argv=None``: ``sys.argv``); returns the exit code."""
     try:
         args = parse_args(argv)
+        verbose = args.__dict__.pop("verbose")
+        if argv is None and not verbose:
+            # Only as a command: a caller's own stderr (a test's capture) is left alone.
+            from training.noise import filter_stderr
+
+            filter_stderr()
         if args.data_dir is None:
             # tfds would read it too; resolved here so the config says where data comes from.
             args.data_dir = os.environ.get("TFDS_DATA_DIR") or None
@@ -232,42 +302,37 @@ def main(argv=None) -> int:
             slurm_ps=options.pop("slurm_ps"), slurm_port=options.pop("slurm_port"),
         )
         config = TrainConfig(cluster=cluster, **options)
-        run(config)
+        run(config, as_command=argv is None)
     except (ConfigError, _ArgumentError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
+        return Exit.BAD_INPUT
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
-        return 130
+        return Exit.INTERRUPTED
     except Exception as err:
         code = _fault_exit(err)
         if code is None:
             raise
         return code
-    return 0
+    return Exit.OK
 
 
 def _fault_exit(err: Exception) -> int | None:
     """The exit code and line for a survived fault; None for anything else."""
-    from training.recovery import Preempted, TaskLost
+    from training.recovery import Diverged, Preempted, TaskLost
 
+    if isinstance(err, Diverged):
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return Exit.DIVERGED
     if isinstance(err, TaskLost):
         print(f"error: {err}", file=sys.stderr, flush=True)
-        return EXIT_TASK_LOST
+        return Exit.TASK_LOST
     if isinstance(err, Preempted):
         print(f"preempted: checkpoint saved at step {err.step}; exiting with code "
-              f"{EXIT_PREEMPTED} so the job is relaunched and resumes there", flush=True)
-        return EXIT_PREEMPTED
+              f"{int(Exit.PREEMPTED)} so the job is relaunched and resumes there", flush=True)
+        return Exit.PREEMPTED
     return None
 
 
 if __name__ == "__main__":
-    code = main()
-    # Interpreter teardown can block on gRPC channels to tasks that are gone,
-    # and a multiworker chief's coordination service waits at exit for the
-    # heartbeat timeout of a worker that has already left ("tasks are
-    # unhealthy": 40-100 s per run, seen in the benchmark). Everything worth
-    # keeping is on disk by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(main())

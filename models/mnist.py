@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import keras
 
+from models import MODEL_NAMES
+
 INPUT_SHAPE = (28, 28, 1)
 NUM_CLASSES = 10
 
@@ -41,14 +43,8 @@ def logreg() -> keras.Model:
     )
 
 
-MODELS = {"cnn": cnn, "logreg": logreg}
-
-
 def build_model(name: str) -> keras.Model:
-    """The model called ``name``; it outputs logits."""
-    try:
-        return MODELS[name]()
-    except KeyError:
-        raise ValueError(
-            f"unknown model {name!r}; allowed: {', '.join(MODELS)}"
-        ) from None
+    """The model called ``name`` (one of ``models.MODEL_NAMES``); it outputs logits."""
+    if name not in MODEL_NAMES:
+        raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODEL_NAMES)}")
+    return globals()[name]()

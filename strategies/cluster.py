@@ -1,6 +1,6 @@
-"""Where this task's cluster comes from: ``TF_CONFIG`` or a Slurm job step.
+"""Where this task's cluster comes from: ``TF_CONFIG``, a Slurm job step or a JobSet pod.
 
-Both sources end in the same frozen ``ClusterConfig``; nothing after this
+Every source ends in the same frozen ``ClusterConfig``; nothing after this
 point knows which one was used.
 """
 
@@ -10,7 +10,7 @@ from typing import Mapping
 
 from strategies.tf_config import ClusterConfig, ConfigError, from_environ
 
-CLUSTER_RESOLVERS = ("tf_config", "slurm")
+CLUSTER_RESOLVERS = ("tf_config", "slurm", "jobset")
 
 
 def cluster_from_environ(
@@ -24,15 +24,20 @@ def cluster_from_environ(
         raise ConfigError(
             f"unknown --cluster-resolver {resolver!r}; allowed: {', '.join(CLUSTER_RESOLVERS)}"
         )
-    if resolver == "tf_config":
+    if resolver != "slurm":
         given = [f for f, v in (("--slurm-ps", slurm_ps), ("--slurm-port", slurm_port)) if v is not None]
         if given:
             # Silently ignoring them would run a different cluster than asked for.
             raise ConfigError(
                 f"{' and '.join(given)} only apply to --cluster-resolver=slurm, "
-                "received --cluster-resolver=tf_config; add --cluster-resolver=slurm or drop them"
+                f"received --cluster-resolver={resolver}; add --cluster-resolver=slurm or drop them"
             )
+    if resolver == "tf_config":
         return from_environ(environ)
+    if resolver == "jobset":
+        from strategies.jobset import from_jobset
+
+        return from_jobset(environ)
     from strategies.slurm import DEFAULT_PORT, from_slurm
 
     return from_slurm(

@@ -14,10 +14,12 @@ def _host(address: str) -> str:
     return address.rpartition(":")[0]
 
 
-def local_rank(cfg: ClusterConfig, strategy: str = "multiworker") -> tuple[int, int]:
-    """(this task's rank, number of GPU-using tasks) on this task's host."""
-    # Under ps the chief only coordinates, so it takes no share of the GPUs.
-    gpu_roles = ("worker",) if strategy == "ps" else TRAINING_ROLES
+def local_rank(cfg: ClusterConfig, gpu_roles: tuple[str, ...] = TRAINING_ROLES) -> tuple[int, int]:
+    """(this task's rank, number of GPU-using tasks) on this task's host.
+
+    ``gpu_roles``: the roles that take GPUs (the strategy kind's; under ps
+    the chief only coordinates, so it takes no share).
+    """
     if cfg.is_local or cfg.task_type not in gpu_roles:
         return 0, 1
     host = _host(cfg.address)
@@ -29,15 +31,15 @@ def local_rank(cfg: ClusterConfig, strategy: str = "multiworker") -> tuple[int, 
     return peers.index((cfg.task_type, cfg.task_index)), len(peers)
 
 
-def plan_devices(strategy: str, cfg: ClusterConfig, gpus: list[str]) -> dict:
+def plan_devices(gpu_roles: tuple[str, ...], cfg: ClusterConfig, gpus: list[str]) -> dict:
     """Split ``gpus`` (names of this host's physical GPUs) for this task."""
     role = "local" if cfg.is_local else cfg.task_type
-    if role in ("ps", "evaluator") or (strategy == "ps" and role == "chief"):
-        # ps: variables only; the ps coordinator dispatches and evaluates
-        # a small model on the CPU, leaving every GPU to the workers.
+    if role != "local" and role not in gpu_roles:
+        # ps: variables only; a ps coordinator dispatches and evaluates a
+        # small model on the CPU, leaving every GPU to the workers.
         visible: list[str] = []
     else:
-        rank, sharing = local_rank(cfg, strategy)
+        rank, sharing = local_rank(cfg, gpu_roles)
         if sharing <= 1 or not gpus:
             visible = list(gpus)
         elif len(gpus) >= sharing:
@@ -51,7 +53,7 @@ def plan_devices(strategy: str, cfg: ClusterConfig, gpus: list[str]) -> dict:
     }
 
 
-def configure_devices(strategy: str, cfg: ClusterConfig) -> dict:
+def configure_devices(gpu_roles: tuple[str, ...], cfg: ClusterConfig) -> dict:
     """Apply :func:`plan_devices` before TensorFlow initialises its runtime.
 
     Nothing here may start the runtime (no logical-device listing, no eager
@@ -60,7 +62,7 @@ def configure_devices(strategy: str, cfg: ClusterConfig) -> dict:
     import tensorflow as tf
 
     physical = tf.config.list_physical_devices("GPU")
-    plan = plan_devices(strategy, cfg, [d.name for d in physical])
+    plan = plan_devices(gpu_roles, cfg, [d.name for d in physical])
     keep = [d for d in physical if d.name in plan["visible_gpus"]]
     tf.config.set_visible_devices(keep, "GPU")
     for device in keep:

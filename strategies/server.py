@@ -15,15 +15,23 @@ import subprocess
 import sys
 import time
 
+from protocol import Exit
 from strategies.tf_config import ClusterConfig
 
 
 def reachable(address: str, timeout: float = 0.5) -> bool:
+    """Whether ``address`` accepts a TCP connection now; never raises.
+
+    The watchdog, the lost-task and the stall paths ask this, and must go on
+    to their own one-line error whatever the address: a host that the name
+    codec (idna) rejects raises UnicodeError (a ValueError), a bad port
+    ValueError or OverflowError, the network OSError. All mean unreachable.
+    """
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
             return True
-    except OSError:
+    except (OSError, ValueError, OverflowError):
         return False
 
 
@@ -38,8 +46,19 @@ def missing_tasks(cfg: ClusterConfig) -> list[str]:
     ]
 
 
-def _exit_now(code: int, message: str) -> None:
-    # A blocked TensorFlow call holds the main thread; only _exit ends it.
+def unreachable_text(cfg: ClusterConfig) -> str:
+    """"unreachable tasks: ..." for the lines that give up waiting on peers."""
+    missing = missing_tasks(cfg)
+    names = ", ".join(missing) if missing else "none (a peer is up but stuck)"
+    return f"unreachable tasks: {names}"
+
+
+def exit_now(code: int, message: str) -> None:
+    """Print ``message`` and end the process at once.
+
+    For watchdogs only: a TensorFlow call blocked on a missing peer holds
+    the main thread, and only ``_exit`` ends the process then.
+    """
     print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(code)
@@ -63,6 +82,9 @@ class StartupWatchdog:
             [sys.executable, "-m", "strategies.server", cfg.to_json(), str(timeout),
              what, str(os.getpid())],
             stdin=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            # Its error line must not depend on this process (which it kills)
+            # forwarding it: straight to our stderr, filtered or not.
+            stderr=sys.stderr,
         )
 
     def done(self) -> None:
@@ -81,11 +103,9 @@ def _watch(tf_config: str, timeout: float, what: str, parent: int) -> None:
     if ready:  # the parent said done, or died: either way, nothing to do
         return
     cfg = parse_tf_config(tf_config)
-    missing = missing_tasks(cfg)
-    names = ", ".join(missing) if missing else "none unreachable (a peer is up but stuck)"
     print(
         f"error: {cfg.task_name} gave up after --startup-timeout={timeout:g}s "
-        f"waiting to {what}; missing tasks: {names}. Start every task in "
+        f"waiting to {what}; {unreachable_text(cfg)}. Start every task in "
         "TF_CONFIG, or raise --startup-timeout",
         file=sys.stderr, flush=True,
     )
@@ -93,7 +113,7 @@ def _watch(tf_config: str, timeout: float, what: str, parent: int) -> None:
 
 
 def serve(cfg: ClusterConfig, *, startup_timeout: float, poll: float = 0.5,
-          chief_grace: float = 5.0) -> int:
+          chief_grace: float = 2.0) -> int:
     """Run this task's ``tf.distribute.Server`` until the chief is gone.
 
     A ps or worker server under ParameterServerStrategy only executes what the
@@ -109,7 +129,7 @@ def serve(cfg: ClusterConfig, *, startup_timeout: float, poll: float = 0.5,
     )
     # A polite preemption: the coordinator reschedules this worker's closures
     # (or, for a ps task, the chief stops and the job is relaunched).
-    signal.signal(signal.SIGTERM, lambda *_: _exit_now(
+    signal.signal(signal.SIGTERM, lambda *_: exit_now(
         128 + signal.SIGTERM, f"{cfg.task_name}: SIGTERM; stopping serving"))
     print(f"{cfg.task_name} serving at {cfg.address} (target {server.target})", flush=True)
     chief = cfg.cluster["chief"][0]
@@ -120,14 +140,14 @@ def serve(cfg: ClusterConfig, *, startup_timeout: float, poll: float = 0.5,
         if reachable(chief):
             seen_at = now
         elif seen_at is None and now - started > startup_timeout:
-            _exit_now(
-                3,
+            exit_now(
+                Exit.TASK_LOST,
                 f"error: {cfg.task_name} gave up after --startup-timeout={startup_timeout:g}s: "
                 f"the chief at {chief} never came up; start the chief task, or raise --startup-timeout",
             )
         elif seen_at is not None and now - seen_at > chief_grace:
             print(f"{cfg.task_name}: chief at {chief} is gone; stopping", flush=True)
-            _exit_now(0, f"{cfg.task_name} stopped")
+            exit_now(Exit.OK, f"{cfg.task_name} stopped")
         time.sleep(poll)
 
 

@@ -2,12 +2,15 @@
 
 This module is the only place that reads ``TF_CONFIG`` (``from_environ``);
 everything else receives a :class:`ClusterConfig`, whether it came from here
-or from a Slurm job step (``strategies/slurm.py``).
+or from a Slurm job step (``strategies/slurm.py``) or a JobSet pod (``strategies/jobset.py``).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import re
+import reprlib
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
@@ -109,81 +112,259 @@ class ClusterConfig:
 LOCAL = ClusterConfig(cluster={})
 
 
+# Values from the user are shown through this: bounded in length and depth
+# (a TF_CONFIG can be megabytes, or nested thousands deep), and, being reprs,
+# always on one line whatever control characters the value holds.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 3, 80, 80, 40
+_SHOWN.maxlist = _SHOWN.maxdict = 4
+
+
+def _show(value) -> str:
+    return _SHOWN.repr(value)
+
+
 def _clip(text: str, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _check_address(role: str, index: int, address) -> str:
+TASK_KEYS = ("type", "index", "trial")  # "trial": set by hyperparameter tuners, unused
+EXAMPLE_ADDRESS = "e.g. 'localhost:2222', 'node-1.example.com:2222' or '[::1]:2222'"
+_PORT = re.compile(r"[0-9]{1,5}")
+# One DNS label, as resolvers accept it (underscores included: Docker's names).
+_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+_SCOPE = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # an IPv6 zone: an interface name or number
+_ENVIRONMENT = re.compile(r"[A-Za-z0-9_.-]{0,64}")
+_INDEX_TEXT = re.compile(r"0|[1-9][0-9]{0,8}")
+LOOPBACK = "this machine's loopback"
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs):
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
+def _host_key(host: str, bracketed: bool, where: str, address: str) -> str:
+    """Validate ``host``; return a key equal for two spellings of one host."""
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"{where} is {_show(address)}: {why}; expected 'host:port', {EXAMPLE_ADDRESS}")
+
+    if bracketed:
+        ip_text, _, scope = host.partition("%")
+        try:
+            ip = ipaddress.IPv6Address(ip_text)
+        except ValueError:
+            raise bad(f"{_show(host)} in brackets is not an IPv6 address") from None
+        if "%" in host and not _SCOPE.fullmatch(scope):
+            raise bad(f"the IPv6 zone {_show(scope)} is not an interface name")
+        return _ip_key(ip, scope, bad)
+    if not host:
+        raise bad("the host is missing")
+    if ":" in host:
+        raise bad("an IPv6 address must be written in brackets, like '[::1]:2222'")
+    if not host.isascii():
+        try:
+            ascii_form = host.encode("idna").decode("ascii")
+        except UnicodeError:
+            raise bad("the host name is not ASCII and has no IDNA (punycode) form") from None
+        raise bad(f"the host name is not ASCII; write its IDNA (punycode) form {_show(ascii_form)}")
+    try:
+        return _ip_key(ipaddress.IPv4Address(host), "", bad)
+    except ipaddress.AddressValueError:
+        pass
+    name = host[:-1] if host.endswith(".") else host  # a trailing dot: the same, fully qualified
+    labels = name.split(".")
+    if len(name) > 253:
+        raise bad(f"the host name has {len(name)} characters; at most 253 are allowed")
+    for label in labels:
+        if not label:
+            raise bad("the host name has an empty label (two dots in a row, or a leading dot)")
+        if len(label) > 63:
+            raise bad(f"the host name has a label of {len(label)} characters; at most 63 are allowed")
+        if not _LABEL.fullmatch(label):
+            raise bad(
+                f"the host name label {_show(label)} may hold only letters, digits, '-' and '_', "
+                "and may not start or end with '-'"
+            )
+    if labels[-1].isdigit():
+        raise bad(
+            "the host is not a valid IPv4 address (write four decimal parts without "
+            "leading zeros, like 127.0.0.1) and not a host name"
+        )
+    name = name.lower()
+    return LOOPBACK if name == "localhost" or name.endswith(".localhost") else name
+
+
+def _ip_key(ip, scope: str, bad) -> str:
+    mapped = getattr(ip, "ipv4_mapped", None)
+    if mapped is not None:
+        ip = mapped
+    if ip.is_unspecified or ip.is_multicast or str(ip) == "255.255.255.255":
+        raise bad(
+            f"{ip} is not an address another task can connect to; "
+            "name the host's own address or name"
+        )
+    if ip.is_loopback:
+        return LOOPBACK
+    return f"{ip}%{scope}" if scope else str(ip)
+
+
+def _check_address(role: str, index: int, address) -> tuple[str, int]:
+    """Validate one ``host:port``; return a key equal for two spellings of it."""
     where = f"TF_CONFIG cluster.{role}[{index}]"
     if not isinstance(address, str) or not address:
         raise ConfigError(
-            f"{where} is {address!r}; expected a 'host:port' string"
+            f"{where} is {_show(address)}; expected a 'host:port' string, {EXAMPLE_ADDRESS}"
         )
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    scheme, sep, rest = address.partition("://")
+    if sep:
         raise ConfigError(
-            f"{where} is {address!r}, which has no valid port; "
-            "expected 'host:port' with a port from 1 to 65535, e.g. 'localhost:2222'"
+            f"{where} is {_show(address)}, with a scheme prefix {_show(scheme + sep)}; "
+            f"TF_CONFIG addresses are plain 'host:port' (the protocol is gRPC), so write {_show(rest.split('/')[0])}"
         )
-    return address
+    if not address.isprintable() or any(c.isspace() for c in address):
+        raise ConfigError(
+            f"{where} is {_show(address)}, which holds spaces or control characters; "
+            f"expected 'host:port', {EXAMPLE_ADDRESS}"
+        )
+    bracketed = address.startswith("[")
+    if bracketed:
+        host, close, port = address[1:].partition("]")
+        if not close or not port.startswith(":"):
+            raise ConfigError(
+                f"{where} is {_show(address)}; an IPv6 address is written '[address]:port', "
+                "like '[::1]:2222'"
+            )
+        port = port[1:]
+    else:
+        host, colon, port = address.rpartition(":")
+        if not colon:
+            port = None
+    if port is not None and _PORT.fullmatch(port) and port[0] == "0" and 0 < int(port) < 65536:
+        # The same port as without the zeros: two spellings that would hide a clash.
+        raise ConfigError(
+            f"{where} is {_show(address)}, whose port has leading zeros; "
+            f"write it as {int(port)} ({_show(address[: -len(port)] + str(int(port)))})"
+        )
+    if port is None or not _PORT.fullmatch(port) or not 0 < int(port) < 65536:
+        why = "no port" if port is None else f"the port {_show(port)}"
+        raise ConfigError(
+            f"{where} is {_show(address)}, with {why}; expected 'host:port' with a port "
+            f"from 1 to 65535 in plain ASCII digits, {EXAMPLE_ADDRESS}"
+        )
+    return _host_key(host, bracketed, where, address), int(port)
+
+
+def _task_index(task: dict, task_type: str, count: int) -> int:
+    index = task.get("index", 0)
+    allowed = f"an integer from 0 to {count - 1}"
+    # TensorFlow's resolver takes int(index), so "1" works there and here; but
+    # bool is an int in Python ("index": true is a mistake, not task 1), and
+    # int() would also take " 1", "+1", "1_0" and non-ASCII digits.
+    if isinstance(index, str) and _INDEX_TEXT.fullmatch(index):
+        index = int(index)
+    elif isinstance(index, bool) or not isinstance(index, int):
+        raise ConfigError(
+            f"TF_CONFIG task.index is {_show(index)}; expected {allowed} (a JSON number, "
+            'or a string of digits like "1")'
+        )
+    if not 0 <= index < count:
+        raise ConfigError(
+            f"TF_CONFIG task.index is {_show(index)}, out of range for {task_type!r}, "
+            f"which has {count} task(s); allowed: 0 to {count - 1}"
+        )
+    return index
 
 
 def parse_tf_config(text: str | None) -> ClusterConfig:
-    """Validate a ``TF_CONFIG`` JSON string (``None``/empty: local process)."""
+    """Validate a ``TF_CONFIG`` JSON string (``None``/empty: local process).
+
+    Total: every input gives a ``ClusterConfig`` the real run can use, or a
+    ``ConfigError`` whose message is one line.
+    """
     if text is None or not text.strip():
         return LOCAL
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as err:
         raise ConfigError(
             f"TF_CONFIG is not valid JSON ({err.msg} at char {err.pos}): "
-            f"received {_clip(text)!r}; expected {EXPECTED_SHAPE}"
+            f"received {_show(text)}; expected {EXPECTED_SHAPE}"
+        ) from None
+    except _DuplicateKey as err:
+        raise ConfigError(
+            f"TF_CONFIG names the key {_show(err.args[0])} twice in one object, and only one "
+            f"can count; write each key once; expected {EXPECTED_SHAPE}"
+        ) from None
+    except RecursionError:
+        raise ConfigError(
+            f"TF_CONFIG is nested too deeply to read ({_show(text)}); expected {EXPECTED_SHAPE}"
+        ) from None
+    except ValueError as err:  # e.g. an integer past Python's digit limit
+        raise ConfigError(
+            f"TF_CONFIG cannot be read ({_clip(str(err).splitlines()[0], 80)}): received "
+            f"{_show(text)}; expected {EXPECTED_SHAPE}"
         ) from None
     if not isinstance(data, dict):
         raise ConfigError(
-            f"TF_CONFIG must be a JSON object, received {_clip(text)!r}; "
+            f"TF_CONFIG must be a JSON object, received {_show(text)}; "
             f"expected {EXPECTED_SHAPE}"
         )
     unknown = sorted(set(data) - {"cluster", "task", "environment", "rpc_layer"})
     if unknown:
         raise ConfigError(
-            f"TF_CONFIG has unknown key(s) {unknown}; allowed keys: "
+            f"TF_CONFIG has unknown key(s) {_show(unknown)}; allowed keys: "
             "cluster, task, environment, rpc_layer"
         )
     for key in ("cluster", "task"):
         if key not in data:
             raise ConfigError(
-                f"TF_CONFIG has no {key!r} key (received keys {sorted(data)}); "
+                f"TF_CONFIG has no {key!r} key (received keys {_show(sorted(data))}); "
                 f"expected {EXPECTED_SHAPE}"
             )
 
     cluster = data["cluster"]
     if not isinstance(cluster, dict) or not cluster:
         raise ConfigError(
-            f"TF_CONFIG cluster is {cluster!r}; expected a non-empty object "
+            f"TF_CONFIG cluster is {_show(cluster)}; expected a non-empty object "
             "mapping roles (chief, worker, ps, evaluator) to address lists"
         )
     parsed: dict[str, tuple[str, ...]] = {}
-    seen: dict[str, str] = {}
+    seen: dict[tuple[str, int], tuple[str, str]] = {}
     for role in cluster:
         if role not in ROLES:
             raise ConfigError(
-                f"TF_CONFIG cluster has role {role!r}; allowed roles: {', '.join(ROLES)}"
+                f"TF_CONFIG cluster has role {_show(role)}; allowed roles: {', '.join(ROLES)}"
             )
         addrs = cluster[role]
         if not isinstance(addrs, list) or not addrs:
             raise ConfigError(
-                f"TF_CONFIG cluster.{role} is {addrs!r}; expected a non-empty "
+                f"TF_CONFIG cluster.{role} is {_show(addrs)}; expected a non-empty "
                 "list of 'host:port' strings"
             )
         for i, addr in enumerate(addrs):
-            _check_address(role, i, addr)
-            if addr in seen:
-                raise ConfigError(
-                    f"TF_CONFIG address {addr!r} is used twice ({seen[addr]} and "
-                    f"{role}:{i}); every task needs its own host:port"
+            key = _check_address(role, i, addr)
+            if key in seen:
+                first, written = seen[key]
+                same = (
+                    f"address {_show(addr)} is used twice ({first} and {role}:{i})"
+                    if written == addr else
+                    f"addresses {_show(written)} ({first}) and {_show(addr)} ({role}:{i}) "
+                    f"are the same host:port"
+                    + (f" ({LOOPBACK})" if key[0] == LOOPBACK else "")
                 )
-            seen[addr] = f"{role}:{i}"
+                raise ConfigError(
+                    f"TF_CONFIG {same}; every task needs its own host:port"
+                )
+            seen[key] = (f"{role}:{i}", addr)
         parsed[role] = tuple(addrs)
     for role in ("chief", "evaluator"):
         if len(parsed.get(role, ())) > 1:
@@ -191,40 +372,50 @@ def parse_tf_config(text: str | None) -> ClusterConfig:
                 f"TF_CONFIG cluster.{role} has {len(parsed[role])} tasks; "
                 f"at most 1 {role} task is allowed"
             )
+    if "ps" in parsed and "worker" not in parsed:
+        # TensorFlow's rule (ParameterServerStrategy: "There must be at least one worker").
+        raise ConfigError(
+            f"TF_CONFIG has {len(parsed['ps'])} ps task(s) but no worker, received roles "
+            f"{', '.join(parsed)}; a cluster with ps tasks needs at least one worker: add "
+            '"worker": ["host:port"]'
+        )
 
     task = data["task"]
     if not isinstance(task, dict):
         raise ConfigError(
-            f"TF_CONFIG task is {task!r}; expected an object like "
+            f"TF_CONFIG task is {_show(task)}; expected an object like "
             '{"type": "worker", "index": 0}'
+        )
+    unknown = sorted(set(task) - set(TASK_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"TF_CONFIG task has unknown key(s) {_show(unknown)}; allowed keys: type, index (and trial)"
         )
     task_type = task.get("type")
     # TensorFlow's convention, which Kubeflow's training operator follows: the
     # evaluator is not a member of the training cluster, so its TF_CONFIG may
     # name a task type that the cluster lacks.
     outside = task_type == "evaluator" and task_type not in parsed
-    if task_type not in parsed and not outside:
+    if not isinstance(task_type, str) or (task_type not in parsed and not outside):
         raise ConfigError(
-            f"TF_CONFIG task.type is {task_type!r}, which is not a role in the "
+            f"TF_CONFIG task.type is {_show(task_type)}, which is not a role in the "
             f"cluster; allowed: {', '.join(parsed)}"
         )
     count = 1 if outside else len(parsed[task_type])
-    index = task.get("index", 0)
-    # bool is an int in Python; "index": true is a mistake, not task 1.
-    if isinstance(index, bool) or not isinstance(index, int):
-        raise ConfigError(
-            f"TF_CONFIG task.index is {index!r}; expected an integer "
-            f"from 0 to {count - 1}"
-        )
-    if not 0 <= index < count:
-        raise ConfigError(
-            f"TF_CONFIG task.index is {index}, out of range for {task_type!r}, "
-            f"which has {count} task(s); allowed: 0 to {count - 1}"
-        )
+    index = _task_index(task, task_type, count)
     environment = data.get("environment")
-    if environment is not None and not isinstance(environment, str):
+    if environment is not None and (
+        not isinstance(environment, str) or not _ENVIRONMENT.fullmatch(environment)
+    ):
         raise ConfigError(
-            f"TF_CONFIG environment is {environment!r}; expected a string such as 'cloud'"
+            f"TF_CONFIG environment is {_show(environment)}; expected a short name of "
+            "letters, digits, '.', '_' or '-', such as 'cloud' (or leave it out)"
+        )
+    rpc_layer = data.get("rpc_layer")
+    if rpc_layer is not None and rpc_layer != "grpc":
+        raise ConfigError(
+            f"TF_CONFIG rpc_layer is {_show(rpc_layer)}; this project runs over gRPC only: "
+            "use \"grpc\" or leave it out"
         )
     return ClusterConfig(
         cluster=parsed, task_type=task_type, task_index=index, environment=environment
@@ -239,3 +430,23 @@ def from_environ(environ: Mapping[str, str]) -> ClusterConfig:
 def tf_config_set(environ: Mapping[str, str]) -> bool:
     """Whether ``TF_CONFIG`` names a cluster, for sources that must not meet one."""
     return bool((environ.get("TF_CONFIG") or "").strip())
+
+
+def require_source(environ: Mapping[str, str], resolver: str, source: str,
+                   names: tuple[str, ...], how_to_run: str) -> None:
+    """For a cluster source other than TF_CONFIG: its variables are all set, TF_CONFIG is not.
+
+    ``source`` names what was looked for ("Slurm job step"); one ConfigError line otherwise.
+    """
+    missing = [name for name in names if not environ.get(name)]
+    if missing:
+        raise ConfigError(
+            f"--cluster-resolver={resolver} found no {source}: {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set; {how_to_run}"
+        )
+    if tf_config_set(environ):
+        # Two descriptions of one cluster: which one wins would be a guess.
+        raise ConfigError(
+            f"--cluster-resolver={resolver}, but TF_CONFIG is set too; unset TF_CONFIG, or use "
+            "--cluster-resolver=tf_config to take the cluster from it"
+        )

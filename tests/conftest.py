@@ -13,11 +13,6 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-if "TFDS_DATA_DIR" not in os.environ:
-    shared = REPO.parent / "shared" / "data" / "tfds"
-    if (shared / "mnist").is_dir():
-        os.environ["TFDS_DATA_DIR"] = str(shared)
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def child_env(tf_config=None, **extra):

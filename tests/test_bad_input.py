@@ -26,7 +26,8 @@ CASES = [
     ("task-missing", json.dumps({"cluster": W2}), [], ["no 'task'", "expected"]),
     ("task-type-not-in-cluster", tfc(W2, "chief"), [], ["'chief'", "allowed: worker"]),
     ("index-out-of-range", tfc(W2, "worker", 2), [], ["index is 2", "0 to 1"]),
-    ("index-not-int", tfc(W2, "worker", "1"), [], ["'1'", "integer"]),
+    # "1" is accepted, as TensorFlow's resolver accepts it (issue 18); "1.0" is not.
+    ("index-not-int", tfc(W2, "worker", "1.0"), [], ["'1.0'", "integer"]),
     ("index-bool", tfc(W2, "worker", True), [], ["True", "integer"]),
     ("duplicate-address", tfc({"worker": ["localhost:2222", "localhost:2222"]}), [],
      ["'localhost:2222' is used twice", "own host:port"]),
@@ -43,7 +44,7 @@ CASES = [
     ("unknown-lr-schedule", None, ["--lr-schedule=linear"], ["'linear'", "cosine, constant"]),
     ("zero-epochs", None, ["--epochs=0"], ["--epochs=0", "greater than 0"]),
     ("non-int-steps", None, ["--steps=ten"], ["'ten'", "--help"]),
-    ("ps-shards", None, ["--ps-shards=2"], ["--ps-shards=2", "--ps-shards=1"]),
+    ("ps-shards-is-gone", None, ["--ps-shards=2"], ["--ps-shards", "--help"]),
     ("unknown-flag", None, ["--learning-rat=1"], ["--learning-rat", "--help"]),
 ]
 

@@ -20,6 +20,7 @@ def test_plan_runs_same_work_for_every_strategy(tmp_path):
                            python="py")
     assert [r.name for r in runs] == [
         "none", "synthetic", "mirrored", "multiworker-1w", "multiworker-2w", "ps-1w", "ps-2w",
+        "ps-sync-1w", "ps-sync-2w",
     ]
     for run in runs:
         cmd = list(run.cmd)

@@ -54,7 +54,7 @@ def _all(name):
     return [args for word, args in INSTR if word == name]
 
 
-def _copies() -> list[tuple[list[str], str]]:
+def dockerfile_copies() -> list[tuple[list[str], str]]:
     result = []
     for args in _all("COPY"):
         assert not args.startswith("--from"), "single-stage build expected"
@@ -83,7 +83,7 @@ def _ignored(rel: str, patterns: list[str]) -> bool:
     return False
 
 
-def _context_files(source: str) -> list[str]:
+def context_files(source: str) -> list[str]:
     """Files a COPY source brings into the image, relative to the repo root."""
     patterns = _ignore_patterns()
     files = []
@@ -102,42 +102,107 @@ def test_from_comes_first_and_names_a_pinned_base():
 
 
 def test_every_copied_file_exists_and_survives_dockerignore():
-    copies = _copies()
+    copies = dockerfile_copies()
     assert copies
     for sources, dest in copies:
         assert dest.endswith("/") or dest == ".", f"COPY destination {dest!r} should be a directory"
         for source in sources:
-            assert _context_files(source), f"COPY {source}: nothing in the build context"
+            assert context_files(source), f"COPY {source}: nothing in the build context"
 
 
 def test_the_image_gets_everything_pyproject_installs():
-    copied = {f for sources, _ in _copies() for s in sources for f in _context_files(s)}
+    copied = {f for sources, _ in dockerfile_copies() for s in sources for f in context_files(s)}
     setuptools = PYPROJECT["tool"]["setuptools"]
     for package in setuptools["packages"]:
         assert f"{package}/__init__.py" in copied, package
     for module in setuptools["py-modules"]:
         if (ROOT / f"{module}.py").exists():  # listed modules may not exist yet
             assert f"{module}.py" in copied, module
-    assert {"pyproject.toml", PYPROJECT["project"]["readme"]} <= copied
+    assert {"pyproject.toml", PYPROJECT["project"]["readme"], "requirements.lock"} <= copied
 
 
-def test_it_installs_the_package_from_pyproject_with_the_gpu_extra():
-    installs = [r for r in _all("RUN") if re.search(r"pip install\s+[\"']?\.(\[[\w,-]+\])?[\"']?(\s|$)", r)]
-    assert len(installs) == 1, _all("RUN")
-    extras = re.search(r"pip install\s+[\"']?\.\[([\w,-]+)\]", installs[0])
-    assert extras and extras.group(1) == "gpu"
-    gpu = PYPROJECT["project"]["optional-dependencies"]["gpu"]
-    assert any(d.startswith("tensorflow[and-cuda]") for d in gpu), gpu
+def _index(predicate) -> int:
+    found = [i for i, (word, args) in enumerate(INSTR) if predicate(word, args)]
+    assert found, "instruction not found"
+    return found[0]
 
 
-def test_entrypoint_runs_train_py_as_copied():
+def test_dependencies_get_their_own_layer_before_any_source():
+    """A source edit must not reinstall gigabytes: lock, install, then sources, then --no-deps ."""
+    copy_lock = _index(lambda w, a: w == "COPY" and a.split()[0] == "requirements.lock")
+    install_lock = _index(lambda w, a: w == "RUN" and "-r requirements.lock" in a)
+    assert "--require-hashes" in INSTR[install_lock][1] and "--no-deps" in INSTR[install_lock][1]
+    sources = [i for i, (w, a) in enumerate(INSTR) if w == "COPY" and i != copy_lock]
+    install_pkg = _index(lambda w, a: w == "RUN" and re.search(r"pip install .*\s\.$", a))
+    assert copy_lock < install_lock < min(sources), "dependencies first, from the lock alone"
+    assert max(sources) < install_pkg, "the package is installed after every source is copied"
+    assert "--no-deps" in INSTR[install_pkg][1] and "--no-build-isolation" in INSTR[install_pkg][1]
+    pip_runs = [a for w, a in INSTR if w == "RUN" and "pip install" in a]
+    assert len(pip_runs) == 2, pip_runs  # nothing else installs from an index
+
+
+def _lock() -> dict[str, tuple[str, list[str]]]:
+    """requirements.lock as {name: (version, hashes)}."""
+    text = (ROOT / "requirements.lock").read_text()
+    entries = {}
+    for block in re.split(r"\n(?=[A-Za-z0-9])", text.split("\n", 1)[1] if text.startswith("#") else text):
+        m = re.match(r"([A-Za-z0-9._-]+)==([^\s\\]+)", block.strip())
+        if m:
+            entries[_normal(m.group(1))] = (m.group(2), re.findall(r"--hash=sha256:([0-9a-f]{64})", block))
+    return entries
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_lock_pins_every_dependency_of_pyproject_with_hashes():
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    lock = _lock()
+    assert len(lock) > 20
+    assert all(hashes for _, hashes in lock.values()), "every pin needs a hash (--require-hashes)"
+    project = PYPROJECT["project"]
+    wanted = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["gpu"]]
+    for req in wanted:
+        name = _normal(req.name)
+        assert name in lock, f"{req.name} is in pyproject.toml but not in requirements.lock: re-lock"
+        assert Version(lock[name][0]) in req.specifier, \
+            f"requirements.lock pins {req.name}=={lock[name][0]}, pyproject.toml asks {req.specifier}: re-lock"
+    # tensorflow[and-cuda]: the CUDA wheels are pinned too.
+    assert any(n.startswith("nvidia-cudnn") for n in lock) and "nvidia-nccl-cu12" in lock
+    # The lock was made for the base image's Python.
+    base_python = re.search(r"python:(\d+\.\d+)", INSTR[0][1]).group(1)
+    assert f"--python-version {base_python}" in (ROOT / "requirements.lock").read_text()
+
+
+def test_entrypoint_runs_train_py_under_tini():
     (entry,) = _all("ENTRYPOINT")
-    argv = json.loads(entry)  # exec form: signals reach python, not a shell
-    assert argv[0].startswith("python") and argv[-1].endswith("train.py")
-    workdir = _all("WORKDIR")[-1].rstrip("/")
-    copied_to = {f"{workdir}/{f}" for sources, dest in _copies() if dest in ("./", ".")
-                 for s in sources for f in _context_files(s) if "/" not in f}
+    argv = json.loads(entry)  # exec form: no shell between tini and python
+    assert argv[:2] == ["tini", "--"], "an init process as PID 1 forwards signals and reaps"
+    assert argv[2].startswith("python") and argv[-1].endswith("train.py")
+    assert any(re.search(r"apt-get install .*\btini\b", a) for a in _all("RUN"))
+    workdir, copied_to = "/", set()
+    for word, args in INSTR:  # where each COPY puts its files
+        if word == "WORKDIR":
+            workdir = args.rstrip("/")
+        elif word == "COPY" and args.split()[-1] in ("./", "."):
+            copied_to |= {f"{workdir}/{f}" for s in shlex.split(args)[:-1] for f in context_files(s) if "/" not in f}
     assert argv[-1] in copied_to
+
+
+def test_gpu_driver_capabilities_and_a_writable_default_model_dir():
+    env = " ".join(_all("ENV"))
+    assert re.search(r"NVIDIA_DRIVER_CAPABILITIES=compute,utility\b", env)
+    # train.py's default --model-dir is relative to the final WORKDIR, which
+    # must belong to the user the image runs as.
+    from training.config import TrainConfig
+
+    assert not TrainConfig().model_dir.startswith("/")
+    final_dir = _all("WORKDIR")[-1]
+    (user,) = _all("USER")
+    assert any(re.search(rf"install -d -o {user} -g {user} {re.escape(final_dir)}(\s|$)", a) for a in _all("RUN"))
 
 
 def test_exposes_the_port_every_manifest_uses_and_runs_unprivileged():
@@ -160,9 +225,9 @@ def test_the_build_context_builds_the_package(tmp_path):
     """What `pip install .` does in the image, from exactly the files COPY brings."""
     pytest.importorskip("setuptools")
     context = tmp_path / "context"
-    for sources, _ in _copies():
+    for sources, _ in dockerfile_copies():
         for s in sources:
-            for rel in _context_files(s):
+            for rel in context_files(s):
                 (context / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(ROOT / rel, context / rel)
     out = subprocess.run(
@@ -173,5 +238,5 @@ def test_the_build_context_builds_the_package(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     (wheel,) = (tmp_path / "wheel").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"train.py", "launch.py", "strategies/slurm.py", "training/runners.py",
+    assert {"train.py", "launch.py", "strategies/slurm.py", "training/controller.py", "protocol.py",
             "models/__init__.py"} <= names

@@ -96,7 +96,8 @@ PODS = [(name, rt, i) for name, job in TFJOBS.items() for rt, i in _pods(job)]
 
 
 def test_manifests_parse_into_the_expected_objects():
-    assert {doc["kind"] for _, doc in DOCS} == {"TFJob", "NetworkPolicy", "PersistentVolumeClaim"}
+    # (The JobSets and the MNIST Job: tests/test_jobset.py, tests/test_k8s_schemas.py.)
+    assert {doc["kind"] for _, doc in DOCS} == {"TFJob", "JobSet", "Job", "NetworkPolicy", "PersistentVolumeClaim"}
     assert sorted(_strategy(job) for job in TFJOBS.values()) == ["multiworker", "ps"]
     for job in TFJOBS.values():
         assert job["apiVersion"] == "kubeflow.org/v1"

@@ -124,22 +124,29 @@ def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(trained, capsys):
 
 def test_foreign_checkpoint_is_refused_and_the_run_dir_left_alone(trained, capsys):
     model_dir = trained()
-    before = snapshot(model_dir)
-    capsys.readouterr()
-    code = train.main(["--strategy=mirrored", "--model=cnn", "--steps=40",
-                       "--model-dir", str(model_dir)])
-    err = capsys.readouterr().err
-    errors = [l for l in err.splitlines() if l.startswith("error:")]
-    assert code == 2 and len(errors) == 1, err
-    assert "does not match --model=cnn" in errors[0] and "Traceback" not in err
-    assert snapshot(model_dir) == before
+    # run.json names the flag before any checkpoint is read; a run directory
+    # from before run.json existed is refused by the restore itself.
+    for record, words in ((True, "--model was logreg, now cnn"),
+                          (False, "does not match --model=cnn --optimizer=adam")):
+        if not record:
+            (model_dir / "run.json").unlink()
+        before = snapshot(model_dir)
+        capsys.readouterr()
+        code = train.main(["--strategy=mirrored", "--model=cnn", "--steps=40",
+                           "--model-dir", str(model_dir)])
+        err = capsys.readouterr().err
+        errors = [l for l in err.splitlines() if l.startswith("error:")]
+        assert code == 2 and len(errors) == 1, err
+        assert words in errors[0] and "fresh --model-dir" in errors[0], errors[0]
+        assert "Traceback" not in err
+        assert snapshot(model_dir) == before
 
 
 def test_task_lost_names_the_unreachable_task_in_one_line():
-    import launch
+    from launcher import processes
     from training.recovery import task_lost
 
-    port0, port1 = launch.free_ports(2)
+    port0, port1 = processes.free_ports(2)
     cfg = parse_tf_config(
         '{"cluster": {"worker": ["localhost:%d", "localhost:%d"]}, '
         '"task": {"type": "worker", "index": 0}}' % (port0, port1))

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from strategies import ConfigError, parse_tf_config, replicas_per_step, resolve_strategy_name
+from strategies import ConfigError, kinds, parse_tf_config
 from strategies.devices import local_rank, plan_devices
 
 
@@ -59,19 +59,20 @@ def test_config_is_frozen():
 ])
 def test_auto_picks_by_cluster_shape(cluster, expected):
     first = next(iter(cluster))
-    assert resolve_strategy_name("auto", parse_tf_config(tfc(cluster, first))) == expected
+    assert kinds.resolve("auto", parse_tf_config(tfc(cluster, first))).name == expected
 
 
 def test_auto_without_tf_config_is_mirrored():
-    assert resolve_strategy_name("auto", parse_tf_config(None)) == "mirrored"
+    assert kinds.resolve("auto", parse_tf_config(None)).name == "mirrored"
 
 
 def test_replicas_per_step():
     mw = parse_tf_config(tfc({"worker": ["a:1", "b:1", "c:1"]}, "worker"))
-    assert replicas_per_step("multiworker", mw, 0) == 3
-    assert replicas_per_step("multiworker", mw, 2) == 6
+    assert kinds.get("multiworker").replicas(mw, 0) == 3
+    assert kinds.get("multiworker").replicas(mw, 2) == 6
     # Under ps each worker runs whole global batches.
-    assert replicas_per_step("ps", parse_tf_config(tfc(PS_CLUSTER, "chief")), 0) == 1
+    assert kinds.get("ps").replicas(parse_tf_config(tfc(PS_CLUSTER, "chief")), 0) == 1
+    assert kinds.get("none").replicas(parse_tf_config(None), 2) == 1
 
 
 GPUS = ["/physical_device:GPU:0", "/physical_device:GPU:1"]
@@ -79,7 +80,7 @@ GPUS = ["/physical_device:GPU:0", "/physical_device:GPU:1"]
 
 def test_ps_tasks_and_ps_chief_get_no_gpu():
     for role in ("ps", "chief"):
-        plan = plan_devices("ps", parse_tf_config(tfc(PS_CLUSTER, role)), GPUS)
+        plan = plan_devices(kinds.get("ps").gpu_roles(), parse_tf_config(tfc(PS_CLUSTER, role)), GPUS)
         assert plan["visible_gpus"] == [] and plan["hidden_gpus"] == GPUS
 
 
@@ -87,12 +88,12 @@ def test_workers_sharing_a_host_split_its_gpus():
     cluster = {"worker": ["h1:1", "h1:2", "h2:1"]}
     cfgs = [parse_tf_config(tfc(cluster, "worker", i)) for i in range(3)]
     assert [local_rank(c) for c in cfgs] == [(0, 2), (1, 2), (0, 1)]
-    plans = [plan_devices("multiworker", c, GPUS)["visible_gpus"] for c in cfgs]
+    plans = [plan_devices(kinds.get("multiworker").gpu_roles(), c, GPUS)["visible_gpus"] for c in cfgs]
     assert plans == [[GPUS[0]], [GPUS[1]], GPUS]
     # ps workers on one host: one GPU each; the ps itself none.
-    ps_worker = plan_devices("ps", parse_tf_config(tfc(PS_CLUSTER, "worker", 0)), GPUS)
+    ps_worker = plan_devices(kinds.get("ps").gpu_roles(), parse_tf_config(tfc(PS_CLUSTER, "worker", 0)), GPUS)
     assert ps_worker["visible_gpus"] == GPUS  # its host-mate, the chief, takes none
-    assert plan_devices("mirrored", parse_tf_config(None), GPUS)["visible_gpus"] == GPUS
+    assert plan_devices(kinds.get("mirrored").gpu_roles(), parse_tf_config(None), GPUS)["visible_gpus"] == GPUS
 
 
 def test_bad_tf_config_raises_config_error():

@@ -93,3 +93,46 @@ def test_resume_replays_the_data_exactly(tmp_path):
     resumed = train.run(TrainConfig(steps=20, model_dir=str(tmp_path / "b"), **common))
     assert resumed["resumed_from_step"] == 10
     assert resumed["weights_sha256"] == straight["weights_sha256"]
+
+
+def _lines_before_progress(lines):
+    first = next(i for i, line in enumerate(lines) if line.startswith("step "))
+    return lines[:first]
+
+
+def test_tensorflow_start_up_noise_is_hidden_unless_verbose(tmp_path):
+    """A short run prints at most one line of its own before the first progress line."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, child_env
+
+    def run(*extra):
+        out = subprocess.run(
+            [sys.executable, str(REPO / "train.py"), "--strategy=mirrored", "--model", "logreg",
+             "--steps", "20", "--log-every", "10", "--model-dir", str(tmp_path / f"m{len(extra)}"),
+             *extra],
+            env=child_env(), capture_output=True, text=True, timeout=240,
+        )
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        # stderr first: TensorFlow's lines come before any progress line.
+        return out.stderr.splitlines() + out.stdout.splitlines()
+
+    quiet = _lines_before_progress(run())
+    assert len(quiet) <= 1, quiet
+    loud = _lines_before_progress(run("--verbose"))
+    assert any("oneDNN" in line or "cuda" in line for line in loud), loud
+
+
+def test_noise_filter_keeps_real_errors():
+    from training.noise import is_noise
+
+    assert is_noise("WARNING: All log messages before absl::InitializeLog() is called are "
+                    "written to STDERR")
+    assert is_noise("I0000 00:00:1795430094.083141   25104 port.cc:153] oneDNN custom operations")
+    assert is_noise("E0000 00:00:1795429843.804549   13920 cuda_platform.cc:52] failed call to "
+                    "cuInit: INTERNAL: CUDA error")
+    assert not is_noise("E0000 00:00:1795429843.804549   13920 coordination_service.cc:1] "
+                        "tasks are unhealthy")
+    assert not is_noise("error: --epochs=0 is not allowed")
+    assert not is_noise("Traceback (most recent call last):")

@@ -1,21 +1,18 @@
-"""Surviving faults: checkpoint restore with fallback, lost tasks, preemption.
+"""Surviving faults: lost tasks and preemption (checkpoints: ``training.checkpoints``).
 
 What a fault looks like from inside a task, and what this module turns it into:
 
 - a peer dies (multi-worker all-reduce, or a ps task / every worker under ps):
   TensorFlow raises a multi-screen gRPC error; ``task_lost`` turns it into a
   ``TaskLost`` whose message is one line naming the unreachable tasks, and
-  ``train.py`` exits with ``EXIT_TASK_LOST`` so a cluster manager relaunches;
+  ``train.py`` exits with ``Exit.TASK_LOST`` so a cluster manager relaunches;
 - this task (or a peer, multi-worker) gets SIGTERM: ``PreemptionCheckpointHandler``
   agrees a step with every worker, each saves there, and ``Preempted`` ends
-  the run with ``EXIT_PREEMPTED``;
-- a checkpoint is corrupt or half-written: ``restore_latest`` falls back to
-  the previous readable one and says so, and refuses a foreign one.
+  the run with ``Exit.PREEMPTED``.
 """
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import re
@@ -23,14 +20,8 @@ import sys
 import threading
 import time
 
-from strategies import ConfigError
-from strategies.server import missing_tasks
-
-# TensorFlow's own choice for "preempted, checkpoint saved, relaunch me"
-# (BorgTerminationConfig's exit_fn); launch.py relaunches on it.
-EXIT_PREEMPTED = 42
-# EX_TEMPFAIL: a peer was lost; relaunching the same command resumes.
-EXIT_TASK_LOST = 75
+from protocol import Exit
+from strategies.server import exit_now, missing_tasks, unreachable_text
 
 
 class TaskLost(Exception):
@@ -45,99 +36,27 @@ class Preempted(Exception):
         self.step = step
 
 
-# --- checkpoints --------------------------------------------------------------
+class Diverged(Exception):
+    """The loss or the weights became NaN or infinite; ``str(err)`` is the one line.
 
-def _candidates(ckpt_dir: str) -> list[str]:
-    """Checkpoint prefixes in ``ckpt_dir``, newest first.
-
-    The ``checkpoint`` index lists what the manager kept; it is written
-    (atomically) only after a checkpoint's files are complete, so its newest
-    entry is the newest finished checkpoint. Without an index (killed while
-    writing the very first one, or the index file itself lost), ``*.index``
-    files are the evidence.
+    Nothing is saved after it: the newest checkpoint is the last good one.
     """
-    import tensorflow as tf
 
-    try:
-        state = tf.train.get_checkpoint_state(ckpt_dir)
-    except Exception:  # pylint: disable=broad-except
-        state = None
-    if state is None and os.path.exists(os.path.join(ckpt_dir, "checkpoint")):
-        # TF logs a parse error and returns None: as if there were nothing.
-        print(f"warning: the checkpoint index {os.path.join(ckpt_dir, 'checkpoint')!r} is "
-              "unreadable; looking at the checkpoint files instead", flush=True)
-    if state is not None:
-        # TF has already joined relative entries to ckpt_dir.
-        listed = list(reversed(state.all_model_checkpoint_paths))
-        latest = state.model_checkpoint_path
-        if latest not in listed:
-            listed.insert(0, latest)
-        return listed
-    return sorted(
-        (p[: -len(".index")] for p in glob.glob(os.path.join(ckpt_dir, "ckpt-*.index"))),
-        key=_number, reverse=True,
-    )
+    def __init__(self, what: str, step: int, checkpoint_step: int | None, model_dir: str):
+        kept = (f"the last good checkpoint (step {checkpoint_step}) is kept in "
+                f"{os.path.join(model_dir, 'checkpoints')!r}" if checkpoint_step
+                else "no checkpoint was saved")
+        super().__init__(
+            f"training diverged: {what} at step {step}; stopped without saving these weights, "
+            f"{kept}. Lower --learning-rate and start again with a fresh --model-dir"
+        )
+        self.step = step
 
 
-def _number(prefix: str) -> int:
-    m = re.search(r"-(\d+)$", prefix)
-    return int(m.group(1)) if m else -1
-
-
-def _first_line(err: BaseException, limit: int = 160) -> str:
+def first_line(err: BaseException, limit: int = 160) -> str:
     text = str(err).strip()
     first = text.splitlines()[0] if text else type(err).__name__
     return first if len(first) <= limit else first[: limit - 3] + "..."
-
-
-def restore_latest(state, ckpt_dir: str, model_name: str) -> int:
-    """Resume from the newest readable checkpoint in ``ckpt_dir``; return its step.
-
-    The step is the number of requested steps already done (``completed_steps``;
-    ``global_step`` in checkpoints from before it existed). An unreadable
-    checkpoint is skipped for the one before it, with a warning; a checkpoint
-    of another model, or nothing readable at all, raises ConfigError: training
-    from scratch over someone's run would destroy it silently.
-    """
-    import tensorflow as tf
-
-    candidates = _candidates(ckpt_dir)
-    if not candidates:
-        return 0
-    unreadable: list[str] = []
-    for path in candidates:
-        try:
-            keys = tf.train.load_checkpoint(path).get_variable_to_shape_map()
-        except Exception as err:  # pylint: disable=broad-except
-            unreadable.append(f"{os.path.basename(path)} ({_first_line(err, 100)})")
-            continue
-        has_position = any(k.startswith("completed_steps/") for k in keys)
-        root = state.checkpoint if has_position else tf.train.Checkpoint(
-            model=state.model, optimizer=state.optimizer, global_step=state.global_step
-        )
-        try:
-            root.restore(path).assert_existing_objects_matched()
-        except (AssertionError, ValueError) as err:
-            raise ConfigError(
-                f"checkpoint {path!r} does not match --model={model_name} "
-                f"({_first_line(err)}); use a fresh --model-dir or the model that wrote it"
-            ) from None
-        except Exception as err:  # pylint: disable=broad-except
-            # A truncated or corrupt data file: OpError (bad checksum),
-            # IndexError ("Read less bytes than requested"), and more.
-            unreadable.append(f"{os.path.basename(path)} ({_first_line(err, 100)})")
-            continue
-        step = int((state.completed_steps if has_position else state.global_step).numpy())
-        if unreadable:
-            print(f"warning: skipped unreadable checkpoint(s) {'; '.join(unreadable)}; "
-                  f"fell back to {path}", flush=True)
-        print(f"resumed from {path} at step {step} "
-              f"(global step {int(state.global_step.numpy())})", flush=True)
-        return step
-    raise ConfigError(
-        f"no readable checkpoint in {ckpt_dir!r}: {'; '.join(unreadable)}; "
-        "move the directory away to start from scratch, or pass a fresh --model-dir"
-    )
 
 
 # --- lost tasks ---------------------------------------------------------------
@@ -167,7 +86,7 @@ def _telling_line(err: BaseException, limit: int = 120) -> str:
         if _TELLING.search(line):
             line = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", line)
             return line if len(line) <= limit else line[: limit - 3] + "..."
-    return _first_line(err, limit)
+    return first_line(err, limit)
 
 
 def task_lost(err: BaseException, cfg, doing: str, step: int | None = None,
@@ -228,7 +147,7 @@ class StallWatchdog:
     come back, inside calls that have no timeout of their own.
     """
 
-    def __init__(self, cfg, timeout: float, exit_code: int = EXIT_TASK_LOST):
+    def __init__(self, cfg, timeout: float, exit_code: int = Exit.TASK_LOST):
         self.cfg, self.timeout, self.exit_code = cfg, timeout, exit_code
         self._last = time.monotonic()
         self._stop = threading.Event()
@@ -244,16 +163,12 @@ class StallWatchdog:
     def _run(self) -> None:
         while not self._stop.wait(1.0):
             if time.monotonic() - self._last > self.timeout:
-                gone = missing_tasks(self.cfg)
-                names = ", ".join(gone) if gone else "none unreachable (all up but stuck)"
-                print(
+                # The main thread is blocked inside TensorFlow: only a hard exit ends it.
+                exit_now(self.exit_code, (
                     f"error: {self.cfg.task_name}: no training step completed for "
-                    f"{self.timeout:g}s (--startup-timeout); unreachable tasks: {names}. "
-                    "Restart the lost tasks, or relaunch the job to resume from its checkpoint",
-                    file=sys.stderr, flush=True,
-                )
-                sys.stdout.flush()
-                os._exit(self.exit_code)
+                    f"{self.timeout:g}s (--startup-timeout); {unreachable_text(self.cfg)}. "
+                    "Restart the lost tasks, or relaunch the job to resume from its checkpoint"
+                ))
 
 
 class _OneLine(logging.Filter):
@@ -266,7 +181,7 @@ class _OneLine(logging.Filter):
             # every time; the retracing warning is about TF, not this program.
             return False
         if "\n" in message or len(message) > 300:
-            record.msg, record.args = _first_line(Exception(message), 300), None
+            record.msg, record.args = first_line(Exception(message), 300), None
         return True
 
 

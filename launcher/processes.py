@@ -1,0 +1,293 @@
+"""Task processes: start, stop, output, pinning, and where each one runs.
+
+A task is one ``train.py`` process. Between fork and exec it is tied to the
+launcher's life (``PR_SET_PDEATHSIG``), moved into its simulated host's
+network namespace, into its slow-down cgroup, and onto its cores, so all
+of that holds from its first instruction and for every thread it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import protocol
+from launcher import plan as plans
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(HERE, "train.py")
+CLONE_NEWNET = 0x40000000
+
+_libc = None
+
+
+def libc():
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    return _libc
+
+
+def die_with_parent() -> None:  # runs in the child between fork and exec
+    # Linux: if the launcher is killed outright, the kernel kills the task too.
+    try:
+        libc().prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def enter_netns(path: str) -> None:
+    """Join the network namespace at ``path`` (``/proc/<pid>/ns/net``)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc().setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({path}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def join_cgroup(directory: str) -> None:
+    with open(os.path.join(directory, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a task runs: its host's network namespace, its cgroup, its cores."""
+
+    netns: str | None = None  # /proc/<pid>/ns/net of the host's holder process
+    cgroup: str | None = None  # a cgroup directory to join before exec (a slowed task)
+    cpus: str | None = None  # "0,1": a CPU set of its own
+
+
+def child_setup(place: Placement):
+    """What runs in a task between fork and exec."""
+
+    def setup():
+        die_with_parent()
+        if place.netns:
+            enter_netns(place.netns)
+        if place.cgroup:
+            join_cgroup(place.cgroup)
+        if place.cpus:
+            try:
+                os.sched_setaffinity(0, {int(c) for c in place.cpus.split(",")})
+            except OSError:  # a container that forbids it: run unpinned
+                pass
+
+    return setup
+
+
+@dataclass
+class Task:
+    name: str
+    proc: subprocess.Popen
+    pump: threading.Thread
+    lines: list[str] = field(default_factory=list)
+
+
+def _pump(task_name: str, stream, sink, keep: list[str], lock: threading.Lock, on_line=None):
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\n")
+        keep.append(line)
+        with lock:
+            sink.write(f"[{task_name}] {line}\n")
+            sink.flush()
+        if on_line is not None:
+            on_line(task_name, line)
+    stream.close()
+
+
+_SINK_LOCK = threading.Lock()  # one for every pump, restarted tasks' too
+
+
+def start_task(name: str, tf_config: dict | None, command: list[str], env: dict[str, str],
+               sink=None, on_line=None, task_env: dict[str, str] | None = None,
+               place: Placement | None = None) -> Task:
+    """Start one task; ``task_env`` adds variables under ``env`` (the caller's wins)."""
+    sink = sink or sys.stdout
+    full_env = {**(task_env or {}), **env}
+    full_env.pop("TF_CONFIG", None)
+    cpus = full_env.pop("LAUNCH_CPUS", None)
+    place = place or Placement()
+    if cpus and not place.cpus:
+        place = Placement(place.netns, place.cgroup, cpus)
+    if tf_config is not None:
+        full_env["TF_CONFIG"] = json.dumps(tf_config)
+    proc = subprocess.Popen(
+        command, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=child_setup(place),
+    )
+    keep: list[str] = []
+    pump = threading.Thread(target=_pump, args=(name, proc.stdout, sink, keep, _SINK_LOCK, on_line),
+                            daemon=True)
+    pump.start()
+    return Task(name, proc, pump, keep)
+
+
+def start_tasks(tasks: dict[str, dict | None], command: list[str], env: dict[str, str],
+                sink=None, on_line=None, task_envs: dict[str, dict[str, str]] | None = None,
+                places: dict[str, Placement] | None = None) -> list[Task]:
+    """One process per task; ``on_line(task, line)`` sees every output line."""
+    return [start_task(name, tf_config, command, env, sink, on_line,
+                       (task_envs or {}).get(name), (places or {}).get(name))
+            for name, tf_config in tasks.items()]
+
+
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def wait_all(tasks: list[Task], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for t in tasks:
+        try:
+            t.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return
+
+
+def stop_tasks(tasks: list[Task], grace: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace``: TF's own SIGTERM handler may ignore the first."""
+    live = [t for t in tasks if t.proc.poll() is None]
+    for t in live:
+        signal_group(t.proc, signal.SIGTERM)
+    wait_all(live, grace)
+    for t in tasks:
+        if t.proc.poll() is None:
+            signal_group(t.proc, signal.SIGKILL)
+        t.proc.wait()
+        t.pump.join(timeout=5)
+
+
+# --- pinning -------------------------------------------------------------------------
+
+def thread_env(strategy: str, tasks, cpus: int) -> dict[str, dict[str, str]]:
+    """Each task's share of this machine's cores: TensorFlow's thread-pool size and a CPU set.
+
+    The simulated hosts share one machine: left alone, every task sizes its
+    intra-op pool to all the cores, and N workers oversubscribe them N times
+    over. Tasks that only serve or dispatch (ps, and the ps chief) get one
+    thread and no fixed cores. When the busy tasks fit, each is also pinned
+    (``LAUNCH_CPUS``) to cores of its own, as if on a host of its own, which
+    was faster in every run (docs/performance.md).
+    """
+    computing = plans.kind_of(strategy).computing_roles
+    busy = [n for n in tasks if n.partition(":")[0] in computing]
+    share = max(1, cpus // max(1, len(busy)))
+    envs = {n: {"TF_NUM_INTRAOP_THREADS": str(share if n in busy else 1)} for n in tasks}
+    if 1 < len(busy) <= cpus:
+        for i, n in enumerate(busy):
+            envs[n]["LAUNCH_CPUS"] = ",".join(str(c) for c in range(i * share, (i + 1) * share))
+            # TensorFlow sizes its inter-op pool by the cores a process may
+            # use; with one, a ps worker's function waiting on a ps read
+            # holds the only thread and the job can deadlock (docs/performance.md).
+            envs[n]["TF_NUM_INTEROP_THREADS"] = str(cpus)
+    return envs
+
+
+def cores_used(task_env: dict[str, str], cpus: int) -> int:
+    """How many cores a task may use at full speed: its CPU set, else all of them."""
+    if task_env.get("LAUNCH_CPUS"):
+        return len(task_env["LAUNCH_CPUS"].split(","))
+    return max(1, cpus)
+
+
+# --- commands and saved files -----------------------------------------------------
+
+def task_command(strategy: str, train_args: list[str], python: str = sys.executable) -> list[str]:
+    return [python, TRAIN, f"--strategy={strategy}", *train_args]
+
+
+def save_launch_files(launch_dir: str, plan, command: list[str]) -> None:
+    """One TF_CONFIG file per task, ``commands.sh`` replaying each task (and
+    naming its host), ``hosts.json`` under simulated hosts, and an empty
+    progress-event file per task (this launch's events only)."""
+    if not isinstance(plan, plans.ClusterPlan):
+        plan = plans.ClusterPlan(plan)
+    os.makedirs(os.path.join(launch_dir, "events"), exist_ok=True)
+    for name in plan.tf_configs:
+        with open(protocol.events_path(launch_dir, name), "w"):
+            pass
+    for name, tf_config in plan.tf_configs.items():
+        if tf_config is None:
+            continue
+        with open(os.path.join(launch_dir, plans.tf_config_file(name)), "w") as f:
+            json.dump(tf_config, f)
+            f.write("\n")
+    if plan.hosts:
+        hosts = {f"host{i}": {"address": plans.host_address(i),
+                              "tasks": [n for n, h in plan.host_of.items() if h == i]}
+                 for i in range(plan.hosts)}
+        protocol.write_json_atomic(os.path.join(launch_dir, "hosts.json"), hosts)
+    with open(os.path.join(launch_dir, "commands.sh"), "w") as f:
+        f.write(plans.commands_script(plan, command, launch_dir))
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports that were free a moment ago."""
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+# --- data, before entering a namespace without network -----------------------------
+
+def mnist_prepared(data_dir: str) -> bool:
+    return bool(glob.glob(os.path.join(os.path.expanduser(data_dir), "mnist", "*",
+                                       "dataset_info.json")))
+
+
+def prepare_data_command(data_dir: str, python: str = sys.executable) -> list[str]:
+    return [python, "-m", "training.prepare_data", *(["--data-dir", data_dir] if data_dir else [])]
+
+
+def prepare_data(train_args: list[str], env: dict[str, str]) -> int:
+    """Download MNIST first if tfds would: the namespace has no network."""
+    data_dir = train_arg(train_args, "--data-dir", env.get("TFDS_DATA_DIR") or "")
+    where = data_dir or os.path.join("~", "tensorflow_datasets")
+    if mnist_prepared(where):
+        return 0
+    print(f"[launch] no MNIST in {where}; checking or downloading it before entering the "
+          "network namespace, which has no network", flush=True)
+    return subprocess.run(prepare_data_command(data_dir), cwd=HERE, env=env,
+                          stdin=subprocess.DEVNULL).returncode
+
+
+def train_arg(train_args: list[str], flag: str, default: str) -> str:
+    # No abbreviations: "--model logreg" must not read as "--model-dir logreg".
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument(flag, default=default)
+    known, _ = p.parse_known_args(train_args)
+    return getattr(known, flag.lstrip("-").replace("-", "_"))
+
+
+def has_flag(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def quote(command: list[str]) -> str:
+    return shlex.join(command)

@@ -1,0 +1,292 @@
+"""Supervision: the job's typed state, the poll loop, relaunches, and the outcome.
+
+The ``Supervisor`` owns the task processes. Each poll it reaps exits, shows
+the hooks (fault injection, task restarts) a ``JobState`` snapshot, applies
+the actions they return, and asks the strategy kind whether the job's
+outcome is known (``decide``). ``run_job`` relaunches a failed job under
+``--max-restarts`` and writes ``launch/outcome.json`` with each worker's
+rate, read from the tasks' progress events.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+import protocol
+from launcher import faults as faultlib
+from launcher import processes
+from launcher.plan import ClusterPlan, kind_of
+from launcher.processes import Placement, Task
+from launcher.state import JobState, RestartTask, SignalTask, SlowTask, TaskView
+from protocol import Exit
+
+
+def decide(strategy: str, exits: dict[str, int | None]) -> int | None:
+    """The job's exit code once it is known, else ``None`` (pure).
+
+    Only the tasks whose exits the strategy kind says decide count (every
+    task of a sync job; the chief under ps, whose servers stop when it is
+    gone): the first failure among them decides, else their success.
+    """
+    kind = kind_of(strategy)
+    deciding = [code for name, code in exits.items() if kind.decides(name)]
+    failed = [code for code in deciding if code not in (None, 0)]
+    if failed:
+        return failed[0]
+    if deciding and all(code == 0 for code in deciding):
+        return 0
+    return None
+
+
+class Supervisor:
+    """One attempt of the job: its processes, their exits, the hooks' actions."""
+
+    def __init__(self, strategy: str, starter: Callable[[str], Task], log=print,
+                 grace: float = 5.0, poll: float = 0.1, slowdown=None, attempt: int = 0):
+        self.strategy, self.starter, self.log = strategy, starter, log
+        self.grace, self.poll, self.slowdown, self.attempt = grace, poll, slowdown, attempt
+        self.tasks: dict[str, Task] = {}
+        self.exits: dict[str, int | None] = {}
+        self.starts: dict[str, int] = {}
+
+    # --- processes ---------------------------------------------------------------
+
+    def start(self, names) -> None:
+        for name in names:
+            self._start(name)
+
+    def _start(self, name: str) -> Task:
+        task = self.starter(name)
+        self.tasks[name] = task
+        self.exits[name] = None
+        self.starts[name] = self.starts.get(name, 0) + 1
+        if self.slowdown is not None:
+            self.slowdown.attach(name, task.proc.pid)
+        return task
+
+    def state(self) -> JobState:
+        return JobState(tuple(TaskView(n, t.proc.pid, self.exits[n], self.starts[n])
+                              for n, t in self.tasks.items()), self.attempt)
+
+    def reap(self) -> None:
+        for name, t in self.tasks.items():
+            if self.exits[name] is None and (code := t.proc.poll()) is not None:
+                self.exits[name] = code
+                self.log(f"[launch] {name} exited with code {code}")
+
+    def apply(self, action) -> None:
+        task = self.tasks.get(action.task)
+        if task is None:
+            return
+        if isinstance(action, SignalTask):
+            if task.proc.poll() is not None or (action.pid is not None and action.pid != task.proc.pid):
+                return  # gone, or already replaced by a restart
+            if action.group:
+                processes.signal_group(task.proc, action.sig)
+            else:
+                task.proc.send_signal(action.sig)
+        elif isinstance(action, RestartTask):
+            task.pump.join(timeout=5)
+            new = self._start(action.task)
+            self.log(f"[launch] restarted {action.task} (pid {new.proc.pid}), same TF_CONFIG"
+                     + (f"; {action.note}" if action.note else ""))
+        elif isinstance(action, SlowTask):
+            if self.slowdown is None:
+                raise RuntimeError(f"{action} without a Slowdown")
+            self.slowdown.activate(action.task, action.fraction)
+            if task.proc.poll() is None:
+                self.slowdown.attach(action.task, task.proc.pid)
+        else:
+            raise TypeError(f"unknown action {action!r}")
+
+    def stop(self) -> None:
+        """Every task stopped: SIGTERM, then SIGKILL after ``grace``."""
+        if self.slowdown is not None:
+            self.slowdown.resume()  # a stopped process cannot act on SIGTERM
+        processes.stop_tasks(list(self.tasks.values()), grace=self.grace)
+
+    # --- the poll loop -------------------------------------------------------------
+
+    def run(self, timeout: float, hooks=()) -> int:
+        """Wait for the job's outcome; stop every task whatever it is."""
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                self.reap()
+                for hook in hooks:
+                    for action in hook(self.state()):
+                        self.apply(action)
+                code = decide(self.strategy, self.exits)
+                if code is not None:
+                    if code == Exit.PREEMPTED:
+                        # Every worker saves at the agreed step and exits by
+                        # itself; a SIGTERM now would be read as another notice.
+                        self.log("[launch] job preempted: waiting for every task to checkpoint "
+                                 "and exit")
+                        processes.wait_all(list(self.tasks.values()), self.grace)
+                        self.reap()
+                    elif code != 0:
+                        self.log(f"[launch] job failed (exit {code}); stopping the other tasks")
+                    else:
+                        # Servers notice the chief is gone and exit on their own.
+                        processes.wait_all(list(self.tasks.values()), self.grace)
+                    return code
+                if time.monotonic() > deadline:
+                    self.log(f"[launch] error: job still running after --timeout={timeout:g}s; "
+                             "stopping it")
+                    return Exit.TIMEOUT
+                time.sleep(self.poll)
+        finally:
+            self.stop()
+
+
+# --- each worker's rate, from the progress events -------------------------------------------
+
+def worker_rates(strategy: str, event_paths: dict[str, str]) -> dict[str, dict]:
+    """Each computing task's steps, share and steps/s, from its progress events.
+
+    A task whose progress events carry ``steps_per_worker`` (the ps chief)
+    speaks for every worker: local steps, their share of all steps, and a
+    rate over the reports since that worker last (re)started. Otherwise
+    each computing task reports its own steps and steps/s (synchronous
+    workers all run every step: no share).
+    """
+    kind = kind_of(strategy)
+    events = {n: [e for e in protocol.read_all_events(p)
+                  if e.kind in (protocol.STARTED, protocol.PROGRESS)]
+              for n, p in event_paths.items()}
+    reports = sorted((e.time, e.data["steps_per_worker"]) for evs in events.values() for e in evs
+                     if e.kind == protocol.PROGRESS
+                     and isinstance(e.data.get("steps_per_worker"), dict))
+    rates: dict[str, dict] = {}
+    if reports:
+        t_last, last = reports[-1]
+        total = sum(v for v in last.values() if isinstance(v, int))
+        for worker, steps in last.items():
+            first = len(reports) - 1
+            while first > 0 and reports[first - 1][1].get(worker, -1) <= reports[first][1].get(worker, -1):
+                first -= 1
+            t0, n0 = reports[first][0], reports[first][1].get(worker, 0)
+            rates[worker] = {"steps": steps, "share": round(steps / total, 4) if total else None,
+                             "steps_per_sec": round((steps - n0) / (t_last - t0), 2)
+                             if t_last > t0 else None}
+        return rates
+    for name, evs in events.items():
+        if name.partition(":")[0] not in kind.computing_roles and not kind.single_process:
+            continue
+        # This process's last start (a relaunch appends to the same file):
+        # from its first step on, start-up left out.
+        starts = [i for i, e in enumerate(evs) if e.kind == protocol.STARTED]
+        evs = evs[starts[-1]:] if starts else evs
+        if not evs or evs[-1].kind != protocol.PROGRESS:
+            continue
+        first, last = evs[0], evs[-1]
+        if last.time > first.time and last.step > first.step:
+            rate = (last.step - first.step) / (last.time - first.time)
+        else:
+            rate = last.data.get("steps_per_sec")
+        rates[name] = {"steps": last.step, "share": None,
+                       "steps_per_sec": round(rate, 2) if isinstance(rate, (int, float)) else None}
+    return rates
+
+
+def describe_rates(rates: dict[str, dict]) -> str:
+    parts = []
+    for name, r in rates.items():
+        rate = f"{r['steps_per_sec']:.1f} steps/s" if r.get("steps_per_sec") is not None else "? steps/s"
+        if r.get("share") is not None:
+            parts.append(f"{name} {r['steps']} local steps ({r['share']:.0%}), {rate}")
+        else:
+            parts.append(f"{name} step {r['steps']}, {rate}")
+    return "; ".join(parts)
+
+
+# --- the job, with recovery ----------------------------------------------------------------
+
+def run_job(args, plan: ClusterPlan, command: list[str], env: dict[str, str],
+            recovery: faultlib.RecoveryPlan, holder: list, log=print,
+            launch_dir: str | None = None, network=None, link=None) -> int:
+    """Start, supervise and, under ``--max-restarts``, relaunch the job.
+
+    ``holder`` gets the live Supervisor so the caller can stop it on an
+    interrupt. A relaunch reuses every TF_CONFIG (same addresses, like a
+    Kubernetes pod restarted under the same service names) and the same
+    ``--model-dir``, so the tasks resume from the latest checkpoint.
+    ``network`` (``SimulatedHosts``) puts each task in its host's namespace.
+    """
+    cpus = os.cpu_count() or 1
+    names = plan.names
+    task_envs = processes.thread_env(args.strategy, names, cpus)
+    paths: dict[str, str] = {}
+    if launch_dir is not None:
+        for name in names:
+            paths[name] = protocol.events_path(launch_dir, name)
+            task_envs[name][protocol.EVENTS_ENV] = paths[name]
+    slowdown = None
+    if recovery.slow:
+        slowdown = faultlib.Slowdown({n: processes.cores_used(task_envs[n], cpus) for n in names},
+                                     log=log)
+    try:
+        for slow in recovery.slow:
+            if slow.from_start:
+                slowdown.activate(slow.task, slow.fraction)
+                log(f"[launch] slow: {slowdown.describe(slow.task)}")
+        injector = faultlib.FaultInjector(
+            [*recovery.faults, *(s for s in recovery.slow if not s.from_start)],
+            log=log, grace=args.grace, event_paths=list(paths.values()))
+        restarter = faultlib.TaskRestarter(
+            recovery.restart_delay, log=log, roles=kind_of(args.strategy).restartable_roles,
+        ) if recovery.restart_tasks else None
+        hooks = [injector] + ([restarter] if restarter is not None else [])
+
+        def starter(name: str) -> Task:
+            place = Placement(
+                netns=network.netns(plan.host_of[name]) if network is not None else None,
+                cgroup=slowdown.cgroup_for(name) if slowdown is not None else None)
+            return processes.start_task(name, plan.tf_configs[name], command, env,
+                                        task_env=task_envs[name], place=place)
+
+        attempt = 0
+        while True:
+            if restarter is not None:
+                restarter.new_attempt()
+            sup = Supervisor(args.strategy, starter, log=log, grace=args.grace,
+                             slowdown=slowdown, attempt=attempt)
+            holder[:] = [sup]
+            sup.start(names)
+            code = sup.run(args.timeout, hooks)
+            if not faultlib.should_relaunch(code, attempt, recovery.max_restarts):
+                break
+            attempt += 1
+            log(f"[launch] relaunching the job ({attempt} of --max-restarts="
+                f"{recovery.max_restarts}) after exit {code}, in {recovery.restart_delay:g}s; "
+                "it resumes from its checkpoint")
+            time.sleep(recovery.restart_delay)
+    finally:
+        if slowdown is not None:
+            slowdown.close()
+    restarts = sum(restarter.restarts.values()) if restarter is not None else 0
+    log(f"[launch] recovery: faults injected {len(injector.fired)}, task restarts {restarts}, "
+        f"job relaunches {attempt}")
+    rates = worker_rates(args.strategy, paths) if paths else {}
+    if rates:
+        log(f"[launch] per worker: {describe_rates(rates)}")
+    if launch_dir is not None and os.path.isdir(launch_dir):
+        slowed = [str(s) for s in recovery.slow]
+        protocol.LaunchOutcome(
+            int(code), list(injector.fired), restarts, attempt, per_task=rates or None,
+            hosts={n: plan.where(n) for n in names} if plan.hosts else None,
+            link=link, slowed=slowed or None,
+        ).write(os.path.join(launch_dir, "outcome.json"))
+    return code
+
+
+def interrupted(holder: list, received: list) -> int:
+    """Stop every task after a signal to the launcher; the exit code a shell would report."""
+    for sup in holder:
+        sup.stop()
+    # As a shell reports a process ended by that signal: 143 for SIGTERM.
+    return 128 + received[0] if received else Exit.INTERRUPTED
+

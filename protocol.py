@@ -1,0 +1,271 @@
+"""What the processes of a job tell each other and their callers; no TensorFlow.
+
+``train.py`` writes it, the launcher, ``bench.py`` and ``soak.py`` read it:
+
+- **exit codes**, each defined once, and which of them mean "relaunch me";
+- **progress events**: one JSON object per line, appended to the file named
+  by ``$SHOWCASE_EVENTS`` (the launcher sets one per task). Human-readable
+  progress lines stay on stdout for people; programs read these instead;
+- **the results record** (``results.json``), typed and versioned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+
+class Exit(IntEnum):
+    OK = 0
+    FAILED = 1  # an unexpected error: a bug, or a fault nobody handled
+    BAD_INPUT = 2  # flags, TF_CONFIG, data or run directory: nothing was started
+    PREEMPTED = 42  # SIGTERM: a checkpoint was saved at an agreed step (TF's own choice)
+    DIVERGED = 65  # EX_DATAERR: the loss or weights became NaN/inf; the last good checkpoint is kept
+    TASK_LOST = 75  # EX_TEMPFAIL: a peer was lost or never came
+    TIMEOUT = 124  # the launcher stopped a job that ran past --timeout (as timeout(1))
+    INTERRUPTED = 130  # Ctrl-C (SIGINT)
+    TERMINATED = 143  # SIGTERM to the launcher: it stopped every task
+
+
+# Codes after which relaunching the same command resumes from the checkpoint.
+RELAUNCH = frozenset({Exit.PREEMPTED, Exit.TASK_LOST})
+
+EXIT_MEANINGS = {
+    Exit.OK: "success",
+    Exit.FAILED: "unexpected error (a traceback says where)",
+    Exit.BAD_INPUT: "bad input: one error line, nothing started or written",
+    Exit.PREEMPTED: "preempted: checkpoint saved, relaunch to resume",
+    Exit.DIVERGED: "training diverged (non-finite loss or weights): stopped, last good checkpoint kept",
+    Exit.TASK_LOST: "a peer task was lost or never came: relaunch to resume",
+    Exit.TIMEOUT: "launcher: the job ran past --timeout and was stopped",
+    Exit.INTERRUPTED: "interrupted (Ctrl-C)",
+    Exit.TERMINATED: "launcher: SIGTERM; every task was stopped",
+}
+
+
+def exit_epilog() -> str:
+    """The exit-code table for ``--help``."""
+    return "exit codes: " + "; ".join(f"{int(c)} {m}" for c, m in EXIT_MEANINGS.items())
+
+
+# --- progress events ---------------------------------------------------------
+
+EVENTS_ENV = "SHOWCASE_EVENTS"
+
+# Event kinds, in the order a run emits them.
+STARTED = "started"  # the first step ran: every peer is connected
+PROGRESS = "progress"  # a progress line was printed (step = steps completed)
+EVAL = "eval"
+CHECKPOINT = "checkpoint"  # a checkpoint holding ``step`` completed steps is on disk
+PREEMPTED = "preempted"
+LOST = "lost"
+DIVERGED = "diverged"  # a non-finite loss or weights stopped the run (nothing saved after)
+DONE = "done"  # this task finished its part (the chief: results written)
+EVENT_KINDS = (STARTED, PROGRESS, EVAL, CHECKPOINT, PREEMPTED, LOST, DIVERGED, DONE)
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str
+    task: str
+    step: int | None = None
+    time: float = 0.0
+    data: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, allow_nan=False)
+
+    @classmethod
+    def from_json(cls, line: str) -> "Event":
+        raw = json.loads(line)
+        if not isinstance(raw, dict) or raw.get("kind") not in EVENT_KINDS:
+            raise ValueError(f"not a progress event: {line[:120]!r}")
+        return cls(kind=raw["kind"], task=str(raw.get("task", "")), step=raw.get("step"),
+                   time=float(raw.get("time", 0.0)), data=dict(raw.get("data") or {}))
+
+
+class EventLog:
+    """Appends this task's events to ``$SHOWCASE_EVENTS``; does nothing when unset."""
+
+    def __init__(self, task: str, path: str | None = None):
+        self.task = task
+        self.path = path if path is not None else os.environ.get(EVENTS_ENV) or None
+
+    def emit(self, kind: str, step: int | None = None, **data: Any) -> None:
+        if self.path is None:
+            return
+        event = Event(kind, self.task, step, time.time(), _finite(data))
+        # One write of one line with O_APPEND: readers never see half an event
+        # from another writer, and a partial last line only while it is written.
+        with open(self.path, "a") as f:
+            f.write(event.to_json() + "\n")
+
+
+def _finite(data: dict) -> dict:
+    """JSON has no NaN or infinity: such a value is reported as None."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in data.items()}
+
+
+class EventReader:
+    """Reads the events appended to one file since the last call."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._offset = 0
+        self._partial = ""
+
+    def read(self) -> list[Event]:
+        try:
+            with open(self.path) as f:
+                f.seek(self._offset)
+                chunk = f.read()
+                self._offset = f.tell()
+        except FileNotFoundError:
+            return []
+        text = self._partial + chunk
+        lines = text.split("\n")
+        self._partial = lines.pop()  # "" after a complete line
+        events = []
+        for line in lines:
+            if line.strip():
+                try:
+                    events.append(Event.from_json(line))
+                except ValueError:
+                    continue  # not ours: a reader must never die on a stray line
+        return events
+
+
+def events_path(launch_dir: str, task: str) -> str:
+    return os.path.join(launch_dir, "events", f"{task.replace(':', '-')}.jsonl")
+
+
+def read_all_events(path: str) -> list[Event]:
+    return EventReader(path).read()
+
+
+# --- the results record ---------------------------------------------------------
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Results:
+    """``results.json``: what one run of the chief did.
+
+    Strategy-specific figures are ``None`` where they do not apply (the
+    asynchronous ps ones under a synchronous strategy).
+    """
+
+    strategy: str
+    model: str
+    optimizer: str
+    learning_rate: float
+    lr_schedule: str
+    num_workers: int
+    num_ps: int
+    replicas_in_sync: int
+    global_batch_size: int
+    steps_per_execution: int
+    seed: int
+    global_steps: int  # the step counter in the model's variables
+    completed_steps: int  # requested steps done, this run and before it
+    steps_this_run: int
+    resumed_from_step: int
+    steps_per_worker: dict | None  # None: a worker was down when asked
+    startup_seconds: float
+    train_seconds: float
+    steady_steps: int
+    examples_per_sec: float
+    wall_seconds: float
+    eval_curve: list
+    eval_seconds: float
+    test_accuracy: float
+    test_loss: float
+    weights_sha256: str
+    tf_version: str
+    keras_version: str
+    # Asynchronous parameter servers.
+    scheduled_steps: int | None = None
+    applied_steps: int | None = None
+    reexecuted_steps: int | None = None
+    staleness: dict | None = None
+    variables_per_ps: dict | None = None
+    # Synchronous parameter servers (ps-sync); this run's counts.
+    replicas_to_aggregate: int | None = None  # K, gradients averaged per update
+    aggregated_gradients: int | None = None  # = K x applied_steps
+    stale_gradients_dropped: int | None = None  # computed on older weights, never applied
+    # Accepted gradients whose worker saw the step move while computing
+    # them: measured, and 0 by construction.
+    stale_gradients_applied: int | None = None
+    # {worker: {"accepted", "dropped", "skipped", "computed", "pending"}};
+    # skipped: tokens already stale when taken (no gradient computed);
+    # pending: computed but not yet looked at by the ps when the run ended.
+    gradients_per_worker: dict | None = None
+    update_interval: dict | None = None  # seconds between applied updates, on the ps
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Results":
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(
+                f"results schema_version {version!r}, this code reads {SCHEMA_VERSION}"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def write(self, path: str) -> None:
+        write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str) -> "Results":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+def write_json_atomic(path: str, data: dict) -> None:
+    """Readers see the old file or the new one, never half of one."""
+    text = json.dumps(data, indent=2, sort_keys=True, allow_nan=False)  # raises before any write
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text + "\n")
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class LaunchOutcome:
+    """``<model-dir>/launch/outcome.json``: what the launcher did to a job."""
+
+    exit_code: int
+    faults_fired: list
+    task_restarts: int
+    job_relaunches: int
+    schema_version: int = SCHEMA_VERSION
+    # Optional, added later (readers of older files get None): each computing
+    # task's {"steps", "share", "steps_per_sec"} from its progress events;
+    # under --hosts each task's host; under --link-rate the measured link;
+    # the --slow flags applied.
+    per_task: dict | None = None
+    hosts: dict | None = None
+    link: dict | None = None
+    slowed: list | None = None
+
+    def write(self, path: str) -> None:
+        write_json_atomic(path, dataclasses.asdict(self))
+
+    @classmethod
+    def load(cls, path: str) -> "LaunchOutcome":
+        with open(path) as f:
+            data = json.load(f)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})

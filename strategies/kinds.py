@@ -1,0 +1,421 @@
+"""One object per strategy: everything the rest of the code knows about it.
+
+``train.py``, the launcher, the benchmark and the soak ask a kind; none of
+them compares strategy names. A new strategy is one class here plus one
+line in ``_REGISTRY`` (or a call to :func:`register`).
+
+Pure Python: TensorFlow is imported inside ``build`` only, so the dry run,
+the launcher and every check here run without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from strategies.tf_config import TRAINING_ROLES, ClusterConfig, ConfigError
+
+AUTO = "auto"
+ALL_REDUCE = ("auto", "ring", "nccl")
+
+# A kind's ``trainer`` names one of these: (module, class), imported lazily
+# because every trainer imports TensorFlow.
+TRAINERS = {
+    "sync": ("training.sync_trainer", "SyncTrainer"),
+    "ps": ("training.ps_trainer", "PsTrainer"),
+    "ps-sync": ("training.ps_sync_trainer", "PsSyncTrainer"),
+}
+
+
+@dataclass(frozen=True)
+class StrategyBundle:
+    kind: "StrategyKind"
+    strategy: Any
+    coordinator: Any = None  # a ClusterCoordinator, for parameter servers
+
+    @property
+    def name(self) -> str:
+        return self.kind.name
+
+
+class StrategyKind:
+    """The defaults describe a synchronous strategy in which every task trains."""
+
+    name = ""
+    summary = ""
+    # Which training loop, a key of TRAINERS: "sync" (every task runs every
+    # step), "ps" (the chief schedules steps on the workers) or "ps-sync"
+    # (workers hand gradients to the ps, the chief applies K at a time).
+    trainer = "sync"
+    # One process without TF_CONFIG (the launcher starts one task, no ports).
+    single_process = False
+    # Roles that run training steps, and so take GPUs and CPU cores.
+    computing_roles: tuple[str, ...] = TRAINING_ROLES
+    # Roles whose process only serves a tf.distribute.Server.
+    serving_roles: tuple[str, ...] = ()
+    # Roles a launcher may restart on their own while the job goes on.
+    restartable_roles: tuple[str, ...] = ()
+    # Updates applied without waiting for the other workers (staleness exists).
+    asynchronous = False
+    # Each update averages --replicas-to-aggregate gradients of global/K examples.
+    aggregates_gradients = False
+    # Parameter-server layout bounds for the launcher.
+    min_ps = 0
+    max_ps = 0
+    # (action, task) faults this kind survives with the launcher's recovery
+    # flags on; the soak draws from them.
+    survivable_faults: tuple[tuple[str, str], ...] = ()
+
+    # --- the cluster ------------------------------------------------------
+
+    def check(self, cfg: ClusterConfig) -> None:
+        """Raise ConfigError (one line) if this strategy cannot run ``cfg``."""
+
+    # --strategy=auto tries the kinds that accept a cluster, lowest rank first.
+    auto_rank = 100
+
+    def auto_accepts(self, cfg: ClusterConfig) -> bool:
+        """Whether ``--strategy=auto`` may pick this kind for ``cfg``."""
+        return False
+
+    def replicas(self, cfg: ClusterConfig, local_gpus: int) -> int:
+        """Replicas that share one global batch."""
+        return max(1, local_gpus)
+
+    def training_tasks(self, cfg: ClusterConfig) -> list[str]:
+        """Tasks that run training steps."""
+        names = [f"{r}:{i}" for r, i, _ in cfg.tasks() if r in self.computing_roles]
+        return names or [cfg.task_name]
+
+    def role(self, cfg: ClusterConfig) -> str:
+        return "local" if cfg.is_local else cfg.task_type
+
+    def serves(self, cfg: ClusterConfig) -> bool:
+        """Whether this task only serves (runs a server until the chief is gone)."""
+        return not cfg.is_local and cfg.task_type in self.serving_roles
+
+    def reads_data(self, cfg: ClusterConfig) -> bool:
+        """Whether this task reads MNIST itself (so checks it up front)."""
+        return self.role(cfg) in ("local", *self.computing_roles)
+
+    def gpu_roles(self) -> tuple[str, ...]:
+        return self.computing_roles
+
+    def duty(self, cfg: ClusterConfig) -> str:
+        """What this task does, for ``--dry-run``."""
+        if self.role(cfg) == "evaluator":
+            return "not used by train.py: evaluation runs on the chief after training"
+        return "train on all local devices; write checkpoints, logs and results"
+
+    def process_env(self) -> dict[str, str]:
+        """Variables set (if unset) before TensorFlow starts."""
+        return {}
+
+    # --- building ---------------------------------------------------------
+
+    def build(self, cfg: ClusterConfig, *, all_reduce: str = "auto") -> StrategyBundle:
+        raise NotImplementedError
+
+    def trainer_class(self):
+        """The trainer for this kind (imported lazily: it imports TensorFlow)."""
+        module, name = TRAINERS[self.trainer]
+        return getattr(importlib.import_module(module), name)
+
+    # --- the simulated cluster ------------------------------------------------
+
+    def layout(self, workers: int, ps: int = 0, chief: bool = False) -> dict[str, int]:
+        """Tasks per role for the launcher (``{}``: one process, no TF_CONFIG)."""
+        if workers < 1:
+            raise ConfigError(f"--workers={workers}; at least 1 worker is needed")
+        if self.single_process:
+            if workers != 1 or ps:
+                raise ConfigError(
+                    f"--strategy {self.name} is one process; received --workers={workers} "
+                    f"--ps={ps}; use --workers 1 --ps 0, or a multi-process strategy"
+                )
+            return {}
+        if ps < self.min_ps:
+            raise ConfigError(f"--strategy {self.name} needs --ps >= {self.min_ps}, received --ps={ps}")
+        if ps > self.max_ps:
+            raise ConfigError(
+                f"--strategy {self.name} takes no ps tasks, received --ps={ps}; use --ps 0"
+            )
+        return {"chief": 1 if chief else 0, "worker": workers, "ps": ps}
+
+    def decides(self, task: str) -> bool:
+        """Whether ``task``'s exit decides the job's outcome (first failure wins)."""
+        return True
+
+    def __repr__(self) -> str:
+        return f"<strategy kind {self.name}>"
+
+
+def _local_only(kind: StrategyKind, cfg: ClusterConfig) -> None:
+    if len(cfg.tasks()) > 1:
+        raise ConfigError(
+            f"--strategy={kind.name} is one process, but TF_CONFIG describes "
+            f"{len(cfg.tasks())} tasks; unset TF_CONFIG or use --strategy="
+            + "|".join(k.name for k in _REGISTRY.values() if not k.single_process)
+        )
+
+
+def _cluster_resolver(cfg: ClusterConfig):
+    import tensorflow as tf
+
+    # Built from our parsed config, so TF never reads TF_CONFIG on its own.
+    # The evaluator is a side-car, not a member of the training cluster.
+    jobs = {r: list(a) for r, a in cfg.cluster.items() if r != "evaluator"}
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(jobs), task_type=cfg.task_type, task_id=cfg.task_index,
+        rpc_layer="grpc",
+    )
+
+
+class NoStrategy(StrategyKind):
+    name = "none"
+    summary = "no distribution: TensorFlow's default strategy, one device (the baseline)"
+    single_process = True
+
+    def check(self, cfg):
+        _local_only(self, cfg)
+
+    def replicas(self, cfg, local_gpus):
+        return 1  # one device, whatever the host has
+
+    def build(self, cfg, *, all_reduce="auto"):
+        import tensorflow as tf
+
+        return StrategyBundle(self, tf.distribute.get_strategy())
+
+
+class Mirrored(StrategyKind):
+    name = "mirrored"
+    summary = "MirroredStrategy: every local GPU (or the CPU) in one process"
+    single_process = True
+
+    def check(self, cfg):
+        _local_only(self, cfg)
+
+    auto_rank = 30
+
+    def auto_accepts(self, cfg):
+        return True
+
+    def build(self, cfg, *, all_reduce="auto"):
+        import tensorflow as tf
+
+        return StrategyBundle(self, tf.distribute.MirroredStrategy())
+
+
+class MultiWorker(StrategyKind):
+    name = "multiworker"
+    summary = "MultiWorkerMirroredStrategy: synchronous all-reduce, one process per worker"
+    max_ps = 0
+    survivable_faults = (("kill", "worker:0"), ("kill", "worker:1"),
+                         ("preempt", "worker:0"), ("preempt", "worker:1"))
+
+    def check(self, cfg):
+        if cfg.num_ps:
+            raise ConfigError(
+                f"--strategy={self.name} is all-reduce and takes no 'ps' job, but "
+                f"TF_CONFIG has {cfg.num_ps} ps task(s); remove the ps job or use --strategy=ps"
+            )
+
+    auto_rank = 20
+
+    def auto_accepts(self, cfg):
+        return cfg.num_workers > 1
+
+    def replicas(self, cfg, local_gpus):
+        return cfg.num_workers * max(1, local_gpus)
+
+    def duty(self, cfg):
+        if self.role(cfg) == "evaluator":
+            return super().duty(cfg)
+        duty = "write checkpoints, logs and results" if cfg.is_chief else "keep checkpoints private"
+        return f"train on its data shard with all-reduce every step; {duty}"
+
+    def build(self, cfg, *, all_reduce="auto"):
+        import tensorflow as tf
+
+        if all_reduce not in ALL_REDUCE:
+            raise ConfigError(
+                f"unknown --all-reduce {all_reduce!r}; allowed: {', '.join(ALL_REDUCE)}"
+            )
+        impl = tf.distribute.experimental.CommunicationImplementation
+        options = tf.distribute.experimental.CommunicationOptions(
+            implementation={"auto": impl.AUTO, "ring": impl.RING, "nccl": impl.NCCL}[all_reduce]
+        )
+        return StrategyBundle(self, tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=_cluster_resolver(cfg), communication_options=options))
+
+
+class ParameterServer(StrategyKind):
+    name = "ps"
+    summary = ("ParameterServerStrategy: asynchronous updates; the chief schedules steps "
+               "on the workers, ps tasks hold the variables")
+    trainer = "ps"
+    computing_roles = ("worker",)  # the chief only coordinates
+    serving_roles = ("worker", "ps")
+    restartable_roles = ("worker",)
+    asynchronous = True
+    min_ps = 1
+    max_ps = 64
+    survivable_faults = (("kill", "worker:0"), ("kill", "worker:1"), ("preempt", "worker:1"),
+                         ("kill", "ps:0"), ("kill", "chief:0"), ("preempt", "chief:0"))
+
+    def check(self, cfg):
+        if not cfg.num_ps:
+            raise ConfigError(
+                f"--strategy={self.name} needs a 'ps' job in TF_CONFIG, received roles "
+                f"{sorted(cfg.cluster) or 'none (no TF_CONFIG)'}; add "
+                '"ps": ["host:port"] or use --strategy=multiworker'
+            )
+        if "chief" not in cfg.cluster:
+            raise ConfigError(
+                f"--strategy={self.name} needs a 'chief' task (the coordinator) in TF_CONFIG, "
+                f"received roles {sorted(cfg.cluster)}; add \"chief\": [\"host:port\"]"
+            )
+        if not cfg.num_tasks("worker"):
+            raise ConfigError(
+                f"--strategy={self.name} needs at least one 'worker' task to run the steps, "
+                f"received roles {sorted(cfg.cluster)}; add \"worker\": [\"host:port\"]"
+            )
+
+    auto_rank = 10
+
+    def auto_accepts(self, cfg):
+        return cfg.num_ps > 0
+
+    def replicas(self, cfg, local_gpus):
+        # Each worker runs whole steps on its own, split only over its local devices.
+        return max(1, local_gpus)
+
+    def reads_data(self, cfg):
+        # The coordinator checks the data for everyone; workers get their
+        # pipelines from it.
+        return self.role(cfg) in ("local", "chief")
+
+    def duty(self, cfg):
+        return {
+            "chief": "coordinate: hold no data, schedule training steps on the workers, "
+                     "checkpoint, evaluate and write results",
+            "worker": "serve: run the training steps the chief schedules",
+            "ps": "serve: hold the model variables (CPU only)",
+        }.get(self.role(cfg)) or super().duty(cfg)
+
+    def process_env(self):
+        # TensorFlow's ps guide: fail RPCs to a lost task at once instead of
+        # retrying, so the coordinator can reschedule the closure elsewhere.
+        return {"GRPC_FAIL_FAST": "use_caller"}
+
+    def build(self, cfg, *, all_reduce="auto"):
+        if cfg.task_type != "chief":
+            raise ConfigError(
+                f"the ps strategy object is built by the chief only; this task is "
+                f"{cfg.task_name}, which serves (run train.py, not build)"
+            )
+        import tensorflow as tf
+
+        strategy = tf.distribute.experimental.ParameterServerStrategy(_cluster_resolver(cfg))
+        coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+        return StrategyBundle(self, strategy, coordinator)
+
+    def layout(self, workers, ps=0, chief=False):
+        counts = super().layout(workers, ps, chief)
+        counts["chief"] = 1  # the coordinator, always
+        return counts
+
+    def decides(self, task):
+        # Only the chief trains to the end; servers stop once it is gone, and
+        # a lost worker's steps are rescheduled on the others.
+        return task.startswith("chief:")
+
+
+class SyncParameterServer(ParameterServer):
+    """TF1's SyncReplicasOptimizer mode on the ps cluster (``training.ps_sync_trainer``).
+
+    Same tasks as ``ps``; the updates are synchronous: each applied update
+    averages exactly K (``--replicas-to-aggregate``) gradients computed on
+    the current weights, and a late gradient is dropped on the ps.
+    """
+
+    name = "ps-sync"
+    summary = "synchronous ps, as SyncReplicasOptimizer: each update averages K fresh gradients"
+    trainer = "ps-sync"
+    asynchronous = False
+    aggregates_gradients = True
+    # Only those checked in tests/test_ps_sync.py. With the default K = N a
+    # lost worker stalls the updates until it is back (--restart-tasks) or
+    # the chief gives up (exit 75) and a relaunch resumes.
+    survivable_faults = (("kill", "worker:1"), ("preempt", "chief:0"))
+
+    auto_rank = 100
+
+    def auto_accepts(self, cfg):
+        return False  # never chosen by --strategy=auto: it is ps's synchronous variant
+
+    def duty(self, cfg):
+        return {
+            "chief": "coordinate: hand out one step token per worker per update, wait on "
+                     "ps:0 for K fresh gradients, apply their average there (stale ones are "
+                     "dropped and counted), checkpoint, evaluate and write results",
+            "worker": "serve: take a step token, compute one gradient on global/K examples "
+                      "with the current weights, queue it on ps:0",
+            "ps": "serve: hold the model variables (CPU only); ps:0 also holds the token "
+                  "and gradient queues and applies the averaged update",
+        }.get(self.role(cfg)) or super().duty(cfg)
+
+
+_REGISTRY: dict[str, StrategyKind] = {}
+
+
+def register(kind: StrategyKind) -> StrategyKind:
+    if not kind.name or kind.name == AUTO:
+        raise ValueError(f"a strategy kind needs a name other than {AUTO!r}: {kind!r}")
+    _REGISTRY[kind.name] = kind
+    return kind
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+for _kind in (NoStrategy(), Mirrored(), MultiWorker(), ParameterServer(),
+              SyncParameterServer()):
+    register(_kind)
+
+
+def names(include_auto: bool = True) -> tuple[str, ...]:
+    base = tuple(_REGISTRY)
+    return (AUTO, *base) if include_auto else base
+
+
+def get(name: str) -> StrategyKind:
+    """The kind called ``name`` (not ``auto``), or ConfigError."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown --strategy {name!r}; allowed: {', '.join(names(include_auto=False))}"
+        ) from None
+
+
+def resolve(name: str, cfg: ClusterConfig) -> StrategyKind:
+    """The kind ``name`` names for ``cfg`` (``auto``: the first that accepts it), checked."""
+    if name == AUTO:
+        ranked = sorted(_REGISTRY.values(), key=lambda k: k.auto_rank)
+        kind = next((k for k in ranked if k.auto_accepts(cfg)), None)
+        if kind is None:
+            raise ConfigError(f"--strategy=auto found no strategy for roles {sorted(cfg.cluster)}")
+    elif name in _REGISTRY:
+        kind = _REGISTRY[name]
+    else:
+        raise ConfigError(f"unknown --strategy {name!r}; allowed: {', '.join(names())}")
+    kind.check(cfg)
+    return kind
+
+
+def all_kinds() -> Mapping[str, StrategyKind]:
+    return dict(_REGISTRY)

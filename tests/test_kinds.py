@@ -1,0 +1,129 @@
+"""Strategy kinds: one object per strategy, asked by everything else."""
+
+import ast
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from launcher import plan as launch_plan
+import train
+from strategies import ConfigError, kinds, make_strategy, parse_tf_config
+from strategies.kinds import StrategyBundle, StrategyKind
+
+REPO = Path(__file__).resolve().parent.parent
+W2 = {"worker": ["a:1", "b:1"]}
+
+
+class Toy(StrategyKind):
+    """A new strategy is one class plus one registration."""
+
+    name = "toy"
+    summary = "a toy that trains on every worker"
+
+    def check(self, cfg):
+        if cfg.num_ps:
+            raise ConfigError("--strategy=toy takes no ps tasks")
+
+    def duty(self, cfg):
+        return "play with toy blocks"
+
+    def build(self, cfg, *, all_reduce="auto"):
+        return StrategyBundle(self, strategy=f"toy strategy for {cfg.task_name}")
+
+
+@pytest.fixture
+def toy():
+    kind = kinds.register(Toy())
+    yield kind
+    kinds.unregister("toy")
+
+
+def test_a_registered_kind_shows_in_dry_run_and_the_factory(toy, monkeypatch, capsys):
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": W2, "task": {"type": "worker", "index": 1}}))
+    assert train.main(["--strategy=toy", "--dry-run"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["strategy"] == "toy" and plan["action"] == "play with toy blocks"
+    assert plan["replicas_in_sync"] == 1 and plan["task"] == "worker:1"
+    cfg = parse_tf_config(json.dumps({"cluster": W2, "task": {"type": "worker", "index": 0}}))
+    bundle = make_strategy("toy", cfg)
+    assert bundle.kind is toy and bundle.strategy == "toy strategy for worker:0"
+    assert "toy" in kinds.names()
+    # The launcher asks the kind for its layout, too.
+    assert list(launch_plan.build_cluster("toy", 2, ports=[5, 6])) == ["worker:0", "worker:1"]
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    assert "toy: a toy that trains on every worker" in capsys.readouterr().out
+
+
+def test_an_unregistered_kind_is_a_one_line_error(capsys, monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    assert train.main(["--strategy=toy", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "'toy'" in err and "multiworker" in err
+
+
+@pytest.mark.parametrize("cluster,expected", [
+    (None, "mirrored"),
+    (W2, "multiworker"),
+    ({"chief": ["c:1"], "worker": ["a:1"], "ps": ["p:1"]}, "ps"),
+])
+def test_auto_asks_the_kinds_in_rank_order(cluster, expected):
+    text = None if cluster is None else json.dumps(
+        {"cluster": cluster, "task": {"type": next(iter(cluster)), "index": 0}})
+    assert kinds.resolve("auto", parse_tf_config(text)).name == expected
+
+
+def test_kinds_describe_their_launch_layout_and_outcome():
+    ps, mw = kinds.get("ps"), kinds.get("multiworker")
+    assert ps.layout(2, 1) == {"chief": 1, "worker": 2, "ps": 1}
+    assert mw.layout(3) == {"chief": 0, "worker": 3, "ps": 0}
+    assert kinds.get("mirrored").layout(1) == {}
+    assert ps.decides("chief:0") and not ps.decides("worker:1")
+    assert mw.decides("worker:1")
+    assert ps.restartable_roles == ("worker",) and not mw.restartable_roles
+    with pytest.raises(ConfigError, match="needs --ps >= 1"):
+        ps.layout(2, 0)
+
+
+def test_no_strategy_name_is_compared_outside_strategies():
+    found = subprocess.run(
+        ["grep", "-rn", "--include=*.py", '== "ps"\\|== "multiworker"\\|== "mirrored"', "."],
+        cwd=REPO, capture_output=True, text=True,
+    ).stdout.splitlines()
+    outside = [line for line in found if not line.startswith(("./strategies/", "./tests/"))]
+    assert outside == []
+
+
+def _project_modules():
+    for path in REPO.rglob("*.py"):
+        parts = path.relative_to(REPO).parts
+        if parts[0].startswith(".") or parts[0] in ("runs", "build", "results"):
+            continue
+        yield path
+
+
+def test_no_module_imports_another_modules_private_name():
+    offenders = []
+    for path in _project_modules():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    if alias.name.startswith("_") and alias.name != "__future__" \
+                            and node.module != "__future__":
+                        offenders.append(f"{path.relative_to(REPO)}: from {node.module} "
+                                         f"import {alias.name}")
+    assert offenders == []
+
+
+TRAINER_INTERFACE = ("train", "drain", "on_started", "stop_requested", "metrics",
+                     "progress_fields", "result_fields", "finish_worker", "end_of_job", "close")
+
+
+@pytest.mark.parametrize("name", kinds.names(include_auto=False))
+def test_every_kinds_trainer_has_what_the_controller_calls(name):
+    trainer = kinds.get(name).trainer_class()
+    missing = [m for m in TRAINER_INTERFACE if not callable(getattr(trainer, m, None))]
+    assert missing == [], f"{trainer.__name__} lacks {missing}"

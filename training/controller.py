@@ -1,0 +1,235 @@
+"""The one outer loop: every cadence of a run, for every strategy.
+
+Orbit's split: the controller owns the loop and decides, through the pure
+``Schedule``, when to log, evaluate, checkpoint, stop for a preemption and
+end; a trainer (``SyncTrainer``, ``PsTrainer``) owns how ``n`` steps run
+(``train(n)``) and how everything scheduled gets applied (``drain()``).
+
+A trainer has: ``state``, ``checkpointer``, ``start_step``, ``completed``
+(steps applied), ``is_chief``, ``peer_errors``, ``train(n)``, ``drain()``,
+``on_started()``, ``stop_requested()``, ``metrics()``, ``progress_fields()``,
+``result_fields(ran)``, ``finish_worker()``, ``end_of_job()`` (the end-of-job
+rendezvous, after the chief's results) and ``close(finished)``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import keras
+import tensorflow as tf
+
+import protocol
+from training import data
+from training.evaluation import evaluate, local_copy, weights_sha256
+from training.lifetime import keep_alive_until_exit
+from training.recovery import Diverged, Preempted, task_lost
+from training.reporting import Reporter
+
+
+class Controller:
+    def __init__(self, config, trainer, kind, replicas: int, started: float,
+                 started_ok=lambda: None):
+        self.config, self.trainer, self.kind, self.replicas = config, trainer, kind, replicas
+        self.cfg = config.cluster
+        self.started = started
+        self.started_ok = started_ok
+        self.schedule = config.schedule(trainer.start_step)
+        self.reporter = Reporter(config, self.cfg.task_name, trainer.is_chief,
+                                 trainer.start_step, self.schedule.epoch, started)
+        trainer.checkpointer.on_saved = self.reporter.checkpoint
+        trainer.checkpointer.run_record = config.defining_flags(kind.name)
+        self.startup_seconds = 0.0
+        self.steady_from = trainer.start_step
+
+    def run(self) -> dict | None:
+        """Train to the end; the chief returns the results record's dict."""
+        trainer, finished, begun = self.trainer, False, False
+        try:
+            try:
+                begun = self._first_call()
+                self._loop()
+                finished = True
+            except trainer.peer_errors as err:
+                if self.cfg.is_local:
+                    raise
+                raise task_lost(err, self.cfg, "training" if begun else "starting",
+                                trainer.completed, trainer.checkpointer.saved_at) from None
+        finally:
+            trainer.close(finished)
+        train_seconds, examples_per_sec = self.reporter.throughput.overall(trainer.completed)
+        if not trainer.is_chief:
+            trainer.finish_worker()
+            trainer.end_of_job()
+            return None
+        results = self._finish(train_seconds, examples_per_sec)
+        trainer.end_of_job()
+        return results
+
+    def _first_call(self) -> bool:
+        """The first call traces and connects: the last point where a missing
+        peer can leave us waiting, and startup time rather than throughput."""
+        step = self.trainer.completed
+        if step < self.schedule.total_steps:
+            self._call(step)
+            self.trainer.drain()
+        self.started_ok()
+        self.trainer.on_started()
+        self.startup_seconds = time.perf_counter() - self.started
+        self.steady_from = self.trainer.completed
+        self.reporter.steady_from(self.steady_from)
+        if step < self.schedule.total_steps:
+            self._after_call(step, step + self.schedule.call_size(step))
+        return True
+
+    def _loop(self) -> None:
+        trainer, schedule = self.trainer, self.schedule
+        step = trainer.completed
+        while step < schedule.total_steps:
+            if trainer.stop_requested():
+                self._preempt()
+            before = step
+            step = self._call(step)
+            if schedule.drain_due(before, step) or trainer.stop_requested():
+                trainer.drain()
+            self._after_call(before, step)
+        trainer.drain()
+
+    def _call(self, step: int) -> int:
+        n = self.schedule.call_size(step)
+        self.trainer.train(n)
+        return step + n
+
+    def _after_call(self, before: int, after: int) -> None:
+        schedule, trainer = self.schedule, self.trainer
+        if schedule.log_due(before, after):
+            text, fields = trainer.progress_fields()
+            metrics = trainer.metrics()
+            self.reporter.progress(trainer.completed, metrics, text, fields,
+                                   learning_rate=self.config.learning_rate_at(trainer.completed))
+            self._check_finite(metrics)
+        if trainer.is_chief and schedule.eval_due(before, after):
+            self.reporter.evaluate(after, trainer.state.model)
+        if schedule.checkpoint_due(after):
+            trainer.checkpointer.save(after)
+        if trainer.stop_requested():
+            self._preempt()
+
+    def _check_finite(self, metrics: dict) -> None:
+        """Stop on a NaN or infinite loss: the one the progress line just read.
+
+        Free (the value is already on the host), so checked at every progress
+        line; the checkpointer checks the weights themselves before each save.
+        """
+        loss = metrics.get("loss")
+        if loss is not None and not math.isfinite(loss):
+            step = self.trainer.completed
+            self.reporter.events.emit(protocol.DIVERGED, step, loss=loss)
+            raise Diverged(f"the loss is {loss}", step, self.trainer.checkpointer.saved_at,
+                           self.config.model_dir)
+
+    def _preempt(self) -> None:
+        self.trainer.drain()
+        done = self.trainer.completed
+        self.trainer.checkpointer.save(done)
+        self.reporter.events.emit(protocol.PREEMPTED, done)
+        raise Preempted(done)
+
+    def _finish(self, train_seconds: float, examples_per_sec: float) -> dict:
+        """Evaluate a local copy of the weights; write the chief's outputs."""
+        config, trainer, reporter = self.config, self.trainer, self.reporter
+        seconds = reporter.clock()
+        model = local_copy(trainer.state.model, config.model)
+        accuracy, loss = evaluate(model, data.eval_dataset(config.data_dir))
+        ran = trainer.completed - trainer.start_step
+        specific = trainer.result_fields(ran)
+        reporter.add_point(specific["global_steps"], accuracy, seconds)
+        results = protocol.Results(
+            strategy=self.kind.name,
+            model=config.model,
+            optimizer=config.optimizer,
+            learning_rate=config.peak_learning_rate,
+            lr_schedule=config.lr_schedule,
+            num_workers=len(self.kind.training_tasks(self.cfg)),
+            num_ps=self.cfg.num_ps,
+            replicas_in_sync=self.replicas,
+            global_batch_size=config.global_batch_size,
+            steps_per_execution=config.steps_per_execution,
+            seed=config.seed,
+            completed_steps=trainer.completed,
+            steps_this_run=ran,
+            resumed_from_step=trainer.start_step,
+            startup_seconds=round(self.startup_seconds, 3),
+            train_seconds=round(train_seconds, 3),
+            steady_steps=trainer.completed - self.steady_from,
+            examples_per_sec=examples_per_sec,
+            wall_seconds=round(time.perf_counter() - self.started, 3),
+            eval_curve=reporter.curve,
+            eval_seconds=round(reporter.eval_seconds, 3),
+            test_accuracy=accuracy,
+            test_loss=loss,
+            weights_sha256=weights_sha256(model),
+            tf_version=tf.__version__,
+            keras_version=keras.__version__,
+            **specific,
+        )
+        model.save(os.path.join(config.model_dir, "model.keras"))
+        results.write(os.path.join(config.model_dir, "results.json"))
+        reporter.final(results.to_dict())
+        return results.to_dict()
+
+
+def train_and_evaluate(config, bundle, replicas: int, started_ok=lambda: None,
+                       as_command: bool = False) -> dict | None:
+    """Flax's entry point: build the kind's trainer, run the controller.
+
+    ``as_command``: the process ends right after this returns (or raises), so
+    the run's TensorFlow objects are never torn down (``training.lifetime``).
+    """
+    started = time.perf_counter()
+    trainer = None
+    try:
+        trainer = bundle.kind.trainer_class()(config, bundle)
+        if already_complete(config, trainer, started_ok):
+            trainer.end_of_job()
+            return read_results(config) if trainer.is_chief else None
+        return Controller(config, trainer, bundle.kind, replicas, started, started_ok).run()
+    finally:
+        if as_command:
+            keep_alive_until_exit(bundle)
+            if trainer is not None:
+                keep_alive_until_exit(trainer)
+
+
+def read_results(config) -> dict | None:
+    try:
+        with open(os.path.join(config.model_dir, "results.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def already_complete(config, trainer, started_ok=lambda: None) -> bool:
+    """Whether this task resumed a finished run and stops here, results.json untouched.
+
+    Running the controller would write a second results record for zero
+    steps (examples/s 0) over the one that measured the run. Every worker
+    resumed at the same step (checked), so every worker stops here; the chief
+    without a record (it died after the last checkpoint) runs the controller,
+    which evaluates and writes it.
+    """
+    if trainer.start_step < config.total_steps:
+        return False
+    if trainer.is_chief and read_results(config) is None:
+        return False
+    print(f"the run in {config.model_dir!r} is already complete (step {trainer.start_step} of "
+          f"{config.total_steps}); its results are kept as they are. Pass a larger --steps or "
+          "--epochs to train on, or a fresh --model-dir to start a new run", flush=True)
+    started_ok()
+    trainer.close(True)
+    protocol.EventLog(config.cluster.task_name).emit(protocol.DONE, trainer.start_step,
+                                                     already_complete=True)
+    return True

@@ -1,0 +1,451 @@
+"""Synchronous parameter servers: TF1's SyncReplicasOptimizer mode on TF2.
+
+Same cluster as ``ps`` (the chief coordinates, workers compute, ps tasks
+hold the variables), but every applied update averages exactly K
+(``--replicas-to-aggregate``) gradients computed on the weights of the
+current global step; a gradient computed on older weights is dropped.
+
+Where things live and who does what (docs/ps-sync.md has the measurements):
+
+- ps:0 holds, next to its share of the variables, one **token queue per
+  worker** and one **gradient queue**, and counters of what happened to
+  every gradient, per worker.
+- A worker closure takes the newest token from its own queue (the token
+  is the global step it may compute on), reads the weights, computes one
+  gradient on global/K examples and queues ``(token, worker, gradient)`` on
+  ps:0. A token that is already stale when taken is skipped (no work).
+- The chief calls ``aggregate`` on ps:0, which dequeues gradients until K
+  carry the current step (older ones are dropped and counted), averages
+  them, applies the average with the Keras optimizer, increments the
+  global step and gives every worker its token for the new step. The
+  gradients move from the workers to ps:0 only, never through the chief.
+
+Why queues and not TF1's ConditionalAccumulators: the kernels
+(``ResourceAccumulatorApplyGradient``/``TakeGradient``) release their lock
+between counting an applied gradient and firing the pending take, so with
+backup workers a (K+1)-th gradient of the same step can slip into the
+average; and with one accumulator per variable each variable decides on
+its own which K gradients it averages, so one update can mix different
+workers' gradients. One FIFO queue read by one consumer decides once, for
+the whole gradient, in arrival order.
+
+Exactness: tokens for step g+1 exist only once update g+1 is applied, so
+while the aggregator collects step g no gradient is newer than g; a
+gradient accepted for step g was queued before update g+1, and its weight
+reads came after its token, i.e. after update g: it was computed on the
+weights of step g. The worker also reads the global step once its gradient
+is computed and sends it along; an accepted gradient whose step moved
+would be counted in ``stale_gradients_applied`` (measured, 0 by the
+argument above).
+
+One token per worker per step means a worker contributes at most one
+gradient per update, so the N - K slowest workers are backups, and with
+fewer than K live workers no update can complete: the StallWatchdog ends
+the chief with one line naming the lost task (exit 75) after
+``--startup-timeout``, and a relaunch resumes from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from training import data
+from training.checkpoints import Checkpointer
+from training.ps_trainer import PS_PEER_ERRORS, StopOnSigterm, variables_per_ps
+from training.recovery import StallWatchdog, condense_tf_logs
+from training.state import build_state
+from training.step import after_updates
+
+# Closures kept in flight per worker: one running, one queued at the
+# coordinator, so a worker never waits on the chief for its next closure.
+CLOSURES_PER_WORKER = 2
+# A token telling a waiting closure that training is over.
+STOP = -1
+# Seconds an update may take before the chief re-counts finished closures.
+TOP_UP_AFTER = 0.1
+
+
+def interval_stats(seconds) -> dict:
+    """Mean, median, p99 and max of the intervals between applied updates."""
+    arr = np.asarray(seconds, dtype=np.float64)
+    if arr.size == 0:
+        return {"count": 0, "mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0.0}
+    return {
+        "count": int(arr.size),
+        "mean": round(float(arr.mean()), 6),
+        "p50": round(float(np.percentile(arr, 50)), 6),
+        "p99": round(float(np.percentile(arr, 99)), 6),
+        "max": round(float(arr.max()), 6),
+    }
+
+
+def per_worker(workers, accepted, dropped, skipped, computed) -> dict:
+    """{worker: counts}; ``pending`` were computed but not yet looked at by the ps."""
+    return {
+        name: {"accepted": int(a), "dropped": int(d), "skipped": int(s),
+               "computed": int(c), "pending": int(c - a - d)}
+        for name, a, d, s, c in zip(workers, accepted, dropped, skipped, computed)
+    }
+
+
+class _Caller:
+    """Runs the blocking ``aggregate`` calls on a daemon thread.
+
+    The chief's main thread then keeps asking the coordinator for closure
+    errors while it waits: a closure failing on a worker (a bug, a lost
+    input) would otherwise leave it waiting on ps:0 for gradients that
+    never come. Daemon, so a call stuck on a lost ps never holds the exit.
+    """
+
+    def __init__(self, fn):
+        self._fn = fn
+        self._requests: queue.Queue = queue.Queue()
+        self._results: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, name="ps-sync-aggregate", daemon=True).start()
+
+    def _run(self):
+        while True:
+            args = self._requests.get()
+            try:
+                self._results.put((True, self._fn(*args)))
+            except Exception as err:  # pylint: disable=broad-except
+                self._results.put((False, err))
+
+    def __call__(self, *args, check=lambda: None, poll: float = 0.05):
+        self._requests.put(args)
+        while True:
+            try:
+                ok, value = self._results.get(timeout=poll)
+            except queue.Empty:
+                check()
+                continue
+            if not ok:
+                raise value
+            return value
+
+
+class PsSyncTrainer:
+    peer_errors = PS_PEER_ERRORS
+
+    def __init__(self, config, bundle):
+        self.config, self.bundle = config, bundle
+        self.cfg = config.cluster
+        self.is_chief = True  # as under ps, only the chief runs a trainer
+        strategy, self.coordinator = bundle.strategy, bundle.coordinator
+        self.workers = [f"{role}:{i}" for role, i, _ in self.cfg.tasks() if role == "worker"]
+        n = len(self.workers)
+        k = config.gradients_per_update
+        self.k = k
+        keras.utils.set_random_seed(config.seed)
+        condense_tf_logs()
+        self.state = build_state(config, strategy)
+        self.checkpointer = Checkpointer(self.state, config.model_dir, True, self.cfg.task_name)
+        self.start_step = self.completed = self.checkpointer.restore(
+            config.model, config.total_steps, config.optimizer)
+        global_step = self.state.global_step
+        self.applied_before = int(global_step.numpy())
+
+        model, optimizer = self.state.model, self.state.optimizer
+        variables = model.trainable_variables
+        shapes = [v.shape for v in variables]
+        sizes = [int(np.prod(s)) for s in shapes]
+        total = sum(sizes)
+        ps0 = "/job:ps/replica:0/task:0/device:CPU:0"
+        # Created eagerly outside the strategy's scope, so exactly where we say.
+        with tf.device(ps0):
+            self._tokens = [tf.queue.FIFOQueue(1 << 20, [tf.int64], shapes=[[]],
+                                               name=f"sync_tokens_{i}") for i in range(n)]
+            # (token, worker, global step after computing, gradient, loss, correct)
+            self._gradients = tf.queue.FIFOQueue(
+                1 << 16, [tf.int64, tf.int64, tf.int64, tf.float32, tf.float32, tf.float32],
+                shapes=[[], [], [], [total], [], []], name="sync_gradients")
+            counter = lambda name: tf.Variable(tf.zeros([n], tf.int64), trainable=False,  # noqa: E731
+                                               name=name)
+            self._accepted, self._dropped = counter("sync_accepted"), counter("sync_dropped")
+            self._skipped, self._computed = counter("sync_skipped"), counter("sync_computed")
+            self._stale_applied = tf.Variable(0, dtype=tf.int64, trainable=False)
+            self._finished = tf.Variable(0, dtype=tf.int64, trainable=False)
+            self._stopping = tf.Variable(False, trainable=False)
+        tokens, gradients = self._tokens, self._gradients
+        accepted, dropped, skipped, computed = (self._accepted, self._dropped, self._skipped,
+                                                self._computed)
+        stale_applied, finished, stopping = self._stale_applied, self._finished, self._stopping
+
+        batch = config.examples_per_gradient
+        dataset_fn = data.make_dataset_fn(batch, seed=None, data_dir=config.data_dir,
+                                          synthetic=config.synthetic_data)
+        self._iterator = iter(self.coordinator.create_per_worker_dataset(
+            lambda: strategy.distribute_datasets_from_function(dataset_fn)))
+
+        def replica_gradient(step, images, labels):
+            # The weights are read after the step (so after its token): the
+            # reads are created under this control dependency.
+            with tf.control_dependencies([step]):
+                with tf.GradientTape() as tape:
+                    logits = model(images, training=True)
+                    per_example = keras.losses.sparse_categorical_crossentropy(
+                        labels, logits, from_logits=True)
+                    # Local replicas' gradients are summed below: dividing by
+                    # the per-gradient batch makes the sum that batch's mean.
+                    loss = tf.nn.compute_average_loss(per_example, global_batch_size=batch)
+                grads = tape.gradient(loss, variables)
+            flat = tf.concat([tf.reshape(g, [-1]) for g in grads], 0)
+            correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), labels), tf.float32))
+            return flat, loss, correct
+
+        def local_sum(per_replica):
+            return tf.add_n(strategy.experimental_local_results(per_replica))
+
+        def newest_token(queue):
+            # Only this worker takes from its queue, so all it holds can be
+            # taken at once: the newest token wins, the older ones are steps
+            # it was too slow for. Blocks while the queue is empty.
+            return lambda: queue.dequeue_many(tf.maximum(queue.size(), 1))[-1]
+
+        @tf.function
+        def work(iterator, num_tokens):
+            worker = tf.cast(tf.distribute.coordinator.experimental_get_current_worker_index(),
+                             tf.int64)
+            hot = tf.one_hot(worker, n, dtype=tf.int64)
+            taken = tf.constant(0, tf.int64)  # tokens used, carried through the loop
+            for _ in tf.range(num_tokens):
+                if stopping.read_value():
+                    break
+                token = tf.switch_case(tf.cast(worker, tf.int32),
+                                       [newest_token(q) for q in tokens])
+                if token == STOP:
+                    break
+                with tf.control_dependencies([token]):
+                    step = global_step.read_value()
+                if token < step:
+                    with tf.control_dependencies([skipped.assign_add(hot)]):
+                        taken += 1
+                else:
+                    flat, loss, correct = strategy.run(
+                        replica_gradient, args=(step, *next(iterator)))
+                    flat = local_sum(flat)
+                    with tf.control_dependencies([flat]):
+                        after = global_step.read_value()
+                    enqueued = gradients.enqueue(
+                        [token, worker, after, flat, local_sum(loss), local_sum(correct)])
+                    with tf.control_dependencies([enqueued, computed.assign_add(hot)]):
+                        taken += 1
+            # Automatic control dependencies only order ops on the same
+            # resource: without this edge the count could run before the
+            # loop and the chief would think the closure done (measured
+            # in-flight counts decide when it schedules more).
+            with tf.control_dependencies([taken]):
+                finished.assign_add(1)
+            return taken
+
+        k_float = float(k)
+
+        @tf.function
+        def aggregate(num_updates):
+            # Everything on ps:0; the optimizer's updates run where each
+            # variable lives (ops on a resource are placed with it).
+            with tf.device(ps0):
+                times = tf.TensorArray(tf.float64, size=num_updates)
+                loss_sum = tf.constant(0.0)
+                correct_sum = tf.constant(0.0)
+                for i in tf.range(num_updates):
+                    step = global_step.read_value()
+
+                    def fresh_needed(fresh, *_):
+                        return fresh < k
+
+                    def take(fresh, acc, loss_acc, correct_acc):
+                        token, worker, after, flat, loss, correct = gradients.dequeue()
+                        ok = tf.equal(token, step)
+                        hot = tf.one_hot(worker, n, dtype=tf.int64)
+                        ok64 = tf.cast(ok, tf.int64)
+                        counted = [
+                            accepted.assign_add(hot * ok64),
+                            dropped.assign_add(hot * (1 - ok64)),
+                            stale_applied.assign_add(
+                                ok64 * tf.cast(tf.not_equal(after, token), tf.int64)),
+                        ]
+                        okf = tf.cast(ok, tf.float32)
+                        with tf.control_dependencies(counted):
+                            return (fresh + tf.cast(ok, tf.int32), acc + okf * flat,
+                                    loss_acc + okf * loss, correct_acc + okf * correct)
+
+                    _, acc, loss_k, correct_k = tf.while_loop(
+                        fresh_needed, take,
+                        [tf.constant(0), tf.zeros([total]), tf.constant(0.0), tf.constant(0.0)])
+                    mean = acc / k_float
+                    grads = [tf.reshape(part, shape)
+                             for part, shape in zip(tf.split(mean, sizes), shapes)]
+                    optimizer.apply_gradients(zip(grads, variables))
+                    # The step moves only once every variable has its update,
+                    # and the tokens for it exist only after that.
+                    with tf.control_dependencies(after_updates(variables)):
+                        new_step = global_step.assign_add(1)
+                    with tf.control_dependencies([new_step]):
+                        for queue in tokens:
+                            queue.enqueue(new_step)
+                        times = times.write(i, tf.timestamp())
+                    loss_sum += loss_k
+                    correct_sum += correct_k
+                updates = tf.cast(num_updates, tf.float32)
+                return {
+                    "loss": loss_sum / (updates * k_float),
+                    "accuracy": correct_sum / (updates * k_float * batch),
+                    "times": times.stack(),
+                    "finished": finished.read_value(),
+                }
+
+        self._work, self._aggregate = work, _Caller(aggregate)
+        self._scheduled = 0
+        self._finished_seen = 0
+        self._last: dict[str, float] = {}
+        self._last_time: float | None = None
+        self._intervals: list[float] = []
+        self._stall: StallWatchdog | None = None
+        self.patience = config.startup_timeout
+        # The first tokens: every worker may compute on the restored step.
+        for queue in tokens:
+            queue.enqueue(tf.constant(self.applied_before, tf.int64))
+        self._sigterm = StopOnSigterm()
+
+    # --- the controller's interface ------------------------------------------
+
+    def train(self, num_steps: int) -> None:
+        """Apply ``num_steps`` updates; returns once they are applied."""
+        n = tf.constant(num_steps)
+        self._top_up(n)
+        waiting_since = time.monotonic()
+
+        def check():
+            # coordinator.done() raises the error of any failed closure.
+            self.coordinator.done()
+            if time.monotonic() - waiting_since > TOP_UP_AFTER:
+                # The count returned by the last call lags closures that ended
+                # just after it: a worker could be left with no closure.
+                self._finished_seen = int(self._finished.numpy())
+                self._top_up(n)
+
+        out = self._aggregate(n, check=check)
+        if self._stall is not None:
+            self._stall.progress()
+        self._finished_seen = max(self._finished_seen, int(out["finished"]))
+        times = out["times"].numpy().tolist()
+        if self._last_time is not None:
+            times = [self._last_time, *times]
+        self._intervals.extend(np.diff(times).tolist())
+        self._last_time = times[-1]
+        self._last = {"loss": float(out["loss"]), "accuracy": float(out["accuracy"])}
+        self.completed += num_steps
+
+    def _top_up(self, n) -> None:
+        """Keep CLOSURES_PER_WORKER closures per worker scheduled.
+
+        The coordinator gives a closure to whichever worker is free and a
+        closure waits on its own worker's tokens, so closures must be queued
+        whenever a worker may be free, or that worker's gradient never comes.
+        """
+        target = CLOSURES_PER_WORKER * len(self.workers)
+        while self._scheduled - self._finished_seen < target:
+            self.coordinator.schedule(self._work, args=(self._iterator, n))
+            self._scheduled += 1
+
+    def drain(self) -> None:
+        """Updates are applied inside ``train``; nothing is pending.
+
+        The controller drains before evaluating or checkpointing: the next
+        interval would include that pause, so it is not measured.
+        """
+        self._last_time = None
+
+    def on_started(self) -> None:
+        # With fewer than K live workers no update can complete, and the
+        # aggregate call waits on ps:0 without a timeout of its own.
+        self._stall = StallWatchdog(self.cfg, self.patience)
+
+    def stop_requested(self) -> bool:
+        return self._sigterm.requested
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._last)
+
+    def _counts(self) -> dict:
+        return per_worker(self.workers, self._accepted.numpy(), self._dropped.numpy(),
+                          self._skipped.numpy(), self._computed.numpy())
+
+    def progress_fields(self) -> tuple[str, dict]:
+        counts = self._counts()
+        aggregated = sum(c["accepted"] for c in counts.values())
+        dropped = sum(c["dropped"] for c in counts.values())
+        recent = interval_stats(self._intervals[-100:])
+        text = (
+            f" | global_step {int(self.state.global_step.numpy())} aggregated {aggregated} "
+            f"dropped {dropped} | accepted/dropped "
+            + " ".join(f"{w}={c['accepted']}/{c['dropped']}" for w, c in counts.items())
+            + f" | update p50 {1000 * recent['p50']:.1f}ms p99 {1000 * recent['p99']:.1f}ms"
+        )
+        fields = {"aggregated_gradients": aggregated, "stale_gradients_dropped": dropped,
+                  "gradients_per_worker": counts, "update_p50": recent["p50"],
+                  "update_p99": recent["p99"]}
+        return text, fields
+
+    def result_fields(self, ran: int) -> dict:
+        global_steps = int(self.state.global_step.numpy())
+        counts = self._counts()
+        return {
+            "global_steps": global_steps,
+            "scheduled_steps": ran,
+            "applied_steps": global_steps - self.applied_before,
+            # Gradients each worker computed in this run.
+            "steps_per_worker": {w: c["computed"] for w, c in counts.items()},
+            "variables_per_ps": variables_per_ps(self.state.model),
+            "replicas_to_aggregate": self.k,
+            "aggregated_gradients": sum(c["accepted"] for c in counts.values()),
+            "stale_gradients_dropped": sum(c["dropped"] for c in counts.values()),
+            "stale_gradients_applied": int(self._stale_applied.numpy()),
+            "gradients_per_worker": counts,
+            "update_interval": interval_stats(self._intervals),
+        }
+
+    def finish_worker(self) -> None:
+        raise AssertionError("under ps-sync only the chief trains")
+
+    def end_of_job(self) -> None:
+        """Servers stop on their own once the chief is gone (strategies.server)."""
+
+    def close(self, finished: bool) -> None:
+        try:
+            if finished:
+                self._stop_closures()
+            else:
+                # After a preemption or a lost task: wake what can be woken,
+                # but never wait (a lost ps would hold join() forever, and
+                # the coordinator's threads are daemons that die with us).
+                try:
+                    self._stop_closures(wait=False)
+                except Exception:  # pylint: disable=broad-except
+                    pass
+        finally:
+            if self._stall is not None:
+                self._stall.stop()
+            self._sigterm.restore()
+            self.checkpointer.close()
+
+    def _stop_closures(self, wait: bool = True) -> None:
+        """Wake every closure still waiting for a token, and wait for them.
+
+        A closure that wakes on STOP ends; one that starts later sees
+        ``stopping`` first. Only after this do the counters hold every
+        gradient that was computed.
+        """
+        self._stopping.assign(True)
+        waiting = max(0, self._scheduled - int(self._finished.numpy()))
+        for queue in self._tokens:
+            queue.enqueue_many([tf.fill([max(1, waiting)], tf.constant(STOP, tf.int64))])
+        if wait:
+            self.coordinator.join()

@@ -1,0 +1,231 @@
+"""The parameter-server trainer: the chief schedules, workers compute, ps hold.
+
+``train(n)`` schedules one closure of ``n`` steps on whichever worker is
+free, keeping a bounded window of closures in flight and reading their
+results as they complete (for progress and staleness); ``drain()`` waits
+until every scheduled step is applied (the controller asks for it before a
+checkpoint, an evaluation and the end).
+
+Faults: a lost worker's closures are rerun by the coordinator on the others
+(a closure may run twice: ``reexecuted_steps``); a lost ps task, or all
+workers gone for ``--startup-timeout``, ends the chief with one line; a
+SIGTERM asks the controller to finish what was scheduled, checkpoint and
+end with Preempted.
+"""
+
+from __future__ import annotations
+
+import collections
+import signal
+import threading
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+# Not exported by tf.distribute, but what the coordinator raises for a lost task.
+from tensorflow.python.distribute.coordinator.cluster_coordinator import (
+    ClosureAbortedError, ClosureInputError,
+)
+
+from training import data
+from training.checkpoints import Checkpointer
+from training.recovery import StallWatchdog, condense_tf_logs, fetch
+from training.state import build_state
+from training.step import make_step_fn, make_train_fn
+from training.sync_trainer import PEER_ERRORS
+
+# Besides gRPC errors, the coordinator wraps a lost task's errors in these.
+PS_PEER_ERRORS = PEER_ERRORS + (ClosureInputError, ClosureAbortedError)
+
+
+def staleness_stats(values) -> dict:
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.size == 0:
+        return {"count": 0, "mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0, "histogram": {}}
+    return {
+        "count": int(arr.size),
+        "mean": round(float(arr.mean()), 4),
+        "p50": float(np.percentile(arr, 50)),
+        "p99": float(np.percentile(arr, 99)),
+        "max": int(arr.max()),
+        # {staleness: how many updates}, for the benchmark's histogram.
+        "histogram": {str(int(v)): int(c) for v, c in zip(*np.unique(arr, return_counts=True))},
+    }
+
+
+def variables_per_ps(model: keras.Model) -> dict[str, int]:
+    """How many variables each ps task holds."""
+    counts: collections.Counter = collections.Counter()
+    for weight in model.weights:
+        var = getattr(weight, "_value", weight)  # the tf.Variable behind a Keras variable
+        spec = tf.DeviceSpec.from_string(var.device)
+        counts[f"{spec.job}:{spec.task}"] += 1
+    return dict(sorted(counts.items()))
+
+
+def read_counts(local_step, timeout: float = 2.0) -> list[int] | None:
+    """Each worker's local step count, or None while a worker is down.
+
+    Reading a per-worker variable of a lost worker raises, or waits until the
+    worker is back; a daemon thread with a timeout keeps progress lines and
+    the final results from waiting on it.
+    """
+    box: list = []
+
+    def read():
+        try:
+            box.append([int(c) for c in local_step.read_all()])
+        except Exception:  # pylint: disable=broad-except
+            pass
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return box[0] if box else None
+
+
+class StopOnSigterm:
+    """SIGTERM (a polite preemption) asks the chief to stop at the next drain.
+
+    Whatever has been scheduled is finished and checkpointed before the run
+    ends with Preempted, so a relaunch loses no step.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame):
+        if not self.requested:
+            print("SIGTERM: finishing scheduled steps, then checkpointing and stopping",
+                  flush=True)
+        self.requested = True
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+class PsTrainer:
+    peer_errors = PS_PEER_ERRORS
+
+    def __init__(self, config, bundle):
+        self.config, self.bundle = config, bundle
+        self.cfg = config.cluster
+        self.is_chief = True  # only the chief runs a trainer under ps
+        strategy, self.coordinator = bundle.strategy, bundle.coordinator
+        self.workers = [f"{role}:{i}" for role, i, _ in self.cfg.tasks() if role == "worker"]
+        keras.utils.set_random_seed(config.seed)
+        condense_tf_logs()
+        self.state = build_state(config, strategy)
+        with strategy.scope():
+            # One copy per worker, so each worker counts the steps it ran
+            # (the classic example's local_step). A restarted worker's copy is
+            # created again, from 0.
+            self.local_step = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                          per_worker_variable=True)
+        self.checkpointer = Checkpointer(self.state, config.model_dir, True, self.cfg.task_name)
+        self.start_step = self.completed = self.checkpointer.restore(
+            config.model, config.total_steps, config.optimizer)
+        self.applied_before = int(self.state.global_step.numpy())
+        # Every worker shuffles with its own seed (seed=None): see data._seed_tensor.
+        dataset_fn = data.make_dataset_fn(
+            config.global_batch_size, seed=None, data_dir=config.data_dir,
+            synthetic=config.synthetic_data,
+        )
+        self._iterator = iter(self.coordinator.create_per_worker_dataset(
+            lambda: strategy.distribute_datasets_from_function(dataset_fn)
+        ))
+        self._train_fn = make_train_fn(
+            strategy, make_step_fn(self.state, config.global_batch_size), self.state,
+            config.global_batch_size, local_step=self.local_step,
+        )
+        # Enough closures in flight to keep every worker busy while we read results.
+        self.max_in_flight = 4 * max(1, len(self.workers))
+        # How long a fetch may wait for a lost worker's closure to be rerun.
+        self.patience = config.startup_timeout
+        self._pending: collections.deque = collections.deque()
+        self._staleness: list[np.ndarray] = []
+        self._last: dict[str, float] = {}
+        self._stall: StallWatchdog | None = None
+        # From here on a SIGTERM is a request to stop at the next drain,
+        # even one that arrives while the first closure runs.
+        self._sigterm = StopOnSigterm()
+
+    def train(self, num_steps: int) -> None:
+        while len(self._pending) >= self.max_in_flight:
+            self._collect_one()
+        remote = self.coordinator.schedule(
+            self._train_fn, args=(self._iterator, tf.constant(num_steps)))
+        self._pending.append((remote, num_steps))
+
+    def drain(self) -> None:
+        while self._pending:
+            self._collect_one()
+        self.coordinator.join()
+
+    def _collect_one(self) -> None:
+        remote, n = self._pending.popleft()
+        result = fetch(remote, time.monotonic() + self.patience)
+        if self._stall is not None:
+            self._stall.progress()
+        self._staleness.append(result["staleness"])
+        self._last = {"loss": float(result["loss"]), "accuracy": float(result["accuracy"])}
+        self.completed += n
+
+    def on_started(self) -> None:
+        # With every worker gone, the coordinator waits up to an hour for one
+        # to come back, inside calls that have no timeout of their own.
+        self._stall = StallWatchdog(self.cfg, self.patience)
+
+    def stop_requested(self) -> bool:
+        return self._sigterm.requested
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._last)
+
+    def progress_fields(self) -> tuple[str, dict]:
+        counts = read_counts(self.local_step)
+        recent = (np.concatenate(self._staleness[-self.max_in_flight:])
+                  if self._staleness else [])
+        stats = staleness_stats(recent)
+        per_worker = dict(zip(self.workers, counts)) if counts else None
+        text = (
+            f" | global_step {int(self.state.global_step.numpy())} local_steps "
+            + (" ".join(f"{w}={c}" for w, c in per_worker.items())
+               if per_worker else "unavailable (a worker is down)")
+            + f" | staleness mean {stats['mean']:.2f} max {stats['max']}"
+        )
+        fields = {"steps_per_worker": per_worker, "staleness_mean": stats["mean"],
+                  "staleness_max": stats["max"]}
+        return text, fields
+
+    def result_fields(self, ran: int) -> dict:
+        global_steps = int(self.state.global_step.numpy())
+        applied = global_steps - self.applied_before
+        counts = read_counts(self.local_step)
+        all_staleness = np.concatenate(self._staleness) if self._staleness else np.zeros(0)
+        return {
+            "global_steps": global_steps,
+            "scheduled_steps": ran,
+            # Updates the ps applied in this run; more than scheduled when a lost
+            # worker's closure had applied some of its steps before it was rerun.
+            "applied_steps": applied,
+            "reexecuted_steps": applied - ran,
+            # Steps each worker process ran since it (re)started; None if one is down.
+            "steps_per_worker": dict(zip(self.workers, counts)) if counts else None,
+            "staleness": staleness_stats(all_staleness),
+            "variables_per_ps": variables_per_ps(self.state.model),
+        }
+
+    def finish_worker(self) -> None:
+        raise AssertionError("under ps only the chief trains")
+
+    def end_of_job(self) -> None:
+        """Servers stop on their own once the chief is gone (strategies.server)."""
+
+    def close(self, finished: bool) -> None:
+        if self._stall is not None:
+            self._stall.stop()
+        self._sigterm.restore()
+        self.checkpointer.close()

@@ -1,0 +1,149 @@
+"""What a run tells people (progress lines, TensorBoard) and programs (events).
+
+The controller decides when; this module only says it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import tensorflow as tf
+
+import protocol
+from training import data
+from training.evaluation import PeriodicEval
+
+SUMMARY_KEYS = (
+    "strategy", "model", "num_workers", "num_ps", "replicas_in_sync", "global_steps",
+    "test_accuracy", "test_loss", "examples_per_sec", "wall_seconds", "weights_sha256",
+)
+
+
+def summary_line(results: dict) -> str:
+    parts = []
+    for key in SUMMARY_KEYS:
+        value = results.get(key)
+        if isinstance(value, float):
+            value = f"{value:.4f}" if key.startswith("test_") else f"{value:.1f}"
+        parts.append(f"{key}={value}")
+    return "SUMMARY " + " ".join(parts)
+
+
+class Throughput:
+    """Steps/s and examples/s since the last report, and overall."""
+
+    def __init__(self, examples_per_step: int, start_step: int):
+        self.examples_per_step = examples_per_step
+        self.start_time = self.last_time = time.perf_counter()
+        self.start_step = self.last_step = start_step
+
+    def pause(self, seconds: float) -> None:
+        """Leave ``seconds`` spent on something else (evaluation) out of the rates."""
+        self.start_time += seconds
+        self.last_time += seconds
+
+    def tick(self, step: int) -> tuple[float, float]:
+        now = time.perf_counter()
+        rate = (step - self.last_step) / max(now - self.last_time, 1e-9)
+        self.last_time, self.last_step = now, step
+        return rate, rate * self.examples_per_step
+
+    def overall(self, step: int) -> tuple[float, float]:
+        elapsed = max(time.perf_counter() - self.start_time, 1e-9)
+        return elapsed, (step - self.start_step) * self.examples_per_step / elapsed
+
+
+class Reporter:
+    """Progress lines and events on every task; TensorBoard on the chief only."""
+
+    def __init__(self, config, task: str, is_chief: bool, start_step: int, epoch_of,
+                 started: float | None = None):
+        self.config = config
+        self.total = config.total_steps
+        self.epoch_of = epoch_of
+        self.throughput = Throughput(config.global_batch_size, start_step)
+        self.events = protocol.EventLog(task)
+        self.writer = (
+            tf.summary.create_file_writer(os.path.join(config.model_dir, "logs"))
+            if is_chief else None
+        )
+        # The eval curve's clock starts with the process's work, startup included.
+        self.started = time.perf_counter() if started is None else started
+        self.eval_seconds = 0.0
+        self.curve: list[dict] = []  # test accuracy against training time
+        self._eval = None
+        self._start_step = start_step
+
+    def clock(self) -> float:
+        """Seconds of this task's work so far, evaluations left out."""
+        return time.perf_counter() - self.started - self.eval_seconds
+
+    def steady_from(self, step: int) -> None:
+        """Rates count from here: the first call (tracing, connecting) is startup."""
+        self.throughput = Throughput(self.config.global_batch_size, step)
+        self.events.emit(protocol.STARTED, step)
+
+    def progress(self, step: int, scalars: dict, extra: str = "", fields: dict | None = None,
+                 learning_rate: float | None = None) -> None:
+        steps_per_sec, examples_per_sec = self.throughput.tick(step)
+        elapsed = self.clock()
+        done = step - self._start_step
+        eta = (self.total - step) * elapsed / done if done > 0 else float("nan")
+        text = " ".join(f"{k} {v:.4f}" for k, v in scalars.items())
+        lr = f" lr {learning_rate:.2e}" if learning_rate is not None else ""
+        print(
+            f"step {step}/{self.total} epoch {self.epoch_of(step)} {text}{lr} "
+            f"steps/s {steps_per_sec:.1f} examples/s {examples_per_sec:.0f} "
+            f"elapsed {elapsed:.0f}s eta {eta:.0f}s{extra}",
+            flush=True,
+        )
+        self.events.emit(protocol.PROGRESS, step, total=self.total, steps_per_sec=steps_per_sec,
+                         examples_per_sec=examples_per_sec, **scalars, **(fields or {}))
+        if self.writer is not None:
+            with self.writer.as_default(step=step):
+                for key, value in scalars.items():
+                    tf.summary.scalar(f"train/{key}", value)
+                tf.summary.scalar("train/examples_per_sec", examples_per_sec)
+                if learning_rate is not None:
+                    tf.summary.scalar("train/learning_rate", learning_rate)
+                for key, value in (fields or {}).items():
+                    if isinstance(value, (int, float)):
+                        tf.summary.scalar(f"train/{key}", value)
+
+    def evaluate(self, step: int, model) -> None:
+        """Test accuracy now; its time is left out of every rate and clock."""
+        t0, seconds = time.perf_counter(), self.clock()
+        if self._eval is None:
+            self._eval = PeriodicEval(self.config.model, data.eval_dataset(self.config.data_dir))
+        accuracy, loss = self._eval(model)
+        self.add_point(step, accuracy, seconds)
+        print(f"eval step {step} test_accuracy {accuracy:.4f} test_loss {loss:.4f} "
+              f"at {self.curve[-1]['seconds']:.1f}s", flush=True)
+        self.events.emit(protocol.EVAL, step, test_accuracy=accuracy, test_loss=loss)
+        if self.writer is not None:
+            with self.writer.as_default(step=step):
+                tf.summary.scalar("test/accuracy", accuracy)
+        spent = time.perf_counter() - t0
+        self.eval_seconds += spent
+        self.throughput.pause(spent)
+
+    def add_point(self, step: int, accuracy: float, seconds: float | None = None) -> None:
+        seconds = self.clock() if seconds is None else seconds
+        self.curve.append({"step": step, "seconds": round(seconds, 3),
+                           "test_accuracy": round(accuracy, 5)})
+
+    def checkpoint(self, step: int, path: str) -> None:
+        """The line (and event) that ``launch.py --kill ...@step=N`` and the tests wait for."""
+        print(f"checkpoint saved at step {step}: {path}", flush=True)
+        self.events.emit(protocol.CHECKPOINT, step, path=path)
+
+    def final(self, results: dict) -> None:
+        if self.writer is not None:
+            with self.writer.as_default(step=results["global_steps"]):
+                tf.summary.scalar("test/accuracy", results["test_accuracy"])
+                tf.summary.scalar("test/loss", results["test_loss"])
+            self.writer.close()
+        print(summary_line(results), flush=True)
+        self.events.emit(protocol.DONE, results["completed_steps"],
+                         test_accuracy=results["test_accuracy"])

@@ -1,0 +1,66 @@
+"""Model, optimizer and step counters, created under one strategy scope.
+
+The step counter is our own variable because Keras 3's
+``optimizer.iterations`` loses increments under asynchronous
+parameter-server updates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import keras
+import tensorflow as tf
+
+from models import build_model
+from training.config import DEFAULT_LEARNING_RATE
+
+
+def make_optimizer(name: str, learning_rate: float | None, schedule: str = "constant",
+                   total_steps: int = 1) -> keras.optimizers.Optimizer:
+    lr = DEFAULT_LEARNING_RATE[name] if learning_rate is None else learning_rate
+    if schedule == "cosine":
+        # Decaying to zero over the run helps the last steps settle (see the
+        # benchmark notes), for a few scalar ops per step.
+        lr = keras.optimizers.schedules.CosineDecay(lr, decay_steps=max(1, total_steps))
+    if name == "adam":
+        return keras.optimizers.Adam(lr)
+    return keras.optimizers.SGD(lr)
+
+
+@dataclass
+class TrainState:
+    """Model, optimizer and counters, created under one strategy scope."""
+
+    model: keras.Model
+    optimizer: keras.optimizers.Optimizer
+    global_step: tf.Variable
+    # Requested steps done: the run's (and the data's) position. Equal to
+    # global_step under sync strategies; under ps global_step also counts the
+    # updates of closures that ran twice after a worker was lost.
+    completed_steps: tf.Variable
+    checkpoint: tf.train.Checkpoint
+
+
+def build_state(config, strategy) -> TrainState:
+    """Model, optimizer and step counter for ``config`` (a TrainConfig)."""
+    with strategy.scope():
+        model = build_model(config.model)
+        opt = make_optimizer(config.optimizer, config.learning_rate, config.lr_schedule,
+                             config.total_steps)
+        # Optimizer slots must exist before a checkpoint restore can fill them.
+        opt.build(model.trainable_variables)
+        # Updated in cross-replica context only (see make_train_fn), so no
+        # cross-replica aggregation is ever needed; ONLY_FIRST_REPLICA still
+        # makes replica-context reads well defined.
+        global_step = tf.Variable(
+            0, dtype=tf.int64, trainable=False, name="global_step",
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+        completed_steps = tf.Variable(
+            0, dtype=tf.int64, trainable=False, name="completed_steps",
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=opt, global_step=global_step,
+                                     completed_steps=completed_steps)
+    return TrainState(model, opt, global_step, completed_steps, checkpoint)

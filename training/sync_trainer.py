@@ -1,0 +1,166 @@
+"""The trainer of synchronous strategies (none, mirrored, multiworker).
+
+Every task runs every step; ``train(n)`` is one call of ``n`` steps. A
+SIGTERM to any worker makes every worker save at one agreed call and stop
+(``Preempted``, through TensorFlow's PreemptionCheckpointHandler).
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+
+import keras
+import tensorflow as tf
+
+from strategies import ConfigError
+from training import data
+from training.checkpoints import Checkpointer
+from training.evaluation import local_copy, weights_sha256
+from training.lifetime import keep_alive_until_exit
+from training.recovery import preemption_handler
+from training.state import build_state
+from training.step import make_step_fn, make_train_fn
+
+# Errors that mean a peer went away rather than a bug in this program.
+PEER_ERRORS = (
+    tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError,
+    tf.errors.DeadlineExceededError,
+)
+
+
+def agree_on_start_step(strategy, step: int, me: str, tasks: list[str], model_dir: str) -> None:
+    """Refuse to train unless every worker resumed from the same step.
+
+    Each worker restores from ``--model-dir`` itself; where that is not
+    shared storage, a worker sees no checkpoint (or an old copy) and would
+    train on from other weights while the all-reduce hides it. One all-gather
+    of the restored step, once at start: every worker gets the same list and
+    so reaches the same verdict (ConfigError, exit 2, nothing trained).
+    """
+    values = strategy.experimental_distribute_values_from_function(
+        lambda _: tf.constant([step], tf.int64))
+    steps = [int(s) for s in strategy.gather(values, axis=0).numpy()]
+    if len(set(steps)) == 1:
+        return
+    # Replicas are ordered by task (chief first), then by local device.
+    per_task = max(1, len(steps) // len(tasks))
+    by_task = {tasks[min(i // per_task, len(tasks) - 1)]: s for i, s in enumerate(steps)}
+    found = ", ".join(f"{task} at step {s}" for task, s in by_task.items())
+    raise ConfigError(
+        f"{me}: the workers resumed from different checkpoints ({found}): "
+        f"--model-dir {model_dir!r} must be the same shared storage on every task, holding "
+        "the chief's checkpoints; put it on a shared file system, or copy the chief's "
+        "checkpoints/ to every host before relaunching"
+    )
+
+
+class SyncTrainer:
+    peer_errors = PEER_ERRORS
+
+    def __init__(self, config, bundle):
+        self.config, self.bundle = config, bundle
+        self.cfg = config.cluster
+        self.is_chief = self.cfg.is_chief
+        strategy = bundle.strategy
+        keras.utils.set_random_seed(config.seed)
+        self.state = build_state(config, strategy)
+        self.checkpointer = Checkpointer(self.state, config.model_dir, self.is_chief,
+                                         self.cfg.task_name)
+        try:
+            self.start_step = self.completed = self.checkpointer.restore(
+                config.model, config.total_steps, config.optimizer)
+            tasks = bundle.kind.training_tasks(self.cfg)
+            if len(tasks) > 1:
+                agree_on_start_step(strategy, self.start_step, self.cfg.task_name, tasks,
+                                    config.model_dir)
+        except ConfigError:
+            self.checkpointer.close()  # a worker's private directory
+            raise
+        dataset_fn = data.make_dataset_fn(
+            config.global_batch_size, seed=config.seed, start_step=self.start_step,
+            data_dir=config.data_dir, synthetic=config.synthetic_data,
+        )
+        self._iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+        # From its creation on, so an error path that drops the trainer is covered too.
+        keep_alive_until_exit(self._iterator)
+        self._train_fn = make_train_fn(
+            strategy, make_step_fn(self.state, config.global_batch_size), self.state,
+            config.global_batch_size,
+        )
+        self._out = None
+        # As early as the coordination service allows (the strategy is up, so
+        # every peer is): until the handler takes SIGTERM over, TensorFlow's
+        # own notifier swallows it and the preemption would go unnoticed.
+        self._previous_sigterm = signal.getsignal(signal.SIGTERM)
+        self._handler = preemption_handler(
+            strategy, lambda: self.checkpointer.save(self.completed), lambda: self.completed)
+
+    def train(self, num_steps: int) -> None:
+        n = tf.constant(num_steps)
+        # The handler checks for a preemption notice (any worker's) before
+        # the call; at the agreed call it saves and raises Preempted.
+        if self._handler is None:
+            self._out = self._train_fn(self._iterator, n)
+        else:
+            self._out = self._handler.run(self._train_fn, self._iterator, n)
+        self.completed += num_steps
+
+    def drain(self) -> None:
+        """Nothing is ever in flight: each call returns with its steps applied."""
+
+    def on_started(self) -> None:
+        pass
+
+    def stop_requested(self) -> bool:
+        return False  # the preemption handler stops the run itself
+
+    def metrics(self) -> dict[str, float]:
+        if self._out is None:
+            return {}
+        return {"loss": float(self._out["loss"]), "accuracy": float(self._out["accuracy"])}
+
+    def progress_fields(self) -> tuple[str, dict]:
+        return "", {}
+
+    def result_fields(self, ran: int) -> dict:
+        return {
+            "global_steps": int(self.state.global_step.numpy()),
+            "steps_per_worker": {name: ran for name in self.bundle.kind.training_tasks(self.cfg)},
+        }
+
+    def finish_worker(self) -> None:
+        """A non-chief worker's last line: its step count and weights fingerprint."""
+        digest = weights_sha256(local_copy(self.state.model, self.config.model))
+        print(f"{self.cfg.task_name} done: global_steps={int(self.state.global_step.numpy())} "
+              f"weights_sha256={digest}", flush=True)
+
+    def end_of_job(self) -> None:
+        """Every worker meets here after the chief has written its results, so
+        none leaves while another still needs it; then each exits normally.
+
+        The preemption handler's threads are stopped before (``close``): they
+        read the key-value store of the chief's coordination service.
+        """
+        if len(self.bundle.kind.training_tasks(self.cfg)) < 2:
+            return
+        from tensorflow.python.eager import context
+
+        try:
+            context.context().wait_at_barrier(
+                "end_of_job", int(self.config.startup_timeout * 1000))
+        except Exception:  # pylint: disable=broad-except
+            # A peer already gone: the barrier fails once its heartbeat times
+            # out. Nothing is left to do together; leave.
+            pass
+
+    def close(self, finished: bool) -> None:
+        if self._handler is not None:
+            if finished:
+                self._handler.close()
+            shutil.rmtree(self._handler.counter_dir, ignore_errors=True)
+            # The handler took over SIGTERM; a caller (a test, a notebook)
+            # gets its own back.
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._handler = None
+        self.checkpointer.close()
