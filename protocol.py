@@ -178,7 +178,7 @@ class Results:
     completed_steps: int  # requested steps done, this run and before it
     steps_this_run: int
     resumed_from_step: int
-    steps_per_worker: dict | None  # None: a worker was down when asked
+    steps_per_worker: dict | None  # None: ps:0 did not answer when asked (ps)
     startup_seconds: float
     train_seconds: float
     steady_steps: int

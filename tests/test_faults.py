@@ -78,8 +78,10 @@ def test_ps_restarted_worker_rejoins_and_gets_work(tmp_path, spawn):
     r = read_results(model_dir)
     assert r["completed_steps"] == r["scheduled_steps"] == 800
     assert r["applied_steps"] >= 800 and r["reexecuted_steps"] == r["applied_steps"] - 800
-    # The restarted process counts its own steps from 0: it ran the rest of the run.
-    assert 0 < r["steps_per_worker"]["worker:0"] <= 800 - 300
+    # Counted on ps:0 per finished call: the lost worker's unfinished call
+    # counts once, when its rerun finishes (at most one more call if it
+    # finished just as the worker died).
+    assert 800 <= r["steps_per_worker"]["worker:0"] <= 800 + 5
     assert r["test_accuracy"] >= LOGREG_BAR
     assert descendants_alive(model_dir) == []
 

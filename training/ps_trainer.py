@@ -64,18 +64,18 @@ def variables_per_ps(model: keras.Model) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def read_counts(local_step, timeout: float = 2.0) -> list[int] | None:
-    """Each worker's local step count, or None while a worker is down.
+def read_counts(steps_by_worker, timeout: float = 2.0) -> list[int] | None:
+    """Each worker's step count, or None when ps:0 does not answer in time.
 
-    Reading a per-worker variable of a lost worker raises, or waits until the
-    worker is back; a daemon thread with a timeout keeps progress lines and
-    the final results from waiting on it.
+    The counts live on ps:0, so a slowed or lost worker cannot hold the read
+    up; a lost ps could, and a daemon thread with a timeout keeps progress
+    lines and the final results from waiting on it.
     """
     box: list = []
 
     def read():
         try:
-            box.append([int(c) for c in local_step.read_all()])
+            box.append([int(c) for c in steps_by_worker.numpy()])
         except Exception:  # pylint: disable=broad-except
             pass
 
@@ -118,12 +118,14 @@ class PsTrainer:
         keras.utils.set_random_seed(config.seed)
         condense_tf_logs()
         self.state = build_state(config, strategy)
-        with strategy.scope():
-            # One copy per worker, so each worker counts the steps it ran
-            # (the classic example's local_step). A restarted worker's copy is
-            # created again, from 0.
-            self.local_step = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                          per_worker_variable=True)
+        # Steps each worker ran (the classic example's local_step), kept on
+        # ps:0 rather than on the workers: reading a worker's own counter
+        # waits on that worker, and a slowed one answered too late for any
+        # progress line to carry every count. Created outside the strategy's
+        # scope, so exactly where we say.
+        with tf.device("/job:ps/replica:0/task:0/device:CPU:0"):
+            self.steps_by_worker = tf.Variable(tf.zeros([len(self.workers)], tf.int64),
+                                               trainable=False, name="steps_by_worker")
         self.checkpointer = Checkpointer(self.state, config.model_dir, True, self.cfg.task_name)
         self.start_step = self.completed = self.checkpointer.restore(
             config.model, config.total_steps, config.optimizer)
@@ -138,7 +140,7 @@ class PsTrainer:
         ))
         self._train_fn = make_train_fn(
             strategy, make_step_fn(self.state, config.global_batch_size), self.state,
-            config.global_batch_size, local_step=self.local_step,
+            config.global_batch_size, steps_by_worker=self.steps_by_worker,
         )
         # Enough closures in flight to keep every worker busy while we read results.
         self.max_in_flight = 4 * max(1, len(self.workers))
@@ -185,7 +187,7 @@ class PsTrainer:
         return dict(self._last)
 
     def progress_fields(self) -> tuple[str, dict]:
-        counts = read_counts(self.local_step)
+        counts = read_counts(self.steps_by_worker)
         recent = (np.concatenate(self._staleness[-self.max_in_flight:])
                   if self._staleness else [])
         stats = staleness_stats(recent)
@@ -193,7 +195,7 @@ class PsTrainer:
         text = (
             f" | global_step {int(self.state.global_step.numpy())} local_steps "
             + (" ".join(f"{w}={c}" for w, c in per_worker.items())
-               if per_worker else "unavailable (a worker is down)")
+               if per_worker else "unavailable (ps:0 did not answer)")
             + f" | staleness mean {stats['mean']:.2f} max {stats['max']}"
         )
         fields = {"steps_per_worker": per_worker, "staleness_mean": stats["mean"],
@@ -203,7 +205,7 @@ class PsTrainer:
     def result_fields(self, ran: int) -> dict:
         global_steps = int(self.state.global_step.numpy())
         applied = global_steps - self.applied_before
-        counts = read_counts(self.local_step)
+        counts = read_counts(self.steps_by_worker)
         all_staleness = np.concatenate(self._staleness) if self._staleness else np.zeros(0)
         return {
             "global_steps": global_steps,
@@ -212,7 +214,9 @@ class PsTrainer:
             # worker's closure had applied some of its steps before it was rerun.
             "applied_steps": applied,
             "reexecuted_steps": applied - ran,
-            # Steps each worker process ran since it (re)started; None if one is down.
+            # Steps each worker ran in this run, counted when a scheduled call
+            # finished (a lost worker's unfinished call counts for the worker
+            # that reran it); None if ps:0 did not answer.
             "steps_per_worker": dict(zip(self.workers, counts)) if counts else None,
             "staleness": staleness_stats(all_staleness),
             "variables_per_ps": variables_per_ps(self.state.model),

@@ -51,7 +51,7 @@ def after_updates(variables) -> list[tf.Tensor]:
 
 
 def make_train_fn(strategy, step_fn, state: TrainState, examples_per_step: int,
-                  local_step: tf.Variable | None = None):
+                  steps_by_worker: tf.Variable | None = None):
     """``train_fn(iterator, num_steps)``: ``num_steps`` steps in one call.
 
     Packing several steps into one ``tf.function`` call (``--steps-per-execution``)
@@ -59,6 +59,8 @@ def make_train_fn(strategy, step_fn, state: TrainState, examples_per_step: int,
     Returns the mean loss and accuracy (this worker's replicas) and, per step,
     the staleness: updates other workers applied between this step reading
     ``global_step`` and applying its own update (always 0 when synchronous).
+    ``steps_by_worker`` (ps only): one count per worker, added to by the worker
+    that ran the call once its steps are done.
     """
 
     def local_sum(per_replica):
@@ -100,13 +102,12 @@ def make_train_fn(strategy, step_fn, state: TrainState, examples_per_step: int,
             "accuracy": correct_sum / (steps * examples_per_step * local_fraction),
             "staleness": staleness.stack(),
         }
-        if local_step is not None:
-            # Per-worker variables get no automatic control dependencies.
-            # Count only once the steps are done (after the loop's outputs).
+        if steps_by_worker is not None:
+            worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+            ran = tf.one_hot(worker, steps_by_worker.shape[0], dtype=tf.int64) * tf.cast(
+                num_steps, tf.int64)
             with tf.control_dependencies([out["loss"], out["staleness"]]):
-                update = local_step.assign_add(tf.cast(num_steps, tf.int64), read_value=False)
-            with tf.control_dependencies([update]):
-                out["local_step"] = local_step.read_value()
+                steps_by_worker.assign_add(ran, read_value=False)
         return out
 
     return train_fn
