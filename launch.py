@@ -25,41 +25,56 @@ import signal
 import subprocess
 import sys
 
+import protocol
 from launcher import network, processes, supervisor
 from launcher import plan as plans
 from launcher.faults import add_recovery_args, plan_recovery
 from launcher.network import INSIDE_FLAG, NETNS_MODES
 from launcher.plan import LaunchError
 from protocol import Exit
+from strategies import kinds
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    names = kinds.names(include_auto=False)
+    p = protocol.OneLineParser(
         description=__doc__.split("\n\n")[0],
-        usage="launch.py --strategy {mirrored,multiworker,ps} [options] -- [train.py args]",
+        usage="launch.py --strategy {%s} [options] -- [train.py args]" % ",".join(names),
+        formatter_class=protocol.HelpFormatter,
+        epilog="Everything after -- goes to every task's train.py (see train.py --help). "
+               + protocol.exit_epilog(),
     )
-    p.add_argument("--strategy", required=True)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--ps", type=int, default=0)
-    p.add_argument("--chief", action="store_true",
-                   help="multiworker: add a separate chief task (it trains too)")
-    p.add_argument("--host", default="localhost",
-                   help="address written into TF_CONFIG (without --hosts)")
-    p.add_argument("--hosts", type=int, default=0, metavar="N",
-                   help="place the tasks on N simulated hosts, each a network namespace with "
-                        f"its own address ({plans.host_address(0)}, {plans.host_address(1)}, ...) "
-                        "on a private bridge; coordinating tasks (ps chief, ps) on host 0, "
-                        "workers spread over the others")
-    p.add_argument("--link-rate", default=None, metavar="RATE",
-                   help="with --hosts: shape every host's link to RATE each way (tc tbf; e.g. "
-                        "1gbit, 100mbit; no latency emulation), measured once at start")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the job is stopped")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
-    p.add_argument("--netns", default="auto", choices=NETNS_MODES,
-                   help="run the cluster in a private network namespace, unreachable from "
-                        "outside: auto (when the OS allows it; else a warning), on (or fail), off")
-    p.add_argument(INSIDE_FLAG, action="store_true", help=argparse.SUPPRESS)
-    add_recovery_args(p)
+    cluster = p.add_argument_group("cluster")
+    cluster.add_argument("--strategy", required=True, choices=names)
+    cluster.add_argument("--workers", type=int, default=2)
+    cluster.add_argument("--ps", type=int, default=0)
+    cluster.add_argument("--chief", action="store_true",
+                         help="multiworker: add a separate chief task (it trains too)")
+    cluster.add_argument("--dry-run", action="store_true",
+                         help="print every task's plan (its own train.py --dry-run) and exit; "
+                              "nothing is started or written")
+    net = p.add_argument_group("simulated hosts and network")
+    net.add_argument("--host", default="localhost",
+                     help="address written into TF_CONFIG (without --hosts)")
+    net.add_argument("--hosts", type=int, default=0, metavar="N",
+                     help="place the tasks on N simulated hosts, each a network namespace with "
+                          f"its own address ({plans.host_address(0)}, {plans.host_address(1)}, "
+                          "...) on a private bridge; coordinating tasks (ps chief, ps) on host "
+                          "0, workers spread over the others")
+    net.add_argument("--link-rate", default=None, metavar="RATE",
+                     help="with --hosts: shape every host's link to RATE each way (tc tbf; "
+                          "e.g. 1gbit, 100mbit; no latency emulation), measured once at start")
+    net.add_argument("--netns", default="auto", choices=NETNS_MODES,
+                     help="run the cluster in a private network namespace, unreachable from "
+                          "outside: auto (when the OS allows it; else a warning), on (or "
+                          "fail), off")
+    net.add_argument(INSIDE_FLAG, action="store_true", help=argparse.SUPPRESS)
+    job = p.add_argument_group("job control")
+    job.add_argument("--timeout", type=float, default=3600.0,
+                     help="seconds before the job is stopped")
+    job.add_argument("--grace", type=float, default=10.0,
+                     help="seconds between SIGTERM and SIGKILL")
+    add_recovery_args(p.add_argument_group("faults and recovery"))
     argv = list(sys.argv[1:] if argv is None else argv)
     train_args = []
     if "--" in argv:
@@ -67,7 +82,10 @@ def parse_args(argv=None):
         argv, train_args = argv[:i], argv[i + 1:]
     args = p.parse_args(argv)
     if any(a == "--strategy" or a.startswith("--strategy=") for a in train_args):
-        p.error("pass --strategy to launch.py only; it forwards it to every task")
+        raise protocol.UsageError("pass --strategy to launch.py only; it forwards it to every task")
+    if any(a == "--dry-run" for a in train_args):
+        raise protocol.UsageError(
+            "pass --dry-run to launch.py, before --: it asks every task for its plan")
     args.launch_argv = argv
     return args, train_args
 
@@ -84,8 +102,45 @@ def plan_cluster(args) -> plans.ClusterPlan:
                                processes.free_ports(n), args.host)
 
 
+def with_model_dir(strategy: str, train_args: list[str]) -> tuple[list[str], str]:
+    """``train_args`` with ``--model-dir`` (default ``runs/<strategy>``), and that directory."""
+    model_dir = processes.train_arg(train_args, "--model-dir", f"runs/{strategy}")
+    if not processes.has_flag(train_args, "--model-dir"):
+        train_args = [*train_args, "--model-dir", model_dir]
+    return train_args, model_dir
+
+
+def show_plan(cluster: plans.ClusterPlan, checks: list[processes.TaskCheck]) -> None:
+    """``--dry-run``: each task's address and duty, then the job's figures."""
+    width = max(len(c.task) for c in checks)
+    for c in checks:
+        where = cluster.where(c.task) or (c.plan or {}).get("task", "")
+        if c.plan is None:
+            print(f"{c.task:<{width}}  {c.error}")
+            continue
+        address = ""
+        if c.plan.get("cluster"):
+            role, _, index = c.task.partition(":")
+            address = c.plan["cluster"][role][int(index)]
+        host = f" on {where}" if cluster.hosts and where else ""
+        print(f"{c.task:<{width}}  {address}{host}: {c.plan['action']}")
+    chief = next((c.plan for c in checks if c.plan and c.plan.get("is_chief")), None)
+    if chief is not None:
+        k = chief.get("gradients_per_update", 1)
+        split = (f"{chief['global_batch_size'] // k} per gradient x K={k} gradients per update"
+                 if k > 1 else f"{chief['per_replica_batch_size']} per replica x "
+                               f"{chief['replicas_in_sync']} in sync")
+        print(f"global batch {chief['global_batch_size']} ({split}), {chief['total_steps']} "
+              f"steps, model dir {chief['model_dir']}")
+
+
 def main(argv=None) -> int:
-    args, train_args = parse_args(argv)
+    try:
+        args, train_args = parse_args(argv)
+    except protocol.UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return Exit.BAD_INPUT
+    train_args, model_dir = with_model_dir(args.strategy, train_args)
     try:
         cluster = plan_cluster(args)
         recovery = plan_recovery(args, cluster.tf_configs)
@@ -96,9 +151,27 @@ def main(argv=None) -> int:
             network.check_hosts_mode(args.hosts, args.netns, args.link_rate, network.hosts_problem)
             use_netns, warning = (True, None) if args.hosts else network.decide_netns(
                 args.netns, args.strategy, network.netns_problem)
+            processes.check_launch_dir(os.path.join(model_dir, "launch"))
     except LaunchError as err:
         print(f"error: {err}", file=sys.stderr)
         return Exit.BAD_INPUT
+    if not args.netns_inside:
+        # Every task checks its own flags and TF_CONFIG before anything is
+        # written or started (the inner launcher in the namespace was checked).
+        checks = processes.check_tasks(cluster.tf_configs,
+                                       processes.task_command(args.strategy, train_args),
+                                       dict(os.environ), full=args.dry_run)
+        if args.dry_run:
+            show_plan(cluster, checks)
+        failed = [c for c in checks if c.code != 0]
+        if failed:
+            if not args.dry_run:
+                same = all(c.error == failed[0].error for c in failed)
+                print(failed[0].error if same else f"{failed[0].task}: {failed[0].error}",
+                      file=sys.stderr)
+            return failed[0].code
+        if args.dry_run:
+            return Exit.OK
     if warning:
         print(warning, file=sys.stderr, flush=True)
     if use_netns:
@@ -108,17 +181,14 @@ def main(argv=None) -> int:
         print("[launch] private network namespace: only the cluster's own tasks can reach "
               "its ports", flush=True)
         return network.run_in_netns(network.netns_command(args.launch_argv, train_args), args.grace)
-    return run_inside(args, train_args, cluster, recovery, rate)
+    return run_inside(args, train_args, model_dir, cluster, recovery, rate)
 
 
-def run_inside(args, train_args, cluster, recovery, rate) -> int:
+def run_inside(args, train_args, model_dir, cluster, recovery, rate) -> int:
     """The launcher in its namespace (or on the host network): build, run, tear down."""
     log = lambda m: print(m, flush=True)  # noqa: E731
     if args.netns_inside:
         network.loopback_up()
-    model_dir = processes.train_arg(train_args, "--model-dir", f"runs/{args.strategy}")
-    if not processes.has_flag(train_args, "--model-dir"):
-        train_args = [*train_args, "--model-dir", model_dir]
     launch_dir = os.path.join(model_dir, "launch")
     command = processes.task_command(args.strategy, train_args)
 

@@ -11,10 +11,12 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -52,6 +54,28 @@ EXIT_MEANINGS = {
 def exit_epilog() -> str:
     """The exit-code table for ``--help``."""
     return "exit codes: " + "; ".join(f"{int(c)} {m}" for c, m in EXIT_MEANINGS.items())
+
+
+# --- command lines -----------------------------------------------------------
+
+class UsageError(Exception):
+    """A bad command line: the caller prints ``error: <it>`` and exits 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors take the one-line error path (exit 2), not usage + exit."""
+
+    def error(self, message):
+        bad_choice = re.match(r"argument ([\w-]+)(?:/\S+)?: invalid choice: (.+) \(choose from (.+)\)$",
+                              message)
+        if bad_choice:
+            flag, value, allowed = bad_choice.groups()
+            message = f"unknown {flag} {value}; allowed: {allowed.replace(chr(39), '')}"
+        raise UsageError(f"{message}; see --help")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every flag's default in --help."""
 
 
 # --- progress events ---------------------------------------------------------

@@ -35,6 +35,7 @@ checkpoint kept. The chief holds ``<model-dir>/.lock`` while it runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -44,13 +45,33 @@ import protocol
 from protocol import Exit
 from strategies import CLUSTER_RESOLVERS, ConfigError, check_batch_size, cluster_from_environ, kinds
 from strategies.devices import plan_devices
-from training.config import TrainConfig, check_model_dir
+from training.config import PER_REPLICA_BATCH, TrainConfig, check_model_dir
 
 
 def _physical_gpus() -> list[str]:
     import tensorflow as tf
 
     return [d.name for d in tf.config.list_physical_devices("GPU")]
+
+
+def default_global_batch(config: TrainConfig, gpus: list[str] | None = None) -> int:
+    """TensorFlow's convention when no ``--global-batch-size`` is given.
+
+    ``PER_REPLICA_BATCH`` examples per replica in sync (per gradient, times
+    the K gradients of one update, under ps-sync), so any cluster shape
+    splits evenly. ``config`` is checked first, with a placeholder batch,
+    so bad flags are refused before TensorFlow is imported to list GPUs.
+    """
+    config = dataclasses.replace(
+        config, global_batch_size=PER_REPLICA_BATCH * max(1, config.gradients_per_update))
+    config.validate()
+    cfg = config.cluster
+    kind = kinds.resolve(config.strategy, cfg)
+    if gpus is None:
+        gpus = _physical_gpus() if kind.role(cfg) in kind.gpu_roles() else []
+    devices = plan_devices(kind.gpu_roles(), cfg, gpus)
+    return (PER_REPLICA_BATCH * kind.replicas(cfg, len(devices["visible_gpus"]))
+            * config.gradients_per_update)
 
 
 def plan(config: TrainConfig, gpus: list[str] | None = None) -> dict:
@@ -66,6 +87,11 @@ def plan(config: TrainConfig, gpus: list[str] | None = None) -> dict:
     if cfg.is_chief:
         # The chief writes there; an unusable path fails now, not after TF starts.
         check_model_dir(config.model_dir)
+    if kind.role(cfg) != "evaluator" and not kind.serves(cfg):
+        from training.checkpoints import check_run_record
+
+        # A resume with other defining flags is refused by --dry-run too.
+        check_run_record(config.model_dir, config.defining_flags(kind.name))
     if gpus is None:
         gpus = _physical_gpus()
     devices = plan_devices(kind.gpu_roles(), cfg, gpus)
@@ -84,34 +110,35 @@ def plan(config: TrainConfig, gpus: list[str] | None = None) -> dict:
         "replicas_in_sync": replicas,
         "global_batch_size": config.global_batch_size,
         "per_replica_batch_size": config.global_batch_size // replicas,
+        "gradients_per_update": config.gradients_per_update,
         "total_steps": config.total_steps,
         "devices": {**devices, "cpu": True},
         "model_dir": config.model_dir,
     }
 
 
-def run(config: TrainConfig, as_command: bool = False) -> dict | None:
+def run(config: TrainConfig, as_command: bool = False, batch_note: str | None = None) -> dict | None:
     """Run this task's part of the job; the chief returns the results dict.
 
     Raises ConfigError for bad input before anything is written.
     ``as_command``: the process ends right after (``python train.py``).
+    ``batch_note``: how a default global batch was chosen, printed once the
+    checks have passed.
     """
     if config.dry_run:
         print(json.dumps(plan(config), indent=None, sort_keys=True), flush=True)
         return None
     cfg = config.cluster
     # Everything that can be checked without TensorFlow first (its import
-    # takes seconds): the plan without this host's GPUs, the run directory's
-    # record and this task's port. None of them writes anything.
+    # takes seconds): the plan without this host's GPUs (it reads the run
+    # directory's record) and this task's port. None of them writes anything.
     kind = kinds.get(plan(config, gpus=[])["strategy"])
     evaluator = kind.role(cfg) == "evaluator"
-    if not evaluator and not kind.serves(cfg):
-        from training.checkpoints import check_run_record
-
-        check_run_record(config.model_dir, config.defining_flags(kind.name))
     if not cfg.is_local and not evaluator:
         check_own_port(cfg)
     the_plan = plan(config)
+    if batch_note:
+        print(batch_note, flush=True)
     for name, value in kind.process_env().items():
         os.environ.setdefault(name, value)
 
@@ -193,35 +220,15 @@ def check_own_port(cfg) -> None:
                 ) from None
 
 
-class _ArgumentError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors take our one-line error path (exit 2)."""
-
-    def error(self, message):
-        bad_choice = re.match(r"argument ([\w-]+)(?:/\S+)?: invalid choice: (.+) \(choose from (.+)\)$",
-                              message)
-        if bad_choice:
-            flag, value, allowed = bad_choice.groups()
-            message = f"unknown {flag} {value}; allowed: {allowed.replace(chr(39), '')}"
-        raise _ArgumentError(f"{message}; see --help")
-
-
-class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as written, and every flag's default in --help."""
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     from models import MODEL_NAMES
     from strategies.kinds import ALL_REDUCE
     from training.config import LR_SCHEDULES, OPTIMIZERS
 
-    p = _Parser(
+    p = protocol.OneLineParser(
         allow_abbrev=False,
         description=__doc__.split("\n\n")[0],
-        formatter_class=_Formatter,
+        formatter_class=protocol.HelpFormatter,
         epilog="TF_CONFIG (environment) describes the cluster and this task; with "
                "--cluster-resolver=slurm, the Slurm job step does. " + protocol.exit_epilog(),
     )
@@ -245,8 +252,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     train.add_argument("--model", default=d.model, choices=MODEL_NAMES, help="the Keras model")
     train.add_argument("--epochs", type=int, default=d.epochs, help="passes over MNIST's 60,000 examples")
     train.add_argument("--steps", type=int, default=None, help="total steps; overrides --epochs")
-    train.add_argument("--global-batch-size", type=int, default=d.global_batch_size,
-                       help="examples behind one update, split over the replicas in sync")
+    train.add_argument("--global-batch-size", type=int, default=None,
+                       help="examples behind one update, split over the replicas in sync "
+                            f"(default: {PER_REPLICA_BATCH} per replica x the replicas in sync, "
+                            "TensorFlow's convention; ps-sync: per gradient x K)")
     train.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZERS, help="Keras optimizer")
     train.add_argument("--learning-rate", type=float, default=None,
                        help="peak rate (default: 0.005 for adam, 0.1 for sgd)")
@@ -273,6 +282,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="keep TensorFlow's own start-up and C++ log lines (hidden by default)")
     out.add_argument("--dry-run", action="store_true",
                      help="print the resolved plan as JSON and exit without starting anything")
+    # launch.py's pre-flight: --dry-run's checks without importing TensorFlow
+    # (GPUs are not listed), so every task is checked in well under a second.
+    out.add_argument("--check-only", action="store_true", help=argparse.SUPPRESS)
     slurm = p.add_argument_group("Slurm (--cluster-resolver=slurm)")
     slurm.add_argument("--slurm-ps", type=int, default=None,
                        help="rank 0 is the chief, the next N ranks are ps tasks, the rest "
@@ -301,9 +313,23 @@ def main(argv=None) -> int:
             options.pop("cluster_resolver"), os.environ,
             slurm_ps=options.pop("slurm_ps"), slurm_port=options.pop("slurm_port"),
         )
+        check_only = options.pop("check_only")
+        chosen = options["global_batch_size"] is None
+        if chosen:
+            options["global_batch_size"] = default_global_batch(
+                TrainConfig(cluster=cluster, **{**options, "global_batch_size": PER_REPLICA_BATCH}),
+                gpus=[] if check_only else None)
         config = TrainConfig(cluster=cluster, **options)
-        run(config, as_command=argv is None)
-    except (ConfigError, _ArgumentError) as err:
+        note = None
+        if chosen and config.cluster.is_chief:
+            note = (f"global batch {config.global_batch_size}: {PER_REPLICA_BATCH} per replica "
+                    f"x {config.global_batch_size // PER_REPLICA_BATCH} (TensorFlow's "
+                    "convention; --global-batch-size sets it)")
+        if check_only:
+            print(json.dumps(plan(config, gpus=[]), sort_keys=True), flush=True)
+            return Exit.OK
+        run(config, as_command=argv is None, batch_note=note)
+    except (ConfigError, protocol.UsageError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return Exit.BAD_INPUT
     except KeyboardInterrupt:

@@ -214,29 +214,102 @@ def task_command(strategy: str, train_args: list[str], python: str = sys.executa
     return [python, TRAIN, f"--strategy={strategy}", *train_args]
 
 
+# --- every task's own check, before anything is written ---------------------------------
+
+@dataclass(frozen=True)
+class TaskCheck:
+    """One task's ``train.py --dry-run``: its exit code, plan, or error line."""
+
+    task: str
+    code: int
+    plan: dict | None = None
+    error: str = ""
+
+
+def check_tasks(tf_configs: dict[str, dict | None], command: list[str], env: dict[str, str],
+                timeout: float = 120.0, full: bool = False) -> list[TaskCheck]:
+    """Run every task's own check with its TF_CONFIG, all at once.
+
+    ``--check-only`` checks flags, cluster and run directory without
+    TensorFlow, so a bad flag ends the launch before it writes ``launch/``
+    or starts anything, with the task's own error line. ``full``: the
+    task's ``--dry-run``, which imports TensorFlow to list the GPUs.
+    """
+    procs = {}
+    for name, tf_config in tf_configs.items():
+        task_env = {k: v for k, v in env.items() if k != "TF_CONFIG"}
+        if tf_config is not None:
+            task_env["TF_CONFIG"] = json.dumps(tf_config)
+        procs[name] = subprocess.Popen(
+            [*command, "--dry-run" if full else "--check-only"], env=task_env, cwd=HERE, text=True,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + timeout
+    checks = []
+    for name, proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            checks.append(TaskCheck(name, protocol.Exit.FAILED,
+                                    error=f"error: {name}: its check did not answer in "
+                                          f"{timeout:g}s"))
+            continue
+        lines = [line for line in err.splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("error:")]
+        try:
+            plan = json.loads(out) if proc.returncode == 0 else None
+        except ValueError:
+            plan = None  # e.g. --help: not a plan
+        checks.append(TaskCheck(name, proc.returncode, plan if isinstance(plan, dict) else None,
+                                (errors or lines or [""])[-1]))
+    return checks
+
+
+def check_launch_dir(launch_dir: str) -> None:
+    """Refuse a ``launch/`` (or its ``events/``) that is a symlink: we never write through one."""
+    for path in (launch_dir, os.path.join(launch_dir, "events")):
+        if os.path.islink(path):
+            raise plans.LaunchError(
+                f"{path} is a symbolic link; the launcher writes its files there and does not "
+                "follow links: remove it, or pass another --model-dir")
+
+
+def _write_file(path: str, text: str) -> None:
+    # Written beside and renamed over: a symlink planted at ``path`` is
+    # replaced, never followed.
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def save_launch_files(launch_dir: str, plan, command: list[str]) -> None:
     """One TF_CONFIG file per task, ``commands.sh`` replaying each task (and
     naming its host), ``hosts.json`` under simulated hosts, and an empty
     progress-event file per task (this launch's events only)."""
     if not isinstance(plan, plans.ClusterPlan):
         plan = plans.ClusterPlan(plan)
+    check_launch_dir(launch_dir)
     os.makedirs(os.path.join(launch_dir, "events"), exist_ok=True)
     for name in plan.tf_configs:
-        with open(protocol.events_path(launch_dir, name), "w"):
-            pass
+        _write_file(protocol.events_path(launch_dir, name), "")
     for name, tf_config in plan.tf_configs.items():
         if tf_config is None:
             continue
-        with open(os.path.join(launch_dir, plans.tf_config_file(name)), "w") as f:
-            json.dump(tf_config, f)
-            f.write("\n")
+        _write_file(os.path.join(launch_dir, plans.tf_config_file(name)),
+                    json.dumps(tf_config) + "\n")
     if plan.hosts:
         hosts = {f"host{i}": {"address": plans.host_address(i),
                               "tasks": [n for n, h in plan.host_of.items() if h == i]}
                  for i in range(plan.hosts)}
         protocol.write_json_atomic(os.path.join(launch_dir, "hosts.json"), hosts)
-    with open(os.path.join(launch_dir, "commands.sh"), "w") as f:
-        f.write(plans.commands_script(plan, command, launch_dir))
+    _write_file(os.path.join(launch_dir, "commands.sh"),
+                plans.commands_script(plan, command, launch_dir))
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:

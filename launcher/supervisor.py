@@ -11,6 +11,7 @@ rate, read from the tasks' progress events.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Callable
 
@@ -31,7 +32,11 @@ def decide(strategy: str, exits: dict[str, int | None]) -> int | None:
     gone): the first failure among them decides, else their success.
     """
     kind = kind_of(strategy)
-    deciding = [code for name, code in exits.items() if kind.decides(name)]
+    # A deciding task ended by a signal (a kill, the OOM killer, its own
+    # watchdog giving up on a peer) is, to the job, a lost task: the code
+    # its survivors report, and a relaunch resumes from the checkpoint.
+    deciding = [Exit.TASK_LOST if code is not None and code < 0 else code
+                for name, code in exits.items() if kind.decides(name)]
     failed = [code for code in deciding if code not in (None, 0)]
     if failed:
         return failed[0]
@@ -74,7 +79,8 @@ class Supervisor:
         for name, t in self.tasks.items():
             if self.exits[name] is None and (code := t.proc.poll()) is not None:
                 self.exits[name] = code
-                self.log(f"[launch] {name} exited with code {code}")
+                how = f" (killed by {signal.Signals(-code).name})" if code < 0 else ""
+                self.log(f"[launch] {name} exited with code {code}{how}")
 
     def apply(self, action) -> None:
         task = self.tasks.get(action.task)

@@ -103,7 +103,7 @@ def test_ps_lost_ps_task_then_lost_chief_relaunch_resumes_each_time(tmp_path, sp
     assert "lost ps:0 (localhost:" in errors[0] and "relaunch the same command" in errors[0]
     assert not any("Traceback" in l for l in chief)
     assert any(l == "[launch] chief:0 exited with code 75" for l in lines)
-    assert any(l == "[launch] chief:0 exited with code -9" for l in lines)
+    assert any(l == "[launch] chief:0 exited with code -9 (killed by SIGKILL)" for l in lines)
     assert sum(l.startswith("[launch] relaunching the job") for l in lines) == 2
     # Each relaunch resumed from the newest checkpoint written before its fault.
     saved = [(i, s) for i, l in enumerate(lines)
@@ -138,7 +138,7 @@ def test_multiworker_lost_worker_fails_fast_and_relaunch_resumes(tmp_path, spawn
     p.wait_for_line(r"^\[launch\] relaunching the job", timeout=60)
     assert p.wait(150) == 0, p.output
     lines = p.lines
-    assert any(l == "[launch] worker:1 exited with code -9" for l in lines)
+    assert any(l == "[launch] worker:1 exited with code -9 (killed by SIGKILL)" for l in lines)
     first = lines[:_index(lines, r"^\[launch\] relaunching the job")]
     announced = _ints(r"^\[worker:0\] checkpoint saved at step (\d+)", first)
     r = read_results(model_dir)
@@ -194,7 +194,7 @@ def test_kill_while_checkpointing_every_step_never_breaks_the_resume(tmp_path, s
                                      "--checkpoint-every", "1", "--model-dir", model_dir]))
     assert p.wait(180) == 0, p.output
     lines = p.lines
-    assert any(l == "[launch] local:0 exited with code -9" for l in lines)
+    assert any(l == "[launch] local:0 exited with code -9 (killed by SIGKILL)" for l in lines)
     # The first attempt's lines are all out before the relaunch is logged.
     first = lines[:_index(lines, r"^\[launch\] relaunching the job")]
     announced = _ints(r"^\[local:0\] checkpoint saved at step (\d+)", first)

@@ -2,7 +2,9 @@
 
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +13,8 @@ import protocol
 from launcher import faults, network, processes, supervisor
 from launcher import plan as plans
 from strategies import kinds, parse_tf_config
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_multiworker_cluster_one_tf_config_per_worker():
@@ -58,7 +62,8 @@ def test_free_ports_are_distinct():
 @pytest.mark.parametrize("strategy,exits,expected", [
     ("multiworker", {"worker:0": None, "worker:1": None}, None),
     ("multiworker", {"worker:0": 0, "worker:1": None}, None),
-    ("multiworker", {"worker:0": None, "worker:1": -9}, -9),
+    ("multiworker", {"worker:0": None, "worker:1": -9}, 75),  # a lost task: relaunch resumes
+    ("ps", {"chief:0": -9, "worker:0": None, "ps:0": None}, 75),
     ("multiworker", {"worker:0": 0, "worker:1": 0}, 0),
     ("ps", {"chief:0": None, "worker:0": -9, "ps:0": None}, None),  # chief reschedules
     ("ps", {"chief:0": 0, "worker:0": None, "ps:0": None}, 0),
@@ -330,3 +335,77 @@ def test_train_args_are_read_by_exact_flag_not_prefix():
     args = ["--model-dir", "runs/x", "--model", "logreg"]
     assert processes.train_arg(args, "--model-dir", "default") == "runs/x"
     assert processes.train_arg(["--model", "logreg"], "--model-dir", "default") == "default"
+
+
+# --- every task's own check before anything is written; launch.py --dry-run ---------------
+
+def _launch(*argv, cwd):
+    return subprocess.run([sys.executable, str(REPO / "launch.py"), *argv], cwd=cwd,
+                          capture_output=True, text=True, timeout=240)
+
+
+def test_a_bad_train_flag_stops_the_launch_before_launch_dir_is_written(tmp_path):
+    run_dir = tmp_path / "run"
+    p = _launch("--strategy", "multiworker", "--workers", "2", "--",
+                "--learning-rate", "inf", "--model-dir", str(run_dir), cwd=tmp_path)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.splitlines() == [
+        "error: --learning-rate=inf is not allowed; it must be a finite number"]
+    assert p.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+def test_a_symlinked_launch_dir_is_refused_and_not_followed(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "launch").symlink_to(elsewhere)
+    p = _launch("--strategy", "multiworker", "--", "--steps", "5", "--model-dir", str(run_dir),
+                cwd=tmp_path)
+    assert p.returncode == 2 and "is a symbolic link" in p.stderr, p.stderr
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_saving_launch_files_replaces_a_planted_file_link(tmp_path):
+    target = tmp_path / "target"
+    target.write_text("keep")
+    launch_dir = tmp_path / "launch"
+    launch_dir.mkdir()
+    (launch_dir / "commands.sh").symlink_to(target)
+    cluster = plans.loopback_plan("multiworker", 2, 0, False, [1001, 1002], "localhost")
+    processes.save_launch_files(str(launch_dir), cluster, ["python", "train.py"])
+    assert target.read_text() == "keep"
+    assert not (launch_dir / "commands.sh").is_symlink()
+    assert "worker:1" in (launch_dir / "commands.sh").read_text()
+
+
+def test_dry_run_shows_every_task_and_the_default_batch_for_three_workers(tmp_path):
+    p = _launch("--strategy", "multiworker", "--workers", "3", "--dry-run", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert [l.split()[0] for l in lines[:3]] == ["worker:0", "worker:1", "worker:2"]
+    assert "write checkpoints" in lines[0] and "keep checkpoints private" in lines[2]
+    assert lines[3].startswith("global batch 192 (64 per replica x 3 in sync), 312 steps")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_train_flags_after_the_separator_are_refused_where_they_belong(tmp_path):
+    p = _launch("--strategy", "ps", "--ps", "1", "--", "--dry-run", cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.startswith("error: pass --dry-run to launch.py")
+    assert len(p.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("strategy,cluster,expected", [
+    ("multiworker", {"worker": ["a:1", "b:1", "c:1"]}, 192),
+    ("ps", {"chief": ["a:1"], "worker": ["b:1", "c:1", "d:1"], "ps": ["e:1"]}, 64),
+    ("ps-sync", {"chief": ["a:1"], "worker": ["b:1", "c:1", "d:1"], "ps": ["e:1"]}, 192),
+    ("none", None, 64),
+])
+def test_the_default_global_batch_is_per_replica_times_replicas(strategy, cluster, expected):
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    if cluster:
+        env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": "1"}})
+    p = subprocess.run([sys.executable, str(REPO / "train.py"), f"--strategy={strategy}",
+                        "--check-only"], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["global_batch_size"] == expected

@@ -113,7 +113,7 @@ def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(trained, capsys):
         _data_file(model_dir, step).write_bytes(b"")
     before = snapshot(model_dir)
     capsys.readouterr()
-    code = train.main(["--strategy=mirrored", "--model=logreg", "--steps=40",
+    code = train.main(["--strategy=mirrored", "--model=logreg", "--steps=40", "--global-batch-size=128",
                        "--model-dir", str(model_dir)])
     err = capsys.readouterr().err
     errors = [l for l in err.splitlines() if l.startswith("error:")]
@@ -132,7 +132,7 @@ def test_foreign_checkpoint_is_refused_and_the_run_dir_left_alone(trained, capsy
             (model_dir / "run.json").unlink()
         before = snapshot(model_dir)
         capsys.readouterr()
-        code = train.main(["--strategy=mirrored", "--model=cnn", "--steps=40",
+        code = train.main(["--strategy=mirrored", "--model=cnn", "--steps=40", "--global-batch-size=128",
                            "--model-dir", str(model_dir)])
         err = capsys.readouterr().err
         errors = [l for l in err.splitlines() if l.startswith("error:")]

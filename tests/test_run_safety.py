@@ -47,7 +47,7 @@ def main(capfd, *argv):
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
-    """A finished 10-step logreg run (SGD, batch 128), checkpointed at 5 and 10."""
+    """A finished 10-step logreg run (SGD, the default batch: 64 in one process), checkpointed at 5 and 10."""
     model_dir = tmp_path_factory.mktemp("finished") / "run"
     assert train.main([*LOGREG, "--steps=10", "--checkpoint-every=5", "--model-dir",
                        str(model_dir), *(["--data-dir", DATA] if DATA else [])]) == 0
@@ -94,11 +94,11 @@ def test_the_chief_records_the_defining_flags(finished):
     assert {k: record[k] for k in ("strategy", "model", "optimizer", "learning_rate",
                                    "lr_schedule", "global_batch_size", "seed", "total_steps")} == {
         "strategy": "none", "model": "logreg", "optimizer": "sgd", "learning_rate": 0.1,
-        "lr_schedule": "constant", "global_batch_size": 128, "seed": 42, "total_steps": 10}
+        "lr_schedule": "constant", "global_batch_size": 64, "seed": 42, "total_steps": 10}
 
 
 @pytest.mark.parametrize("argv,words", [
-    (("--global-batch-size=64",), ("--global-batch-size was 128, now 64",)),
+    (("--global-batch-size=32",), ("--global-batch-size was 64, now 32",)),
     # Adam -> SGD resumed with TF warnings only, SGD -> Adam blamed --model.
     (("--optimizer=adam",), ("--optimizer was sgd, now adam", "--learning-rate was 0.1, now 0.005")),
     (("--seed=7", "--lr-schedule=cosine"), ("--lr-schedule was constant, now cosine",

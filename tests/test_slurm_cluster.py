@@ -22,7 +22,7 @@ from conftest import descendants_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "slurm" / "local-cluster.sh"
-STEPS_PER_EPOCH = 60_000 // 128  # --epochs 1 at the default global batch
+STEPS_PER_EPOCH = 60_000 // 128  # --epochs 1 at the scripts' --global-batch-size 128
 SHORT = ["--model", "logreg", "--log-every", "100"]
 # logreg after one epoch: 0.916-0.918 measured (multiworker and ps, seed 42).
 MIN_ACCURACY = 0.90

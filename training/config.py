@@ -23,6 +23,8 @@ MAX_SEED = 2**32 - 1
 MAX_STEPS = 10**9
 # MNIST's splits; checked against tfds in the tests.
 TRAIN_EXAMPLES = 60_000
+# Examples per replica when no --global-batch-size is given (train.default_global_batch).
+PER_REPLICA_BATCH = 64
 TEST_EXAMPLES = 10_000
 # The flags that define what a run's checkpoints are: resuming with any of
 # them changed would mix two runs (``training.checkpoints.check_run_record``).
