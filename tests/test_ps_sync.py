@@ -127,9 +127,10 @@ def test_k_equals_n_every_worker_gives_one_fresh_gradient_per_update(tmp_path, s
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
-def test_k1_of_2_a_backup_worker_drops_late_gradients(tmp_path, spawn):
+def test_k1_of_2_the_slowed_worker_is_the_backup_and_its_late_gradients_drop(tmp_path, spawn):
     model_dir = str(tmp_path / "k1")
     p = spawn(launch_cmd("ps-sync", "--workers", "2", "--ps", "1", "--timeout", "360",
+                         "--slow", "worker:1=0.25",
                          train_args=[*TRAIN, "--steps", "300", "--replicas-to-aggregate", "1",
                                      "--model-dir", model_dir]))
     assert p.wait(390) == 0, p.output
@@ -145,7 +146,11 @@ def test_k1_of_2_a_backup_worker_drops_late_gradients(tmp_path, spawn):
     for counts in per_worker.values():
         assert counts["computed"] == counts["accepted"] + counts["dropped"] + counts["pending"]
         assert counts["pending"] >= 0
+    # The slowed worker loses most races: its accepted share is the smaller.
+    assert per_worker["worker:1"]["accepted"] < per_worker["worker:0"]["accepted"], per_worker
+    assert any(l.startswith("[launch] slow: worker:1 at 25%") for l in p.lines), p.output
     assert r["test_accuracy"] >= 0.88
+    assert descendants_alive(model_dir) == []
 
 
 def _kill_worker_1(spawn, model_dir, *train_args):

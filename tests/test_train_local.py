@@ -17,6 +17,29 @@ REQUIRED = {
 }
 
 
+def _tensorboard_tags(logdir: str) -> dict[str, set]:
+    import tensorflow as tf
+
+    scalars, plugin = set(), set()
+    for name in os.listdir(logdir):
+        for event in tf.compat.v1.train.summary_iterator(os.path.join(logdir, name)):
+            for value in event.summary.value:
+                (plugin if value.metadata.plugin_data.plugin_name == "hparams"
+                 else scalars).add(value.tag)
+    return {"scalars": scalars, "plugin": plugin}
+
+
+def test_flat_scalars_turn_per_worker_fields_into_paths():
+    from training.reporting import flat_scalars
+
+    fields = {"worker:0": {"accepted": 3, "dropped": 1}, "worker:1": None, "note": "x"}
+    assert flat_scalars("train/gradients_per_worker", fields) == {
+        "train/gradients_per_worker/worker:0/accepted": 3,
+        "train/gradients_per_worker/worker:0/dropped": 1}
+    assert flat_scalars("train/staleness_mean", 0.5) == {"train/staleness_mean": 0.5}
+    assert flat_scalars("train/flag", True) == {}
+
+
 def test_mirrored_few_steps_writes_outputs_and_resumes(tmp_path, capsys):
     model_dir = str(tmp_path / "run")
     cfg = TrainConfig(strategy="mirrored", steps=30, log_every=10, model_dir=model_dir,
@@ -32,7 +55,10 @@ def test_mirrored_few_steps_writes_outputs_and_resumes(tmp_path, capsys):
     assert on_disk["global_steps"] == 30 and on_disk["steps_per_worker"] == {"local:0": 30}
     assert on_disk["test_accuracy"] > 0.5  # 30 steps of Adam already learn a lot
     assert os.path.exists(os.path.join(model_dir, "model.keras"))
-    assert any(f.startswith("events") for f in os.listdir(os.path.join(model_dir, "logs")))
+    tags = _tensorboard_tags(os.path.join(model_dir, "logs"))
+    assert {"train/learning_rate", "train/loss", "test/accuracy"} <= tags["scalars"], tags
+    # The HParams dashboard's record of the run's defining flags.
+    assert "_hparams_/session_start_info" in tags["plugin"], tags
     assert os.path.exists(os.path.join(model_dir, "checkpoints", "checkpoint"))
 
     resumed = train.run(TrainConfig(**{**cfg.__dict__, "steps": 40}))

@@ -27,7 +27,7 @@ from training import data
 from training.evaluation import evaluate, local_copy, weights_sha256
 from training.lifetime import keep_alive_until_exit
 from training.recovery import Diverged, Preempted, task_lost
-from training.reporting import Reporter
+from training.reporting import Reporter, run_hparams
 
 
 class Controller:
@@ -42,6 +42,7 @@ class Controller:
                                  trainer.start_step, self.schedule.epoch, started)
         trainer.checkpointer.on_saved = self.reporter.checkpoint
         trainer.checkpointer.run_record = config.defining_flags(kind.name)
+        self.reporter.hparams(run_hparams(config, kind.name, self.cfg))
         self.startup_seconds = 0.0
         self.steady_from = trainer.start_step
 

@@ -54,6 +54,31 @@ class Throughput:
         return elapsed, (step - self.start_step) * self.examples_per_step / elapsed
 
 
+def flat_scalars(prefix: str, value) -> dict[str, float]:
+    """TensorBoard scalars from a progress field: nested dicts become paths
+    (``train/steps_per_worker/worker:0``); anything not a number is left out."""
+    if isinstance(value, bool) or value is None:
+        return {}
+    if isinstance(value, (int, float)):
+        return {prefix: value}
+    if isinstance(value, dict):
+        out: dict[str, float] = {}
+        for key, sub in value.items():
+            out.update(flat_scalars(f"{prefix}/{key}", sub))
+        return out
+    return {}
+
+
+def run_hparams(config, strategy: str, cluster) -> dict:
+    """The run's hyperparameters for TensorBoard's HParams dashboard (scalars and strings)."""
+    return {
+        **{k: v for k, v in config.defining_flags(strategy).items()},
+        "steps_per_execution": config.steps_per_execution,
+        "num_workers": cluster.num_workers, "num_ps": cluster.num_ps,
+        "gradients_per_update": config.gradients_per_update,
+    }
+
+
 class Reporter:
     """Progress lines and events on every task; TensorBoard on the chief only."""
 
@@ -74,6 +99,15 @@ class Reporter:
         self.curve: list[dict] = []  # test accuracy against training time
         self._eval = None
         self._start_step = start_step
+
+    def hparams(self, values: dict) -> None:
+        """Record the run's hyperparameters once (the chief; TensorBoard's HParams tab)."""
+        if self.writer is None:
+            return
+        from tensorboard.plugins.hparams import api as hp
+
+        with self.writer.as_default():
+            hp.hparams(values)
 
     def clock(self) -> float:
         """Seconds of this task's work so far, evaluations left out."""
@@ -108,8 +142,8 @@ class Reporter:
                 if learning_rate is not None:
                     tf.summary.scalar("train/learning_rate", learning_rate)
                 for key, value in (fields or {}).items():
-                    if isinstance(value, (int, float)):
-                        tf.summary.scalar(f"train/{key}", value)
+                    for name, number in flat_scalars(f"train/{key}", value).items():
+                        tf.summary.scalar(name, number)
 
     def evaluate(self, step: int, model) -> None:
         """Test accuracy now; its time is left out of every rate and clock."""
