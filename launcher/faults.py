@@ -467,15 +467,45 @@ class Slowdown:
             self._thread.join(timeout=5)
         self.resume()
         for path in self.cgroups.values():
-            for _ in range(50):  # a just-reaped task may take a moment to leave
-                try:
-                    os.rmdir(path)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.05)
+            remove_cgroup(path, log=self.log)
         self.cgroups.clear()
+
+
+def remove_cgroup(path: str, timeout: float = 10.0, log=print) -> None:
+    """Remove one of our cgroups, ending whatever is still in it.
+
+    The tasks have been reaped, but a child they started (a watchdog) can
+    still be inside, exiting at the cgroup's slowed pace: the quota is
+    lifted first and such leftovers are killed, as no process may outlive
+    the launcher.
+    """
+    try:
+        with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
+            f.write("-1")
+    except OSError:
+        pass
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as err:
+            if time.monotonic() > deadline:
+                log(f"[launch] warning: could not remove cgroup {path}: {err}")
+                return
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                leftovers = [int(pid) for pid in f.read().split()]
+        except OSError:
+            leftovers = []
+        for pid in leftovers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
 
 
 def _killpg(pid: int, sig: int) -> None:

@@ -375,3 +375,24 @@ def test_a_relaunched_job_starts_its_slowed_task_in_the_cgroup_again(tmp_path, c
     assert outcome.slowed == ["--slow local:0=0.5"] and outcome.job_relaunches == 1
     assert not os.path.exists(os.path.join(faults.cpu_cgroup_root(),
                                            f"{faults.CGROUP_PREFIX}{os.getpid()}-local-0"))
+
+
+@needs_cgroup
+@pytest.mark.timeout(60)
+def test_closing_a_slowdown_ends_a_straggler_left_in_its_cgroup():
+    # A task's child (its watchdog) can outlive the reaped task inside the
+    # slowed cgroup; the cgroup must still go, and the child with it.
+    slow = faults.Slowdown({"worker:1": 1}, log=lambda m: None, method="cgroup")
+    slow.activate("worker:1", 0.05)
+    path = slow.cgroups["worker:1"]
+    straggler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
+                                 preexec_fn=processes.child_setup(processes.Placement(cgroup=path)))
+    try:
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            assert str(straggler.pid) in f.read().split()
+        slow.close()
+        assert straggler.wait(10) == -signal.SIGKILL
+        assert not os.path.exists(path)
+    finally:
+        straggler.kill()
+        straggler.wait()
