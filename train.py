@@ -38,7 +38,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import sys
 
 import protocol

@@ -30,7 +30,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 
 from launcher import plan as plans

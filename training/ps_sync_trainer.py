@@ -56,10 +56,7 @@ import numpy as np
 import tensorflow as tf
 
 from training import data
-from training.checkpoints import Checkpointer
-from training.ps_trainer import PS_PEER_ERRORS, StopOnSigterm, variables_per_ps
-from training.recovery import StallWatchdog, condense_tf_logs
-from training.state import build_state
+from training.ps_trainer import CoordinatedTrainer, variables_per_ps
 from training.step import after_updates
 
 # Closures kept in flight per worker: one running, one queued at the
@@ -130,26 +127,14 @@ class _Caller:
             return value
 
 
-class PsSyncTrainer:
-    peer_errors = PS_PEER_ERRORS
-
+class PsSyncTrainer(CoordinatedTrainer):
     def __init__(self, config, bundle):
-        self.config, self.bundle = config, bundle
-        self.cfg = config.cluster
-        self.is_chief = True  # as under ps, only the chief runs a trainer
-        strategy, self.coordinator = bundle.strategy, bundle.coordinator
-        self.workers = [f"{role}:{i}" for role, i, _ in self.cfg.tasks() if role == "worker"]
+        super().__init__(config, bundle)
+        strategy = bundle.strategy
         n = len(self.workers)
         k = config.gradients_per_update
         self.k = k
-        keras.utils.set_random_seed(config.seed)
-        condense_tf_logs()
-        self.state = build_state(config, strategy)
-        self.checkpointer = Checkpointer(self.state, config.model_dir, True, self.cfg.task_name)
-        self.start_step = self.completed = self.checkpointer.restore(
-            config.model, config.total_steps, config.optimizer)
         global_step = self.state.global_step
-        self.applied_before = int(global_step.numpy())
 
         model, optimizer = self.state.model, self.state.optimizer
         variables = model.trainable_variables
@@ -288,8 +273,8 @@ class PsSyncTrainer:
                     with tf.control_dependencies(after_updates(variables)):
                         new_step = global_step.assign_add(1)
                     with tf.control_dependencies([new_step]):
-                        for queue in tokens:
-                            queue.enqueue(new_step)
+                        for token_queue in tokens:
+                            token_queue.enqueue(new_step)
                         times = times.write(i, tf.timestamp())
                     loss_sum += loss_k
                     correct_sum += correct_k
@@ -304,15 +289,12 @@ class PsSyncTrainer:
         self._work, self._aggregate = work, _Caller(aggregate)
         self._scheduled = 0
         self._finished_seen = 0
-        self._last: dict[str, float] = {}
         self._last_time: float | None = None
         self._intervals: list[float] = []
-        self._stall: StallWatchdog | None = None
-        self.patience = config.startup_timeout
         # The first tokens: every worker may compute on the restored step.
-        for queue in tokens:
-            queue.enqueue(tf.constant(self.applied_before, tf.int64))
-        self._sigterm = StopOnSigterm()
+        for token_queue in tokens:
+            token_queue.enqueue(tf.constant(self.applied_before, tf.int64))
+        self.listen_for_sigterm()
 
     # --- the controller's interface ------------------------------------------
 
@@ -363,17 +345,6 @@ class PsSyncTrainer:
         """
         self._last_time = None
 
-    def on_started(self) -> None:
-        # With fewer than K live workers no update can complete, and the
-        # aggregate call waits on ps:0 without a timeout of its own.
-        self._stall = StallWatchdog(self.cfg, self.patience)
-
-    def stop_requested(self) -> bool:
-        return self._sigterm.requested
-
-    def metrics(self) -> dict[str, float]:
-        return dict(self._last)
-
     def _counts(self) -> dict:
         return per_worker(self.workers, self._accepted.numpy(), self._dropped.numpy(),
                           self._skipped.numpy(), self._computed.numpy())
@@ -412,12 +383,6 @@ class PsSyncTrainer:
             "update_interval": interval_stats(self._intervals),
         }
 
-    def finish_worker(self) -> None:
-        raise AssertionError("under ps-sync only the chief trains")
-
-    def end_of_job(self) -> None:
-        """Servers stop on their own once the chief is gone (strategies.server)."""
-
     def close(self, finished: bool) -> None:
         try:
             if finished:
@@ -431,10 +396,7 @@ class PsSyncTrainer:
                 except Exception:  # pylint: disable=broad-except
                     pass
         finally:
-            if self._stall is not None:
-                self._stall.stop()
-            self._sigterm.restore()
-            self.checkpointer.close()
+            super().close(finished)
 
     def _stop_closures(self, wait: bool = True) -> None:
         """Wake every closure still waiting for a token, and wait for them.
@@ -445,7 +407,7 @@ class PsSyncTrainer:
         """
         self._stopping.assign(True)
         waiting = max(0, self._scheduled - int(self._finished.numpy()))
-        for queue in self._tokens:
-            queue.enqueue_many([tf.fill([max(1, waiting)], tf.constant(STOP, tf.int64))])
+        for token_queue in self._tokens:
+            token_queue.enqueue_many([tf.fill([max(1, waiting)], tf.constant(STOP, tf.int64))])
         if wait:
             self.coordinator.join()

@@ -106,18 +106,69 @@ class StopOnSigterm:
         signal.signal(signal.SIGTERM, self._previous)
 
 
-class PsTrainer:
+class CoordinatedTrainer:
+    """What both parameter-server trainers share, on the chief.
+
+    The state and its restore, the workers' names, SIGTERM as a request to
+    stop at the next drain, the stall watchdog, and the end: the servers
+    stop on their own once the chief is gone (strategies.server).
+    """
+
     peer_errors = PS_PEER_ERRORS
+    is_chief = True  # only the chief runs a trainer under a coordinator
 
     def __init__(self, config, bundle):
         self.config, self.bundle = config, bundle
         self.cfg = config.cluster
-        self.is_chief = True  # only the chief runs a trainer under ps
-        strategy, self.coordinator = bundle.strategy, bundle.coordinator
+        self.coordinator = bundle.coordinator
         self.workers = [f"{role}:{i}" for role, i, _ in self.cfg.tasks() if role == "worker"]
         keras.utils.set_random_seed(config.seed)
         condense_tf_logs()
-        self.state = build_state(config, strategy)
+        self.state = build_state(config, bundle.strategy)
+        self.checkpointer = Checkpointer(self.state, config.model_dir, True, self.cfg.task_name)
+        self.start_step = self.completed = self.checkpointer.restore(
+            config.model, config.total_steps, config.optimizer)
+        self.applied_before = int(self.state.global_step.numpy())
+        # How long a lost worker may hold the run up before the chief gives up.
+        self.patience = config.startup_timeout
+        self._last: dict[str, float] = {}
+        self._stall: StallWatchdog | None = None
+        self._sigterm: StopOnSigterm | None = None
+
+    def listen_for_sigterm(self) -> None:
+        """From here on a SIGTERM is a request to stop at the next drain,
+        even one that arrives while the first closure runs."""
+        self._sigterm = StopOnSigterm()
+
+    def on_started(self) -> None:
+        # With too few workers left the coordinator (or ps:0) waits without
+        # a timeout of its own: the watchdog ends the chief with one line.
+        self._stall = StallWatchdog(self.cfg, self.patience)
+
+    def stop_requested(self) -> bool:
+        return self._sigterm is not None and self._sigterm.requested
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._last)
+
+    def finish_worker(self) -> None:
+        raise AssertionError(f"under {self.bundle.name} only the chief trains")
+
+    def end_of_job(self) -> None:
+        """Servers stop on their own once the chief is gone (strategies.server)."""
+
+    def close(self, finished: bool) -> None:
+        if self._stall is not None:
+            self._stall.stop()
+        if self._sigterm is not None:
+            self._sigterm.restore()
+        self.checkpointer.close()
+
+
+class PsTrainer(CoordinatedTrainer):
+    def __init__(self, config, bundle):
+        super().__init__(config, bundle)
+        strategy = bundle.strategy
         # Steps each worker ran (the classic example's local_step), kept on
         # ps:0 rather than on the workers: reading a worker's own counter
         # waits on that worker, and a slowed one answered too late for any
@@ -126,10 +177,6 @@ class PsTrainer:
         with tf.device("/job:ps/replica:0/task:0/device:CPU:0"):
             self.steps_by_worker = tf.Variable(tf.zeros([len(self.workers)], tf.int64),
                                                trainable=False, name="steps_by_worker")
-        self.checkpointer = Checkpointer(self.state, config.model_dir, True, self.cfg.task_name)
-        self.start_step = self.completed = self.checkpointer.restore(
-            config.model, config.total_steps, config.optimizer)
-        self.applied_before = int(self.state.global_step.numpy())
         # Every worker shuffles with its own seed (seed=None): see data._seed_tensor.
         dataset_fn = data.make_dataset_fn(
             config.global_batch_size, seed=None, data_dir=config.data_dir,
@@ -144,15 +191,9 @@ class PsTrainer:
         )
         # Enough closures in flight to keep every worker busy while we read results.
         self.max_in_flight = 4 * max(1, len(self.workers))
-        # How long a fetch may wait for a lost worker's closure to be rerun.
-        self.patience = config.startup_timeout
         self._pending: collections.deque = collections.deque()
         self._staleness: list[np.ndarray] = []
-        self._last: dict[str, float] = {}
-        self._stall: StallWatchdog | None = None
-        # From here on a SIGTERM is a request to stop at the next drain,
-        # even one that arrives while the first closure runs.
-        self._sigterm = StopOnSigterm()
+        self.listen_for_sigterm()
 
     def train(self, num_steps: int) -> None:
         while len(self._pending) >= self.max_in_flight:
@@ -174,17 +215,6 @@ class PsTrainer:
         self._staleness.append(result["staleness"])
         self._last = {"loss": float(result["loss"]), "accuracy": float(result["accuracy"])}
         self.completed += n
-
-    def on_started(self) -> None:
-        # With every worker gone, the coordinator waits up to an hour for one
-        # to come back, inside calls that have no timeout of their own.
-        self._stall = StallWatchdog(self.cfg, self.patience)
-
-    def stop_requested(self) -> bool:
-        return self._sigterm.requested
-
-    def metrics(self) -> dict[str, float]:
-        return dict(self._last)
 
     def progress_fields(self) -> tuple[str, dict]:
         counts = read_counts(self.steps_by_worker)
@@ -221,15 +251,3 @@ class PsTrainer:
             "staleness": staleness_stats(all_staleness),
             "variables_per_ps": variables_per_ps(self.state.model),
         }
-
-    def finish_worker(self) -> None:
-        raise AssertionError("under ps only the chief trains")
-
-    def end_of_job(self) -> None:
-        """Servers stop on their own once the chief is gone (strategies.server)."""
-
-    def close(self, finished: bool) -> None:
-        if self._stall is not None:
-            self._stall.stop()
-        self._sigterm.restore()
-        self.checkpointer.close()
