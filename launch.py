@@ -5,9 +5,11 @@
 
 Each task gets its own TF_CONFIG and runs the same command a user runs on a
 real host. The TF_CONFIGs and commands are saved in ``<model-dir>/launch/``
-so any task can be replayed by hand. Output lines are prefixed with their
-task. If a task fails the others are stopped, and the launcher exits with
-that task's code; no task outlives the launcher.
+so any task can be replayed by hand. Every task checks its own flags first
+(``--dry-run`` prints each task's plan), so bad input ends the launch before
+anything is written. Output lines are prefixed with their task. If a task
+fails the others are stopped, and the launcher exits with that task's code
+(a task ended by a signal counts as lost: 75); no task outlives the launcher.
 
 By default every task listens on loopback in one private network namespace
 (``--netns``). ``--hosts N`` places the tasks on N simulated hosts, each with

@@ -117,12 +117,12 @@ def test_multiworker_slow_worker_slows_every_step(tmp_path, spawn):
     for label, extra in (("uniform", []), ("slow", ["--slow", "worker:1=0.25@step=20"])):
         model_dir = str(tmp_path / label)
         p = spawn(launch_cmd("multiworker", "--workers", "2", "--timeout", "180", *extra,
-                             train_args=["--model", "cnn", "--steps", "120", "--log-every", "20",
+                             train_args=["--model", "cnn", "--steps", "80", "--log-every", "20",
                                          "--model-dir", model_dir]))
         assert p.wait(190) == 0, p.output
         per_task = _outcome(model_dir)["per_task"]
         rates[label] = min(t["steps_per_sec"] for t in per_task.values())
-        assert read_results(model_dir)["global_steps"] == 120
+        assert read_results(model_dir)["global_steps"] == 80
         assert descendants_alive(model_dir) == []
     assert _slow_cgroups() <= before
     if rates["uniform"] < SATURATED:
