@@ -22,6 +22,7 @@ file only reads the flags.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import subprocess
@@ -92,6 +93,16 @@ def parse_args(argv=None):
     return args, train_args
 
 
+def check_times(args) -> None:
+    """--timeout and --grace: finite seconds (nan compares false and would never fire)."""
+    if not 0 < args.timeout < math.inf:
+        raise LaunchError(f"--timeout={args.timeout:g} is not allowed; use a positive, finite "
+                          "number of seconds")
+    if not 0 <= args.grace < math.inf:
+        raise LaunchError(f"--grace={args.grace:g} is not allowed; use 0 or more (finite) "
+                          "seconds")
+
+
 def plan_cluster(args) -> plans.ClusterPlan:
     if args.hosts and args.host != "localhost":
         raise LaunchError(f"--host {args.host} names the one address of a loopback cluster; "
@@ -144,6 +155,7 @@ def main(argv=None) -> int:
         return Exit.BAD_INPUT
     train_args, model_dir = with_model_dir(args.strategy, train_args)
     try:
+        check_times(args)
         cluster = plan_cluster(args)
         recovery = plan_recovery(args, cluster.tf_configs)
         rate = network.parse_rate(args.link_rate) if args.link_rate is not None else None

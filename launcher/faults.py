@@ -11,6 +11,7 @@ SIGSTOP/SIGCONT duty cycle; never code inside the training step.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import signal
@@ -127,7 +128,7 @@ def plan_recovery(args, tasks) -> RecoveryPlan:
         raise LaunchError(f"--slow names {max(slowed, key=slowed.count)} twice; one --slow per task")
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts={args.max_restarts}; use 0 (never) or more")
-    if args.restart_delay < 0:
+    if not 0 <= args.restart_delay < math.inf:
         raise LaunchError(f"--restart-delay={args.restart_delay:g}; use 0 or more seconds")
     restartable = kind_of(args.strategy).restartable_roles
     if args.restart_tasks and not restartable:

@@ -405,3 +405,43 @@ def test_unusable_model_dir_is_refused_before_tensorflow_starts(tmp_path):
     errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
     assert len(errors) == len(rows) and "Traceback" not in proc.stderr, proc.stderr
     assert snapshot(tmp_path) == ["afile"]
+
+
+# --- the launcher's own flags, and a task's flags passed through it ------------------------
+
+LAUNCH_BAD = [
+    ("timeout-negative", ["--timeout", "-5"], "--timeout=-5"),
+    ("timeout-nan", ["--timeout", "nan"], "--timeout=nan"),
+    ("timeout-inf", ["--timeout", "inf"], "--timeout=inf"),
+    ("grace-negative", ["--grace", "-1"], "--grace=-1"),
+    ("restart-delay-nan", ["--restart-delay", "nan"], "--restart-delay=nan"),
+    ("max-restarts-negative", ["--max-restarts", "-1"], "--max-restarts=-1"),
+    ("workers-zero", ["--workers", "0"], "--workers=0"),
+    ("hosts-negative", ["--hosts", "-1"], "--hosts=-1"),
+    ("strategy-unknown", ["--strategy", "horovod"], "unknown --strategy"),
+    ("kill-unknown-task", ["--kill", "worker:7@step=3"], "worker:7"),
+    ("slow-fraction-zero", ["--slow", "worker:1=0"], "worker:1=0"),
+    ("train-flag-bad", ["--", "--learning-rate", "inf"], "--learning-rate=inf"),
+    ("train-flag-unknown", ["--", "--epoch", "1"], "--epoch"),
+    ("train-strategy-twice", ["--", "--strategy", "ps"], "pass --strategy to launch.py"),
+    ("train-dry-run-after", ["--", "--dry-run"], "pass --dry-run to launch.py"),
+]
+
+
+@pytest.mark.parametrize("argv,word", [r[1:] for r in LAUNCH_BAD], ids=[r[0] for r in LAUNCH_BAD])
+def test_bad_launch_input_is_one_line_exit_2_nothing_written(argv, word, tmp_path, monkeypatch,
+                                                             capfd):
+    import launch
+
+    monkeypatch.chdir(tmp_path)
+    if "--strategy" not in argv[:argv.index("--") if "--" in argv else len(argv)]:
+        argv = ["--strategy", "multiworker", *argv]
+    started = time.monotonic()
+    code = launch.main(argv)
+    out, err = capfd.readouterr()
+    assert code == 2, out + err
+    assert "Traceback" not in out + err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and word in lines[0], err
+    assert list(tmp_path.iterdir()) == []
+    assert time.monotonic() - started < TIMEOUT
