@@ -172,7 +172,13 @@ def main(argv=None) -> int:
     if not args.netns_inside:
         # Every task checks its own flags and TF_CONFIG before anything is
         # written or started (the inner launcher in the namespace was checked).
-        checks = processes.check_tasks(cluster.tf_configs,
+        # One task per role is enough to check flags (the others differ
+        # only by index); --dry-run shows them all.
+        roles: dict[str, str] = {}
+        for name in cluster.names:
+            roles.setdefault(name.partition(":")[0], name)
+        checked = cluster.names if args.dry_run else list(roles.values())
+        checks = processes.check_tasks({n: cluster.tf_configs[n] for n in checked},
                                        processes.task_command(args.strategy, train_args),
                                        dict(os.environ), full=args.dry_run)
         if args.dry_run:
