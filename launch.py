@@ -53,6 +53,10 @@ def parse_args(argv=None):
     p.add_argument("--link-rate", default=None, metavar="RATE",
                    help="with --hosts: shape every host's link to RATE each way (tc tbf; e.g. "
                         "1gbit, 100mbit; no latency emulation), measured once at start")
+    p.add_argument("--program", default=None, metavar="FILE.py",
+                   help="run this Python program on every task instead of train.py, with the "
+                        "same arguments (--strategy=... and everything after --) and TF_CONFIG; "
+                        "it must honour --model-dir (e.g. the benchmark's bench/peers/)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the job is stopped")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--netns", default="auto", choices=NETNS_MODES,
@@ -66,6 +70,8 @@ def parse_args(argv=None):
         i = argv.index("--")
         argv, train_args = argv[:i], argv[i + 1:]
     args = p.parse_args(argv)
+    if args.program is not None:
+        args.program = os.path.abspath(args.program)
     if any(a == "--strategy" or a.startswith("--strategy=") for a in train_args):
         p.error("pass --strategy to launch.py only; it forwards it to every task")
     args.launch_argv = argv
@@ -87,6 +93,9 @@ def plan_cluster(args) -> plans.ClusterPlan:
 def main(argv=None) -> int:
     args, train_args = parse_args(argv)
     try:
+        if args.program is not None and not os.path.isfile(args.program):
+            raise LaunchError(f"--program {args.program!r} is not a file; pass the path of "
+                              "a Python program that takes train.py's arguments")
         cluster = plan_cluster(args)
         recovery = plan_recovery(args, cluster.tf_configs)
         rate = network.parse_rate(args.link_rate) if args.link_rate is not None else None
@@ -120,7 +129,7 @@ def run_inside(args, train_args, cluster, recovery, rate) -> int:
     if not processes.has_flag(train_args, "--model-dir"):
         train_args = [*train_args, "--model-dir", model_dir]
     launch_dir = os.path.join(model_dir, "launch")
-    command = processes.task_command(args.strategy, train_args)
+    command = processes.task_command(args.strategy, train_args, program=args.program)
 
     received: list[int] = []
     holder: list = []
