@@ -458,10 +458,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "when (slow worker, slow links, more workers, tutorial peers, staleness)")
     s = p.add_argument_group("--suite scenarios (the flags above set the uniform accuracy runs)")
     s.add_argument("--scenarios", default=None, help="subset of uniform,slow,links,more")
-    s.add_argument("--short-steps", type=int, default=100, help="steps of each throughput run")
-    s.add_argument("--accuracy-steps", type=int, default=240,
+    s.add_argument("--short-steps", type=int, default=60,
+                   help="steps of each throughput run (0: no throughput pass)")
+    s.add_argument("--short-scenarios", default="uniform,slow",
+                   help="scenarios whose cells also get a short throughput run (a second "
+                        "measurement); the others run each cell once ('' for none)")
+    s.add_argument("--accuracy-steps", type=int, default=160,
                    help="steps of the accuracy runs of the scenarios other than uniform")
-    s.add_argument("--accuracy-eval-every", type=int, default=60)
+    s.add_argument("--accuracy-eval-every", type=int, default=40)
     s.add_argument("--scenario-target", type=float, default=0.97,
                    help="test accuracy for time-to-target in the scenarios other than uniform")
     s.add_argument("--no-peers", dest="peers", action="store_false",
@@ -469,7 +473,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--staleness-workers", default="1,2,4",
                    help="async ps worker counts of the staleness study ('' to skip it)")
     s.add_argument("--staleness-lrs", default="0.05,0.5,2", help="its SGD learning rates")
-    s.add_argument("--staleness-steps", type=int, default=600)
+    s.add_argument("--staleness-steps", type=int, default=300)
     return p.parse_args(argv)
 
 

@@ -68,6 +68,7 @@ class Variant:
     kind: str
     label: str
     train_flags: tuple[str, ...] = ()
+    generic: str = ""  # the label whatever N (plot legends across scenarios)
 
 
 def variants(workers: int) -> list[Variant]:
@@ -77,13 +78,14 @@ def variants(workers: int) -> list[Variant]:
         if kind.single_process:
             continue
         if not kind.aggregates_gradients:
-            out.append(Variant(name, name, name))
+            out.append(Variant(name, name, name, generic=name))
             continue
         out.append(Variant(name, name, f"{name} K={workers}",
-                           ("--replicas-to-aggregate", str(workers))))
+                           ("--replicas-to-aggregate", str(workers)), f"{name} K=N"))
         if workers > 1:
             out.append(Variant(f"{name}-backup", name, f"{name} K={workers - 1} (1 backup)",
-                               ("--replicas-to-aggregate", str(workers - 1))))
+                               ("--replicas-to-aggregate", str(workers - 1)),
+                               f"{name} K=N-1 (1 backup)"))
     return out
 
 
@@ -183,6 +185,13 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
     with), then the staleness study.
     """
     scenarios = parse_scenarios(args.scenarios)
+    only = bench.parse_only(args.only)
+    if args.short_steps < 0 or args.accuracy_steps < 1:
+        raise bench.BenchError("--short-steps must be 0 (no throughput pass) or more, "
+                               "--accuracy-steps at least 1")
+    # Scenarios whose cells get a short throughput run besides the accuracy
+    # run (the others keep one run per cell, to keep the suite's time).
+    short_in = {s.name for s in parse_scenarios(args.short_scenarios)} if args.short_scenarios else set()
     runs: list[bench.Run] = []
     train = os.path.join(HERE, "train.py")
 
@@ -202,7 +211,8 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
                               key, peer))
 
     uniform = SCENARIOS[UNIFORM]
-    peers = [p for p in PEERS if args.peers and (have_tf_keras or not p.tf_keras)]
+    peers = [p for p in PEERS if args.peers and (have_tf_keras or not p.tf_keras)
+             and strategy_kinds.get(p.ours).name in only]
 
     def add_peer(ours: str, flags: list[str]):
         for peer in (p for p in peers if p.ours == ours):
@@ -216,7 +226,7 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
             add("accuracy", uniform, f"peer-{peer.key}", kind.name,
                 1 if kind.single_process else uniform.workers, prefix, flags, peer=peer.key)
 
-    for phase in ("throughput", "accuracy"):
+    for phase in ("throughput", "accuracy")[0 if args.short_steps else 1:]:
         if phase == "throughput":
             base_flags = common(uniform, ["--steps", str(args.short_steps)], 0)
         else:
@@ -227,12 +237,14 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
         if phase == "accuracy":
             add_peer(bench.BASELINE, base_flags)
         for scenario in scenarios:
+            if phase == "throughput" and scenario.name not in short_in:
+                continue
             if phase == "throughput":
                 flags = common(scenario, ["--steps", str(args.short_steps)], 0)
             else:
                 length, every, _ = accuracy_length(args, scenario)
                 flags = common(scenario, length, every)
-            for v in variants(scenario.workers):
+            for v in (v for v in variants(scenario.workers) if v.kind in only):
                 prefix = launch_prefix(python, v.kind, scenario.workers, scenario,
                                        args.run_timeout)
                 add(phase, scenario, v.key, v.kind, scenario.workers, prefix,
@@ -378,13 +390,13 @@ def check_targets(rows: list[dict]) -> list[dict]:
         ratio = a["examples_per_sec"] / b["examples_per_sec"]
         out.append({"target": label, "met": ratio >= need, "ratio": ratio,
                     "text": f"{ratio:.2f}×" if ratio >= need else _short(ratio, need)})
-    uniform = [r for r in rows if r["scenario"] == UNIFORM and not r["peer"]] + \
-        [r for r in rows if r["config"] == bench.BASELINE]
+    uniform = [r for r in rows if r["scenario"] == UNIFORM and not r["peer"]]
     if uniform:
+        uniform += [r for r in rows if r["config"] == bench.BASELINE]
         low = [r for r in uniform if (r.get("test_accuracy") or 0) < UNIFORM_ACCURACY]
         worst = min(uniform, key=lambda r: r.get("test_accuracy") or 0)
         text = (f"lowest {worst['config']} {worst.get('test_accuracy') or 0:.4f}" if not low else
-                "missed: " + ", ".join(f"{r['config']} {r.get('test_accuracy') or 0:.4f} "
+                ", ".join(f"{r['config']} {r.get('test_accuracy') or 0:.4f} "
                                        f"(short by {UNIFORM_ACCURACY - (r.get('test_accuracy') or 0):.4f})"
                                        for r in low))
         out.append({"target": f"uniform: every strategy ≥ {UNIFORM_ACCURACY} test accuracy "
@@ -526,6 +538,7 @@ def plot(rows: list[dict], results: dict[str, dict], runs: list[bench.Run], out:
     if srows:
         fig, ax = plt.subplots(figsize=(9, 4.8))
         width = 0.8 / max(1, len(keys))
+        legend = {v.key: v.generic for v in variants(2)}
         for i, key in enumerate(keys):
             xs, ys, lows, highs = [], [], [], []
             for j, s in enumerate(scen):
@@ -537,7 +550,7 @@ def plot(rows: list[dict], results: dict[str, dict], runs: list[bench.Run], out:
                 ys.append(row["examples_per_sec"])
                 lows.append(row["examples_per_sec"] - min(each))
                 highs.append(0)
-            ax.bar(xs, ys, width, label=key, hatch=("", "//", "..", "xx", "\\\\")[i % 5],
+            ax.bar(xs, ys, width, label=legend.get(key, key), hatch=("", "//", "..", "xx", "\\\\")[i % 5],
                    edgecolor="black", linewidth=0.5)
             # Run-to-run spread: from the slowest run up to the best (the bar).
             ax.errorbar(xs, ys, yerr=[lows, highs], fmt="none", ecolor="black", capsize=3,

@@ -129,7 +129,8 @@ def scenario_args(tmp_path, *extra):
 
 
 def test_scenarios_plan_every_cell_twice_interleaved_with_peers_after_their_run(tmp_path):
-    runs = scen.plan_runs(scenario_args(tmp_path, "--staleness-workers", ""), python="py")
+    runs = scen.plan_runs(scenario_args(tmp_path, "--staleness-workers", "",
+                                        "--short-scenarios", "uniform,slow,links,more"), python="py")
     names = [r.name for r in runs]
     cells = [f"{s}-{v}" for s in ("uniform", "slow", "links", "more")
              for v in ("multiworker", "ps", "ps-sync", "ps-sync-backup")]
@@ -157,15 +158,22 @@ def test_scenarios_plan_every_cell_twice_interleaved_with_peers_after_their_run(
     for name in names:
         c = cmd[name]
         if name.startswith("thr-"):
-            assert c[c.index("--steps") + 1] == "100" and c[c.index("--eval-every") + 1] == "0"
+            assert c[c.index("--steps") + 1] == "60" and c[c.index("--eval-every") + 1] == "0"
         elif "uniform" in name or name == "acc-none":
             assert c[c.index("--epochs") + 1] == "3", name
         else:
-            assert c[c.index("--steps") + 1] == "240", name
+            assert c[c.index("--steps") + 1] == "160", name
     peer = cmd["acc-uniform-peer-tf_keras-ps"]
     assert peer[peer.index("--program") + 1].endswith("bench/peers/tf_keras_ps.py")
     assert peer[peer.index("--strategy") + 1] == "ps"
     assert cmd["acc-uniform-peer-keras3"][1].endswith("bench/peers/keras3_fit.py")
+
+
+def test_short_runs_only_where_asked(tmp_path):
+    runs = scen.plan_runs(scenario_args(tmp_path, "--staleness-workers", ""), python="py")
+    short = {r.scenario for r in runs if r.phase == "throughput"}
+    assert short == {"", "uniform", "slow"}  # "": the baseline
+    assert {r.scenario for r in runs if r.phase == "accuracy"} == {"", "uniform", "slow", "links", "more"}
 
 
 def test_scenarios_without_tf_keras_keep_the_keras3_peer_only(tmp_path):
@@ -303,3 +311,63 @@ def test_peer_chunks_divide_the_run_and_the_calls():
     assert figs["startup_seconds"] == 6.0 and figs["examples_per_sec"] == pytest.approx(200 * 128 / 4)
     with pytest.raises(ValueError):
         peer_lib.figures([10.0], chunk=100, batch=128)
+
+
+def test_tf_keras_is_imported_by_the_peers_only():
+    # Keras 2 is the tutorials' stack, for comparison: the library stays on Keras 3.
+    users = sorted(str(p.relative_to(REPO)) for p in REPO.rglob("*.py")
+                   if p.relative_to(REPO).parts[0] not in (".venv", "build", "runs", "results", "tests")
+                   and "import tf_keras" in p.read_text())
+    assert users and all(u.startswith("bench/peers/") for u in users), users
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_scenarios_smoke_slow_worker_writes_tables_and_plots(tmp_path):
+    # The scenarios path end to end at its smallest: the baseline and async ps
+    # with worker:1 at 0.3, accuracy runs only, no peers, no staleness study.
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench.py"), "--suite", "scenarios", "--scenarios", "slow",
+         "--only", "none,ps", "--no-peers", "--staleness-workers", "", "--short-steps", "0",
+         "--steps", "20", "--accuracy-steps", "20", "--accuracy-eval-every", "10",
+         "--steps-per-execution", "5", "--out", str(out), "--run-timeout", "200"],
+        env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "scenarios.json").read_text())
+    rows = {r["config"]: r for r in report["rows"]}
+    assert set(rows) == {"none", "slow/ps"} and all(r["ok"] for r in rows.values())
+    ps = rows["slow/ps"]
+    assert sum(ps["steps_per_worker"].values()) == 20 and ps["staleness"] is not None
+    assert [p["step"] for p in report["results"]["acc-slow-ps"]["eval_curve"]] == [10, 20]
+    launched = (out / "runs" / "acc-slow-ps" / "launch" / "outcome.json").read_text()
+    assert "worker:1=0.3" in launched
+    assert report["suite_seconds"] > 0 and "the suite took" in proc.stdout
+    md = (out / "scenarios.md").read_text()
+    assert "## one worker slowed" in md and "| ps | 2 |" in md
+    for name in ("scenarios_throughput.png", "scenarios_accuracy.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert descendants_alive(str(out)) == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_tutorial_peer_runs_under_the_launcher_and_reports(tmp_path):
+    # The multi-worker Keras tutorial's way (tf_keras), started by launch.py --program.
+    pytest.importorskip("tf_keras", reason="tf-keras (the [dev] extra) is not installed")
+    run_dir = tmp_path / "peer"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), "--strategy", "multiworker", "--workers", "2",
+         "--program", str(REPO / "bench" / "peers" / "tf_keras_multiworker.py"), "--",
+         "--steps", "20", "--eval-every", "10", "--steps-per-execution", "5",
+         "--model-dir", str(run_dir)],
+        env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = bench.PeerResults.load(str(run_dir / bench.PEER_RESULTS))
+    assert record.num_workers == 2 and record.total_steps == 20 and record.steady_steps == 10
+    assert record.keras_version.startswith("2.") and 0.0 < record.test_accuracy <= 1.0
+    assert record.examples_per_sec > 0
+    assert "bench/peers/tf_keras_multiworker.py" in (run_dir / "launch" / "commands.sh").read_text()
+    assert descendants_alive(str(run_dir)) == []
