@@ -642,6 +642,11 @@ def have_tf_keras() -> bool:
 
 def main(args) -> int:
     started = time.perf_counter()
+    if args.peers and not os.path.isdir(PEERS_DIR):
+        # An installed copy: the peers live in the source checkout only.
+        print(f"[bench] no {PEERS_DIR}: the tutorial peers are left out (run from a checkout)",
+              flush=True)
+        args.peers = False
     try:
         tfk = have_tf_keras()
         runs = plan_runs(args, have_tf_keras=tfk)
