@@ -1,6 +1,6 @@
 """Which strategy when: the benchmark under cluster conditions, next to the tutorials' code.
 
-    python bench.py --suite scenarios       # ~25 min on 2 CPU cores: results/scenarios.md, .json, PNGs
+    python bench.py --suite scenarios       # results/scenarios.md, .json, PNGs (docs/performance.md: its time)
 
 Scenarios, each on the same work, against the one-process baseline (``none``)
 of the same bench run:
@@ -13,10 +13,11 @@ of the same bench run:
 
 Every multi-process strategy kind runs in each; a kind that averages K
 gradients per update (``ps-sync``) runs twice, with K = N and with one
-backup worker (K = N - 1). Each cell runs twice, interleaved: a short
-*throughput* run, then a longer *accuracy* run (evaluated every few steps)
-that also measures throughput; the cell's examples/s is the better of the
-two, and every run's figure is shown. In the uniform scenario, peers
+backup worker (K = N - 1). Every cell has a longer *accuracy* run
+(evaluated every few steps) that also measures throughput; in the
+``--short-scenarios`` (uniform and slow by default) each cell also has a
+short *throughput* run in an earlier pass, interleaved with the others,
+and its examples/s is the better of the two; every run's figure is shown. In the uniform scenario, peers
 written after TensorFlow's tutorials (``bench/peers/``) train the same CNN
 with the same hyperparameters right after the run they are compared with.
 Then a staleness study: async ps on softmax regression over workers and
