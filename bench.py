@@ -3,6 +3,8 @@
     python bench.py                      # cnn, 3 epochs, 2 workers, 2 repeats: ~10 min on 2 CPU cores
     python bench.py --workers 1,2,4      # adds a scaling curve for multiworker and ps
     python bench.py --steps 40 --eval-every 20 --out /tmp/bench   # a smoke run
+    python bench.py --suite scenarios    # which strategy when: slow worker, slow links,
+                                         # more workers, tutorial peers (bench_scenarios.py)
 
 Every run trains the same model with the same global batch, steps, seed,
 learning-rate schedule and steps per call, each in fresh processes:
@@ -61,6 +63,14 @@ class Run:
     cmd: tuple[str, ...]
     model_dir: str
     config: str  # the table row: repeats of one configuration share it
+    # The scenarios suite (``bench_scenarios.py``): which scenario, which phase
+    # ("throughput": short, or "accuracy": long and evaluated), which variant
+    # of the kind (e.g. ps-sync with a backup worker), and whether a tutorial
+    # peer (not this library) runs it.
+    scenario: str = ""
+    phase: str = ""
+    variant: str = ""
+    peer: str = ""
 
 
 def parse_workers(text: str) -> list[int]:
@@ -267,6 +277,41 @@ def machine_description() -> str:
     return f"{os.cpu_count()} CPU cores ({cpu}), {gpus}, {platform.system()} {platform.release()}"
 
 
+PEER_RESULTS = "peer_results.json"  # what a tutorial peer (bench/peers/) writes
+
+
+@dataclass(frozen=True)
+class PeerResults:
+    """``peer_results.json``: the figures of a tutorial peer run that compare with ours.
+
+    Written by ``bench/peers/peer_lib.py``, which is kept apart from the
+    library; its examples/s leave out the first Keras epoch (start-up).
+    """
+
+    peer: str
+    keras_version: str
+    num_workers: int
+    global_batch_size: int
+    total_steps: int
+    steps_per_execution: int
+    steps_per_epoch: int
+    startup_seconds: float
+    train_seconds: float
+    steady_steps: int
+    examples_per_sec: float
+    test_accuracy: float
+    wall_seconds: float
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def load(cls, path: str) -> "PeerResults":
+        with open(path) as f:
+            data = json.load(f)
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+
+
 def run_one(run: Run, timeout: float, log=print) -> dict | None:
     """Run one configuration in fresh processes; its results.json, or None."""
     # The bench owns <out>/runs/: a stale run there would be resumed, not measured.
@@ -285,12 +330,12 @@ def run_one(run: Run, timeout: float, log=print) -> dict | None:
             _stop(proc)
             code = "timeout"
     seconds = time.perf_counter() - started
-    path = os.path.join(run.model_dir, "results.json")
+    path = os.path.join(run.model_dir, PEER_RESULTS if run.peer else "results.json")
     if code != 0 or not os.path.exists(path):
         log(f"[bench] {run.name}: FAILED (exit {code}) after {seconds:.0f}s; log: {log_path}")
         return None
-    # Through the typed record: a results.json of another schema fails here, loudly.
-    results = protocol.Results.load(path).to_dict()
+    # Through a typed record: a file of another schema fails here, loudly.
+    results = (PeerResults.load(path) if run.peer else protocol.Results.load(path)).to_dict()
     log(f"[bench] {run.name}: test accuracy {results['test_accuracy']:.4f}, "
         f"{results['examples_per_sec']:,.0f} examples/s, {seconds:.0f}s")
     return results
@@ -311,7 +356,8 @@ def _stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
             continue
 
 
-def plot(rows: list[dict], results: dict[str, dict], out: str, target: float) -> list[str]:
+def plot(rows: list[dict], results: dict[str, dict], out: str, target: float,
+         machine: str = "") -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -320,13 +366,17 @@ def plot(rows: list[dict], results: dict[str, dict], out: str, target: float) ->
 
     ok = [r for r in rows if r["ok"]]
     paths = []
+    markers, styles = ("o", "s", "^", "D", "v", "P"), ("-", "--", "-.", ":")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for row in ok:
+    for i, row in enumerate(r for r in ok if r["kind"] != "synthetic"):
         curve = results[row["runs"][0]].get("eval_curve", [])
-        if row["kind"] != "synthetic" and curve:
+        if curve:
+            # Distinct markers and line styles: runs with the same curve
+            # (none and mirrored) would otherwise hide one another.
             ax.plot([p["seconds"] for p in curve], [p["test_accuracy"] for p in curve],
-                    marker="o", markersize=3, label=row["name"])
+                    marker=markers[i % len(markers)], linestyle=styles[i % len(styles)],
+                    markersize=5 - i % 3, label=row["name"])
     ax.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"target {target}")
     ax.set_xlabel("seconds since start (evaluation time excluded)")
     ax.set_ylabel("test accuracy")
@@ -334,7 +384,7 @@ def plot(rows: list[dict], results: dict[str, dict], out: str, target: float) ->
               + [target - 0.02])
     ax.set_ylim(max(low, target - 0.05), 1.0)
     ax.legend(loc="lower right")
-    ax.set_title("Test accuracy against time")
+    ax.set_title(f"Test accuracy against time\n{machine}", fontsize=9)
     paths.append(_save(fig, out, "accuracy_vs_time.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -342,12 +392,16 @@ def plot(rows: list[dict], results: dict[str, dict], out: str, target: float) ->
     values = [r["examples_per_sec"] for r in ok]
     bars = ax.bar(names, values, color=["#888" if r["kind"] in (BASELINE, "synthetic") else "#3a7"
                                         for r in ok])
+    base = next((r for r in ok if r["kind"] == BASELINE), None)
     for bar, row in zip(bars, ok):
-        if "ratio" in row and row["kind"] != BASELINE:
-            ax.annotate(f"{row['ratio']:.2f}×", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+        if base is not None and row["kind"] != BASELINE:
+            # Every bar against the baseline's bar, as the title says (the
+            # table's synthetic ratio is the other way round: real over in-memory).
+            ratio = row["examples_per_sec"] / base["examples_per_sec"]
+            ax.annotate(f"{ratio:.2f}×", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=9)
     ax.set_ylabel("examples / s (steady state)")
-    ax.set_title("Throughput (ratio to the no-strategy baseline)")
+    ax.set_title(f"Throughput, each bar against the no-strategy baseline\n{machine}", fontsize=9)
     ax.tick_params(axis="x", rotation=20)
     paths.append(_save(fig, out, "throughput.png"))
 
@@ -368,6 +422,7 @@ def plot(rows: list[dict], results: dict[str, dict], out: str, target: float) ->
         right.set_title(f"{row['name']}: staleness of each update")
         right.set_xlabel("updates applied by others between read and apply")
         right.set_ylabel("updates (log scale)")
+        fig.suptitle(machine, fontsize=9)
         paths.append(_save(fig, out, "ps_workers.png"))
     return paths
 
@@ -398,6 +453,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-dir", default=None)
     p.add_argument("--out", default="results")
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds per run")
+    p.add_argument("--suite", choices=("default", "scenarios"), default="default",
+                   help="default: every strategy on a uniform cluster; scenarios: which strategy "
+                        "when (slow worker, slow links, more workers, tutorial peers, staleness)")
+    s = p.add_argument_group("--suite scenarios (the flags above set the uniform accuracy runs)")
+    s.add_argument("--scenarios", default=None, help="subset of uniform,slow,links,more")
+    s.add_argument("--short-steps", type=int, default=60,
+                   help="steps of each throughput run (0: no throughput pass)")
+    s.add_argument("--short-scenarios", default="uniform,slow",
+                   help="scenarios whose cells also get a short throughput run (a second "
+                        "measurement); the others run each cell once ('' for none)")
+    s.add_argument("--accuracy-steps", type=int, default=160,
+                   help="steps of the accuracy runs of the scenarios other than uniform")
+    s.add_argument("--accuracy-eval-every", type=int, default=40)
+    s.add_argument("--scenario-target", type=float, default=0.97,
+                   help="test accuracy for time-to-target in the scenarios other than uniform")
+    s.add_argument("--no-peers", dest="peers", action="store_false",
+                   help="leave out the tutorial peers (bench/peers/)")
+    s.add_argument("--staleness-workers", default="1,2,4",
+                   help="async ps worker counts of the staleness study ('' to skip it)")
+    s.add_argument("--staleness-lrs", default="0.05,0.5,2", help="its SGD learning rates")
+    s.add_argument("--staleness-steps", type=int, default=300)
     return p.parse_args(argv)
 
 
@@ -406,6 +482,10 @@ def main(argv=None) -> int:
     try:
         if args.steps is not None and args.steps < 1 or args.epochs < 1:
             raise BenchError("--steps and --epochs must be positive")
+        if args.suite == "scenarios":
+            import bench_scenarios
+
+            return bench_scenarios.main(args)
         runs = plan_runs(args)
     except BenchError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -433,7 +513,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "benchmark.json"), "w") as f:
         json.dump({"machine": machine, "settings": settings, "rows": rows, "results": results},
                   f, indent=2, sort_keys=True)
-    paths = plot(rows, results, args.out, args.target) if results else []
+    paths = plot(rows, results, args.out, args.target, machine) if results else []
     print(markdown, flush=True)
     print(f"[bench] wrote {args.out}/benchmark.md, benchmark.json, "
           f"{', '.join(os.path.basename(p) for p in paths)} in {time.perf_counter() - started:.0f}s",

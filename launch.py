@@ -77,6 +77,11 @@ def parse_args(argv=None):
                      help="seconds before the job is stopped")
     job.add_argument("--grace", type=float, default=10.0,
                      help="seconds between SIGTERM and SIGKILL")
+    job.add_argument("--program", default=None, metavar="FILE.py",
+                     help="run this Python program on every task instead of train.py, with the "
+                          "same arguments (--strategy=... and everything after --) and "
+                          "TF_CONFIG; it must honour --model-dir (e.g. the benchmark's "
+                          "bench/peers/); the tasks' own pre-flight check is skipped")
     add_recovery_args(p.add_argument_group("faults and recovery"))
     argv = list(sys.argv[1:] if argv is None else argv)
     train_args = []
@@ -84,6 +89,8 @@ def parse_args(argv=None):
         i = argv.index("--")
         argv, train_args = argv[:i], argv[i + 1:]
     args = p.parse_args(argv)
+    if args.program is not None:
+        args.program = os.path.abspath(args.program)
     if any(a == "--strategy" or a.startswith("--strategy=") for a in train_args):
         raise protocol.UsageError("pass --strategy to launch.py only; it forwards it to every task")
     if any(a == "--dry-run" for a in train_args):
@@ -156,6 +163,12 @@ def main(argv=None) -> int:
     train_args, model_dir = with_model_dir(args.strategy, train_args)
     try:
         check_times(args)
+        if args.program is not None and args.dry_run:
+            raise LaunchError("--dry-run shows train.py's own plan for each task; it does not "
+                              "apply with --program: drop one of the two")
+        if args.program is not None and not os.path.isfile(args.program):
+            raise LaunchError(f"--program {args.program!r} is not a file; pass the path of "
+                              "a Python program that takes train.py's arguments")
         cluster = plan_cluster(args)
         recovery = plan_recovery(args, cluster.tf_configs)
         rate = network.parse_rate(args.link_rate) if args.link_rate is not None else None
@@ -169,7 +182,7 @@ def main(argv=None) -> int:
     except LaunchError as err:
         print(f"error: {err}", file=sys.stderr)
         return Exit.BAD_INPUT
-    if not args.netns_inside:
+    if not args.netns_inside and args.program is None:
         # Every task checks its own flags and TF_CONFIG before anything is
         # written or started (the inner launcher in the namespace was checked).
         # One task per role is enough to check flags (the others differ
@@ -210,7 +223,7 @@ def run_inside(args, train_args, model_dir, cluster, recovery, rate) -> int:
     if args.netns_inside:
         network.loopback_up()
     launch_dir = os.path.join(model_dir, "launch")
-    command = processes.task_command(args.strategy, train_args)
+    command = processes.task_command(args.strategy, train_args, program=args.program)
 
     received: list[int] = []
     holder: list = []

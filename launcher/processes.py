@@ -210,8 +210,12 @@ def cores_used(task_env: dict[str, str], cpus: int) -> int:
 
 # --- commands and saved files -----------------------------------------------------
 
-def task_command(strategy: str, train_args: list[str], python: str = sys.executable) -> list[str]:
-    return [python, TRAIN, f"--strategy={strategy}", *train_args]
+def task_command(strategy: str, train_args: list[str], python: str = sys.executable,
+                 program: str | None = None) -> list[str]:
+    """What every task runs: ``train.py``, or ``program`` (``--program``) with
+    the same arguments, so another trainer (the benchmark's tutorial peers)
+    runs on the same simulated cluster, TF_CONFIGs, pinning and slow-downs."""
+    return [python, program or TRAIN, f"--strategy={strategy}", *train_args]
 
 
 # --- every task's own check, before anything is written ---------------------------------

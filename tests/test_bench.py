@@ -117,3 +117,257 @@ def test_smoke_run_writes_table_and_plots(tmp_path):
     for name in ("accuracy_vs_time.png", "throughput.png", "ps_workers.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     assert descendants_alive(str(out)) == []
+
+
+# --- the scenarios suite (bench_scenarios.py): pure parts ---------------------------------
+
+import bench_scenarios as scen  # noqa: E402
+
+
+def scenario_args(tmp_path, *extra):
+    return bench.parse_args(["--suite", "scenarios", "--out", str(tmp_path), *extra])
+
+
+def test_scenarios_plan_every_cell_twice_interleaved_with_peers_after_their_run(tmp_path):
+    runs = scen.plan_runs(scenario_args(tmp_path, "--staleness-workers", "",
+                                        "--short-scenarios", "uniform,slow,links,more"), python="py")
+    names = [r.name for r in runs]
+    cells = [f"{s}-{v}" for s in ("uniform", "slow", "links", "more")
+             for v in ("multiworker", "ps", "ps-sync", "ps-sync-backup")]
+    # Pass 1: the baseline and every cell's short run; pass 2: the accuracy runs.
+    assert names[:17] == ["thr-none"] + [f"thr-{c}" for c in cells]
+    assert [n for n in names[17:] if "peer" not in n] == ["acc-none"] + [f"acc-{c}" for c in cells]
+    # Each peer runs right after the run it is compared with.
+    for peer, ours in [("keras3", "acc-none"), ("tf_keras-multiworker", "acc-uniform-multiworker"),
+                       ("tf_keras-ps", "acc-uniform-ps")]:
+        assert names[names.index(f"acc-uniform-peer-{peer}") - 1] == ours
+    cmd = {r.name: list(r.cmd) for r in runs}
+    slow = cmd["thr-slow-ps-sync-backup"]
+    assert slow[slow.index("--slow") + 1] == "worker:1=0.3"
+    assert slow[slow.index("--replicas-to-aggregate") + 1] == "1"
+    assert cmd["acc-slow-ps-sync"][cmd["acc-slow-ps-sync"].index("--replicas-to-aggregate") + 1] == "2"
+    # Links: one host per worker, one more for the ps chief and ps; shaped.
+    for name, hosts in [("acc-links-multiworker", "2"), ("acc-links-ps", "3")]:
+        assert cmd[name][cmd[name].index("--hosts") + 1] == hosts
+        assert cmd[name][cmd[name].index("--link-rate") + 1] == "100mbit"
+    more = cmd["thr-more-ps-sync-backup"]
+    assert more[more.index("--workers") + 1] == "4"
+    assert more[more.index("--replicas-to-aggregate") + 1] == "3"
+    assert int(more[more.index("--global-batch-size") + 1]) % 3 == 0
+    # Same work in a scenario: short runs share length, accuracy runs theirs.
+    for name in names:
+        c = cmd[name]
+        if name.startswith("thr-"):
+            assert c[c.index("--steps") + 1] == "60" and c[c.index("--eval-every") + 1] == "0"
+        elif "uniform" in name or name == "acc-none":
+            assert c[c.index("--epochs") + 1] == "3", name
+        else:
+            assert c[c.index("--steps") + 1] == "160", name
+    peer = cmd["acc-uniform-peer-tf_keras-ps"]
+    assert peer[peer.index("--program") + 1].endswith("bench/peers/tf_keras_ps.py")
+    assert peer[peer.index("--strategy") + 1] == "ps"
+    assert cmd["acc-uniform-peer-keras3"][1].endswith("bench/peers/keras3_fit.py")
+
+
+def test_short_runs_only_where_asked(tmp_path):
+    runs = scen.plan_runs(scenario_args(tmp_path, "--staleness-workers", ""), python="py")
+    short = {r.scenario for r in runs if r.phase == "throughput"}
+    assert short == {"", "uniform", "slow"}  # "": the baseline
+    assert {r.scenario for r in runs if r.phase == "accuracy"} == {"", "uniform", "slow", "links", "more"}
+
+
+def test_scenarios_without_tf_keras_keep_the_keras3_peer_only(tmp_path):
+    runs = scen.plan_runs(scenario_args(tmp_path, "--scenarios", "uniform"), python="py",
+                          have_tf_keras=False)
+    assert [r.peer for r in runs if r.peer] == ["keras3"]
+    assert not [r for r in scen.plan_runs(scenario_args(tmp_path, "--no-peers"), python="py")
+                if r.peer]
+
+
+def test_staleness_study_grid(tmp_path):
+    runs = scen.plan_staleness(scenario_args(tmp_path, "--staleness-workers", "1,4",
+                                             "--staleness-lrs", "0.1,1"), python="py")
+    assert [r.config for r in runs] == ["staleness/1w-lr0.1", "staleness/1w-lr1",
+                                        "staleness/4w-lr0.1", "staleness/4w-lr1"]
+    c = list(runs[-1].cmd)
+    for flag, value in [("--model", "logreg"), ("--optimizer", "sgd"), ("--learning-rate", "1"),
+                        ("--lr-schedule", "constant"), ("--workers", "4"),
+                        ("--steps-per-execution", "1")]:
+        assert c[c.index(flag) + 1] == value, flag
+    assert runs[-1].kind == scen.staleness_kind()
+    assert scen.plan_staleness(scenario_args(tmp_path, "--staleness-workers", ""), python="py") == []
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--scenarios", "uniform,moon"], ["moon", "allowed"]),
+    (["--staleness-lrs", "0.1,x"], ["--staleness-lrs", "positive"]),
+])
+def test_scenarios_bad_input_one_line(flags, words, capsys, tmp_path):
+    assert bench.main(["--suite", "scenarios", *flags, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and all(w in err[0] for w in words)
+    assert not (tmp_path / "o").exists()
+
+
+def fake_results(runs, eps, accuracy=0.992):
+    """A results dict per run: examples/s from ``eps(run)``, a two-point curve."""
+    out = {}
+    for r in runs:
+        res = {"examples_per_sec": eps(r), "test_accuracy": accuracy, "global_steps": 10,
+               "eval_curve": [{"seconds": 10.0, "test_accuracy": 0.95, "step": 5},
+                              {"seconds": 20.0, "test_accuracy": accuracy, "step": 10}]}
+        if r.variant == "ps":
+            res["staleness"] = {"mean": 0.8, "p99": 2, "max": 3}
+        if r.variant.startswith("ps-sync"):
+            res["stale_gradients_dropped"] = 7 if r.variant.endswith("backup") else 0
+        if r.scenario == "staleness":
+            res["learning_rate"] = float(r.variant.split("=")[1])
+            res["staleness"] = {"mean": 0.1 * r.workers, "p99": r.workers, "max": r.workers}
+        out[r.name] = res
+    return out
+
+
+def test_scenarios_summary_targets_and_table(tmp_path):
+    a = scenario_args(tmp_path, "--scenarios", "uniform,slow", "--staleness-workers", "1,2",
+                      "--staleness-lrs", "0.5")
+    runs = scen.plan_runs(a, python="py")
+    speed = {"none": 1000.0, "multiworker": 900.0, "ps": 800.0, "ps-sync": 400.0,
+             "ps-sync-backup": 700.0, "peer-keras3": 950.0, "peer-tf_keras-multiworker": 1000.0,
+             "peer-tf_keras-ps": 500.0}
+    # The short run is slower; the accuracy run counts. In "slow", ps is 2x multiworker.
+    eps = lambda r: (speed.get(r.variant, 300.0) * (0.9 if r.phase == "throughput" else 1.0)
+                     * (0.5 if r.scenario == "slow" and r.variant == "multiworker" else 1.0))
+    results = fake_results(runs, eps)
+    rows = scen.summarize(results, runs, {"uniform": 0.99, "slow": 0.97, "links": 0.97, "more": 0.97})
+    by = {r["config"]: r for r in rows}
+    assert by["uniform/ps"]["examples_per_sec"] == 800.0
+    assert by["uniform/ps"]["examples_per_sec_each"] == [720.0, 800.0]
+    assert by["uniform/ps"]["ratio"] == pytest.approx(0.8)
+    assert by["uniform/ps"]["staleness"]["mean"] == 0.8
+    assert by["slow/ps-sync-backup"]["dropped"] == 7
+    assert by["uniform/ps"]["time_to_target"] == 20.0
+    assert by["slow/ps"]["time_to_target"] == 20.0 and by["slow/ps"]["target"] == 0.97
+    assert by["uniform/peer-tf_keras-multiworker"]["ours_over_peer"] == pytest.approx(0.9)
+    assert by["uniform/peer-tf_keras-ps"]["ours_over_peer"] == pytest.approx(1.6)
+    assert "ratio" not in by["uniform/peer-keras3"]  # peers are compared with ours, not none
+    targets = {t["target"]: t for t in scen.check_targets(rows)}
+    mw_peer = next(t for k, t in targets.items() if "MultiWorker" in k)
+    assert mw_peer["met"] is False and "missed by 0.10×" in mw_peer["text"]
+    assert next(t for k, t in targets.items() if "ParameterServer" in k)["met"] is True
+    assert next(t for k, t in targets.items() if k.startswith("slow: ps ≥ 1.5× multiworker"))["met"]
+    backup = next(t for k, t in targets.items() if k.startswith("slow: ps-sync-backup ≥ 1.5×"))
+    assert backup["met"] is True and backup["ratio"] == pytest.approx(1.75)
+    accuracy = next(t for k, t in targets.items() if k.startswith("uniform: every strategy"))
+    assert accuracy["met"] is True
+    md = scen.render_markdown(rows, scen.check_targets(rows), {"model": "cnn"}, "test machine", 61.0)
+    assert "Suite wall time: 1.0 min (61 s)." in md
+    assert "| ps | 2 | 800 | 0.80 | 0.9920 | 20.0 | 0.80 / 2 |  |  | thr 720 / acc 800 |" in md
+    assert "| ps-sync K=1 (1 backup) | 2 | 700 |" in md
+    assert "**missed**" in md and "## Staleness study" in md
+    assert "| 2 | 0.5 | 0.20 | 2 | 2 | 0.9920 |" in md
+
+
+def test_scenarios_targets_say_what_is_missing_and_failed_runs(tmp_path):
+    runs = scen.plan_runs(scenario_args(tmp_path, "--scenarios", "uniform,slow", "--no-peers",
+                                        "--staleness-workers", ""), python="py")
+    results = fake_results(runs, lambda r: 500.0, accuracy=0.985)
+    del results["acc-slow-ps"]
+    rows = scen.summarize(results, runs, {"uniform": 0.99, "slow": 0.97})
+    by = {r["config"]: r for r in rows}
+    assert not by["slow/ps"]["ok"] and by["slow/ps"]["examples_per_sec"] == 500.0
+    targets = scen.check_targets(rows)
+    backup = next(t for t in targets if t["target"].startswith("slow: ps-sync-backup"))
+    assert backup["met"] is False and "1.00× against ≥ 1.5×: missed by 0.50× (33% short)" in backup["text"]
+    accuracy = next(t for t in targets if "every strategy" in t["target"])
+    assert accuracy["met"] is False and "short by 0.0050" in accuracy["text"]
+    md = scen.render_markdown(rows, targets, {}, "m", None)
+    assert "FAILED: acc-slow-ps" in md
+
+
+def test_scenario_plots_are_written(tmp_path):
+    a = scenario_args(tmp_path, "--scenarios", "uniform,more", "--staleness-workers", "1,2",
+                      "--staleness-lrs", "0.1,1")
+    runs = scen.plan_runs(a, python="py")
+    results = fake_results(runs, lambda r: 100.0 + 10 * r.workers)
+    rows = scen.summarize(results, runs, {"uniform": 0.99, "more": 0.97})
+    paths = scen.plot(rows, results, runs, str(tmp_path), "2 CPU cores (test), no GPU, Linux x")
+    assert sorted(os.path.basename(p) for p in paths) == [
+        "scenarios_accuracy.png", "scenarios_throughput.png", "staleness.png"]
+    for p in paths:
+        assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_peer_chunks_divide_the_run_and_the_calls():
+    import importlib.util as iu
+
+    spec = iu.spec_from_file_location("peer_lib", REPO / "bench" / "peers" / "peer_lib.py")
+    peer_lib = iu.module_from_spec(spec)
+    spec.loader.exec_module(peer_lib)
+    assert peer_lib.chunk_size(1404, 234, 10) == 234 or 1404 % peer_lib.chunk_size(1404, 234, 10) == 0
+    for total, every, spe in [(1404, 234, 10), (40, 10, 10), (240, 60, 10), (100, 0, 10), (7, 0, 1)]:
+        size = peer_lib.chunk_size(total, every, spe)
+        assert total % size == 0 and total // size >= 2 or total < 2 * spe, (total, every, spe, size)
+    figs = peer_lib.figures([10.0, 12.0, 14.0], chunk=100, batch=128, started=4.0)
+    assert figs["startup_seconds"] == 6.0 and figs["examples_per_sec"] == pytest.approx(200 * 128 / 4)
+    with pytest.raises(ValueError):
+        peer_lib.figures([10.0], chunk=100, batch=128)
+
+
+def test_tf_keras_is_imported_by_the_peers_only():
+    # Keras 2 is the tutorials' stack, for comparison: the library stays on Keras 3.
+    users = sorted(str(p.relative_to(REPO)) for p in REPO.rglob("*.py")
+                   if p.relative_to(REPO).parts[0] not in (".venv", "build", "runs", "results", "tests")
+                   and "import tf_keras" in p.read_text())
+    assert users and all(u.startswith("bench/peers/") for u in users), users
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_scenarios_smoke_slow_worker_writes_tables_and_plots(tmp_path):
+    # The scenarios path end to end at its smallest: the baseline and async ps
+    # with worker:1 at 0.3, accuracy runs only, no peers, no staleness study.
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench.py"), "--suite", "scenarios", "--scenarios", "slow",
+         "--only", "none,ps", "--no-peers", "--staleness-workers", "", "--short-steps", "0",
+         "--steps", "20", "--accuracy-steps", "20", "--accuracy-eval-every", "10",
+         "--steps-per-execution", "5", "--out", str(out), "--run-timeout", "200"],
+        env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "scenarios.json").read_text())
+    rows = {r["config"]: r for r in report["rows"]}
+    assert set(rows) == {"none", "slow/ps"} and all(r["ok"] for r in rows.values())
+    ps = rows["slow/ps"]
+    assert sum(ps["steps_per_worker"].values()) == 20 and ps["staleness"] is not None
+    assert [p["step"] for p in report["results"]["acc-slow-ps"]["eval_curve"]] == [10, 20]
+    launched = (out / "runs" / "acc-slow-ps" / "launch" / "outcome.json").read_text()
+    assert "worker:1=0.3" in launched
+    assert report["suite_seconds"] > 0 and "the suite took" in proc.stdout
+    md = (out / "scenarios.md").read_text()
+    assert "## one worker slowed" in md and "| ps | 2 |" in md
+    for name in ("scenarios_throughput.png", "scenarios_accuracy.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert descendants_alive(str(out)) == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_tutorial_peer_runs_under_the_launcher_and_reports(tmp_path):
+    # The multi-worker Keras tutorial's way (tf_keras), started by launch.py --program.
+    pytest.importorskip("tf_keras", reason="tf-keras (the [dev] extra) is not installed")
+    run_dir = tmp_path / "peer"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), "--strategy", "multiworker", "--workers", "2",
+         "--program", str(REPO / "bench" / "peers" / "tf_keras_multiworker.py"), "--",
+         "--steps", "20", "--eval-every", "10", "--steps-per-execution", "5",
+         "--model-dir", str(run_dir)],
+        env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = bench.PeerResults.load(str(run_dir / bench.PEER_RESULTS))
+    assert record.num_workers == 2 and record.total_steps == 20 and record.steady_steps == 10
+    assert record.keras_version.startswith("2.") and 0.0 < record.test_accuracy <= 1.0
+    assert record.examples_per_sec > 0
+    assert "bench/peers/tf_keras_multiworker.py" in (run_dir / "launch" / "commands.sh").read_text()
+    assert descendants_alive(str(run_dir)) == []

@@ -307,6 +307,7 @@ def test_should_relaunch(code, attempt, max_restarts, expected):
     (["--slow", "worker:7=0.5"], ["worker:7", "does not have"]),
     (["--hosts", "2", "--host", "10.0.0.1"], ["--host", "--hosts"]),
     (["--hosts", "2", "--netns", "off"], ["--netns off"]),
+    (["--program", "no/such/peer.py"], ["--program", "peer.py", "not a file"]),
 ])
 def test_bad_launcher_flags_exit_2_with_one_line_and_touch_nothing(tmp_path, flags, words):
     import subprocess
@@ -328,6 +329,18 @@ def test_bad_launcher_flags_exit_2_with_one_line_and_touch_nothing(tmp_path, fla
         assert word in lines[0]
     assert sorted(p.name for p in run_dir.iterdir()) == ["results.json"]
     assert proc.stdout == ""
+
+
+def test_program_replaces_train_py_with_the_same_arguments(tmp_path):
+    # --program: another trainer (a tutorial peer) on the same cluster and flags.
+    plain = processes.task_command("ps", ["--steps", "5"], python="py")
+    peer = processes.task_command("ps", ["--steps", "5"], python="py", program="/p/peer.py")
+    assert plain[1] == processes.TRAIN and peer[1] == "/p/peer.py"
+    assert plain[2:] == peer[2:] == ["--strategy=ps", "--steps", "5"]
+    import launch
+
+    args, _ = launch.parse_args(["--strategy", "ps", "--program", "bench/peers/x.py", "--"])
+    assert os.path.isabs(args.program) and args.program.endswith("bench/peers/x.py")
 
 
 def test_train_args_are_read_by_exact_flag_not_prefix():

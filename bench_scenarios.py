@@ -1,0 +1,695 @@
+"""Which strategy when: the benchmark under cluster conditions, next to the tutorials' code.
+
+    python bench.py --suite scenarios       # results/scenarios.md, .json, PNGs (docs/performance.md: its time)
+
+Scenarios, each on the same work, against the one-process baseline (``none``)
+of the same bench run:
+
+  uniform  2 workers, nothing slowed
+  slow     2 workers, worker:1 at 0.3 of its speed (``launch.py --slow worker:1=0.3``)
+  links    2 workers, one simulated host per worker (the ps chief and ps share
+           one more), 100 Mbit/s each way (``launch.py --hosts N --link-rate 100mbit``)
+  more     4 workers on this host's cores (oversubscribed where it has fewer)
+
+Every multi-process strategy kind runs in each; a kind that averages K
+gradients per update (``ps-sync``) runs twice, with K = N and with one
+backup worker (K = N - 1). Every cell has a longer *accuracy* run
+(evaluated every few steps) that also measures throughput; in the
+``--short-scenarios`` (uniform and slow by default) each cell also has a
+short *throughput* run in an earlier pass, interleaved with the others,
+and its examples/s is the better of the two; every run's figure is shown. In the uniform scenario, peers
+written after TensorFlow's tutorials (``bench/peers/``) train the same CNN
+with the same hyperparameters right after the run they are compared with.
+Then a staleness study: async ps on softmax regression over workers and
+learning rates. Targets are ratios measured in this run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import bench
+from launcher import plan as plans
+from strategies import kinds as strategy_kinds
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PEERS_DIR = os.path.join(HERE, "bench", "peers")
+UNIFORM = "uniform"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    workers: int
+    slow: str | None = None  # a launch.py --slow spec
+    link_rate: str | None = None  # with simulated hosts
+    global_batch: int | None = None  # None: --global-batch-size
+
+
+SCENARIOS = {s.name: s for s in (
+    Scenario(UNIFORM, "uniform: 2 workers, nothing slowed", 2),
+    Scenario("slow", "one worker slowed: worker:1 at 0.3 of its speed (a CPU quota)", 2,
+             slow="worker:1=0.3"),
+    Scenario("links", "slow links: simulated hosts, 100 Mbit/s each way per host", 2,
+             link_rate="100mbit"),
+    # 120 splits into 4 and into 3 equal gradients (K = N and K = N - 1).
+    Scenario("more", "4 workers (oversubscribed: 2 per core on 2 cores)", 4, global_batch=120),
+)}
+
+
+@dataclass(frozen=True)
+class Variant:
+    key: str  # the row's id in a scenario: the kind's name, or <name>-backup
+    kind: str
+    label: str
+    train_flags: tuple[str, ...] = ()
+    generic: str = ""  # the label whatever N (plot legends across scenarios)
+
+
+def variants(workers: int) -> list[Variant]:
+    """The multi-process kinds, a kind that aggregates K gradients twice (K = N, N - 1)."""
+    out = []
+    for name, kind in strategy_kinds.all_kinds().items():
+        if kind.single_process:
+            continue
+        if not kind.aggregates_gradients:
+            out.append(Variant(name, name, name, generic=name))
+            continue
+        out.append(Variant(name, name, f"{name} K={workers}",
+                           ("--replicas-to-aggregate", str(workers)), f"{name} K=N"))
+        if workers > 1:
+            out.append(Variant(f"{name}-backup", name, f"{name} K={workers - 1} (1 backup)",
+                               ("--replicas-to-aggregate", str(workers - 1)),
+                               f"{name} K=N-1 (1 backup)"))
+    return out
+
+
+@dataclass(frozen=True)
+class Peer:
+    key: str
+    script: str  # under bench/peers/
+    ours: str  # the variant (or the baseline) it is compared with
+    label: str
+    tf_keras: bool  # needs the tf_keras package (Keras 2)
+
+
+PEERS = (
+    Peer("keras3", "keras3_fit.py", bench.BASELINE,
+         "Keras 3 model.fit, one process (tfds tutorial)", tf_keras=False),
+    Peer("tf_keras-multiworker", "tf_keras_multiworker.py", "multiworker",
+         "tf_keras model.fit, MultiWorkerMirroredStrategy (multi-worker Keras tutorial)",
+         tf_keras=True),
+    Peer("tf_keras-ps", "tf_keras_ps.py", "ps",
+         "tf_keras model.fit + steps_per_execution, ParameterServerStrategy (ps tutorial)",
+         tf_keras=True),
+)
+
+# Targets: ratios of examples/s measured in this run.
+PEER_TARGET = 1.0  # each of our strategies against its tutorial peer
+PEER_ACCURACY_SLACK = 0.002  # ... at equal or better test accuracy, within this
+UNIFORM_ACCURACY = 0.99  # every strategy, uniform, within the accuracy run (3 epochs)
+RATIO_TARGETS = (
+    # (scenario, variant, against, at least, what it checks)
+    ("slow", "ps", "multiworker", 1.5, "async ps against multiworker, one worker at 0.3"),
+    ("slow", "ps-sync-backup", "ps-sync", 1.5,
+     "ps-sync with one backup against ps-sync without, one worker at 0.3"),
+)
+
+
+def parse_list(text: str, cast, flag: str) -> list:
+    try:
+        values = [cast(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise bench.BenchError(f"{flag} {text!r} is not a comma-separated list of positive numbers")
+    return values
+
+
+def parse_scenarios(text: str | None) -> list[Scenario]:
+    if not text:
+        return list(SCENARIOS.values())
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in SCENARIOS]
+    if bad or not names:
+        raise bench.BenchError(f"--scenarios {text!r} names {bad or 'nothing'}; "
+                               f"allowed: {', '.join(SCENARIOS)}")
+    return [SCENARIOS[n] for n in names]
+
+
+def hosts_for(kind_name: str, workers: int) -> int:
+    """Simulated hosts for a scenario with links: one per computing task, one more
+    for the tasks that only coordinate or serve (as ``launcher.plan.place_tasks``)."""
+    kind = strategy_kinds.get(kind_name)
+    names = plans.task_names(kind_name, workers, kind.min_ps)
+    busy = [n for n in names if n.partition(":")[0] in kind.computing_roles]
+    return len(busy) + (1 if len(names) > len(busy) else 0)
+
+
+def launch_prefix(python: str, kind_name: str, workers: int, scenario: Scenario,
+                  timeout: float, program: str | None = None) -> list[str]:
+    kind = strategy_kinds.get(kind_name)
+    cmd = [python, os.path.join(HERE, "launch.py"), "--strategy", kind_name,
+           "--workers", str(workers), "--timeout", str(timeout)]
+    if kind.min_ps:
+        cmd += ["--ps", str(kind.min_ps)]
+    if scenario.slow:
+        cmd += ["--slow", scenario.slow]
+    if scenario.link_rate:
+        cmd += ["--hosts", str(hosts_for(kind_name, workers)), "--link-rate", scenario.link_rate]
+    if program:
+        # A tutorial ps server never exits by itself: a short wait, then SIGTERM.
+        cmd += ["--program", program, "--grace", "3"]
+    return [*cmd, "--"]
+
+
+def accuracy_length(args, scenario: Scenario) -> tuple[list[str], int, float]:
+    """(length flags, eval every, target) of a scenario's accuracy run."""
+    if scenario.name == UNIFORM:
+        length = ["--steps", str(args.steps)] if args.steps else ["--epochs", str(args.epochs)]
+        return length, args.eval_every, args.target
+    return (["--steps", str(args.accuracy_steps)], args.accuracy_eval_every,
+            args.scenario_target)
+
+
+def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) -> list[bench.Run]:
+    """Every run of the scenarios suite, in order; pure (starts nothing).
+
+    Two interleaved passes: every cell's throughput run, then every cell's
+    accuracy run (each tutorial peer right after the run it is compared
+    with), then the staleness study.
+    """
+    scenarios = parse_scenarios(args.scenarios)
+    only = bench.parse_only(args.only)
+    if args.short_steps < 0 or args.accuracy_steps < 1:
+        raise bench.BenchError("--short-steps must be 0 (no throughput pass) or more, "
+                               "--accuracy-steps at least 1")
+    # Scenarios whose cells get a short throughput run besides the accuracy
+    # run (the others keep one run per cell, to keep the suite's time).
+    short_in = {s.name for s in parse_scenarios(args.short_scenarios)} if args.short_scenarios else set()
+    runs: list[bench.Run] = []
+    train = os.path.join(HERE, "train.py")
+
+    def common(scenario: Scenario, length: list[str], eval_every: int) -> list[str]:
+        batch = scenario.global_batch or args.global_batch_size
+        flags = ["--model", args.model, *length, "--global-batch-size", str(batch),
+                 "--seed", str(args.seed), "--steps-per-execution", str(args.steps_per_execution),
+                 "--eval-every", str(eval_every), "--log-every", str(args.log_every)]
+        return flags + (["--data-dir", args.data_dir] if args.data_dir else [])
+
+    def add(phase, scenario, key, kind, workers, prefix, flags, peer=""):
+        config = key if scenario is None else f"{scenario.name}/{key}"
+        name = f"{phase[:3]}-{config.replace('/', '-')}"
+        model_dir = os.path.join(args.out, "runs", name)
+        runs.append(bench.Run(name, kind, workers, (*prefix, *flags, "--model-dir", model_dir),
+                              model_dir, config, scenario.name if scenario else "", phase,
+                              key, peer))
+
+    uniform = SCENARIOS[UNIFORM]
+    peers = [p for p in PEERS if args.peers and (have_tf_keras or not p.tf_keras)
+             and strategy_kinds.get(p.ours).name in only]
+
+    def add_peer(ours: str, flags: list[str]):
+        for peer in (p for p in peers if p.ours == ours):
+            kind = strategy_kinds.get(peer.ours)
+            script = os.path.join(PEERS_DIR, peer.script)
+            if kind.single_process:
+                prefix = [python, script, f"--strategy={kind.name}"]
+            else:
+                prefix = launch_prefix(python, kind.name, uniform.workers, uniform,
+                                       args.run_timeout, program=script)
+            add("accuracy", uniform, f"peer-{peer.key}", kind.name,
+                1 if kind.single_process else uniform.workers, prefix, flags, peer=peer.key)
+
+    for phase in ("throughput", "accuracy")[0 if args.short_steps else 1:]:
+        if phase == "throughput":
+            base_flags = common(uniform, ["--steps", str(args.short_steps)], 0)
+        else:
+            length, every, _ = accuracy_length(args, uniform)
+            base_flags = common(uniform, length, every)
+        add(phase, None, bench.BASELINE, bench.BASELINE, 1,
+            [python, train, f"--strategy={bench.BASELINE}"], base_flags)
+        if phase == "accuracy":
+            add_peer(bench.BASELINE, base_flags)
+        for scenario in scenarios:
+            if phase == "throughput" and scenario.name not in short_in:
+                continue
+            if phase == "throughput":
+                flags = common(scenario, ["--steps", str(args.short_steps)], 0)
+            else:
+                length, every, _ = accuracy_length(args, scenario)
+                flags = common(scenario, length, every)
+            for v in (v for v in variants(scenario.workers) if v.kind in only):
+                prefix = launch_prefix(python, v.kind, scenario.workers, scenario,
+                                       args.run_timeout)
+                add(phase, scenario, v.key, v.kind, scenario.workers, prefix,
+                    [*flags, *v.train_flags])
+                if phase == "accuracy" and scenario.name == UNIFORM:
+                    add_peer(v.key, flags)
+    runs += plan_staleness(args, python)
+    return runs
+
+
+def staleness_kind() -> str:
+    """The asynchronous multi-process kind: the one whose updates can be stale."""
+    return next(name for name, k in strategy_kinds.all_kinds().items()
+                if k.asynchronous and not k.single_process)
+
+
+def plan_staleness(args, python: str = sys.executable) -> list[bench.Run]:
+    """Async ps on softmax regression with plain SGD (the classic walk-through's
+    set-up: batch 100, one step per call), over workers and learning rates."""
+    if not args.staleness_workers:
+        return []
+    kind = staleness_kind()
+    runs = []
+    for workers in parse_list(args.staleness_workers, int, "--staleness-workers"):
+        for lr in parse_list(args.staleness_lrs, float, "--staleness-lrs"):
+            config = f"staleness/{workers}w-lr{lr:g}"
+            name = f"sta-{workers}w-lr{lr:g}"
+            model_dir = os.path.join(args.out, "runs", name)
+            flags = ["--model", "logreg", "--optimizer", "sgd", "--learning-rate", f"{lr:g}",
+                     "--lr-schedule", "constant", "--global-batch-size", "100",
+                     "--steps", str(args.staleness_steps), "--steps-per-execution", "1",
+                     "--eval-every", "0", "--log-every", str(args.staleness_steps),
+                     "--seed", str(args.seed)]
+            flags += ["--data-dir", args.data_dir] if args.data_dir else []
+            prefix = launch_prefix(python, kind, workers, Scenario("staleness", "", workers),
+                                   args.run_timeout)
+            runs.append(bench.Run(name, kind, workers, (*prefix, *flags, "--model-dir", model_dir),
+                                  model_dir, config, "staleness", "staleness", f"lr={lr:g}"))
+    return runs
+
+
+# --- summaries (pure) ---------------------------------------------------------------
+
+def _num(value):
+    return value if isinstance(value, (int, float)) else None
+
+
+def summarize(results: dict[str, dict], runs: list[bench.Run], targets: dict[str, float]) -> list[dict]:
+    """One row per configuration (scenario and variant, peer, staleness point); pure.
+
+    examples/s is the best of the configuration's runs, every run's figure
+    kept; accuracy, time to the scenario's target, staleness and dropped
+    gradients come from its accuracy run (the longer, evaluated one).
+    """
+    groups: dict[str, list[bench.Run]] = {}
+    for run in runs:
+        groups.setdefault(run.config, []).append(run)
+    rows = []
+    for config, group in groups.items():
+        first = group[0]
+        row = {"config": config, "scenario": first.scenario, "variant": first.variant,
+               "kind": first.kind, "workers": first.workers, "peer": first.peer,
+               "runs": [{"name": r.name, "phase": r.phase,
+                         "examples_per_sec": (results.get(r.name) or {}).get("examples_per_sec")}
+                        for r in group],
+               "failed": [r.name for r in group if r.name not in results]}
+        row["ok"] = not row["failed"]
+        done = [(r, results[r.name]) for r in group if r.name in results]
+        if done:
+            row["examples_per_sec"] = max(res["examples_per_sec"] for _, res in done)
+            row["examples_per_sec_each"] = [res["examples_per_sec"] for _, res in done]
+            # The accuracy run, else (throughput only, the staleness study) the last.
+            acc = next((res for r, res in done if r.phase != "throughput"), done[-1][1])
+            row["accuracy_run_examples_per_sec"] = acc["examples_per_sec"]
+            row["test_accuracy"] = acc.get("test_accuracy")
+            target = targets.get(first.scenario)
+            row["target"] = target
+            curve = acc.get("eval_curve") or []
+            row["time_to_target"] = (bench.time_to_target(curve, target)
+                                     if target is not None and curve else None)
+            st = acc.get("staleness") or None
+            row["staleness"] = ({"mean": st.get("mean"), "p99": st.get("p99"), "max": st.get("max")}
+                                if st else None)
+            row["dropped"] = acc.get("stale_gradients_dropped")
+            row["aggregated"] = acc.get("aggregated_gradients")
+            row["steps_per_worker"] = acc.get("steps_per_worker") or {}
+            row["global_steps"] = acc.get("global_steps", acc.get("total_steps"))
+            row["learning_rate"] = acc.get("learning_rate")
+        rows.append(row)
+    base = next((r for r in rows if r["config"] == bench.BASELINE and "examples_per_sec" in r), None)
+    for row in rows:
+        if base is not None and "examples_per_sec" in row and not row["peer"] \
+                and row["scenario"] != "staleness":
+            row["ratio"] = row["examples_per_sec"] / base["examples_per_sec"]
+    peers_by_ours = {p.key: p for p in PEERS}
+    by_config = {r["config"]: r for r in rows}
+    for row in rows:
+        peer = peers_by_ours.get(row["peer"]) if row["peer"] else None
+        if peer is None:
+            continue
+        ours = by_config.get(peer.ours if peer.ours == bench.BASELINE else f"{UNIFORM}/{peer.ours}")
+        row["ours"] = ours["config"] if ours else None
+        if ours and "examples_per_sec" in ours and "examples_per_sec" in row:
+            # Like for like: our accuracy run (same length, run just before).
+            row["ours_examples_per_sec"] = ours["accuracy_run_examples_per_sec"]
+            row["ours_over_peer"] = ours["accuracy_run_examples_per_sec"] / row["examples_per_sec"]
+            row["ours_test_accuracy"] = ours["test_accuracy"]
+    return rows
+
+
+def _short(ratio: float, need: float) -> str:
+    return f"{ratio:.2f}× against ≥ {need:g}×: missed by {need - ratio:.2f}× ({(need - ratio) / need:.0%} short)"
+
+
+def check_targets(rows: list[dict]) -> list[dict]:
+    """Each target: what it checks, the measured figure, met or by how much missed; pure."""
+    by = {r["config"]: r for r in rows}
+    out = []
+    for row in rows:
+        if not row["peer"]:
+            continue
+        peer = next(p for p in PEERS if p.key == row["peer"])
+        what = f"uniform: ours ({row.get('ours')}) ≥ {PEER_TARGET:g}× {peer.label}, accuracy within {PEER_ACCURACY_SLACK}"
+        if "ours_over_peer" not in row:
+            out.append({"target": what, "met": None, "text": "not measured (a run failed)"})
+            continue
+        ratio = row["ours_over_peer"]
+        gap = row["ours_test_accuracy"] - row["test_accuracy"]
+        acc_ok = gap >= -PEER_ACCURACY_SLACK
+        met = ratio >= PEER_TARGET and acc_ok
+        parts = [f"{ratio:.2f}×" if ratio >= PEER_TARGET else _short(ratio, PEER_TARGET),
+                 f"accuracy {row['ours_test_accuracy']:.4f} vs {row['test_accuracy']:.4f}"
+                 + ("" if acc_ok else f" (missed by {-gap - PEER_ACCURACY_SLACK:.4f} beyond the slack)")]
+        out.append({"target": what, "met": met, "ratio": ratio, "text": "; ".join(parts)})
+    for scenario, variant, against, need, what in RATIO_TARGETS:
+        a, b = by.get(f"{scenario}/{variant}"), by.get(f"{scenario}/{against}")
+        label = f"{scenario}: {variant} ≥ {need:g}× {against} ({what})"
+        if a is None and b is None:
+            continue  # scenario not in this run
+        if not a or not b or "examples_per_sec" not in a or "examples_per_sec" not in b:
+            out.append({"target": label, "met": None, "text": "not measured (a run failed)"})
+            continue
+        ratio = a["examples_per_sec"] / b["examples_per_sec"]
+        out.append({"target": label, "met": ratio >= need, "ratio": ratio,
+                    "text": f"{ratio:.2f}×" if ratio >= need else _short(ratio, need)})
+    uniform = [r for r in rows if r["scenario"] == UNIFORM and not r["peer"]]
+    if uniform:
+        uniform += [r for r in rows if r["config"] == bench.BASELINE]
+        low = [r for r in uniform if (r.get("test_accuracy") or 0) < UNIFORM_ACCURACY]
+        worst = min(uniform, key=lambda r: r.get("test_accuracy") or 0)
+        text = (f"lowest {worst['config']} {worst.get('test_accuracy') or 0:.4f}" if not low else
+                ", ".join(f"{r['config']} {r.get('test_accuracy') or 0:.4f} "
+                                       f"(short by {UNIFORM_ACCURACY - (r.get('test_accuracy') or 0):.4f})"
+                                       for r in low))
+        out.append({"target": f"uniform: every strategy ≥ {UNIFORM_ACCURACY} test accuracy "
+                              "in its accuracy run", "met": not low, "text": text})
+    return out
+
+
+# --- the report -----------------------------------------------------------------
+
+def _fmt(value, spec, missing="–"):
+    return missing if value is None else format(value, spec)
+
+
+def _label(row: dict) -> str:
+    if row["config"] == bench.BASELINE:
+        return f"{bench.BASELINE} (1 process, baseline)"
+    if row["peer"]:
+        return next(p.label for p in PEERS if p.key == row["peer"]) + " — *peer*"
+    scenario = SCENARIOS.get(row["scenario"])
+    for v in variants(scenario.workers if scenario else row["workers"]):
+        if v.key == row["variant"]:
+            return v.label
+    return row["variant"]
+
+
+def _runs_cell(row: dict) -> str:
+    return " / ".join(f"{r['phase'][:3]} {_fmt(r['examples_per_sec'], ',.0f', 'FAILED')}"
+                      for r in row["runs"])
+
+
+def render_markdown(rows: list[dict], targets: list[dict], settings: dict, machine: str,
+                    seconds: float | None) -> str:
+    lines = ["# Which strategy when: scenarios, tutorial peers, staleness", "",
+             f"Machine: {machine}.  ",
+             "Work: " + ", ".join(f"{k} {v}" for k, v in settings.items()) + ".  "]
+    if seconds is not None:
+        lines.append(f"Suite wall time: {seconds / 60:.1f} min ({seconds:.0f} s).")
+    lines += ["", "examples/s: steady state (start-up and evaluation excluded), the best of the "
+              "cell's runs; *each run* lists them (*thr*: the short throughput run, *acc*: the "
+              "accuracy run). *× none*: against the one-process baseline of this bench run. "
+              "Accuracy, time to target (start-up included, evaluation excluded), staleness "
+              "and dropped gradients: from the accuracy run.", ""]
+    base = [r for r in rows if r["config"] == bench.BASELINE]
+    for name, scenario in SCENARIOS.items():
+        srows = [r for r in rows if r["scenario"] == name and not r["peer"]]
+        if not srows:
+            continue
+        target = srows[0].get("target")
+        lines += [f"## {scenario.title}", "",
+                  f"| strategy | workers | examples/s | × none | test accuracy | time to {target} s "
+                  "| staleness mean / p99 | dropped gradients | steps per worker | each run |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for row in (base if name == UNIFORM else []) + srows:
+            lines.append(_table_row(row))
+        lines.append("")
+    peer_rows = [r for r in rows if r["peer"]]
+    if peer_rows:
+        lines += ["## Tutorial peers (uniform scenario)", "",
+                  "Written after TensorFlow's tutorials (`bench/peers/`), launched by `launch.py` "
+                  "on the same simulated cluster: the same CNN, optimizer, learning-rate schedule, "
+                  "global batch, steps and steps per call. A peer's examples/s leaves out its "
+                  "first Keras epoch (start-up). *ours ÷ peer* compares with our accuracy run of "
+                  "the same length, run just before it.", "",
+                  "| peer | examples/s | test accuracy | ours | ours examples/s | ours ÷ peer "
+                  "| ours accuracy |", "|---|---|---|---|---|---|---|"]
+        for row in peer_rows:
+            if not row["ok"]:
+                lines.append(f"| {_label(row)} | FAILED (see runs/{row['failed'][0]}.log) | | | | | |")
+                continue
+            lines.append(f"| {_label(row)} | {row['examples_per_sec']:,.0f} | {row['test_accuracy']:.4f} "
+                         f"| {row.get('ours') or '–'} | {_fmt(row.get('ours_examples_per_sec'), ',.0f')} "
+                         f"| {_fmt(row.get('ours_over_peer'), '.2f')} "
+                         f"| {_fmt(row.get('ours_test_accuracy'), '.4f')} |")
+        lines.append("")
+    st_rows = [r for r in rows if r["scenario"] == "staleness"]
+    if st_rows:
+        lines += ["## Staleness study: async ps, softmax regression, plain SGD", "",
+                  "Batch 100, one step per call, constant learning rate, as in the classic "
+                  "walk-through. Staleness: updates other workers applied between a step's read "
+                  "of the weights and its own update.", "",
+                  "| workers | learning rate | staleness mean | p99 | max | test accuracy | examples/s |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in st_rows:
+            if not row["ok"]:
+                lines.append(f"| {row['workers']} | {row['variant']} | FAILED | | | | |")
+                continue
+            st = row["staleness"] or {}
+            lines.append(f"| {row['workers']} | {_fmt(row.get('learning_rate'), 'g')} "
+                         f"| {_fmt(st.get('mean'), '.2f')} | {_fmt(st.get('p99'), 'g')} "
+                         f"| {_fmt(st.get('max'), 'g')} | {row['test_accuracy']:.4f} "
+                         f"| {row['examples_per_sec']:,.0f} |")
+        lines.append("")
+    lines += ["## Targets (ratios measured in this run)", ""]
+    for t in targets:
+        mark = {True: "met", False: "**missed**", None: "not measured"}[t["met"]]
+        lines.append(f"- {t['target']}: {mark}: {t['text']}")
+    return "\n".join(lines) + "\n"
+
+
+def _table_row(row: dict) -> str:
+    if not row["ok"] and "examples_per_sec" not in row:
+        logs = ", ".join(f"runs/{n}.log" for n in row["failed"])
+        return f"| {_label(row)} | {row['workers']} | FAILED (see {logs}) | | | | | | | |"
+    st = row.get("staleness")
+    stale = f"{st['mean']:.2f} / {st['p99']:g}" if st else ""
+    steps = row.get("steps_per_worker") or {}
+    share = " / ".join(str(v) for v in steps.values()) if len(steps) > 1 else ""
+    failed = f" (FAILED: {', '.join(row['failed'])})" if row["failed"] else ""
+    return (f"| {_label(row)} | {row['workers']} | {row['examples_per_sec']:,.0f} "
+            f"| {_fmt(row.get('ratio'), '.2f')} | {_fmt(row.get('test_accuracy'), '.4f')} "
+            f"| {_fmt(row.get('time_to_target'), '.1f', 'not reached')} | {stale} "
+            f"| {_fmt(row.get('dropped'), 'd', '')} | {share} | {_runs_cell(row)}{failed} |")
+
+
+# --- plots -----------------------------------------------------------------------
+
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+LINESTYLES = ("-", "--", "-.", ":")
+
+
+def short_machine(machine: str) -> str:
+    return machine.split(", Linux")[0]
+
+
+def plot(rows: list[dict], results: dict[str, dict], runs: list[bench.Run], out: str,
+         machine: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    where = short_machine(machine)
+    srows = [r for r in rows if r["scenario"] in SCENARIOS and not r["peer"]
+             and "examples_per_sec" in r]
+    base = next((r for r in rows if r["config"] == bench.BASELINE and "examples_per_sec" in r), None)
+    scen = [s for s in SCENARIOS if any(r["scenario"] == s for r in srows)]
+    keys = list(dict.fromkeys(r["variant"] for r in srows))
+    if srows:
+        fig, ax = plt.subplots(figsize=(9, 4.8))
+        width = 0.8 / max(1, len(keys))
+        legend = {v.key: v.generic for v in variants(2)}
+        for i, key in enumerate(keys):
+            xs, ys, lows, highs = [], [], [], []
+            for j, s in enumerate(scen):
+                row = next((r for r in srows if r["scenario"] == s and r["variant"] == key), None)
+                if row is None:
+                    continue
+                each = row["examples_per_sec_each"]
+                xs.append(j + (i - (len(keys) - 1) / 2) * width)
+                ys.append(row["examples_per_sec"])
+                lows.append(row["examples_per_sec"] - min(each))
+                highs.append(0)
+            ax.bar(xs, ys, width, label=legend.get(key, key), hatch=("", "//", "..", "xx", "\\\\")[i % 5],
+                   edgecolor="black", linewidth=0.5)
+            # Run-to-run spread: from the slowest run up to the best (the bar).
+            ax.errorbar(xs, ys, yerr=[lows, highs], fmt="none", ecolor="black", capsize=3,
+                        linewidth=1)
+        if base is not None:
+            ax.axhline(base["examples_per_sec"], color="grey", linestyle="--", linewidth=1,
+                       label=f"none (1 process): {base['examples_per_sec']:,.0f}")
+        ax.set_xticks(range(len(scen)))
+        ax.set_xticklabels([SCENARIOS[s].title.split(":")[0] for s in scen])
+        ax.set_ylabel("examples/s (steady state; bar: best run, whisker: slowest run)")
+        ax.set_title(f"Throughput per scenario and strategy\n{where}", fontsize=10)
+        ax.legend(fontsize=8, ncol=3, loc="upper right")
+        paths.append(save(fig, out, "scenarios_throughput.png"))
+
+    acc_runs = {r.config: r.name for r in runs if r.phase == "accuracy" and not r.peer}
+    if scen:
+        cols = 2
+        nrows = (len(scen) + 1) // 2
+        fig, axes = plt.subplots(nrows, cols, figsize=(10, 3.6 * nrows), squeeze=False)
+        for ax, s in zip(axes.flat, scen):
+            target = next((r.get("target") for r in srows if r["scenario"] == s), None)
+            configs = ([bench.BASELINE] if s == UNIFORM else []) + \
+                [r["config"] for r in srows if r["scenario"] == s]
+            low = 1.0
+            for i, config in enumerate(configs):
+                res = results.get(acc_runs.get(config, ""), {})
+                curve = res.get("eval_curve") or []
+                if not curve:
+                    continue
+                ys = [p["test_accuracy"] for p in curve]
+                low = min(low, min(ys))
+                ax.plot([p["seconds"] for p in curve], ys, marker=MARKERS[i % len(MARKERS)],
+                        linestyle=LINESTYLES[i % len(LINESTYLES)], markersize=4,
+                        label=config.split("/")[-1])
+            if target is not None:
+                ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+                ax.set_ylim(max(low - 0.005, target - 0.08), 1.0)
+            ax.set_title(SCENARIOS[s].title, fontsize=9)
+            ax.set_xlabel("seconds since start (evaluation excluded)", fontsize=8)
+            ax.set_ylabel("test accuracy", fontsize=8)
+            ax.legend(fontsize=7, loc="lower right")
+        for ax in list(axes.flat)[len(scen):]:
+            ax.axis("off")
+        fig.suptitle(f"Test accuracy against time, per scenario (dotted: target) — {where}",
+                     fontsize=10)
+        paths.append(save(fig, out, "scenarios_accuracy.png"))
+
+    st = [r for r in rows if r["scenario"] == "staleness" and "examples_per_sec" in r]
+    if st:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+        lrs = sorted({r["learning_rate"] for r in st})
+        for i, lr in enumerate(lrs):
+            pts = sorted((r["workers"], r) for r in st if r["learning_rate"] == lr)
+            ws = [w for w, _ in pts]
+            style = dict(marker=MARKERS[i % len(MARKERS)], linestyle=LINESTYLES[i % len(LINESTYLES)])
+            left.plot(ws, [(r["staleness"] or {}).get("mean") for _, r in pts],
+                      label=f"lr {lr:g}: mean", **style)
+            left.plot(ws, [(r["staleness"] or {}).get("p99") for _, r in pts], alpha=0.5,
+                      label=f"lr {lr:g}: p99", marker=style["marker"], linestyle=":")
+            right.plot(ws, [r["test_accuracy"] for _, r in pts], label=f"lr {lr:g}", **style)
+        for ax in (left, right):
+            ax.set_xlabel("workers")
+            ax.set_xticks(sorted({r["workers"] for r in st}))
+            ax.legend(fontsize=8)
+        left.set_ylabel("staleness (updates by others between read and apply)")
+        right.set_ylabel("final test accuracy")
+        left.set_title("Staleness against workers", fontsize=10)
+        right.set_title("Accuracy against workers", fontsize=10)
+        fig.suptitle(f"Async ps, softmax regression, SGD, batch 100 — {where}", fontsize=10)
+        paths.append(save(fig, out, "staleness.png"))
+    return paths
+
+
+def save(fig, out: str, name: str) -> str:
+    import matplotlib.pyplot as plt
+
+    path = os.path.join(out, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --- the suite -------------------------------------------------------------------
+
+def have_tf_keras() -> bool:
+    return importlib.util.find_spec("tf_keras") is not None
+
+
+def main(args) -> int:
+    started = time.perf_counter()
+    if args.peers and not os.path.isdir(PEERS_DIR):
+        # An installed copy: the peers live in the source checkout only.
+        print(f"[bench] no {PEERS_DIR}: the tutorial peers are left out (run from a checkout)",
+              flush=True)
+        args.peers = False
+    try:
+        tfk = have_tf_keras()
+        runs = plan_runs(args, have_tf_keras=tfk)
+    except bench.BenchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    if args.peers and not tfk:
+        print("[bench] tf_keras is not installed (pip install 'tf-keras==2.21.*', or the "
+              "project's [bench] extra): the Keras 2 tutorial peers are left out", flush=True)
+    print(f"[bench] {len(runs)} runs: {', '.join(r.name for r in runs)}", flush=True)
+    results = {}
+    for run in runs:
+        r = bench.run_one(run, args.run_timeout + 60, log=lambda m: print(m, flush=True))
+        if r is not None:
+            results[run.name] = r
+    targets = {s: accuracy_length(args, SCENARIOS[s])[2] for s in SCENARIOS}
+    rows = summarize(results, runs, targets)
+    checked = check_targets(rows)
+    seconds = time.perf_counter() - started
+    machine = bench.machine_description()
+    uniform_len = f"{args.steps} steps" if args.steps else f"{args.epochs} epochs"
+    settings = {
+        "model": args.model, "global batch": f"{args.global_batch_size} (more: 120)",
+        "seed": args.seed, "steps per call": args.steps_per_execution,
+        "throughput runs": f"{args.short_steps} steps",
+        "accuracy runs": f"uniform {uniform_len} (eval every {args.eval_every} steps, target "
+                         f"{args.target}), other scenarios {args.accuracy_steps} steps (eval every "
+                         f"{args.accuracy_eval_every}, target {args.scenario_target})",
+        "staleness study": f"{args.staleness_steps} steps per run",
+    }
+    markdown = render_markdown(rows, checked, settings, machine, seconds)
+    with open(os.path.join(args.out, "scenarios.md"), "w") as f:
+        f.write(markdown)
+    paths = plot(rows, results, runs, args.out, machine) if results else []
+    seconds = time.perf_counter() - started
+    with open(os.path.join(args.out, "scenarios.json"), "w") as f:
+        json.dump({"machine": machine, "settings": settings, "suite_seconds": round(seconds, 1),
+                   "rows": rows, "targets": checked, "results": results},
+                  f, indent=2, sort_keys=True)
+    print(markdown, flush=True)
+    print(f"[bench] wrote {args.out}/scenarios.md, scenarios.json, "
+          f"{', '.join(os.path.basename(p) for p in paths)}; the suite took "
+          f"{seconds / 60:.1f} min ({seconds:.0f} s)", flush=True)
+    return 0 if all(r["ok"] for r in rows) else 1
