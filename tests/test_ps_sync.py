@@ -99,14 +99,17 @@ def test_the_kind_names_its_trainer_and_is_never_auto():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 def test_k_equals_n_every_worker_gives_one_fresh_gradient_per_update(tmp_path, spawn):
+    # The CNN for one epoch at the default global batch (64 per gradient x K = 2).
     model_dir = str(tmp_path / "k2")
     p = spawn(launch_cmd("ps-sync", "--workers", "2", "--ps", "1", "--timeout", "360",
-                         train_args=[*TRAIN, "--steps", "300", "--model-dir", model_dir]))
+                         train_args=["--model", "cnn", "--epochs", "1", "--log-every", "100",
+                                     "--startup-timeout", "180", "--model-dir", model_dir]))
     assert p.wait(390) == 0, p.output
     r = read_results(model_dir)
     assert r["strategy"] == "ps-sync" and r["replicas_to_aggregate"] == 2
-    assert r["test_accuracy"] >= 0.88
-    assert r["global_steps"] == r["applied_steps"] == 300
+    assert r["global_batch_size"] == 128
+    assert r["test_accuracy"] >= 0.97
+    assert r["global_steps"] == r["applied_steps"] == 468
     assert r["aggregated_gradients"] == 2 * r["global_steps"]
     assert r["stale_gradients_applied"] == 0
     # K = N: an update needs both workers, so no gradient can go stale, and
@@ -115,13 +118,13 @@ def test_k_equals_n_every_worker_gives_one_fresh_gradient_per_update(tmp_path, s
     per_worker = r["gradients_per_worker"]
     assert set(per_worker) == {"worker:0", "worker:1"}
     for counts in per_worker.values():
-        assert counts["accepted"] == 300 and counts["dropped"] == 0 and counts["skipped"] == 0
+        assert counts["accepted"] == 468 and counts["dropped"] == 0 and counts["skipped"] == 0
         assert counts["computed"] == counts["accepted"] + counts["pending"]
     assert r["update_interval"]["count"] > 0
     assert 0 < r["update_interval"]["p50"] <= r["update_interval"]["p99"]
     progress = [l for l in p.lines if l.startswith("[chief:0] step ")]
     assert progress and all("aggregated" in l and "worker:1=" in l for l in progress)
-    assert any("step 300/300" in l and "aggregated 600 dropped 0" in l for l in progress)
+    assert any("step 468/468" in l and "aggregated 936 dropped 0" in l for l in progress)
     assert descendants_alive(model_dir) == []
 
 
@@ -130,8 +133,12 @@ def test_k_equals_n_every_worker_gives_one_fresh_gradient_per_update(tmp_path, s
 def test_k1_of_2_the_slowed_worker_is_the_backup_and_its_late_gradients_drop(tmp_path, spawn):
     model_dir = str(tmp_path / "k1")
     p = spawn(launch_cmd("ps-sync", "--workers", "2", "--ps", "1", "--timeout", "360",
-                         "--slow", "worker:1=0.25",
-                         train_args=[*TRAIN, "--steps", "300", "--replicas-to-aggregate", "1",
+                         # Slowed once both compute (slowed from its start, its start-up
+                         # outlasted the whole run: it never took a token). The CNN, so a
+                         # gradient costs compute, not just a round trip.
+                         "--slow", "worker:1=0.25@step=20",
+                         train_args=["--model", "cnn", "--log-every", "100", "--startup-timeout",
+                                     "180", "--steps", "300", "--replicas-to-aggregate", "1",
                                      "--model-dir", model_dir]))
     assert p.wait(390) == 0, p.output
     r = read_results(model_dir)
@@ -148,7 +155,8 @@ def test_k1_of_2_the_slowed_worker_is_the_backup_and_its_late_gradients_drop(tmp
         assert counts["pending"] >= 0
     # The slowed worker loses most races: its accepted share is the smaller.
     assert per_worker["worker:1"]["accepted"] < per_worker["worker:0"]["accepted"], per_worker
-    assert any(l.startswith("[launch] slow: worker:1 at 25%") for l in p.lines), p.output
+    assert any("slow worker:1=0.25@step=20" in l for l in p.lines if l.startswith("[launch]")), \
+        p.output
     assert r["test_accuracy"] >= 0.88
     assert descendants_alive(model_dir) == []
 

@@ -99,10 +99,9 @@ def test_ps_slow_worker_runs_fewer_local_steps_and_no_step_is_lost(tmp_path, spa
     local = {w: t["steps"] for w, t in per_task.items()}
     assert local["worker:1"] < 0.6 * local["worker:0"], per_task
     assert per_task["worker:1"]["share"] < per_task["worker:0"]["share"]
-    # results.json's own count is None when the chief's final read of the
-    # slowed worker's counter took over its 2 s (training/ps_trainer.py, seen once).
-    if r["steps_per_worker"] is not None:
-        assert r["steps_per_worker"]["worker:1"] < 0.6 * r["steps_per_worker"]["worker:0"]
+    # results.json's own count, read from ps:0, never waits on the slowed worker.
+    assert r["steps_per_worker"]["worker:1"] < 0.6 * r["steps_per_worker"]["worker:0"]
+    assert sum(r["steps_per_worker"].values()) == 500
     assert any(l.startswith("[launch] per worker: worker:0 ") for l in p.lines)
     assert descendants_alive(model_dir) == []
     assert _slow_cgroups() <= before  # its cgroup was removed
