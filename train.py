@@ -344,8 +344,12 @@ def main(argv=None) -> int:
 
 def _fault_exit(err: Exception) -> int | None:
     """The exit code and line for a survived fault; None for anything else."""
-    from training.recovery import Diverged, Preempted, TaskLost
+    from training.recovery import Diverged, Preempted, TaskLost, cluster_disagreement
 
+    disagreement = cluster_disagreement(err)
+    if disagreement is not None:
+        print(f"error: {disagreement}", file=sys.stderr, flush=True)
+        return Exit.BAD_INPUT
     if isinstance(err, Diverged):
         print(f"error: {err}", file=sys.stderr, flush=True)
         return Exit.DIVERGED

@@ -445,3 +445,18 @@ def test_bad_launch_input_is_one_line_exit_2_nothing_written(argv, word, tmp_pat
     assert len(lines) == 1 and lines[0].startswith("error:") and word in lines[0], err
     assert list(tmp_path.iterdir()) == []
     assert time.monotonic() - started < TIMEOUT
+
+
+def test_tasks_that_disagree_on_the_cluster_get_tensorflows_reason_in_one_line():
+    from training.recovery import cluster_disagreement
+
+    # The text TensorFlow 2.21 raised when worker:0 saw 2 workers and worker:1 saw 3.
+    tf_text = ("{{function_node __wrapped__CollectiveBcastSend_device_/job:worker/replica:0/task:0"
+               "/device:CPU:0}} Collective ops is aborted by: Device /job:worker/replica:0/task:1/"
+               "device:CPU:0 is joining a group with size3, but that group has size 2 "
+               "(group_key=1)\nThe error could be from a previous operation. [Op:CollectiveBcastSend]")
+    line = cluster_disagreement(RuntimeError(tf_text))
+    assert line is not None and "\n" not in line
+    assert "is joining a group with size3, but that group has size 2" in line
+    assert "same TF_CONFIG" in line
+    assert cluster_disagreement(RuntimeError("Connection reset by peer")) is None

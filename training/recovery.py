@@ -58,6 +58,25 @@ def first_line(err: BaseException, limit: int = 160) -> str:
     return first if len(first) <= limit else first[: limit - 3] + "..."
 
 
+# --- tasks that disagree on the cluster -------------------------------------------
+
+_GROUP_SIZE = re.compile(r"(Device \S+ is joining a group with size ?\d+, but that group has "
+                         r"size \d+)")
+
+
+def cluster_disagreement(err: BaseException) -> str | None:
+    """The ``error:`` text when TensorFlow found tasks with different clusters, else None.
+
+    Each task only sees its own TF_CONFIG, so this surfaces at the first
+    collective, in TensorFlow's words (the group sizes differ).
+    """
+    found = _GROUP_SIZE.search(str(err))
+    if found is None:
+        return None
+    return (f"the tasks disagree on the cluster: TensorFlow says \"{found.group(1)}\"; give "
+            "every task the same TF_CONFIG \"cluster\" (only \"task\" differs)")
+
+
 # --- lost tasks ---------------------------------------------------------------
 
 _TASK_IN_ERROR = re.compile(r"/job:(chief|worker|ps)/replica:\d+/task:(\d+)")
