@@ -134,7 +134,6 @@ def show_plan(cluster: plans.ClusterPlan, checks: list[processes.TaskCheck]) -> 
     """``--dry-run``: each task's address and duty, then the job's figures."""
     width = max(len(c.task) for c in checks)
     for c in checks:
-        where = cluster.where(c.task) or (c.plan or {}).get("task", "")
         if c.plan is None:
             print(f"{c.task:<{width}}  {c.error}")
             continue
@@ -142,7 +141,7 @@ def show_plan(cluster: plans.ClusterPlan, checks: list[processes.TaskCheck]) -> 
         if c.plan.get("cluster"):
             role, _, index = c.task.partition(":")
             address = c.plan["cluster"][role][int(index)]
-        host = f" on {where}" if cluster.hosts and where else ""
+        host = f" on {cluster.where(c.task)}" if cluster.hosts else ""
         print(f"{c.task:<{width}}  {address}{host}: {c.plan['action']}")
     chief = next((c.plan for c in checks if c.plan and c.plan.get("is_chief")), None)
     if chief is not None:
