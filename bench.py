@@ -458,9 +458,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "when (slow worker, slow links, more workers, tutorial peers, staleness)")
     s = p.add_argument_group("--suite scenarios (the flags above set the uniform accuracy runs)")
     s.add_argument("--scenarios", default=None, help="subset of uniform,slow,links,more")
-    s.add_argument("--short-steps", type=int, default=60,
+    s.add_argument("--short-steps", type=int, default=200,
                    help="steps of each throughput run (0: no throughput pass)")
-    s.add_argument("--short-scenarios", default="uniform,slow",
+    s.add_argument("--short-scenarios", default="uniform,slow,links,more",
                    help="scenarios whose cells also get a short throughput run (a second "
                         "measurement); the others run each cell once ('' for none)")
     s.add_argument("--accuracy-steps", type=int, default=160,

@@ -6,18 +6,18 @@ Scenarios, each on the same work, against the one-process baseline (``none``)
 of the same bench run:
 
   uniform  2 workers, nothing slowed
-  slow     2 workers, worker:1 at 0.3 of its speed (``launch.py --slow worker:1=0.3``)
+  slow     2 workers, worker:1 at 0.3 of its speed (``launch.py --slow worker:1=0.3@step=10``)
   links    2 workers, one simulated host per worker (the ps chief and ps share
            one more), 100 Mbit/s each way (``launch.py --hosts N --link-rate 100mbit``)
   more     4 workers on this host's cores (oversubscribed where it has fewer)
 
 Every multi-process strategy kind runs in each; a kind that averages K
 gradients per update (``ps-sync``) runs twice, with K = N and with one
-backup worker (K = N - 1). Every cell has a longer *accuracy* run
-(evaluated every few steps) that also measures throughput; in the
-``--short-scenarios`` (uniform and slow by default) each cell also has a
-short *throughput* run in an earlier pass, interleaved with the others,
-and its examples/s is the better of the two; every run's figure is shown. In the uniform scenario, peers
+backup worker (K = N - 1). Every cell runs twice, interleaved with the
+others: a *throughput* run (``--short-steps``, no evaluation) in a first
+pass, and a longer *accuracy* run (evaluated every few steps) in a second;
+its examples/s is the better of the two, and every run's figure is shown.
+In the uniform scenario, peers
 written after TensorFlow's tutorials (``bench/peers/``) train the same CNN
 with the same hyperparameters right after the run they are compared with.
 Then a staleness study: async ps on softmax regression over workers and
@@ -50,12 +50,16 @@ class Scenario:
     slow: str | None = None  # a launch.py --slow spec
     link_rate: str | None = None  # with simulated hosts
     global_batch: int | None = None  # None: --global-batch-size
+    log_every: int | None = None  # None: --log-every
 
 
 SCENARIOS = {s.name: s for s in (
     Scenario(UNIFORM, "uniform: 2 workers, nothing slowed", 2),
-    Scenario("slow", "one worker slowed: worker:1 at 0.3 of its speed (a CPU quota)", 2,
-             slow="worker:1=0.3"),
+    # Slowed once the job has run its first call (step 10, reported by a
+    # progress event every call), not from its start: a worker slowed from
+    # its start can spend a short run still starting up, and never join.
+    Scenario("slow", "one worker slowed: worker:1 at 0.3 of its speed (a CPU quota) from step 10",
+             2, slow="worker:1=0.3@step=10", log_every=10),
     Scenario("links", "slow links: simulated hosts, 100 Mbit/s each way per host", 2,
              link_rate="100mbit"),
     # 120 splits into 4 and into 3 equal gradients (K = N and K = N - 1).
@@ -200,7 +204,8 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
         batch = scenario.global_batch or args.global_batch_size
         flags = ["--model", args.model, *length, "--global-batch-size", str(batch),
                  "--seed", str(args.seed), "--steps-per-execution", str(args.steps_per_execution),
-                 "--eval-every", str(eval_every), "--log-every", str(args.log_every)]
+                 "--eval-every", str(eval_every),
+                 "--log-every", str(scenario.log_every or args.log_every)]
         return flags + (["--data-dir", args.data_dir] if args.data_dir else [])
 
     def add(phase, scenario, key, kind, workers, prefix, flags, peer=""):
@@ -321,7 +326,8 @@ def summarize(results: dict[str, dict], runs: list[bench.Run], targets: dict[str
             acc = next((res for r, res in done if r.phase != "throughput"), done[-1][1])
             row["accuracy_run_examples_per_sec"] = acc["examples_per_sec"]
             row["test_accuracy"] = acc.get("test_accuracy")
-            target = targets.get(first.scenario)
+            # The baseline runs beside the uniform scenario, on its work.
+            target = targets.get(UNIFORM if config == bench.BASELINE else first.scenario)
             row["target"] = target
             curve = acc.get("eval_curve") or []
             row["time_to_target"] = (bench.time_to_target(curve, target)

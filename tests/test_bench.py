@@ -143,7 +143,10 @@ def test_scenarios_plan_every_cell_twice_interleaved_with_peers_after_their_run(
         assert names[names.index(f"acc-uniform-peer-{peer}") - 1] == ours
     cmd = {r.name: list(r.cmd) for r in runs}
     slow = cmd["thr-slow-ps-sync-backup"]
-    assert slow[slow.index("--slow") + 1] == "worker:1=0.3"
+    # Slowed from step 10 on, which a progress event every 10 steps reports.
+    assert slow[slow.index("--slow") + 1] == "worker:1=0.3@step=10"
+    assert slow[slow.index("--log-every") + 1] == "10"
+    assert cmd["acc-uniform-ps"][cmd["acc-uniform-ps"].index("--log-every") + 1] == "200"
     assert slow[slow.index("--replicas-to-aggregate") + 1] == "1"
     assert cmd["acc-slow-ps-sync"][cmd["acc-slow-ps-sync"].index("--replicas-to-aggregate") + 1] == "2"
     # Links: one host per worker, one more for the ps chief and ps; shaped.
@@ -158,7 +161,7 @@ def test_scenarios_plan_every_cell_twice_interleaved_with_peers_after_their_run(
     for name in names:
         c = cmd[name]
         if name.startswith("thr-"):
-            assert c[c.index("--steps") + 1] == "60" and c[c.index("--eval-every") + 1] == "0"
+            assert c[c.index("--steps") + 1] == "200" and c[c.index("--eval-every") + 1] == "0"
         elif "uniform" in name or name == "acc-none":
             assert c[c.index("--epochs") + 1] == "3", name
         else:
@@ -170,10 +173,14 @@ def test_scenarios_plan_every_cell_twice_interleaved_with_peers_after_their_run(
 
 
 def test_short_runs_only_where_asked(tmp_path):
+    every = {"", "uniform", "slow", "links", "more"}  # "": the baseline
     runs = scen.plan_runs(scenario_args(tmp_path, "--staleness-workers", ""), python="py")
-    short = {r.scenario for r in runs if r.phase == "throughput"}
-    assert short == {"", "uniform", "slow"}  # "": the baseline
-    assert {r.scenario for r in runs if r.phase == "accuracy"} == {"", "uniform", "slow", "links", "more"}
+    assert {r.scenario for r in runs if r.phase == "throughput"} == every  # by default
+    assert {r.scenario for r in runs if r.phase == "accuracy"} == every
+    runs = scen.plan_runs(scenario_args(tmp_path, "--staleness-workers", "",
+                                        "--short-scenarios", "uniform,slow"), python="py")
+    assert {r.scenario for r in runs if r.phase == "throughput"} == {"", "uniform", "slow"}
+    assert {r.scenario for r in runs if r.phase == "accuracy"} == every
 
 
 def test_scenarios_without_tf_keras_keep_the_keras3_peer_only(tmp_path):
@@ -247,6 +254,8 @@ def test_scenarios_summary_targets_and_table(tmp_path):
     assert by["slow/ps-sync-backup"]["dropped"] == 7
     assert by["uniform/ps"]["time_to_target"] == 20.0
     assert by["slow/ps"]["time_to_target"] == 20.0 and by["slow/ps"]["target"] == 0.97
+    # The baseline is timed against the uniform scenario's target.
+    assert by["none"]["target"] == 0.99 and by["none"]["time_to_target"] == 20.0
     assert by["uniform/peer-tf_keras-multiworker"]["ours_over_peer"] == pytest.approx(0.9)
     assert by["uniform/peer-tf_keras-ps"]["ours_over_peer"] == pytest.approx(1.6)
     assert "ratio" not in by["uniform/peer-keras3"]  # peers are compared with ours, not none
