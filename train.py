@@ -68,9 +68,13 @@ def default_global_batch(config: TrainConfig, gpus: list[str] | None = None) -> 
     kind = kinds.resolve(config.strategy, cfg)
     if gpus is None:
         gpus = _physical_gpus() if kind.role(cfg) in kind.gpu_roles() else []
+    return PER_REPLICA_BATCH * replicas_in_sync(kind, cfg, gpus)[1] * config.gradients_per_update
+
+
+def replicas_in_sync(kind, cfg, gpus: list[str]) -> tuple[dict, int]:
+    """This task's device plan, and the replicas one step of the job runs on."""
     devices = plan_devices(kind.gpu_roles(), cfg, gpus)
-    return (PER_REPLICA_BATCH * kind.replicas(cfg, len(devices["visible_gpus"]))
-            * config.gradients_per_update)
+    return devices, kind.replicas(cfg, len(devices["visible_gpus"]))
 
 
 def plan(config: TrainConfig, gpus: list[str] | None = None) -> dict:
@@ -93,8 +97,7 @@ def plan(config: TrainConfig, gpus: list[str] | None = None) -> dict:
         check_run_record(config.model_dir, config.defining_flags(kind.name))
     if gpus is None:
         gpus = _physical_gpus()
-    devices = plan_devices(kind.gpu_roles(), cfg, gpus)
-    replicas = kind.replicas(cfg, len(devices["visible_gpus"]))
+    devices, replicas = replicas_in_sync(kind, cfg, gpus)
     check_batch_size(config.global_batch_size, replicas)
     return {
         "strategy": kind.name,

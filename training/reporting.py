@@ -72,7 +72,7 @@ def flat_scalars(prefix: str, value) -> dict[str, float]:
 def run_hparams(config, strategy: str, cluster) -> dict:
     """The run's hyperparameters for TensorBoard's HParams dashboard (scalars and strings)."""
     return {
-        **{k: v for k, v in config.defining_flags(strategy).items()},
+        **config.defining_flags(strategy),
         "steps_per_execution": config.steps_per_execution,
         "num_workers": cluster.num_workers, "num_ps": cluster.num_ps,
         "gradients_per_update": config.gradients_per_update,
