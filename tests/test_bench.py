@@ -312,10 +312,21 @@ def test_peer_chunks_divide_the_run_and_the_calls():
     spec = iu.spec_from_file_location("peer_lib", REPO / "bench" / "peers" / "peer_lib.py")
     peer_lib = iu.module_from_spec(spec)
     spec.loader.exec_module(peer_lib)
-    assert peer_lib.chunk_size(1404, 234, 10) == 234 or 1404 % peer_lib.chunk_size(1404, 234, 10) == 0
-    for total, every, spe in [(1404, 234, 10), (40, 10, 10), (240, 60, 10), (100, 0, 10), (7, 0, 1)]:
-        size = peer_lib.chunk_size(total, every, spe)
-        assert total % size == 0 and total // size >= 2 or total < 2 * spe, (total, every, spe, size)
+    # 3 epochs at batch 128: 1,404 steps, which 10 does not divide: epochs of
+    # 234 steps (as the evaluation), 9 steps per call, every call whole.
+    assert peer_lib.chunk_size(1404, 234, 10) == (234, 9)
+    assert peer_lib.chunk_size(240, 60, 10) == (60, 10)
+    assert peer_lib.chunk_size(100, 0, 10) == (20, 10)
+    assert peer_lib.chunk_size(7, 0, 1) == (1, 1)
+    for total, every, spe in [(1404, 234, 10), (40, 10, 10), (240, 60, 10), (100, 0, 10),
+                              (7, 0, 1), (1410, 235, 10), (20, 10, 5), (13, 0, 10)]:
+        size, calls = peer_lib.chunk_size(total, every, spe)
+        assert total % size == 0 and (total // size >= 2 or total == size), (total, every, spe)
+        assert size % calls == 0 and 1 <= calls <= spe, (total, every, spe, size, calls)
+    # A multiple of the calls within a factor of two of the cadence wins;
+    # one further off (30: 47 short epochs) does not.
+    assert peer_lib.chunk_size(1410, 235, 10) == (470, 10)
+    assert peer_lib.chunk_size(1410, 100, 10) == (141, 3)
     figs = peer_lib.figures([10.0, 12.0, 14.0], chunk=100, batch=128, started=4.0)
     assert figs["startup_seconds"] == 6.0 and figs["examples_per_sec"] == pytest.approx(200 * 128 / 4)
     with pytest.raises(ValueError):

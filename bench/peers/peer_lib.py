@@ -39,24 +39,39 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"the peers train the CNN only, received --model {args.model}")
     steps_per_epoch = max(1, TRAIN_EXAMPLES // args.global_batch_size)
     args.total_steps = args.steps or args.epochs * steps_per_epoch
-    args.chunk = chunk_size(args.total_steps, args.eval_every, args.steps_per_execution)
+    args.requested_steps_per_execution = args.steps_per_execution
+    args.chunk, args.steps_per_execution = chunk_size(args.total_steps, args.eval_every,
+                                                      args.steps_per_execution)
     return args
 
 
-def chunk_size(total_steps: int, eval_every: int, steps_per_execution: int) -> int:
-    """Steps per Keras "epoch" (``steps_per_epoch``); pure.
+def chunk_size(total_steps: int, eval_every: int, steps_per_execution: int) -> tuple[int, int]:
+    """Steps per Keras "epoch" (``steps_per_epoch``) and steps per call; pure.
 
     ``model.fit`` under ParameterServerStrategy only waits for its workers at
     an epoch end, so epoch ends are the one clock every peer reads
-    truthfully; the first epoch (tracing, connecting) is start-up. About a
-    sixth of the run, a multiple of the steps per call that divides the run.
+    truthfully; the first epoch (tracing, connecting) is start-up. An epoch
+    is a divisor of the run near ``eval_every`` (else a sixth of the run),
+    at least two epochs, within a factor of two of that where it can be.
+    The steps per call are the largest divisor of the epoch not above the
+    ones asked for (the epoch is chosen to keep them largest), so every
+    call is whole and both Keras run exactly the steps asked for: Keras 3
+    would run a whole call past an epoch's end (more steps than counted),
+    tf_keras would add a short call at each epoch's end.
     """
-    base = eval_every if eval_every > 0 else max(1, total_steps // 6)
-    base = max(steps_per_execution, base - base % steps_per_execution)
-    for size in range(min(base, total_steps), 0, -1):
-        if total_steps % size == 0 and (size % steps_per_execution == 0 or size < steps_per_execution):
-            return size
-    return total_steps
+    target = eval_every if eval_every > 0 else max(1, total_steps // 6)
+    sizes = [d for d in range(1, total_steps + 1)
+             if total_steps % d == 0 and total_steps // d >= 2] or [total_steps]
+
+    def calls(size: int) -> int:
+        return max(k for k in range(1, min(steps_per_execution, size) + 1) if size % k == 0)
+
+    def rank(size: int):
+        near = target / 2 <= size <= 2 * target
+        return (not near, -calls(size), abs(size - target), size)
+
+    chunk = min(sizes, key=rank)
+    return chunk, calls(chunk)
 
 
 def load_arrays(split: str, data_dir: str | None):
@@ -152,6 +167,7 @@ def write_results(args, peer: str, keras_version: str, clock, accuracy: float,
     record = {"peer": peer, "keras_version": keras_version, "num_workers": workers,
               "global_batch_size": args.global_batch_size, "total_steps": args.total_steps,
               "steps_per_execution": args.steps_per_execution, "steps_per_epoch": args.chunk,
+              "requested_steps_per_execution": args.requested_steps_per_execution,
               "test_accuracy": accuracy,
               "wall_seconds": round(time.perf_counter() - STARTED, 3),
               **figures(clock.ends, args.chunk, args.global_batch_size)}
