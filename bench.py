@@ -476,6 +476,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="async ps worker counts of the staleness study ('' to skip it)")
     s.add_argument("--staleness-lrs", default="0.05,0.5,2", help="its SGD learning rates")
     s.add_argument("--staleness-steps", type=int, default=300)
+    s.add_argument("--report-only", action="store_true",
+                   help="run nothing: write scenarios.md and the plots again from "
+                        "<out>/scenarios.json (a finished suite's figures)")
     return p.parse_args(argv)
 
 

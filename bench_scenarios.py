@@ -31,6 +31,7 @@ import importlib.util
 import json
 import os
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 
@@ -52,19 +53,25 @@ class Scenario:
     link_rate: str | None = None  # with simulated hosts
     global_batch: int | None = None  # None: --global-batch-size
     log_every: int | None = None  # None: --log-every
+    short: str = ""  # the plots' axis label
+
+    @property
+    def label(self) -> str:
+        return self.short or self.name
 
 
 SCENARIOS = {s.name: s for s in (
-    Scenario(UNIFORM, "uniform: 2 workers, nothing slowed", 2),
+    Scenario(UNIFORM, "uniform: 2 workers, nothing slowed", 2, short="uniform"),
     # Slowed once the job has run its first call (step 10, reported by a
     # progress event every call), not from its start: a worker slowed from
     # its start can spend a short run still starting up, and never join.
     Scenario("slow", "one worker slowed: worker:1 at 0.3 of its speed (a CPU quota) from step 10",
-             2, slow="worker:1=0.3@step=10", log_every=10),
+             2, slow="worker:1=0.3@step=10", log_every=10, short="worker:1 at 0.3"),
     Scenario("links", "slow links: simulated hosts, 100 Mbit/s each way per host", 2,
-             link_rate="100mbit"),
+             link_rate="100mbit", short="100 Mbit/s links"),
     # 120 splits into 4 and into 3 equal gradients (K = N and K = N - 1).
-    Scenario("more", "4 workers (oversubscribed: 2 per core on 2 cores)", 4, global_batch=120),
+    Scenario("more", "4 workers (oversubscribed: 2 per core on 2 cores)", 4, global_batch=120,
+             short="4 workers on 2 cores"),
 )}
 
 
@@ -529,8 +536,7 @@ def short_machine(machine: str) -> str:
     return machine.split(", Linux")[0]
 
 
-def plot(rows: list[dict], results: dict[str, dict], runs: list[bench.Run], out: str,
-         machine: str) -> list[str]:
+def plot(rows: list[dict], results: dict[str, dict], out: str, machine: str) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -543,10 +549,16 @@ def plot(rows: list[dict], results: dict[str, dict], runs: list[bench.Run], out:
     base = next((r for r in rows if r["config"] == bench.BASELINE and "examples_per_sec" in r), None)
     scen = [s for s in SCENARIOS if any(r["scenario"] == s for r in srows)]
     keys = list(dict.fromkeys(r["variant"] for r in srows))
+    # One colour, marker and line per strategy in every plot and panel.
+    legend = {v.key: v.generic for v in variants(2)}
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = {bench.BASELINE: dict(color="black", marker="*", linestyle=":")}
+    for i, key in enumerate(keys):
+        styles[key] = dict(color=colours[i % len(colours)], marker=MARKERS[i % len(MARKERS)],
+                           linestyle=LINESTYLES[i % len(LINESTYLES)])
     if srows:
         fig, ax = plt.subplots(figsize=(9, 4.8))
         width = 0.8 / max(1, len(keys))
-        legend = {v.key: v.generic for v in variants(2)}
         for i, key in enumerate(keys):
             xs, ys, lows, highs = [], [], [], []
             for j, s in enumerate(scen):
@@ -559,7 +571,7 @@ def plot(rows: list[dict], results: dict[str, dict], runs: list[bench.Run], out:
                 lows.append(row["examples_per_sec"] - min(each))
                 highs.append(0)
             ax.bar(xs, ys, width, label=legend.get(key, key), hatch=("", "//", "..", "xx", "\\\\")[i % 5],
-                   edgecolor="black", linewidth=0.5)
+                   color=styles[key]["color"], edgecolor="black", linewidth=0.5)
             # Run-to-run spread: from the slowest run up to the best (the bar).
             ax.errorbar(xs, ys, yerr=[lows, highs], fmt="none", ecolor="black", capsize=3,
                         linewidth=1)
@@ -567,13 +579,14 @@ def plot(rows: list[dict], results: dict[str, dict], runs: list[bench.Run], out:
             ax.axhline(base["examples_per_sec"], color="grey", linestyle="--", linewidth=1,
                        label=f"none (1 process): {base['examples_per_sec']:,.0f}")
         ax.set_xticks(range(len(scen)))
-        ax.set_xticklabels([SCENARIOS[s].title.split(":")[0] for s in scen])
+        ax.set_xticklabels([SCENARIOS[s].label for s in scen])
         ax.set_ylabel("examples/s (steady state; bar: best run, whisker: slowest run)")
         ax.set_title(f"Throughput per scenario and strategy\n{where}", fontsize=10)
         ax.legend(fontsize=8, ncol=3, loc="upper right")
         paths.append(save(fig, out, "scenarios_throughput.png"))
 
-    acc_runs = {r.config: r.name for r in runs if r.phase == "accuracy" and not r.peer}
+    acc_runs = {row["config"]: run["name"] for row in rows if not row["peer"]
+                for run in row["runs"] if run["phase"] == "accuracy"}
     if scen:
         cols = 2
         nrows = (len(scen) + 1) // 2
@@ -583,20 +596,20 @@ def plot(rows: list[dict], results: dict[str, dict], runs: list[bench.Run], out:
             configs = ([bench.BASELINE] if s == UNIFORM else []) + \
                 [r["config"] for r in srows if r["scenario"] == s]
             low = 1.0
-            for i, config in enumerate(configs):
+            for config in configs:
                 res = results.get(acc_runs.get(config, ""), {})
                 curve = res.get("eval_curve") or []
                 if not curve:
                     continue
                 ys = [p["test_accuracy"] for p in curve]
                 low = min(low, min(ys))
-                ax.plot([p["seconds"] for p in curve], ys, marker=MARKERS[i % len(MARKERS)],
-                        linestyle=LINESTYLES[i % len(LINESTYLES)], markersize=4,
-                        label=config.split("/")[-1])
+                key = config.split("/")[-1]
+                ax.plot([p["seconds"] for p in curve], ys, markersize=4,
+                        label=legend.get(key, key), **styles[key])
             if target is not None:
                 ax.axhline(target, color="grey", linestyle=":", linewidth=1)
                 ax.set_ylim(max(low - 0.005, target - 0.08), 1.0)
-            ax.set_title(SCENARIOS[s].title, fontsize=9)
+            ax.set_title(textwrap.fill(SCENARIOS[s].title, 60), fontsize=9)
             ax.set_xlabel("seconds since start (evaluation excluded)", fontsize=8)
             ax.set_ylabel("test accuracy", fontsize=8)
             ax.legend(fontsize=7, loc="lower right")
@@ -648,7 +661,36 @@ def have_tf_keras() -> bool:
     return importlib.util.find_spec("tf_keras") is not None
 
 
+SETTINGS_ORDER = ("model", "global batch", "seed", "steps per call", "throughput runs",
+                  "accuracy runs", "staleness study")
+
+
+def report_only(out: str) -> int:
+    """scenarios.md and the plots again, from a finished suite's scenarios.json."""
+    path = os.path.join(out, "scenarios.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        rows, results = saved["rows"], saved["results"]
+        machine, seconds = saved["machine"], saved["suite_seconds"]
+        # JSON keeps the keys sorted: back to the order the suite wrote them in.
+        settings = dict(sorted(saved["settings"].items(), key=lambda kv: (
+            SETTINGS_ORDER.index(kv[0]) if kv[0] in SETTINGS_ORDER else len(SETTINGS_ORDER))))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        print(f"error: --report-only reads {path!r}, which is missing or not a scenarios "
+              f"suite's record ({type(err).__name__}: {err}); run the suite first", file=sys.stderr)
+        return 2
+    with open(os.path.join(out, "scenarios.md"), "w") as f:
+        f.write(render_markdown(rows, check_targets(rows), settings, machine, seconds))
+    paths = plot(rows, results, out, machine) if results else []
+    print(f"[bench] wrote {out}/scenarios.md, {', '.join(os.path.basename(p) for p in paths)} "
+          f"from {path}", flush=True)
+    return 0
+
+
 def main(args) -> int:
+    if getattr(args, "report_only", False):
+        return report_only(args.out)
     started = time.perf_counter()
     if args.peers and not os.path.isdir(PEERS_DIR):
         # An installed copy: the peers live in the source checkout only.
@@ -686,11 +728,11 @@ def main(args) -> int:
                          f"{args.accuracy_eval_every}, target {args.scenario_target})",
         "staleness study": f"{args.staleness_steps} steps per run",
     }
+    assert tuple(settings) == SETTINGS_ORDER
     markdown = render_markdown(rows, checked, settings, machine, seconds)
     with open(os.path.join(args.out, "scenarios.md"), "w") as f:
         f.write(markdown)
-    paths = plot(rows, results, runs, args.out, machine) if results else []
-    seconds = time.perf_counter() - started
+    paths = plot(rows, results, args.out, machine) if results else []
     with open(os.path.join(args.out, "scenarios.json"), "w") as f:
         json.dump({"machine": machine, "settings": settings, "suite_seconds": round(seconds, 1),
                    "rows": rows, "targets": checked, "results": results},

@@ -208,6 +208,7 @@ def test_staleness_study_grid(tmp_path):
 @pytest.mark.parametrize("flags, words", [
     (["--scenarios", "uniform,moon"], ["moon", "allowed"]),
     (["--staleness-lrs", "0.1,x"], ["--staleness-lrs", "positive"]),
+    (["--report-only"], ["--report-only", "scenarios.json", "run the suite first"]),
 ])
 def test_scenarios_bad_input_one_line(flags, words, capsys, tmp_path):
     assert bench.main(["--suite", "scenarios", *flags, "--out", str(tmp_path / "o")]) == 2
@@ -299,7 +300,7 @@ def test_scenario_plots_are_written(tmp_path):
     runs = scen.plan_runs(a, python="py")
     results = fake_results(runs, lambda r: 100.0 + 10 * r.workers)
     rows = scen.summarize(results, runs, {"uniform": 0.99, "more": 0.97})
-    paths = scen.plot(rows, results, runs, str(tmp_path), "2 CPU cores (test), no GPU, Linux x")
+    paths = scen.plot(rows, results, str(tmp_path), "2 CPU cores (test), no GPU, Linux x")
     assert sorted(os.path.basename(p) for p in paths) == [
         "scenarios_accuracy.png", "scenarios_throughput.png", "staleness.png"]
     for p in paths:
@@ -391,3 +392,23 @@ def test_tutorial_peer_runs_under_the_launcher_and_reports(tmp_path):
     assert record.examples_per_sec > 0
     assert "bench/peers/tf_keras_multiworker.py" in (run_dir / "launch" / "commands.sh").read_text()
     assert descendants_alive(str(run_dir)) == []
+
+
+def test_report_only_writes_the_same_report_and_plots_from_the_record(tmp_path):
+    a = scenario_args(tmp_path, "--scenarios", "uniform,slow", "--staleness-workers", "1,2",
+                      "--staleness-lrs", "0.5")
+    runs = scen.plan_runs(a, python="py")
+    results = fake_results(runs, lambda r: 100.0 + 10 * r.workers)
+    rows = scen.summarize(results, runs, {"uniform": 0.99, "slow": 0.97})
+    settings = {k: f"value of {k}" for k in scen.SETTINGS_ORDER}
+    expected = scen.render_markdown(rows, scen.check_targets(rows), settings, "m", 600.0)
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "scenarios.json").write_text(json.dumps(
+        {"machine": "m", "settings": settings, "suite_seconds": 600.0, "rows": rows,
+         "targets": [], "results": results}, sort_keys=True))
+    assert bench.main(["--suite", "scenarios", "--report-only", "--out", str(out)]) == 0
+    assert (out / "scenarios.md").read_text() == expected
+    assert "Work: model value of model, global batch value of global batch, seed" in expected
+    for name in ("scenarios_throughput.png", "scenarios_accuracy.png", "staleness.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
