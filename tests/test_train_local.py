@@ -162,3 +162,23 @@ def test_noise_filter_keeps_real_errors():
                         "tasks are unhealthy")
     assert not is_noise("error: --epochs=0 is not allowed")
     assert not is_noise("Traceback (most recent call last):")
+
+
+def test_noise_filter_drops_a_dropped_records_continuation_lines_only():
+    from training.noise import NoiseFilter
+
+    lines = [
+        "I0000 00:00:1795480062.677044   23916 coordination_service.cc:502] Waiting for 1/2 tasks to connect.",
+        "I0000 00:00:1795480062.677073   23916 coordination_service.cc:505] Example stragglers:",
+        "/job:worker/replica:0/task:1",
+        "E0000 00:00:1795429843.804549   13920 coordination_service.cc:1] tasks are unhealthy",
+        "a continuation of that error record",
+        "I0000 00:00:1795480062.677389   23899 coordination_service_agent.cc:245] connected.",
+        "Fatal Python error: Segmentation fault",
+        "I0000 00:00:1795480062.677389   23899 port.cc:1] oneDNN",
+        "Traceback (most recent call last):",
+        "  File \"x.py\", line 1, in <module>",
+    ]
+    f = NoiseFilter()
+    kept = [line for line in lines if f.keep(line)]
+    assert kept == [lines[3], lines[4], lines[6], lines[8], lines[9]]

@@ -25,8 +25,39 @@ NOISE = re.compile(
 )
 
 
+# The start of any absl record, whatever its severity.
+RECORD = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\] ")
+# Lines that are never a record's continuation: a crash report, a traceback,
+# our own one-line messages.
+NEVER_CONTINUATION = re.compile(
+    r"^(?:Fatal Python error|Traceback|Segmentation fault|Current thread|Thread 0x"
+    r"|error:|warning:|note:)"
+)
+
+
 def is_noise(line: str) -> bool:
     return bool(NOISE.match(line))
+
+
+class NoiseFilter:
+    """Decides line by line what reaches stderr.
+
+    An absl record can span lines ("Example stragglers:" and then one task
+    name per line, from the coordination service): the lines after a
+    dropped record that start no record of their own go with it.
+    """
+
+    def __init__(self):
+        self._in_dropped = False
+
+    def keep(self, line: str) -> bool:
+        if is_noise(line):
+            self._in_dropped = True
+            return False
+        if RECORD.match(line) or NEVER_CONTINUATION.match(line):
+            self._in_dropped = False
+            return True
+        return not self._in_dropped
 
 
 def filter_stderr() -> int | None:
@@ -43,9 +74,10 @@ def filter_stderr() -> int | None:
     sys.stderr = os.fdopen(original, "w", buffering=1, closefd=False)
 
     def forward():
+        lines = NoiseFilter()
         with os.fdopen(read_end, "rb") as pipe:
             for raw in pipe:
-                if not is_noise(raw.decode(errors="replace")):
+                if lines.keep(raw.decode(errors="replace")):
                     os.write(original, raw)
 
     threading.Thread(target=forward, name="stderr-filter", daemon=True).start()
