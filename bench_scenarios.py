@@ -472,7 +472,9 @@ def render_markdown(rows: list[dict], targets: list[dict], settings: dict, machi
         lines += ["## Tutorial peers (uniform scenario)", "",
                   "Written after TensorFlow's tutorials (`bench/peers/`), launched by `launch.py` "
                   "on the same simulated cluster: the same CNN, optimizer, learning-rate schedule, "
-                  "global batch, steps and steps per call. A peer's examples/s leaves out its "
+                  "global batch and steps; its steps per call are the most, up to ours, that "
+                  "make every call whole (its peer_results.json has both). "
+                  "A peer's examples/s leaves out its "
                   "first Keras epoch (start-up). *ours ÷ peer* compares with our accuracy run of "
                   "the same length, run just before it.", "",
                   "| peer | examples/s | test accuracy | ours | ours examples/s | ours ÷ peer "
