@@ -306,6 +306,23 @@ def _num(value):
     return value if isinstance(value, (int, float)) else None
 
 
+def rate_from(result: dict, from_step: int) -> tuple[float, int] | None:
+    """(examples/s, first step) of a run from its first evaluation at or past
+    ``from_step`` to its end, on its eval curve's clock (evaluation left out); pure.
+
+    A tutorial peer's examples/s leaves out its first Keras epoch; this is
+    ours over the same part of the run, so neither side's warm-up counts.
+    None without an evaluation in the run after ``from_step``.
+    """
+    curve = result.get("eval_curve") or []
+    start = next((p for p in curve if p["step"] >= from_step), None)
+    if start is None or start is curve[-1] or curve[-1]["seconds"] <= start["seconds"]:
+        return None
+    end = curve[-1]
+    steps = end["step"] - start["step"]
+    return steps * result["global_batch_size"] / (end["seconds"] - start["seconds"]), start["step"]
+
+
 def summarize(results: dict[str, dict], runs: list[bench.Run], targets: dict[str, float]) -> list[dict]:
     """One row per configuration (scenario and variant, peer, staleness point); pure.
 
@@ -333,6 +350,8 @@ def summarize(results: dict[str, dict], runs: list[bench.Run], targets: dict[str
             # The accuracy run, else (throughput only, the staleness study) the last.
             acc = next((res for r, res in done if r.phase != "throughput"), done[-1][1])
             row["accuracy_run_examples_per_sec"] = acc["examples_per_sec"]
+            row["accuracy_run"] = next((r.name for r, _ in done if r.phase != "throughput"),
+                                       done[-1][0].name)
             row["test_accuracy"] = acc.get("test_accuracy")
             # The baseline runs beside the uniform scenario, on its work.
             target = targets.get(UNIFORM if config == bench.BASELINE else first.scenario)
@@ -363,9 +382,17 @@ def summarize(results: dict[str, dict], runs: list[bench.Run], targets: dict[str
         ours = by_config.get(peer.ours if peer.ours == bench.BASELINE else f"{UNIFORM}/{peer.ours}")
         row["ours"] = ours["config"] if ours else None
         if ours and "examples_per_sec" in ours and "examples_per_sec" in row:
-            # Like for like: our accuracy run (same length, run just before).
-            row["ours_examples_per_sec"] = ours["accuracy_run_examples_per_sec"]
-            row["ours_over_peer"] = ours["accuracy_run_examples_per_sec"] / row["examples_per_sec"]
+            # Like for like: our accuracy run (same length, run just before),
+            # over the part of the run the peer's figure covers (after its
+            # first Keras epoch); our whole steady figure where it has no
+            # evaluation there.
+            steady = ours["accuracy_run_examples_per_sec"]
+            skipped = results[row["accuracy_run"]].get("steps_per_epoch")
+            window = rate_from(results[ours["accuracy_run"]], skipped) if skipped else None
+            row["ours_steady_examples_per_sec"] = steady
+            row["ours_examples_per_sec"] = window[0] if window else steady
+            row["ours_from_step"] = window[1] if window else None
+            row["ours_over_peer"] = row["ours_examples_per_sec"] / row["examples_per_sec"]
             row["ours_test_accuracy"] = ours["test_accuracy"]
     return rows
 
@@ -476,17 +503,21 @@ def render_markdown(rows: list[dict], targets: list[dict], settings: dict, machi
                   "make every call whole (its peer_results.json has both). "
                   "A peer's examples/s leaves out its "
                   "first Keras epoch (start-up). *ours ÷ peer* compares with our accuracy run of "
-                  "the same length, run just before it.", "",
-                  "| peer | examples/s | test accuracy | ours | ours examples/s | ours ÷ peer "
-                  "| ours accuracy |", "|---|---|---|---|---|---|---|"]
+                  "the same length, run just before it, over the same part of the run: from our "
+                  "first evaluation at or past the peer's first epoch end (*from step*) to the end "
+                  "(evaluation left out); *ours, steady* is our whole steady-state figure.", "",
+                  "| peer | examples/s | test accuracy | ours | ours examples/s | from step "
+                  "| ours ÷ peer | ours accuracy | ours, steady |", "|---|---|---|---|---|---|---|---|---|"]
         for row in peer_rows:
             if not row["ok"]:
-                lines.append(f"| {_label(row)} | FAILED (see runs/{row['failed'][0]}.log) | | | | | |")
+                lines.append(f"| {_label(row)} | FAILED (see runs/{row['failed'][0]}.log) | | | | | | | |")
                 continue
             lines.append(f"| {_label(row)} | {row['examples_per_sec']:,.0f} | {row['test_accuracy']:.4f} "
                          f"| {row.get('ours') or '–'} | {_fmt(row.get('ours_examples_per_sec'), ',.0f')} "
+                         f"| {_fmt(row.get('ours_from_step'), 'd')} "
                          f"| {_fmt(row.get('ours_over_peer'), '.2f')} "
-                         f"| {_fmt(row.get('ours_test_accuracy'), '.4f')} |")
+                         f"| {_fmt(row.get('ours_test_accuracy'), '.4f')} "
+                         f"| {_fmt(row.get('ours_steady_examples_per_sec'), ',.0f')} |")
         lines.append("")
     st_rows = [r for r in rows if r["scenario"] == "staleness"]
     if st_rows:

@@ -412,3 +412,38 @@ def test_report_only_writes_the_same_report_and_plots_from_the_record(tmp_path):
     assert "Work: model value of model, global batch value of global batch, seed" in expected
     for name in ("scenarios_throughput.png", "scenarios_accuracy.png", "staleness.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_rate_from_counts_from_the_first_evaluation_past_a_step():
+    res = {"global_batch_size": 100, "eval_curve": [
+        {"step": 120, "seconds": 5.0, "test_accuracy": 0.9},
+        {"step": 240, "seconds": 8.0, "test_accuracy": 0.95},
+        {"step": 600, "seconds": 17.0, "test_accuracy": 0.99}]}
+    assert scen.rate_from(res, 234) == (pytest.approx(360 * 100 / 9.0), 240)
+    assert scen.rate_from(res, 100) == (pytest.approx(480 * 100 / 12.0), 120)
+    assert scen.rate_from(res, 600) is None  # only the final point: no span
+    assert scen.rate_from(res, 700) is None
+    assert scen.rate_from({"global_batch_size": 1}, 10) is None
+
+
+def test_peer_ratio_covers_the_part_of_the_run_the_peer_measures(tmp_path):
+    a = scenario_args(tmp_path, "--scenarios", "uniform", "--staleness-workers", "")
+    runs = scen.plan_runs(a, python="py")
+    results = fake_results(runs, lambda r: 7000.0)
+    ours = results["acc-uniform-multiworker"]
+    # Our whole steady figure (7,000) includes a slow start; from step 240 on: 7,449.6.
+    ours.update(global_batch_size=128, eval_curve=[
+        {"step": 240, "seconds": 10.0, "test_accuracy": 0.98},
+        {"step": 1404, "seconds": 30.0, "test_accuracy": 0.992}])
+    peer = results["acc-uniform-peer-tf_keras-multiworker"]
+    peer.update(examples_per_sec=7200.0, steps_per_epoch=234)
+    rows = {r["config"]: r for r in scen.summarize(results, runs, {"uniform": 0.99})}
+    row = rows["uniform/peer-tf_keras-multiworker"]
+    assert row["ours_from_step"] == 240 and row["ours_steady_examples_per_sec"] == 7000.0
+    assert row["ours_examples_per_sec"] == pytest.approx(1164 * 128 / 20.0)
+    assert row["ours_over_peer"] == pytest.approx(1164 * 128 / 20.0 / 7200.0)
+    # A peer record without its epoch length: our whole steady figure.
+    keras3 = rows["uniform/peer-keras3"]
+    assert keras3["ours_from_step"] is None and keras3["ours_over_peer"] == pytest.approx(1.0)
+    md = scen.render_markdown(rows.values(), scen.check_targets(list(rows.values())), {}, "m", None)
+    assert "| 7,450 | 240 | 1.03 | 0.9920 | 7,000 |" in md
