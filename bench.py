@@ -472,6 +472,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="test accuracy for time-to-target in the scenarios other than uniform")
     s.add_argument("--no-peers", dest="peers", action="store_false",
                    help="leave out the tutorial peers (bench/peers/)")
+    s.add_argument("--peer-repeats", type=int, default=2,
+                   help="rounds of each peer and the run it is compared with (interleaved; "
+                        "each side's best counts)")
     s.add_argument("--staleness-workers", default="1,2,4",
                    help="async ps worker counts of the staleness study ('' to skip it)")
     s.add_argument("--staleness-lrs", default="0.05,0.5,2", help="its SGD learning rates")

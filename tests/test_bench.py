@@ -136,12 +136,21 @@ def test_scenarios_plan_every_cell_twice_interleaved_with_peers_after_their_run(
              for v in ("multiworker", "ps", "ps-sync", "ps-sync-backup")]
     # Pass 1: the baseline and every cell's short run; pass 2: the accuracy runs.
     assert names[:17] == ["thr-none"] + [f"thr-{c}" for c in cells]
-    assert [n for n in names[17:] if "peer" not in n] == ["acc-none"] + [f"acc-{c}" for c in cells]
-    # Each peer runs right after the run it is compared with.
-    for peer, ours in [("keras3", "acc-none"), ("tf_keras-multiworker", "acc-uniform-multiworker"),
-                       ("tf_keras-ps", "acc-uniform-ps")]:
-        assert names[names.index(f"acc-uniform-peer-{peer}") - 1] == ours
+    accuracy = [r.name for r in runs if r.phase == "accuracy"]
+    assert [n for n in accuracy if "peer" not in n] == ["acc-none"] + [f"acc-{c}" for c in cells]
+    # Each peer runs right after the run it is compared with; each pair again
+    # in a second round, after every accuracy run.
+    pairs = [("keras3", "none"), ("tf_keras-multiworker", "uniform-multiworker"),
+             ("tf_keras-ps", "uniform-ps")]
+    for peer, ours in pairs:
+        assert names[names.index(f"acc-uniform-peer-{peer}") - 1] == f"acc-{ours}"
+    assert names[len(names) - 6:] == [n for _, ours in pairs
+                                      for n in (f"rep-{ours}", f"rep-uniform-peer-{_}")]
+    assert {r.phase for r in runs[len(runs) - 6:]} == {"repeat"}
     cmd = {r.name: list(r.cmd) for r in runs}
+    for name in names[len(names) - 6:]:  # the same command, its own directory
+        first = cmd["acc-" + name[4:]]
+        assert cmd[name][:-1] == first[:-1] and cmd[name][-1] != first[-1]
     slow = cmd["thr-slow-ps-sync-backup"]
     # Slowed from step 10 on, which a progress event every 10 steps reports.
     assert slow[slow.index("--slow") + 1] == "worker:1=0.3@step=10"
@@ -162,7 +171,7 @@ def test_scenarios_plan_every_cell_twice_interleaved_with_peers_after_their_run(
         c = cmd[name]
         if name.startswith("thr-"):
             assert c[c.index("--steps") + 1] == "200" and c[c.index("--eval-every") + 1] == "0"
-        elif "uniform" in name or name == "acc-none":
+        elif "uniform" in name or name.endswith("-none"):
             assert c[c.index("--epochs") + 1] == "3", name
         else:
             assert c[c.index("--steps") + 1] == "160", name
@@ -186,7 +195,12 @@ def test_short_runs_only_where_asked(tmp_path):
 def test_scenarios_without_tf_keras_keep_the_keras3_peer_only(tmp_path):
     runs = scen.plan_runs(scenario_args(tmp_path, "--scenarios", "uniform"), python="py",
                           have_tf_keras=False)
-    assert [r.peer for r in runs if r.peer] == ["keras3"]
+    assert {r.peer for r in runs if r.peer} == {"keras3"}
+    # Only the pairs that run are repeated.
+    assert [r.name for r in runs if r.phase == "repeat"] == ["rep-none", "rep-uniform-peer-keras3"]
+    once = scen.plan_runs(scenario_args(tmp_path, "--scenarios", "uniform", "--peer-repeats", "1"),
+                          python="py", have_tf_keras=False)
+    assert not [r for r in once if r.phase == "repeat"] and [r.peer for r in once if r.peer] == ["keras3"]
     assert not [r for r in scen.plan_runs(scenario_args(tmp_path, "--no-peers"), python="py")
                 if r.peer]
 
@@ -208,6 +222,7 @@ def test_staleness_study_grid(tmp_path):
 @pytest.mark.parametrize("flags, words", [
     (["--scenarios", "uniform,moon"], ["moon", "allowed"]),
     (["--staleness-lrs", "0.1,x"], ["--staleness-lrs", "positive"]),
+    (["--peer-repeats", "0"], ["--peer-repeats", "at least 1"]),
     (["--report-only"], ["--report-only", "scenarios.json", "run the suite first"]),
 ])
 def test_scenarios_bad_input_one_line(flags, words, capsys, tmp_path):
@@ -237,7 +252,7 @@ def fake_results(runs, eps, accuracy=0.992):
 
 def test_scenarios_summary_targets_and_table(tmp_path):
     a = scenario_args(tmp_path, "--scenarios", "uniform,slow", "--staleness-workers", "1,2",
-                      "--staleness-lrs", "0.5")
+                      "--staleness-lrs", "0.5", "--peer-repeats", "1")
     runs = scen.plan_runs(a, python="py")
     speed = {"none": 1000.0, "multiworker": 900.0, "ps": 800.0, "ps-sync": 400.0,
              "ps-sync-backup": 700.0, "peer-keras3": 950.0, "peer-tf_keras-multiworker": 1000.0,
@@ -396,7 +411,7 @@ def test_tutorial_peer_runs_under_the_launcher_and_reports(tmp_path):
 
 def test_report_only_writes_the_same_report_and_plots_from_the_record(tmp_path):
     a = scenario_args(tmp_path, "--scenarios", "uniform,slow", "--staleness-workers", "1,2",
-                      "--staleness-lrs", "0.5")
+                      "--staleness-lrs", "0.5", "--peer-repeats", "1")
     runs = scen.plan_runs(a, python="py")
     results = fake_results(runs, lambda r: 100.0 + 10 * r.workers)
     rows = scen.summarize(results, runs, {"uniform": 0.99, "slow": 0.97})
@@ -437,8 +452,14 @@ def test_peer_ratio_covers_the_part_of_the_run_the_peer_measures(tmp_path):
         {"step": 1404, "seconds": 30.0, "test_accuracy": 0.992}])
     peer = results["acc-uniform-peer-tf_keras-multiworker"]
     peer.update(examples_per_sec=7200.0, steps_per_epoch=234)
+    # The second round: ours slower (its best stays the first), the peer faster.
+    results["rep-uniform-multiworker"].update(global_batch_size=128, eval_curve=[
+        {"step": 240, "seconds": 10.0, "test_accuracy": 0.98},
+        {"step": 1404, "seconds": 40.0, "test_accuracy": 0.992}])
+    results["rep-uniform-peer-tf_keras-multiworker"].update(examples_per_sec=6000.0)
     rows = {r["config"]: r for r in scen.summarize(results, runs, {"uniform": 0.99})}
     row = rows["uniform/peer-tf_keras-multiworker"]
+    assert row["examples_per_sec"] == 7200.0 and len(row["runs"]) == 2
     assert row["ours_from_step"] == 240 and row["ours_steady_examples_per_sec"] == 7000.0
     assert row["ours_examples_per_sec"] == pytest.approx(1164 * 128 / 20.0)
     assert row["ours_over_peer"] == pytest.approx(1164 * 128 / 20.0 / 7200.0)
