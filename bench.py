@@ -460,11 +460,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--scenarios", default=None, help="subset of uniform,slow,links,more")
     s.add_argument("--short-steps", type=int, default=200,
                    help="steps of each throughput run (0: no throughput pass)")
-    s.add_argument("--short-scenarios", default="uniform,slow,more",
+    s.add_argument("--short-scenarios", default="uniform,slow,links,more",
                    help="scenarios whose cells also get a short throughput run (a second "
-                        "measurement); the others run each cell once ('' for none). Not "
-                        "links by default: its runs are network-bound and repeat closely, "
-                        "and they are the suite's longest")
+                        "measurement, interleaved); the others run each cell once ('' for none)")
     s.add_argument("--accuracy-steps", type=int, default=160,
                    help="steps of the accuracy runs of the scenarios other than uniform")
     s.add_argument("--accuracy-eval-every", type=int, default=40)

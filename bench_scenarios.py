@@ -14,8 +14,8 @@ of the same bench run:
 Every multi-process strategy kind runs in each; a kind that averages K
 gradients per update (``ps-sync``) runs twice, with K = N and with one
 backup worker (K = N - 1). Every cell has an *accuracy* run (evaluated
-every few steps) in a second pass; in the ``--short-scenarios`` (all but
-links by default) it also has a *throughput* run (``--short-steps``, no
+every few steps) in a second pass; in the ``--short-scenarios`` (all by
+default) it also has a *throughput* run (``--short-steps``, no
 evaluation) in a first pass, interleaved with the others, and its
 examples/s is the better of the two; every run's figure is shown.
 In the uniform scenario, peers

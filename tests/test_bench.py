@@ -184,7 +184,7 @@ def test_scenarios_plan_every_cell_twice_interleaved_with_peers_after_their_run(
 def test_short_runs_only_where_asked(tmp_path):
     every = {"", "uniform", "slow", "links", "more"}  # "": the baseline
     runs = scen.plan_runs(scenario_args(tmp_path, "--staleness-workers", ""), python="py")
-    assert {r.scenario for r in runs if r.phase == "throughput"} == every - {"links"}  # default
+    assert {r.scenario for r in runs if r.phase == "throughput"} == every  # default
     assert {r.scenario for r in runs if r.phase == "accuracy"} == every
     runs = scen.plan_runs(scenario_args(tmp_path, "--staleness-workers", "",
                                         "--short-scenarios", "uniform,slow"), python="py")
