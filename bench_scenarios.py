@@ -499,7 +499,7 @@ def render_markdown(rows: list[dict], targets: list[dict], settings: dict, machi
         lines.append(f"Suite wall time: {seconds / 60:.1f} min ({seconds:.0f} s).")
     lines += ["", "examples/s: steady state (start-up and evaluation excluded), the best of the "
               "cell's runs; *each run* lists them (*thr*: the short throughput run, *acc*: the "
-              "accuracy run). *× none*: against the one-process baseline of this bench run. "
+              "accuracy run, *rep*: its second round, for the runs a peer is compared with). *× none*: against the one-process baseline of this bench run. "
               "Accuracy, time to target (start-up included, evaluation excluded), staleness "
               "and dropped gradients: from the accuracy run.", ""]
     base = [r for r in rows if r["config"] == bench.BASELINE]
