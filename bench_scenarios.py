@@ -499,7 +499,8 @@ def render_markdown(rows: list[dict], targets: list[dict], settings: dict, machi
         lines.append(f"Suite wall time: {seconds / 60:.1f} min ({seconds:.0f} s).")
     lines += ["", "examples/s: steady state (start-up and evaluation excluded), the best of the "
               "cell's runs; *each run* lists them (*thr*: the short throughput run, *acc*: the "
-              "accuracy run, *rep*: its second round, for the runs a peer is compared with). *× none*: against the one-process baseline of this bench run. "
+              "accuracy run, *rep*: its second round, for the runs a peer is compared with). "
+              "*× none*: against the one-process baseline of this bench run. "
               "Accuracy, time to target (start-up included, evaluation excluded), staleness "
               "and dropped gradients: from the accuracy run.", ""]
     base = [r for r in rows if r["config"] == bench.BASELINE]
@@ -530,17 +531,19 @@ def render_markdown(rows: list[dict], targets: list[dict], settings: dict, machi
                   "first evaluation at or past the peer's first epoch end (*from step*) to the end "
                   "(evaluation left out); *ours, steady* is our whole steady-state figure.", "",
                   "| peer | examples/s | test accuracy | ours | ours examples/s | from step "
-                  "| ours ÷ peer | ours accuracy | ours, steady |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| ours ÷ peer | ours accuracy | ours, steady | peer's runs |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for row in peer_rows:
             if not row["ok"]:
-                lines.append(f"| {_label(row)} | FAILED (see runs/{row['failed'][0]}.log) | | | | | | | |")
+                lines.append(f"| {_label(row)} | FAILED (see runs/{row['failed'][0]}.log) | | | | | | | | |")
                 continue
             lines.append(f"| {_label(row)} | {row['examples_per_sec']:,.0f} | {row['test_accuracy']:.4f} "
                          f"| {row.get('ours') or '–'} | {_fmt(row.get('ours_examples_per_sec'), ',.0f')} "
                          f"| {_fmt(row.get('ours_from_step'), 'd')} "
                          f"| {_fmt(row.get('ours_over_peer'), '.2f')} "
                          f"| {_fmt(row.get('ours_test_accuracy'), '.4f')} "
-                         f"| {_fmt(row.get('ours_steady_examples_per_sec'), ',.0f')} |")
+                         f"| {_fmt(row.get('ours_steady_examples_per_sec'), ',.0f')} "
+                         f"| {_runs_cell(row)} |")
         lines.append("")
     st_rows = [r for r in rows if r["scenario"] == "staleness"]
     if st_rows:

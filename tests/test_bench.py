@@ -467,4 +467,4 @@ def test_peer_ratio_covers_the_part_of_the_run_the_peer_measures(tmp_path):
     keras3 = rows["uniform/peer-keras3"]
     assert keras3["ours_from_step"] is None and keras3["ours_over_peer"] == pytest.approx(1.0)
     md = scen.render_markdown(rows.values(), scen.check_targets(list(rows.values())), {}, "m", None)
-    assert "| 7,450 | 240 | 1.03 | 0.9920 | 7,000 |" in md
+    assert "| 7,450 | 240 | 1.03 | 0.9920 | 7,000 | acc 7,200 / rep 6,000 |" in md
