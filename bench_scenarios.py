@@ -35,7 +35,7 @@ import os
 import sys
 import textwrap
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import bench
 from launcher import plan as plans
@@ -123,6 +123,11 @@ PEERS = (
          "tf_keras model.fit + steps_per_execution, ParameterServerStrategy (ps tutorial)",
          tf_keras=True),
 )
+
+def ours_config(peer: Peer) -> str:
+    """The row (config) of our run that ``peer`` is compared with."""
+    return peer.ours if peer.ours == bench.BASELINE else f"{UNIFORM}/{peer.ours}"
+
 
 # Targets: ratios of examples/s measured in this run.
 PEER_TARGET = 1.0  # each of our strategies against its tutorial peer
@@ -218,9 +223,9 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
                  "--log-every", str(scenario.log_every or args.log_every)]
         return flags + (["--data-dir", args.data_dir] if args.data_dir else [])
 
-    def add(phase, scenario, key, kind, workers, prefix, flags, peer="", tag=None):
+    def add(phase, scenario, key, kind, workers, prefix, flags, peer=""):
         config = key if scenario is None else f"{scenario.name}/{key}"
-        name = f"{tag or phase[:3]}-{config.replace('/', '-')}"
+        name = f"{phase[:3]}-{config.replace('/', '-')}"
         model_dir = os.path.join(args.out, "runs", name)
         runs.append(bench.Run(name, kind, workers, (*prefix, *flags, "--model-dir", model_dir),
                               model_dir, config, scenario.name if scenario else "", phase,
@@ -230,12 +235,7 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
     peers = [p for p in PEERS if args.peers and (have_tf_keras or not p.tf_keras)
              and strategy_kinds.get(p.ours).name in only]
 
-    # Every run a peer is compared with, and the peer's own, again in a
-    # later round (--peer-repeats): a single pair is at the mercy of a
-    # slow minute on a shared host.
-    compared: list[tuple] = []
-
-    def add_peer(ours: str, flags: list[str], tag=None):
+    def add_peer(ours: str, flags: list[str]):
         for peer in (p for p in peers if p.ours == ours):
             kind = strategy_kinds.get(peer.ours)
             script = os.path.join(PEERS_DIR, peer.script)
@@ -244,9 +244,8 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
             else:
                 prefix = launch_prefix(python, kind.name, uniform.workers, uniform,
                                        args.run_timeout, program=script)
-            add("accuracy" if tag is None else "repeat", uniform, f"peer-{peer.key}", kind.name,
-                1 if kind.single_process else uniform.workers, prefix, flags, peer=peer.key,
-                tag=tag)
+            add("accuracy", uniform, f"peer-{peer.key}", kind.name,
+                1 if kind.single_process else uniform.workers, prefix, flags, peer=peer.key)
 
     for phase in ("throughput", "accuracy")[0 if args.short_steps else 1:]:
         if phase == "throughput":
@@ -258,8 +257,6 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
             [python, train, f"--strategy={bench.BASELINE}"], base_flags)
         if phase == "accuracy":
             add_peer(bench.BASELINE, base_flags)
-            compared.append((None, bench.BASELINE, bench.BASELINE, 1,
-                             [python, train, f"--strategy={bench.BASELINE}"], base_flags))
         for scenario in scenarios:
             if phase == "throughput" and scenario.name not in short_in:
                 continue
@@ -275,14 +272,19 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
                     [*flags, *v.train_flags])
                 if phase == "accuracy" and scenario.name == UNIFORM:
                     add_peer(v.key, flags)
-                    compared.append((scenario, v.key, v.kind, scenario.workers, prefix,
-                                     [*flags, *v.train_flags]))
-    for i in range(1, args.peer_repeats if peers else 1):
+    # Every pair of a peer and the run it is compared with, again in later
+    # rounds (--peer-repeats), in the same order: a single pair is at the
+    # mercy of a slow minute on a shared host. The same commands, each
+    # round in directories of its own.
+    compared = {ours_config(p) for p in peers}
+    pairs = [r for r in runs if r.phase == "accuracy" and (r.peer or r.config in compared)]
+    for i in range(1, args.peer_repeats):
         tag = "rep" if i == 1 else f"rep{i}"
-        for scenario, key, kind, workers, prefix, flags in compared:
-            if any(p.ours == key for p in peers):
-                add("repeat", scenario, key, kind, workers, prefix, flags, tag=tag)
-                add_peer(key, flags, tag=tag)
+        for run in pairs:
+            name = f"{tag}-{run.name.partition('-')[2]}"
+            model_dir = os.path.join(args.out, "runs", name)
+            runs.append(replace(run, name=name, phase="repeat", model_dir=model_dir,
+                                cmd=(*run.cmd[:-1], model_dir)))
     runs += plan_staleness(args, python)
     return runs
 
@@ -394,7 +396,7 @@ def summarize(results: dict[str, dict], runs: list[bench.Run], targets: dict[str
         peer = peers_by_ours.get(row["peer"]) if row["peer"] else None
         if peer is None:
             continue
-        ours = by_config.get(peer.ours if peer.ours == bench.BASELINE else f"{UNIFORM}/{peer.ours}")
+        ours = by_config.get(ours_config(peer))
         row["ours"] = ours["config"] if ours else None
         # Like for like: our runs of the peer's length (each run just before
         # the peer's), the best, over the part of the run the peer's figure
