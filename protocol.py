@@ -23,6 +23,10 @@ from enum import IntEnum
 from typing import Any
 
 
+class ConfigError(ValueError):
+    """Bad user input. ``str(err)`` is the one line shown to the user."""
+
+
 class Exit(IntEnum):
     OK = 0
     FAILED = 1  # an unexpected error: a bug, or a fault nobody handled
@@ -188,9 +192,9 @@ class Results:
     """
 
     strategy: str
-    model: str
+    model: str  # the task's name (kept from before tasks: readers of older records use it)
     optimizer: str
-    learning_rate: float
+    learning_rate: float | None  # None: a task's own optimizer whose rate is not a number
     lr_schedule: str
     num_workers: int
     num_ps: int
@@ -210,7 +214,7 @@ class Results:
     wall_seconds: float
     eval_curve: list
     eval_seconds: float
-    test_accuracy: float
+    test_accuracy: float | None  # None for a task without an accuracy metric
     test_loss: float
     weights_sha256: str
     tf_version: str
@@ -233,10 +237,21 @@ class Results:
     # pending: computed but not yet looked at by the ps when the run ended.
     gradients_per_worker: dict | None = None
     update_interval: dict | None = None  # seconds between applied updates, on the ps
+    # The task: its name, every compiled metric on the whole test split, the splits' sizes.
+    task: str | None = None
+    test_metrics: dict | None = None
+    train_examples: int | None = None  # None: a streamed (infinite or unknown) split
+    test_examples: int | None = None
+    # A task's extra_results(), written at the top level beside the fields above.
+    extra: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        extra = out.pop("extra")
+        # A task's own figures never replace the library's.
+        out.update({k: v for k, v in extra.items() if k not in out})
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "Results":
@@ -245,8 +260,9 @@ class Results:
             raise ValueError(
                 f"results schema_version {version!r}, this code reads {SCHEMA_VERSION}"
             )
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        extra = {k: v for k, v in data.items() if k not in names}
+        return cls(**{k: v for k, v in data.items() if k in names}, extra=extra)
 
     def write(self, path: str) -> None:
         write_json_atomic(path, self.to_dict())

@@ -1,4 +1,4 @@
-"""Train the MNIST model under any tf.distribute strategy.
+"""Train a Keras 3 model (a task) under any tf.distribute strategy.
 
 Each process runs this same program; ``TF_CONFIG`` says which task it is.
 
@@ -35,16 +35,16 @@ checkpoint kept. The chief holds ``<model-dir>/.lock`` while it runs.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 
 import protocol
-from protocol import Exit
-from strategies import CLUSTER_RESOLVERS, ConfigError, check_batch_size, cluster_from_environ, kinds
-from strategies.devices import plan_devices
+from protocol import ConfigError, Exit
+from strategies import CLUSTER_RESOLVERS, cluster_from_environ, kinds
+from training import tasks
 from training.config import PER_REPLICA_BATCH, TrainConfig, check_model_dir
+from training.plan import RunPlan, resolve
 
 
 def _physical_gpus() -> list[str]:
@@ -53,107 +53,90 @@ def _physical_gpus() -> list[str]:
     return [d.name for d in tf.config.list_physical_devices("GPU")]
 
 
-def default_global_batch(config: TrainConfig, gpus: list[str] | None = None) -> int:
-    """TensorFlow's convention when no ``--global-batch-size`` is given.
+def preflight(config: TrainConfig, gpus: list[str] | None = None) -> RunPlan:
+    """Everything that can be checked before a server starts; the run's plan.
 
-    ``PER_REPLICA_BATCH`` examples per replica in sync (per gradient, times
-    the K gradients of one update, under ps-sync), so any cluster shape
-    splits evenly. ``config`` is checked first, with a placeholder batch,
-    so bad flags are refused before TensorFlow is imported to list GPUs.
+    A built-in task's split sizes are known up front; a user's task is
+    imported and inspected here (TensorFlow is imported for that, and to
+    list GPUs when ``gpus`` is None). Writes nothing.
     """
-    config = dataclasses.replace(
-        config, global_batch_size=PER_REPLICA_BATCH * max(1, config.gradients_per_update))
     config.validate()
     cfg = config.cluster
     kind = kinds.resolve(config.strategy, cfg)
+    spec = tasks.parse_spec(config.task, config.task_options)
+    train_n, test_n = tasks.static_sizes(spec)
+    if train_n is None and kind.reads_data(cfg):
+        checked = tasks.inspect(spec, tasks.load(spec, config.data_dir),
+                                steps_given=config.steps is not None)
+        train_n, test_n = checked.info.train_examples, checked.info.test_examples
+    elif train_n is None:
+        # A task that does not read data (a ps, a worker under ps) needs
+        # no sizes; its steps are the chief's.
+        config = _with_steps(config)
     if gpus is None:
-        gpus = _physical_gpus() if kind.role(cfg) in kind.gpu_roles() else []
-    return PER_REPLICA_BATCH * replicas_in_sync(kind, cfg, gpus)[1] * config.gradients_per_update
+        gpus = _physical_gpus()
+    plan = resolve(config, gpus, train_examples=train_n, test_examples=test_n, spec=spec)
+    check_task_dirs(plan)
+    return plan
 
 
-def replicas_in_sync(kind, cfg, gpus: list[str]) -> tuple[dict, int]:
-    """This task's device plan, and the replicas one step of the job runs on."""
-    devices = plan_devices(kind.gpu_roles(), cfg, gpus)
-    return devices, kind.replicas(cfg, len(devices["visible_gpus"]))
+def _with_steps(config: TrainConfig) -> TrainConfig:
+    import dataclasses
+
+    return config if config.steps is not None else dataclasses.replace(config, steps=1)
 
 
-def plan(config: TrainConfig, gpus: list[str] | None = None) -> dict:
-    """Validate everything that can be checked without a server; describe the run.
-
-    TensorFlow is imported only to list GPUs (when ``gpus`` is None), after
-    every check that does not need it.
-    """
-    config.validate()
-    cfg = config.cluster
-    kind = kinds.resolve(config.strategy, cfg)
-    config.schedule()  # refuses impossible cadences before anything starts
+def check_task_dirs(plan: RunPlan) -> None:
+    """The chief's run directory is writable, and a resume keeps the run's defining flags."""
+    cfg, kind = plan.cluster, plan.kind
     if cfg.is_chief:
         # The chief writes there; an unusable path fails now, not after TF starts.
-        check_model_dir(config.model_dir)
+        check_model_dir(plan.config.model_dir)
     if kind.role(cfg) != "evaluator" and not kind.serves(cfg):
         from training.checkpoints import check_run_record
 
         # A resume with other defining flags is refused by --dry-run too.
-        check_run_record(config.model_dir, config.defining_flags(kind.name))
-    if gpus is None:
-        gpus = _physical_gpus()
-    devices, replicas = replicas_in_sync(kind, cfg, gpus)
-    check_batch_size(config.global_batch_size, replicas)
-    return {
-        "strategy": kind.name,
-        "requested_strategy": config.strategy,
-        "task": cfg.task_name,
-        "role": kind.role(cfg),
-        "is_chief": cfg.is_chief,
-        "action": kind.duty(cfg),
-        "cluster": cfg.cluster_dict(),
-        "num_workers": cfg.num_workers,
-        "num_ps": cfg.num_ps,
-        "replicas_in_sync": replicas,
-        "global_batch_size": config.global_batch_size,
-        "per_replica_batch_size": config.global_batch_size // replicas,
-        "gradients_per_update": config.gradients_per_update,
-        "total_steps": config.total_steps,
-        "devices": {**devices, "cpu": True},
-        "model_dir": config.model_dir,
-    }
+        check_run_record(plan.config.model_dir, plan.defining_flags())
 
 
-def run(config: TrainConfig, as_command: bool = False, batch_note: str | None = None) -> dict | None:
+def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None:
     """Run this task's part of the job; the chief returns the results dict.
 
     Raises ConfigError for bad input before anything is written.
     ``as_command``: the process ends right after (``python train.py``).
-    ``batch_note``: how a default global batch was chosen, printed once the
-    checks have passed.
+    ``task``: a task object to train instead of ``config.task`` (notebooks:
+    see ``train_task``).
     """
     if config.dry_run:
-        print(json.dumps(plan(config), indent=None, sort_keys=True), flush=True)
+        print(json.dumps(preflight(config).describe(), indent=None, sort_keys=True), flush=True)
         return None
     cfg = config.cluster
-    # Everything that can be checked without TensorFlow first (its import
-    # takes seconds): the plan without this host's GPUs (it reads the run
-    # directory's record) and this task's port. None of them writes anything.
-    kind = kinds.get(plan(config, gpus=[])["strategy"])
+    kind = kinds.resolve(config.strategy, cfg)
+    spec = (tasks.parse_spec(config.task, config.task_options) if task is None
+            else tasks.object_spec(task, config.task))
+    # Everything that can be checked without starting TensorFlow's runtime
+    # first (its start-up takes seconds): flags, the run directory and its
+    # record, this task's port. None of them writes anything.
+    if task is None and tasks.static_sizes(spec)[0] is not None:
+        preflight(config, gpus=[])
+    else:
+        config.validate()
     evaluator = kind.role(cfg) == "evaluator"
     if not cfg.is_local and not evaluator:
         check_own_port(cfg)
-    the_plan = plan(config)
-    if batch_note:
-        print(batch_note, flush=True)
+    gpus = _physical_gpus() if kind.role(cfg) in kind.gpu_roles() else []
     for name, value in kind.process_env().items():
         os.environ.setdefault(name, value)
 
     from strategies.devices import configure_devices
-    from training import data
-    from training.checkpoints import RunLock
 
-    if kind.reads_data(cfg):
-        # One clear line if MNIST is missing, truncated or corrupt (both splits).
-        data.ensure_available(config.data_dir)
+    if kind.reads_data(cfg) and task is None and tasks.reads_tfds(spec):
+        # One clear line if the data is missing, truncated or corrupt (both
+        # splits), read without starting the runtime.
+        tasks.load(spec, config.data_dir).check_data()
     configure_devices(kind.gpu_roles(), cfg)
     if evaluator:
-        print(f"{cfg.task_name}: {the_plan['action']}; exiting", flush=True)
+        print(f"{cfg.task_name}: {kind.duty(cfg)}; exiting", flush=True)
         return None
     if kind.serves(cfg):
         from strategies.server import serve
@@ -162,23 +145,51 @@ def run(config: TrainConfig, as_command: bool = False, batch_note: str | None = 
         return None
 
     from strategies.server import StartupWatchdog
+    from training.checkpoints import RunLock
     from training.controller import train_and_evaluate
 
+    watchdog = StartupWatchdog(cfg, config.startup_timeout,
+                               "connect to every task and run the first step")
+    # The strategy first: MultiWorkerMirroredStrategy configures collectives
+    # before the runtime starts, and checking the task runs TensorFlow ops.
+    bundle = kind.build(cfg, all_reduce=config.all_reduce)
+    checked = tasks.inspect(spec, task if task is not None else tasks.load(spec, config.data_dir),
+                            steps_given=config.steps is not None)
+    info = checked.info
+    plan = resolve(config, gpus, train_examples=info.train_examples,
+                   test_examples=info.test_examples, spec=spec)
+    check_task_dirs(plan)
+    if plan.batch_note():
+        print(plan.batch_note(), flush=True)
+    if spec.builtin is None and plan.optimizer.library:
+        opt = plan.optimizer
+        print(f"task {spec.name}: training with --optimizer {opt.name} at {opt.learning_rate:g} "
+              f"({opt.schedule}) instead of the optimizer it compiled, as the flags ask",
+              flush=True)
     lock = None
     if cfg.is_chief:
         # The first thing written: a second job on this directory stops here.
         os.makedirs(config.model_dir, exist_ok=True)
         lock = RunLock(config.model_dir)
     try:
-        watchdog = StartupWatchdog(
-            cfg, config.startup_timeout, "connect to every task and run the first step"
-        )
-        bundle = kind.build(cfg, all_reduce=config.all_reduce)
-        return train_and_evaluate(config, bundle, the_plan["replicas_in_sync"], watchdog.done,
-                                  as_command=as_command)
+        return train_and_evaluate(plan, bundle, checked, watchdog.done, as_command=as_command)
     finally:
         if lock is not None:
             lock.release()
+
+
+def train_task(task, strategy: str = "none", **flags) -> dict:
+    """Train a task object in this process (``none`` or ``mirrored``): for notebooks.
+
+    ``flags`` are ``TrainConfig`` fields (``steps=200``, ``model_dir=...``).
+    Returns the results record as a dict.
+    """
+    one_process = {name for name, kind in kinds.all_kinds().items() if kind.single_process}
+    if strategy not in one_process:
+        raise ConfigError(f"train_task runs in one process: --strategy {strategy!r} needs a "
+                          f"cluster; use one of {', '.join(sorted(one_process))}, or launch.py")
+    name = flags.pop("task", None) or getattr(task, "__name__", None) or type(task).__name__
+    return run(TrainConfig(strategy=strategy, task=name, **flags), task=task)
 
 
 def check_own_port(cfg) -> None:
@@ -223,9 +234,9 @@ def check_own_port(cfg) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from models import MODEL_NAMES
+    from models import BUILTIN_TASKS, DEFAULT_TASK, MODEL_NAMES
     from strategies.kinds import ALL_REDUCE
-    from training.config import LR_SCHEDULES, OPTIMIZERS
+    from training.config import DEFAULT_LEARNING_RATE, LR_SCHEDULES, OPTIMIZERS
 
     p = protocol.OneLineParser(
         allow_abbrev=False,
@@ -251,26 +262,42 @@ def parse_args(argv=None) -> argparse.Namespace:
                               "workers; fewer makes the N - K slowest backups whose late gradients "
                               "are dropped)")
     train = p.add_argument_group("training")
-    train.add_argument("--model", default=d.model, choices=MODEL_NAMES, help="the Keras model")
-    train.add_argument("--epochs", type=int, default=d.epochs, help="passes over MNIST's 60,000 examples")
-    train.add_argument("--steps", type=int, default=None, help="total steps; overrides --epochs")
+    train.add_argument("--task", default=None,
+                       help="what to train: a built-in (" + ", ".join(BUILTIN_TASKS)
+                       + f"; default {DEFAULT_TASK}), an import path pkg.mod[:NAME] or a file "
+                       "path/to/task.py providing build_model() and dataset(split)")
+    train.add_argument("--task-option", dest="task_options", action="append", default=[],
+                       metavar="KEY=VALUE",
+                       help="passed to the task's configure(**options); repeatable")
+    train.add_argument("--model", default=None, choices=MODEL_NAMES,
+                       help="alias: --model cnn is --task mnist-cnn, --model logreg --task mnist-logreg")
+    train.add_argument("--epochs", type=int, default=d.epochs,
+                       help="passes over the task's training split")
+    train.add_argument("--steps", type=int, default=None,
+                       help="total steps; overrides --epochs (required when the training split "
+                            "is infinite or of unknown size)")
     train.add_argument("--global-batch-size", type=int, default=None,
                        help="examples behind one update, split over the replicas in sync "
                             f"(default: {PER_REPLICA_BATCH} per replica x the replicas in sync, "
                             "TensorFlow's convention; ps-sync: per gradient x K)")
-    train.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZERS, help="Keras optimizer")
+    train.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
+                       help="built-in tasks: the Keras optimizer (default adam); a task of yours "
+                            "trains with the optimizer it compiled unless this, --learning-rate "
+                            "or --lr-schedule is given")
     train.add_argument("--learning-rate", type=float, default=None,
-                       help="peak rate (default: 0.005 for adam, 0.1 for sgd)")
-    train.add_argument("--lr-schedule", default=d.lr_schedule, choices=LR_SCHEDULES,
-                       help="cosine: decay to 0 over the run")
+                       help="peak rate (default: " + ", ".join(
+                           f"{v:g} for {k}" for k, v in DEFAULT_LEARNING_RATE.items()) + ")")
+    train.add_argument("--lr-schedule", default=None, choices=LR_SCHEDULES,
+                       help="cosine (default): decay to 0 over the run")
     train.add_argument("--seed", type=int, default=d.seed,
                        help="initial weights and data order (ps workers shuffle on their own)")
     train.add_argument("--steps-per-execution", type=int, default=d.steps_per_execution,
                        help="steps per tf.function call (fewer host round trips)")
     train.add_argument("--data-dir", default=None,
-                       help="tfds data dir holding mnist (default: TFDS_DATA_DIR, else tfds's own)")
+                       help="tfds data dir for the built-in MNIST tasks (default: TFDS_DATA_DIR, "
+                            "else tfds's own)")
     train.add_argument("--synthetic-data", action="store_true",
-                       help="train on one in-memory random batch (input-pipeline benchmark)")
+                       help="train on the first batch, repeated (input-pipeline benchmark)")
     out = p.add_argument_group("checkpoints, evaluation and output")
     out.add_argument("--model-dir", default=d.model_dir,
                      help="checkpoints, model.keras, logs/ and results.json; a rerun resumes there")
@@ -297,40 +324,47 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Flags -> the frozen config (the only place train.py's Namespace is read)."""
+    options = vars(args)
+    options.pop("verbose", None)
+    if options["data_dir"] is None:
+        # tfds would read it too; resolved here so the config says where data comes from.
+        options["data_dir"] = os.environ.get("TFDS_DATA_DIR") or None
+    model = options.pop("model")
+    if model is not None and options["task"] is not None:
+        raise protocol.UsageError(f"--model {model} and --task {options['task']} both given; "
+                                  "--model is an alias of --task, pass one of them")
+    if model is not None:
+        from models import MODEL_ALIASES
+
+        options["task"] = MODEL_ALIASES[model]
+    if options["task"] is None:
+        options.pop("task")
+    options["task_options"] = tuple(options["task_options"])
+    cluster = cluster_from_environ(
+        options.pop("cluster_resolver"), os.environ,
+        slurm_ps=options.pop("slurm_ps"), slurm_port=options.pop("slurm_port"),
+    )
+    options.pop("check_only")
+    return TrainConfig(cluster=cluster, **options)
+
+
 def main(argv=None) -> int:
     """The command line (``argv=None``: ``sys.argv``); returns the exit code."""
     try:
         args = parse_args(argv)
-        verbose = args.__dict__.pop("verbose")
-        if argv is None and not verbose:
+        if argv is None and not args.verbose:
             # Only as a command: a caller's own stderr (a test's capture) is left alone.
             from training.noise import filter_stderr
 
             filter_stderr()
-        if args.data_dir is None:
-            # tfds would read it too; resolved here so the config says where data comes from.
-            args.data_dir = os.environ.get("TFDS_DATA_DIR") or None
-        options = vars(args)
-        cluster = cluster_from_environ(
-            options.pop("cluster_resolver"), os.environ,
-            slurm_ps=options.pop("slurm_ps"), slurm_port=options.pop("slurm_port"),
-        )
-        check_only = options.pop("check_only")
-        chosen = options["global_batch_size"] is None
-        if chosen:
-            options["global_batch_size"] = default_global_batch(
-                TrainConfig(cluster=cluster, **{**options, "global_batch_size": PER_REPLICA_BATCH}),
-                gpus=[] if check_only else None)
-        config = TrainConfig(cluster=cluster, **options)
-        note = None
-        if chosen and config.cluster.is_chief:
-            note = (f"global batch {config.global_batch_size}: {PER_REPLICA_BATCH} per replica "
-                    f"x {config.global_batch_size // PER_REPLICA_BATCH} (TensorFlow's "
-                    "convention; --global-batch-size sets it)")
+        check_only = args.check_only
+        config = config_from_args(args)
         if check_only:
-            print(json.dumps(plan(config, gpus=[]), sort_keys=True), flush=True)
+            print(json.dumps(preflight(config, gpus=[]).describe(), sort_keys=True), flush=True)
             return Exit.OK
-        run(config, as_command=argv is None, batch_note=note)
+        run(config, as_command=argv is None)
     except (ConfigError, protocol.UsageError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return Exit.BAD_INPUT

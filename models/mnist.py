@@ -1,50 +1,77 @@
-"""Keras 3 MNIST models, built by name.
+"""MNIST as two built-in tasks, ``mnist-cnn`` and ``mnist-logreg``.
 
-No ``tf.distribute`` here: callers build models inside ``strategy.scope()``,
-which is what places the variables (mirrored, or on the parameter servers).
+Written against the public task contract (``training.tasks``), as a user's
+task is. Images stay uint8 in the data and are scaled by the model's first
+layer: the input pipeline then holds 47 MB for the training split instead
+of 188 MB of float32, and the cast costs the step what it cost the pipeline.
 """
 
 from __future__ import annotations
 
-import keras
+import os
 
-from models import MODEL_NAMES
+import keras
 
 INPUT_SHAPE = (28, 28, 1)
 NUM_CLASSES = 10
+# Peak rate of the compiled optimizer; the library replaces it with the
+# configured one (--optimizer, --learning-rate, --lr-schedule) for built-ins.
+LEARNING_RATE = 5e-3
 
 
-def cnn() -> keras.Model:
+def cnn_layers() -> list:
     """Two conv blocks and a dense head: ~99 % test accuracy in 2-3 epochs."""
-    return keras.Sequential(
-        [
-            keras.Input(INPUT_SHAPE),
-            keras.layers.Conv2D(32, 3, activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Conv2D(64, 3, activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Flatten(),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(NUM_CLASSES),
-        ],
-        name="cnn",
-    )
+    return [
+        keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(64, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+        keras.layers.Dense(128, activation="relu"),
+        keras.layers.Dense(NUM_CLASSES),
+    ]
 
 
-def logreg() -> keras.Model:
+def logreg_layers() -> list:
     """784 -> 10 softmax regression, the classic parameter-server example."""
-    return keras.Sequential(
-        [
-            keras.Input(INPUT_SHAPE),
-            keras.layers.Flatten(),
-            keras.layers.Dense(NUM_CLASSES),
-        ],
-        name="logreg",
-    )
+    return [keras.layers.Flatten(), keras.layers.Dense(NUM_CLASSES)]
 
 
-def build_model(name: str) -> keras.Model:
-    """The model called ``name`` (one of ``models.MODEL_NAMES``); it outputs logits."""
-    if name not in MODEL_NAMES:
-        raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODEL_NAMES)}")
-    return globals()[name]()
+class MnistTask:
+    """An MNIST classifier: uint8 images in, logits out."""
+
+    def __init__(self, name: str, layers, data_dir: str | None = None):
+        self.name, self._layers, self.data_dir = name, layers, data_dir
+
+    def configure(self, data_dir: str | None = None) -> None:
+        """``--data-dir``: a tfds data directory holding mnist/3.0.1."""
+        self.data_dir = data_dir
+
+    def build_model(self) -> keras.Model:
+        model = keras.Sequential(
+            [keras.Input(INPUT_SHAPE, dtype="uint8", name="image"),
+             keras.layers.Rescaling(1.0 / 255), *self._layers()],
+            name=self.name.replace("-", "_"),
+        )
+        model.compile(
+            optimizer=keras.optimizers.Adam(LEARNING_RATE),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+        return model
+
+    def dataset(self, split: str):
+        """MNIST ``split`` as unbatched (uint8 image, int64 label) pairs."""
+        from models import tfds_data
+
+        return tfds_data.load("mnist", split, self.data_dir)
+
+    def check_data(self) -> None:
+        """Both splits present and undamaged, read without starting TensorFlow."""
+        from models import tfds_data
+
+        tfds_data.ensure_available("mnist", self.data_dir)
+
+
+CNN = MnistTask("mnist-cnn", cnn_layers, os.environ.get("TFDS_DATA_DIR") or None)
+LOGREG = MnistTask("mnist-logreg", logreg_layers, os.environ.get("TFDS_DATA_DIR") or None)

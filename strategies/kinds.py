@@ -10,7 +10,6 @@ the launcher and every check here run without it.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -19,13 +18,9 @@ from strategies.tf_config import TRAINING_ROLES, ClusterConfig, ConfigError
 AUTO = "auto"
 ALL_REDUCE = ("auto", "ring", "nccl")
 
-# A kind's ``trainer`` names one of these: (module, class), imported lazily
-# because every trainer imports TensorFlow.
-TRAINERS = {
-    "sync": ("training.sync_trainer", "SyncTrainer"),
-    "ps": ("training.ps_trainer", "PsTrainer"),
-    "ps-sync": ("training.ps_sync_trainer", "PsSyncTrainer"),
-}
+# The training loops a kind may name (``StrategyKind.trainer``); the
+# training side maps each to its trainer class (training.controller).
+LOOPS = ("sync", "ps", "ps-sync")
 
 
 @dataclass(frozen=True)
@@ -44,7 +39,7 @@ class StrategyKind:
 
     name = ""
     summary = ""
-    # Which training loop, a key of TRAINERS: "sync" (every task runs every
+    # Which training loop, one of LOOPS: "sync" (every task runs every
     # step), "ps" (the chief schedules steps on the workers) or "ps-sync"
     # (workers hand gradients to the ps, the chief applies K at a time).
     trainer = "sync"
@@ -116,11 +111,6 @@ class StrategyKind:
 
     def build(self, cfg: ClusterConfig, *, all_reduce: str = "auto") -> StrategyBundle:
         raise NotImplementedError
-
-    def trainer_class(self):
-        """The trainer for this kind (imported lazily: it imports TensorFlow)."""
-        module, name = TRAINERS[self.trainer]
-        return getattr(importlib.import_module(module), name)
 
     # --- the simulated cluster ------------------------------------------------
 

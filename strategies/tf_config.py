@@ -7,6 +7,8 @@ or from a Slurm job step (``strategies/slurm.py``) or a JobSet pod (``strategies
 
 from __future__ import annotations
 
+from protocol import ConfigError  # noqa: F401  (re-exported: strategies.tf_config.ConfigError)
+
 import ipaddress
 import json
 import re
@@ -22,10 +24,6 @@ EXPECTED_SHAPE = (
     '{"cluster": {"worker": ["host:port", ...], ...}, '
     '"task": {"type": "worker", "index": 0}}'
 )
-
-
-class ConfigError(ValueError):
-    """Bad user input. ``str(err)`` is the one line shown to the user."""
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import re
 import tempfile
 
 import protocol
-from strategies import ConfigError
+from protocol import ConfigError
 from training.config import DEFINING_FLAGS
 from training.recovery import Diverged, first_line
 
@@ -38,14 +38,15 @@ class Checkpointer:
     private temporary directory removed by ``close``.
     """
 
-    def __init__(self, state, model_dir: str, is_chief: bool, task: str, on_saved=None):
+    def __init__(self, state, model_dir: str, is_chief: bool, task: str,
+                 run_record: dict | None = None, on_saved=None):
         import tensorflow as tf
 
         self.state = state
         self.model_dir = model_dir
-        # The defining flags (TrainConfig.defining_flags); the controller sets
-        # them, and the chief writes run.json before its first save.
-        self.run_record: dict | None = None
+        # The defining flags (RunPlan.defining_flags): the chief writes run.json
+        # before its first save.
+        self.run_record = run_record
         self._recorded = False
         self.chief_dir = os.path.join(model_dir, "checkpoints")
         self.private = not is_chief
@@ -177,7 +178,7 @@ def restore_latest(state, ckpt_dir: str, model_name: str, total_steps: int | Non
         except (AssertionError, ValueError) as err:
             opt = f" --optimizer={optimizer}" if optimizer else ""
             raise ConfigError(
-                f"checkpoint {path!r} does not match --model={model_name}{opt}: another "
+                f"checkpoint {path!r} does not match --task={model_name}{opt}: another "
                 f"model or optimizer wrote it ({first_line(err, 100)}); resume with the flags "
                 "that wrote it, or pass a fresh --model-dir to start a new run"
             ) from None

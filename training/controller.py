@@ -2,14 +2,12 @@
 
 Orbit's split: the controller owns the loop and decides, through the pure
 ``Schedule``, when to log, evaluate, checkpoint, stop for a preemption and
-end; a trainer (``SyncTrainer``, ``PsTrainer``) owns how ``n`` steps run
-(``train(n)``) and how everything scheduled gets applied (``drain()``).
+end; a trainer (``training.trainer.Trainer``: ``SyncTrainer``, ``PsTrainer``,
+``PsSyncTrainer``) owns how ``n`` steps run (``train(n)``) and how
+everything scheduled gets applied (``drain()``).
 
-A trainer has: ``state``, ``checkpointer``, ``start_step``, ``completed``
-(steps applied), ``is_chief``, ``peer_errors``, ``train(n)``, ``drain()``,
-``on_started()``, ``stop_requested()``, ``metrics()``, ``progress_fields()``,
-``result_fields(ran)``, ``finish_worker()``, ``end_of_job()`` (the end-of-job
-rendezvous, after the chief's results) and ``close(finished)``.
+``train_and_evaluate`` builds the ready-made objects (state, checkpointer,
+trainer, reporter) and hands them to the ``Controller``.
 """
 
 from __future__ import annotations
@@ -23,26 +21,36 @@ import keras
 import tensorflow as tf
 
 import protocol
-from training import data
-from training.evaluation import evaluate, local_copy, weights_sha256
+from protocol import ConfigError
+from training.checkpoints import Checkpointer
+from training.evaluation import Evaluator, split_metrics, weights_sha256
 from training.lifetime import keep_alive_until_exit
+from training.ps_sync_trainer import PsSyncTrainer
+from training.ps_trainer import PsTrainer
 from training.recovery import Diverged, Preempted, task_lost
 from training.reporting import Reporter, run_hparams
+from training.state import build_state
+from training.step import TrainMetrics
+from training.sync_trainer import SyncTrainer
+from training.trainer import Trainer
+
+# Each strategy kind names its loop (StrategyKind.trainer); the classes live here,
+# on the training side, so strategies/ never names a training module.
+TRAINERS: dict[str, type[Trainer]] = {"sync": SyncTrainer, "ps": PsTrainer,
+                                      "ps-sync": PsSyncTrainer}
 
 
 class Controller:
-    def __init__(self, config, trainer, kind, replicas: int, started: float,
-                 started_ok=lambda: None):
-        self.config, self.trainer, self.kind, self.replicas = config, trainer, kind, replicas
-        self.cfg = config.cluster
+    def __init__(self, plan, trainer: Trainer, checkpointer: Checkpointer, reporter: Reporter,
+                 started: float, started_ok=lambda: None):
+        self.plan, self.config, self.trainer = plan, plan.config, trainer
+        self.kind, self.replicas, self.cfg = plan.kind, plan.replicas, plan.cluster
+        self.checkpointer, self.reporter = checkpointer, reporter
         self.started = started
         self.started_ok = started_ok
-        self.schedule = config.schedule(trainer.start_step)
-        self.reporter = Reporter(config, self.cfg.task_name, trainer.is_chief,
-                                 trainer.start_step, self.schedule.epoch, started)
-        trainer.checkpointer.on_saved = self.reporter.checkpoint
-        trainer.checkpointer.run_record = config.defining_flags(kind.name)
-        self.reporter.hparams(run_hparams(config, kind.name, self.cfg))
+        self.schedule = plan.schedule(trainer.start_step)
+        checkpointer.on_saved = reporter.checkpoint
+        reporter.hparams(run_hparams(plan))
         self.startup_seconds = 0.0
         self.steady_from = trainer.start_step
 
@@ -58,7 +66,7 @@ class Controller:
                 if self.cfg.is_local:
                     raise
                 raise task_lost(err, self.cfg, "training" if begun else "starting",
-                                trainer.completed, trainer.checkpointer.saved_at) from None
+                                trainer.completed, self.checkpointer.saved_at) from None
         finally:
             trainer.close(finished)
         train_seconds, examples_per_sec = self.reporter.throughput.overall(trainer.completed)
@@ -110,12 +118,12 @@ class Controller:
             text, fields = trainer.progress_fields()
             metrics = trainer.metrics()
             self.reporter.progress(trainer.completed, metrics, text, fields,
-                                   learning_rate=self.config.learning_rate_at(trainer.completed))
+                                   learning_rate=self.plan.learning_rate_at(trainer.completed))
             self._check_finite(metrics)
         if trainer.is_chief and schedule.eval_due(before, after):
             self.reporter.evaluate(after, trainer.state.model)
         if schedule.checkpoint_due(after):
-            trainer.checkpointer.save(after)
+            self.checkpointer.save(after)
         if trainer.stop_requested():
             self._preempt()
 
@@ -129,35 +137,39 @@ class Controller:
         if loss is not None and not math.isfinite(loss):
             step = self.trainer.completed
             self.reporter.events.emit(protocol.DIVERGED, step, loss=loss)
-            raise Diverged(f"the loss is {loss}", step, self.trainer.checkpointer.saved_at,
+            raise Diverged(f"the loss is {loss}", step, self.checkpointer.saved_at,
                            self.config.model_dir)
 
     def _preempt(self) -> None:
         self.trainer.drain()
         done = self.trainer.completed
-        self.trainer.checkpointer.save(done)
+        self.checkpointer.save(done)
         self.reporter.events.emit(protocol.PREEMPTED, done)
         raise Preempted(done)
 
     def _finish(self, train_seconds: float, examples_per_sec: float) -> dict:
         """Evaluate a local copy of the weights; write the chief's outputs."""
-        config, trainer, reporter = self.config, self.trainer, self.reporter
+        plan, config, trainer, reporter = self.plan, self.config, self.trainer, self.reporter
         seconds = reporter.clock()
-        model = local_copy(trainer.state.model, config.model)
-        accuracy, loss = evaluate(model, data.eval_dataset(config.data_dir))
+        values = reporter.evaluator()(trainer.state.model)
+        model = reporter.evaluator().local
+        loss, test_metrics = split_metrics(values)
         ran = trainer.completed - trainer.start_step
         specific = trainer.result_fields(ran)
-        reporter.add_point(specific["global_steps"], accuracy, seconds)
+        reporter.add_point(specific["global_steps"], test_metrics, seconds)
+        info = trainer.task.info
+        opt = plan.optimizer
         results = protocol.Results(
             strategy=self.kind.name,
-            model=config.model,
-            optimizer=config.optimizer,
-            learning_rate=config.peak_learning_rate,
-            lr_schedule=config.lr_schedule,
+            model=plan.task.name,
+            task=plan.task.name,
+            optimizer=opt.name if opt.library else type(trainer.state.optimizer).__name__.lower(),
+            learning_rate=opt.learning_rate if opt.library else _rate(trainer.state.optimizer),
+            lr_schedule=opt.schedule if opt.library else "task's own",
             num_workers=len(self.kind.training_tasks(self.cfg)),
             num_ps=self.cfg.num_ps,
             replicas_in_sync=self.replicas,
-            global_batch_size=config.global_batch_size,
+            global_batch_size=plan.global_batch_size,
             steps_per_execution=config.steps_per_execution,
             seed=config.seed,
             completed_steps=trainer.completed,
@@ -170,11 +182,15 @@ class Controller:
             wall_seconds=round(time.perf_counter() - self.started, 3),
             eval_curve=reporter.curve,
             eval_seconds=round(reporter.eval_seconds, 3),
-            test_accuracy=accuracy,
+            test_accuracy=test_metrics.get("accuracy"),
             test_loss=loss,
+            test_metrics=test_metrics,
+            train_examples=info.train_examples,
+            test_examples=info.test_examples,
             weights_sha256=weights_sha256(model),
             tf_version=tf.__version__,
             keras_version=keras.__version__,
+            extra=dict(info.extra_results),
             **specific,
         )
         model.save(os.path.join(config.model_dir, "model.keras"))
@@ -183,21 +199,43 @@ class Controller:
         return results.to_dict()
 
 
-def train_and_evaluate(config, bundle, replicas: int, started_ok=lambda: None,
-                       as_command: bool = False) -> dict | None:
-    """Flax's entry point: build the kind's trainer, run the controller.
+def _rate(optimizer) -> float | None:
+    """A task's own optimizer's current rate, where it can be read as a number."""
+    try:
+        return float(optimizer.learning_rate)
+    except Exception:  # pylint: disable=broad-except
+        return None
 
+
+def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
+                       as_command: bool = False) -> dict | None:
+    """Flax's entry point: build the ready-made objects, run the controller.
+
+    ``checked``: the task, inspected (``training.tasks.CheckedTask``).
     ``as_command``: the process ends right after this returns (or raises), so
     the run's TensorFlow objects are never torn down (``training.lifetime``).
     """
     started = time.perf_counter()
+    config, cfg = plan.config, plan.cluster
     trainer = None
     try:
-        trainer = bundle.kind.trainer_class()(config, bundle)
-        if already_complete(config, trainer, started_ok):
+        keras.utils.set_random_seed(config.seed)
+        state = build_state(plan, checked.task, bundle.strategy)
+        checkpointer = Checkpointer(state, config.model_dir, cfg.is_chief, cfg.task_name,
+                                    run_record=plan.defining_flags())
+        try:
+            start = checkpointer.restore(plan.task.name, plan.total_steps, plan.optimizer.name)
+            trainer = TRAINERS[plan.kind.trainer](plan, bundle, checked, state, checkpointer,
+                                                  start, TrainMetrics(checked.local_model))
+        except ConfigError:
+            checkpointer.close()  # a worker's private directory
+            raise
+        if already_complete(plan, trainer, started_ok):
             trainer.end_of_job()
             return read_results(config) if trainer.is_chief else None
-        return Controller(config, trainer, bundle.kind, replicas, started, started_ok).run()
+        reporter = Reporter(plan, checked, cfg.task_name, trainer.is_chief, trainer.start_step,
+                            started)
+        return Controller(plan, trainer, checkpointer, reporter, started, started_ok).run()
     finally:
         if as_command:
             keep_alive_until_exit(bundle)
@@ -213,7 +251,7 @@ def read_results(config) -> dict | None:
         return None
 
 
-def already_complete(config, trainer, started_ok=lambda: None) -> bool:
+def already_complete(plan, trainer, started_ok=lambda: None) -> bool:
     """Whether this task resumed a finished run and stops here, results.json untouched.
 
     Running the controller would write a second results record for zero
@@ -222,12 +260,13 @@ def already_complete(config, trainer, started_ok=lambda: None) -> bool:
     without a record (it died after the last checkpoint) runs the controller,
     which evaluates and writes it.
     """
-    if trainer.start_step < config.total_steps:
+    config = plan.config
+    if trainer.start_step < plan.total_steps:
         return False
     if trainer.is_chief and read_results(config) is None:
         return False
     print(f"the run in {config.model_dir!r} is already complete (step {trainer.start_step} of "
-          f"{config.total_steps}); its results are kept as they are. Pass a larger --steps or "
+          f"{plan.total_steps}); its results are kept as they are. Pass a larger --steps or "
           "--epochs to train on, or a fresh --model-dir to start a new run", flush=True)
     started_ok()
     trainer.close(True)

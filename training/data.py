@@ -1,124 +1,16 @@
-"""One MNIST input pipeline for every strategy.
+"""One input pipeline for every strategy and every task.
 
 ``make_dataset_fn`` returns ``dataset_fn(input_context)``, the form that
 ``distribute_datasets_from_function`` and the ps coordinator's
-``create_per_worker_dataset`` both take.
+``create_per_worker_dataset`` both take. The task gives unbatched
+``(features, label)`` examples; everything else (sharding, shuffling with
+the run's seed, batching to the per-replica batch, repeating, resuming at
+the right batch) happens here, the same for every task.
 """
 
 from __future__ import annotations
 
-import os
-
 import tensorflow as tf
-
-from strategies.tf_config import ConfigError
-
-
-def load_split(split: str, data_dir: str | None) -> tf.data.Dataset:
-    """MNIST ``split`` as (uint8 image, int64 label) pairs, or a clear error."""
-    import tensorflow_datasets as tfds
-
-    try:
-        return tfds.load(
-            "mnist", split=split, data_dir=data_dir, as_supervised=True,
-            shuffle_files=False,
-        )
-    except Exception as err:  # tfds raises many kinds when offline or missing
-        where = data_dir or os.path.join("~", "tensorflow_datasets")
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(
-            f"MNIST could not be loaded from {where!r} or downloaded ({_clip(first)}); "
-            "point --data-dir (or TFDS_DATA_DIR) at a prepared tfds copy that holds mnist/3.0.1"
-        ) from None
-
-
-def ensure_available(data_dir: str | None) -> None:
-    """Make sure MNIST is prepared (downloading it when online), or raise.
-
-    Uses only the tfds builder, which starts no TensorFlow runtime, so it can
-    run before the strategy is created.
-    """
-    import tensorflow_datasets as tfds
-
-    where = data_dir or os.path.join("~", "tensorflow_datasets")
-    try:
-        builder = tfds.builder("mnist", data_dir=data_dir)
-        if not builder.is_prepared():
-            if data_dir is not None:
-                # A directory the user chose should already hold the data;
-                # downloading into it offline only retries for minutes.
-                raise FileNotFoundError(f"no prepared mnist/{builder.version} there")
-            builder.download_and_prepare()
-    except Exception as err:  # offline download failures come in many types
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(
-            f"MNIST could not be loaded from {where!r} ({_clip(first)}); "
-            "point --data-dir (or TFDS_DATA_DIR) at a prepared tfds copy that holds mnist/3.0.1"
-        ) from None
-    for split in SPLITS:
-        check_split(builder, split)
-
-
-# Both splits are checked before training: the test split is otherwise read
-# only after the whole run, and a damaged one would lose it.
-SPLITS = ("train", "test")
-# A TFRecord frames each record with a length, its CRC and the data's CRC.
-_RECORD_FRAMING = 16
-
-
-def check_split(builder, split: str) -> None:
-    """Raise ConfigError if ``split``'s files are truncated or corrupt.
-
-    Sizes against tfds's metadata first (catches truncation at no cost), then
-    every record's checksums and the record count, read without decoding:
-    about 0.2 s for MNIST. TensorFlow's record reader is used directly, not
-    a tf.data op, because an op would start the eager runtime, and
-    MultiWorkerMirroredStrategy must configure it before it starts.
-    """
-    from tensorflow.python.lib.io import tf_record
-    from tensorflow.python.util import deprecation
-
-    info = builder.info.splits[split]
-    paths = [str(p) for p in info.filepaths]
-    where = os.path.dirname(paths[0]) if paths else str(builder.data_dir)
-    fix = ("prepare MNIST again (delete that directory; tfds downloads it when online) or "
-           "point --data-dir (or TFDS_DATA_DIR) at a good copy")
-    try:
-        size = sum(os.path.getsize(p) for p in paths)
-    except OSError as err:
-        raise ConfigError(f"MNIST's {split} split in {where!r} is incomplete "
-                          f"({err.strerror}: {os.path.basename(err.filename or '')}); {fix}") from None
-    expected = int(info.num_bytes) + _RECORD_FRAMING * info.num_examples
-    if size != expected:
-        raise ConfigError(
-            f"MNIST's {split} split in {where!r} is damaged: its files hold {size} bytes, "
-            f"tfds's metadata says {expected} (truncated or replaced); {fix}"
-        )
-    count = 0
-    for path in paths:
-        try:
-            with deprecation.silence():  # tf.compat.v1's reader: the same C++ iterator, no runtime
-                for _ in tf_record.tf_record_iterator(path):
-                    count += 1
-        except Exception as err:  # DataLossError for a bad checksum, OSError, ...
-            raise ConfigError(
-                f"MNIST's {split} split in {where!r} is damaged: {os.path.basename(path)}: "
-                f"{_clip(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)}"
-                f"; {fix}"
-            ) from None
-    if count != info.num_examples:
-        raise ConfigError(
-            f"MNIST's {split} split in {where!r} is damaged: {count} records, tfds's metadata "
-            f"says {info.num_examples}; {fix}"
-        )
-
-
-def _clip(text: str, limit: int = 160) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def preprocess(image, label):
-    return tf.cast(image, tf.float32) / 255.0, label
 
 
 def _in_memory(source: tf.data.Dataset):
@@ -149,7 +41,7 @@ def build_pipeline(
     seed: int | None,
     shuffle: bool = True,
     repeat: bool = True,
-    map_fn=preprocess,
+    map_fn=None,
     first_batch: int = 0,
 ) -> tf.data.Dataset:
     """Shard ``source``, hold it in memory, and serve shuffled batches.
@@ -193,6 +85,8 @@ def build_pipeline(
                 index=index, seed=keys, max_index=tf.fill(tf.shape(index), n - 1), rounds=4
             )
         picked = tf.nest.map_structure(lambda t: tf.gather(t, index), elements)
+        if map_fn is None:
+            return picked
         return map_fn(*picked) if isinstance(picked, tuple) else map_fn(picked)
 
     # Batch numbers: endless with ``repeat``, else one pass with a short last batch.
@@ -207,35 +101,39 @@ def build_pipeline(
     return ds.prefetch(tf.data.AUTOTUNE)
 
 
-def make_dataset_fn(
-    global_batch_size: int,
-    *,
-    seed: int | None,
-    data_dir: str | None,
-    split: str = "train",
-    synthetic: bool = False,
-    start_step: int = 0,
-):
-    """``dataset_fn(input_context)`` for training on ``split``.
+# Examples a streamed (infinite or unknown-size) train split shuffles among.
+SHUFFLE_BUFFER = 10_000
+
+
+def stream_pipeline(source, input_context, global_batch_size: int, *, seed: int | None,
+                    first_batch: int = 0) -> tf.data.Dataset:
+    """A train split that cannot be held in memory (infinite or of unknown size).
+
+    Sharded, shuffled from a buffer with the run's seed, batched and
+    repeated; a resume skips the batches already trained on, which replays
+    exactly when the source itself is deterministic.
+    """
+    batch = global_batch_size
+    if input_context is not None:
+        batch = input_context.get_per_replica_batch_size(global_batch_size)
+        if input_context.num_input_pipelines > 1:
+            source = source.shard(input_context.num_input_pipelines,
+                                  input_context.input_pipeline_id)
+    ds = source.shuffle(SHUFFLE_BUFFER, seed=seed).batch(batch, drop_remainder=True).repeat()
+    return ds.skip(first_batch).prefetch(tf.data.AUTOTUNE)
+
+
+def make_dataset_fn(task, global_batch_size: int, *, seed: int | None, split: str = "train",
+                    synthetic: bool = False, start_step: int = 0, in_memory: bool = True):
+    """``dataset_fn(input_context)`` for training on the task's ``split``.
 
     ``seed=None`` shuffles differently in every process (the ps workers).
     ``start_step`` resumes the data where a run of the same seed left it.
-    ``synthetic`` replaces MNIST with one in-memory random batch, repeated:
-    the benchmark uses it to show whether input is the bottleneck.
+    ``in_memory``: the split is finite and held whole (an exact, cheap
+    shuffle per epoch); otherwise it is streamed.
+    ``synthetic`` repeats the first batch forever: the benchmark uses it to
+    show whether input is the bottleneck.
     """
-    if synthetic:
-        def dataset_fn(input_context=None):
-            batch = global_batch_size
-            if input_context is not None:
-                batch = input_context.get_per_replica_batch_size(global_batch_size)
-            rng = tf.random.Generator.from_seed(seed or 0)
-            images = rng.uniform((batch, 28, 28, 1))
-            labels = rng.uniform((batch,), 0, 10, dtype=tf.int64)
-            return tf.data.Dataset.from_tensors((images, labels)).repeat()
-        return dataset_fn
-
-    # Fail in the caller, with the one-line error, not inside a traced function.
-    load_split(split, data_dir)
 
     def dataset_fn(input_context=None):
         # A pipeline feeding several local replicas gives one batch per
@@ -244,16 +142,19 @@ def make_dataset_fn(
         if input_context is not None:
             per_step = max(1, input_context.num_replicas_in_sync
                            // input_context.num_input_pipelines)
-        return build_pipeline(
-            load_split(split, data_dir), input_context, global_batch_size, seed=seed,
-            first_batch=start_step * per_step,
-        )
+        source = task.dataset(split)
+        if not in_memory:
+            return stream_pipeline(source, input_context, global_batch_size, seed=seed,
+                                   first_batch=start_step * per_step)
+        ds = build_pipeline(source, input_context, global_batch_size, seed=seed,
+                            first_batch=start_step * per_step)
+        if synthetic:
+            return ds.take(1).cache().repeat()
+        return ds
 
     return dataset_fn
 
 
-def eval_dataset(data_dir: str | None, batch_size: int = 1000) -> tf.data.Dataset:
-    """The whole test split, once, in order."""
-    return build_pipeline(
-        load_split("test", data_dir), None, batch_size, seed=0, shuffle=False, repeat=False
-    )
+def eval_dataset(task, batch_size: int = 1000) -> tf.data.Dataset:
+    """The task's whole test split, once, in order; the last batch may be short."""
+    return task.dataset("test").batch(batch_size).prefetch(tf.data.AUTOTUNE)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from strategies import ConfigError
+from protocol import ConfigError
 
 
 def main(argv=None) -> int:
@@ -17,10 +17,10 @@ def main(argv=None) -> int:
     p.add_argument("--data-dir", default=None,
                    help="a tfds data directory (default: TFDS_DATA_DIR or ~/tensorflow_datasets)")
     args = p.parse_args(argv)
-    from training.data import ensure_available
+    from models.tfds_data import ensure_available
 
     try:
-        ensure_available(args.data_dir or None)
+        ensure_available("mnist", args.data_dir or None)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

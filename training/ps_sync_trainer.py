@@ -50,14 +50,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from dataclasses import dataclass
+from typing import Any
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 from training import data
 from training.ps_trainer import CoordinatedTrainer, variables_per_ps
-from training.step import after_updates
+from training.step import after_updates, forward, local_replicas, local_sum, metric_dict
 
 # Closures kept in flight per worker: one running, one queued at the
 # coordinator, so a worker never waits on the chief for its next closure.
@@ -66,6 +67,7 @@ CLOSURES_PER_WORKER = 2
 STOP = -1
 # Seconds an update may take before the chief re-counts finished closures.
 TOP_UP_AFTER = 0.1
+PS0 = "/job:ps/replica:0/task:0/device:CPU:0"
 
 
 def interval_stats(seconds) -> dict:
@@ -127,172 +129,195 @@ class _Caller:
             return value
 
 
-class PsSyncTrainer(CoordinatedTrainer):
-    def __init__(self, config, bundle):
-        super().__init__(config, bundle)
-        strategy = bundle.strategy
-        n = len(self.workers)
-        k = config.gradients_per_update
-        self.k = k
-        global_step = self.state.global_step
+@dataclass(frozen=True)
+class SyncQueues:
+    """What lives on ps:0 beside its share of the variables: the token
+    queues, the gradient queue and the counts of what became of every gradient."""
 
-        model, optimizer = self.state.model, self.state.optimizer
-        variables = model.trainable_variables
-        shapes = [v.shape for v in variables]
-        sizes = [int(np.prod(s)) for s in shapes]
-        total = sum(sizes)
-        ps0 = "/job:ps/replica:0/task:0/device:CPU:0"
-        # Created eagerly outside the strategy's scope, so exactly where we say.
-        with tf.device(ps0):
-            self._tokens = [tf.queue.FIFOQueue(1 << 20, [tf.int64], shapes=[[]],
-                                               name=f"sync_tokens_{i}") for i in range(n)]
-            # (token, worker, global step after computing, gradient, loss, correct)
-            self._gradients = tf.queue.FIFOQueue(
+    tokens: list  # one FIFOQueue of global steps per worker
+    gradients: Any  # (token, worker, step after computing, gradient, loss, metric values)
+    accepted: Any
+    dropped: Any
+    skipped: Any
+    computed: Any
+    stale_applied: Any
+    finished: Any  # closures that ended
+    stopping: Any
+
+
+def make_queues(workers: int, gradient_size: int, num_metrics: int) -> SyncQueues:
+    """Created eagerly outside the strategy's scope, so exactly where we say (ps:0)."""
+    with tf.device(PS0):
+        counter = lambda name: tf.Variable(tf.zeros([workers], tf.int64),  # noqa: E731
+                                           trainable=False, name=name)
+        return SyncQueues(
+            tokens=[tf.queue.FIFOQueue(1 << 20, [tf.int64], shapes=[[]], name=f"sync_tokens_{i}")
+                    for i in range(workers)],
+            gradients=tf.queue.FIFOQueue(
                 1 << 16, [tf.int64, tf.int64, tf.int64, tf.float32, tf.float32, tf.float32],
-                shapes=[[], [], [], [total], [], []], name="sync_gradients")
-            counter = lambda name: tf.Variable(tf.zeros([n], tf.int64), trainable=False,  # noqa: E731
-                                               name=name)
-            self._accepted, self._dropped = counter("sync_accepted"), counter("sync_dropped")
-            self._skipped, self._computed = counter("sync_skipped"), counter("sync_computed")
-            self._stale_applied = tf.Variable(0, dtype=tf.int64, trainable=False)
-            self._finished = tf.Variable(0, dtype=tf.int64, trainable=False)
-            self._stopping = tf.Variable(False, trainable=False)
-        tokens, gradients = self._tokens, self._gradients
-        accepted, dropped, skipped, computed = (self._accepted, self._dropped, self._skipped,
-                                                self._computed)
-        stale_applied, finished, stopping = self._stale_applied, self._finished, self._stopping
+                shapes=[[], [], [], [gradient_size], [], [num_metrics]], name="sync_gradients"),
+            accepted=counter("sync_accepted"), dropped=counter("sync_dropped"),
+            skipped=counter("sync_skipped"), computed=counter("sync_computed"),
+            stale_applied=tf.Variable(0, dtype=tf.int64, trainable=False),
+            finished=tf.Variable(0, dtype=tf.int64, trainable=False),
+            stopping=tf.Variable(False, trainable=False),
+        )
 
-        batch = config.examples_per_gradient
-        dataset_fn = data.make_dataset_fn(batch, seed=None, data_dir=config.data_dir,
-                                          synthetic=config.synthetic_data)
+
+def make_work_fn(strategy, model, train_metrics, q: SyncQueues, global_step, workers: int):
+    """The worker closure: take the newest token, compute one gradient, queue it on ps:0."""
+    variables = model.trainable_variables
+    replicas = local_replicas(strategy)
+
+    def replica_gradient(step, features, labels):
+        # The weights are read after the step (so after its token): the
+        # reads are created under this control dependency.
+        with tf.control_dependencies([step]):
+            with tf.GradientTape() as tape:
+                # Keras scales each replica's mean by the replicas in sync, so the
+                # local replicas' gradients added below are the gradient batch's mean.
+                y_pred, loss = forward(model, features, labels)
+            grads = tape.gradient(loss, variables)
+        flat = tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads], 0)
+        return flat, loss, train_metrics.batch_values(labels, y_pred)
+
+    def newest_token(queue):
+        # Only this worker takes from its queue, so all it holds can be
+        # taken at once: the newest token wins, the older ones are steps
+        # it was too slow for. Blocks while the queue is empty.
+        return lambda: queue.dequeue_many(tf.maximum(queue.size(), 1))[-1]
+
+    @tf.function
+    def work(iterator, num_tokens):
+        worker = tf.cast(tf.distribute.coordinator.experimental_get_current_worker_index(),
+                         tf.int64)
+        hot = tf.one_hot(worker, workers, dtype=tf.int64)
+        taken = tf.constant(0, tf.int64)  # tokens used, carried through the loop
+        for _ in tf.range(num_tokens):
+            if q.stopping.read_value():
+                break
+            token = tf.switch_case(tf.cast(worker, tf.int32),
+                                   [newest_token(t) for t in q.tokens])
+            if token == STOP:
+                break
+            with tf.control_dependencies([token]):
+                step = global_step.read_value()
+            if token < step:
+                with tf.control_dependencies([q.skipped.assign_add(hot)]):
+                    taken += 1
+            else:
+                flat, loss, values = strategy.run(replica_gradient, args=(step, *next(iterator)))
+                flat = local_sum(strategy, flat)
+                with tf.control_dependencies([flat]):
+                    after = global_step.read_value()
+                enqueued = q.gradients.enqueue(
+                    [token, worker, after, flat, local_sum(strategy, loss),
+                     local_sum(strategy, values) / replicas])
+                with tf.control_dependencies([enqueued, q.computed.assign_add(hot)]):
+                    taken += 1
+        # Automatic control dependencies only order ops on the same
+        # resource: without this edge the count could run before the
+        # loop and the chief would think the closure done (measured
+        # in-flight counts decide when it schedules more).
+        with tf.control_dependencies([taken]):
+            q.finished.assign_add(1)
+        return taken
+
+    return work
+
+
+def make_aggregate_fn(q: SyncQueues, optimizer, variables, global_step, k: int, workers: int,
+                      num_metrics: int):
+    """The chief's call on ps:0: for each update, K fresh gradients averaged and applied."""
+    shapes = [v.shape for v in variables]
+    sizes = [int(np.prod(s)) for s in shapes]
+    total = sum(sizes)
+    k_float = float(k)
+
+    def take_fresh(step):
+        """Dequeue gradients until K carry ``step``; older ones are dropped and counted."""
+
+        def fresh_needed(fresh, *_):
+            return fresh < k
+
+        def take(fresh, acc, loss_acc, metrics_acc):
+            token, worker, after, flat, loss, values = q.gradients.dequeue()
+            ok = tf.equal(token, step)
+            hot = tf.one_hot(worker, workers, dtype=tf.int64)
+            ok64 = tf.cast(ok, tf.int64)
+            counted = [
+                q.accepted.assign_add(hot * ok64),
+                q.dropped.assign_add(hot * (1 - ok64)),
+                q.stale_applied.assign_add(ok64 * tf.cast(tf.not_equal(after, token), tf.int64)),
+            ]
+            okf = tf.cast(ok, tf.float32)
+            with tf.control_dependencies(counted):
+                return (fresh + tf.cast(ok, tf.int32), acc + okf * flat,
+                        loss_acc + okf * loss, metrics_acc + okf * values)
+
+        return tf.while_loop(fresh_needed, take, [
+            tf.constant(0), tf.zeros([total]), tf.constant(0.0), tf.zeros([num_metrics])])
+
+    @tf.function
+    def aggregate(num_updates):
+        # Everything on ps:0; the optimizer's updates run where each
+        # variable lives (ops on a resource are placed with it).
+        with tf.device(PS0):
+            times = tf.TensorArray(tf.float64, size=num_updates)
+            loss_sum = tf.constant(0.0)
+            metrics_sum = tf.zeros([num_metrics])
+            for i in tf.range(num_updates):
+                _, acc, loss_k, metrics_k = take_fresh(global_step.read_value())
+                mean = acc / k_float
+                grads = [tf.reshape(part, shape)
+                         for part, shape in zip(tf.split(mean, sizes), shapes)]
+                optimizer.apply_gradients(zip(grads, variables))
+                # The step moves only once every variable has its update,
+                # and the tokens for it exist only after that.
+                with tf.control_dependencies(after_updates(variables)):
+                    new_step = global_step.assign_add(1)
+                with tf.control_dependencies([new_step]):
+                    for token_queue in q.tokens:
+                        token_queue.enqueue(new_step)
+                    times = times.write(i, tf.timestamp())
+                loss_sum += loss_k
+                metrics_sum += metrics_k
+            updates = tf.cast(num_updates, tf.float32)
+            return {
+                "loss": loss_sum / (updates * k_float),
+                "metrics": metrics_sum / (updates * k_float),
+                "times": times.stack(),
+                "finished": q.finished.read_value(),
+            }
+
+    return aggregate
+
+
+class PsSyncTrainer(CoordinatedTrainer):
+    def __init__(self, plan, bundle, task, state, checkpointer, start_step, train_metrics):
+        super().__init__(plan, bundle, task, state, checkpointer, start_step, train_metrics)
+        strategy = bundle.strategy
+        self.k = plan.gradients_per_update
+        variables = state.model.trainable_variables
+        num_metrics = len(train_metrics.names)
+        total = sum(int(np.prod(v.shape)) for v in variables)
+        self._q = make_queues(len(self.workers), total, num_metrics)
+        dataset_fn = data.make_dataset_fn(task.task, plan.examples_per_gradient, seed=None,
+                                          synthetic=self.config.synthetic_data,
+                                          in_memory=plan.in_memory)
         self._iterator = iter(self.coordinator.create_per_worker_dataset(
             lambda: strategy.distribute_datasets_from_function(dataset_fn)))
-
-        def replica_gradient(step, images, labels):
-            # The weights are read after the step (so after its token): the
-            # reads are created under this control dependency.
-            with tf.control_dependencies([step]):
-                with tf.GradientTape() as tape:
-                    logits = model(images, training=True)
-                    per_example = keras.losses.sparse_categorical_crossentropy(
-                        labels, logits, from_logits=True)
-                    # Local replicas' gradients are summed below: dividing by
-                    # the per-gradient batch makes the sum that batch's mean.
-                    loss = tf.nn.compute_average_loss(per_example, global_batch_size=batch)
-                grads = tape.gradient(loss, variables)
-            flat = tf.concat([tf.reshape(g, [-1]) for g in grads], 0)
-            correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), labels), tf.float32))
-            return flat, loss, correct
-
-        def local_sum(per_replica):
-            return tf.add_n(strategy.experimental_local_results(per_replica))
-
-        def newest_token(queue):
-            # Only this worker takes from its queue, so all it holds can be
-            # taken at once: the newest token wins, the older ones are steps
-            # it was too slow for. Blocks while the queue is empty.
-            return lambda: queue.dequeue_many(tf.maximum(queue.size(), 1))[-1]
-
-        @tf.function
-        def work(iterator, num_tokens):
-            worker = tf.cast(tf.distribute.coordinator.experimental_get_current_worker_index(),
-                             tf.int64)
-            hot = tf.one_hot(worker, n, dtype=tf.int64)
-            taken = tf.constant(0, tf.int64)  # tokens used, carried through the loop
-            for _ in tf.range(num_tokens):
-                if stopping.read_value():
-                    break
-                token = tf.switch_case(tf.cast(worker, tf.int32),
-                                       [newest_token(q) for q in tokens])
-                if token == STOP:
-                    break
-                with tf.control_dependencies([token]):
-                    step = global_step.read_value()
-                if token < step:
-                    with tf.control_dependencies([skipped.assign_add(hot)]):
-                        taken += 1
-                else:
-                    flat, loss, correct = strategy.run(
-                        replica_gradient, args=(step, *next(iterator)))
-                    flat = local_sum(flat)
-                    with tf.control_dependencies([flat]):
-                        after = global_step.read_value()
-                    enqueued = gradients.enqueue(
-                        [token, worker, after, flat, local_sum(loss), local_sum(correct)])
-                    with tf.control_dependencies([enqueued, computed.assign_add(hot)]):
-                        taken += 1
-            # Automatic control dependencies only order ops on the same
-            # resource: without this edge the count could run before the
-            # loop and the chief would think the closure done (measured
-            # in-flight counts decide when it schedules more).
-            with tf.control_dependencies([taken]):
-                finished.assign_add(1)
-            return taken
-
-        k_float = float(k)
-
-        @tf.function
-        def aggregate(num_updates):
-            # Everything on ps:0; the optimizer's updates run where each
-            # variable lives (ops on a resource are placed with it).
-            with tf.device(ps0):
-                times = tf.TensorArray(tf.float64, size=num_updates)
-                loss_sum = tf.constant(0.0)
-                correct_sum = tf.constant(0.0)
-                for i in tf.range(num_updates):
-                    step = global_step.read_value()
-
-                    def fresh_needed(fresh, *_):
-                        return fresh < k
-
-                    def take(fresh, acc, loss_acc, correct_acc):
-                        token, worker, after, flat, loss, correct = gradients.dequeue()
-                        ok = tf.equal(token, step)
-                        hot = tf.one_hot(worker, n, dtype=tf.int64)
-                        ok64 = tf.cast(ok, tf.int64)
-                        counted = [
-                            accepted.assign_add(hot * ok64),
-                            dropped.assign_add(hot * (1 - ok64)),
-                            stale_applied.assign_add(
-                                ok64 * tf.cast(tf.not_equal(after, token), tf.int64)),
-                        ]
-                        okf = tf.cast(ok, tf.float32)
-                        with tf.control_dependencies(counted):
-                            return (fresh + tf.cast(ok, tf.int32), acc + okf * flat,
-                                    loss_acc + okf * loss, correct_acc + okf * correct)
-
-                    _, acc, loss_k, correct_k = tf.while_loop(
-                        fresh_needed, take,
-                        [tf.constant(0), tf.zeros([total]), tf.constant(0.0), tf.constant(0.0)])
-                    mean = acc / k_float
-                    grads = [tf.reshape(part, shape)
-                             for part, shape in zip(tf.split(mean, sizes), shapes)]
-                    optimizer.apply_gradients(zip(grads, variables))
-                    # The step moves only once every variable has its update,
-                    # and the tokens for it exist only after that.
-                    with tf.control_dependencies(after_updates(variables)):
-                        new_step = global_step.assign_add(1)
-                    with tf.control_dependencies([new_step]):
-                        for token_queue in tokens:
-                            token_queue.enqueue(new_step)
-                        times = times.write(i, tf.timestamp())
-                    loss_sum += loss_k
-                    correct_sum += correct_k
-                updates = tf.cast(num_updates, tf.float32)
-                return {
-                    "loss": loss_sum / (updates * k_float),
-                    "accuracy": correct_sum / (updates * k_float * batch),
-                    "times": times.stack(),
-                    "finished": finished.read_value(),
-                }
-
-        self._work, self._aggregate = work, _Caller(aggregate)
+        self._work = make_work_fn(strategy, state.model, train_metrics, self._q,
+                                  state.global_step, len(self.workers))
+        self._aggregate = _Caller(make_aggregate_fn(
+            self._q, state.optimizer, variables, state.global_step, self.k, len(self.workers),
+            num_metrics))
         self._scheduled = 0
         self._finished_seen = 0
         self._last_time: float | None = None
         self._intervals: list[float] = []
         # The first tokens: every worker may compute on the restored step.
-        for token_queue in tokens:
+        for token_queue in self._q.tokens:
             token_queue.enqueue(tf.constant(self.applied_before, tf.int64))
         self.listen_for_sigterm()
 
@@ -310,7 +335,7 @@ class PsSyncTrainer(CoordinatedTrainer):
             if time.monotonic() - waiting_since > TOP_UP_AFTER:
                 # The count returned by the last call lags closures that ended
                 # just after it: a worker could be left with no closure.
-                self._finished_seen = int(self._finished.numpy())
+                self._finished_seen = int(self._q.finished.numpy())
                 self._top_up(n)
 
         out = self._aggregate(n, check=check)
@@ -322,7 +347,7 @@ class PsSyncTrainer(CoordinatedTrainer):
             times = [self._last_time, *times]
         self._intervals.extend(np.diff(times).tolist())
         self._last_time = times[-1]
-        self._last = {"loss": float(out["loss"]), "accuracy": float(out["accuracy"])}
+        self._last = metric_dict(out["loss"], self.metric_names, out["metrics"])
         self.completed += num_steps
 
     def _top_up(self, n) -> None:
@@ -346,8 +371,9 @@ class PsSyncTrainer(CoordinatedTrainer):
         self._last_time = None
 
     def _counts(self) -> dict:
-        return per_worker(self.workers, self._accepted.numpy(), self._dropped.numpy(),
-                          self._skipped.numpy(), self._computed.numpy())
+        q = self._q
+        return per_worker(self.workers, q.accepted.numpy(), q.dropped.numpy(),
+                          q.skipped.numpy(), q.computed.numpy())
 
     def progress_fields(self) -> tuple[str, dict]:
         counts = self._counts()
@@ -378,7 +404,7 @@ class PsSyncTrainer(CoordinatedTrainer):
             "replicas_to_aggregate": self.k,
             "aggregated_gradients": sum(c["accepted"] for c in counts.values()),
             "stale_gradients_dropped": sum(c["dropped"] for c in counts.values()),
-            "stale_gradients_applied": int(self._stale_applied.numpy()),
+            "stale_gradients_applied": int(self._q.stale_applied.numpy()),
             "gradients_per_worker": counts,
             "update_interval": interval_stats(self._intervals),
         }
@@ -405,9 +431,9 @@ class PsSyncTrainer(CoordinatedTrainer):
         ``stopping`` first. Only after this do the counters hold every
         gradient that was computed.
         """
-        self._stopping.assign(True)
-        waiting = max(0, self._scheduled - int(self._finished.numpy()))
-        for token_queue in self._tokens:
+        self._q.stopping.assign(True)
+        waiting = max(0, self._scheduled - int(self._q.finished.numpy()))
+        for token_queue in self._q.tokens:
             token_queue.enqueue_many([tf.fill([max(1, waiting)], tf.constant(STOP, tf.int64))])
         if wait:
             self.coordinator.join()

@@ -29,11 +29,10 @@ from tensorflow.python.distribute.coordinator.cluster_coordinator import (
 )
 
 from training import data
-from training.checkpoints import Checkpointer
 from training.recovery import StallWatchdog, condense_tf_logs, fetch
-from training.state import build_state
-from training.step import make_step_fn, make_train_fn
+from training.step import make_step_fn, make_train_fn, metric_dict
 from training.sync_trainer import PEER_ERRORS
+from training.trainer import Trainer
 
 # Besides gRPC errors, the coordinator wraps a lost task's errors in these.
 PS_PEER_ERRORS = PEER_ERRORS + (ClosureInputError, ClosureAbortedError)
@@ -106,31 +105,24 @@ class StopOnSigterm:
         signal.signal(signal.SIGTERM, self._previous)
 
 
-class CoordinatedTrainer:
+class CoordinatedTrainer(Trainer):
     """What both parameter-server trainers share, on the chief.
 
-    The state and its restore, the workers' names, SIGTERM as a request to
-    stop at the next drain, the stall watchdog, and the end: the servers
-    stop on their own once the chief is gone (strategies.server).
+    The workers' names, SIGTERM as a request to stop at the next drain, the
+    stall watchdog, and the end: the servers stop on their own once the
+    chief is gone (strategies.server).
     """
 
     peer_errors = PS_PEER_ERRORS
-    is_chief = True  # only the chief runs a trainer under a coordinator
 
-    def __init__(self, config, bundle):
-        self.config, self.bundle = config, bundle
-        self.cfg = config.cluster
+    def __init__(self, plan, bundle, task, state, checkpointer, start_step, train_metrics):
+        super().__init__(plan, bundle, task, state, checkpointer, start_step, train_metrics)
         self.coordinator = bundle.coordinator
         self.workers = [f"{role}:{i}" for role, i, _ in self.cfg.tasks() if role == "worker"]
-        keras.utils.set_random_seed(config.seed)
         condense_tf_logs()
-        self.state = build_state(config, bundle.strategy)
-        self.checkpointer = Checkpointer(self.state, config.model_dir, True, self.cfg.task_name)
-        self.start_step = self.completed = self.checkpointer.restore(
-            config.model, config.total_steps, config.optimizer)
         self.applied_before = int(self.state.global_step.numpy())
         # How long a lost worker may hold the run up before the chief gives up.
-        self.patience = config.startup_timeout
+        self.patience = self.config.startup_timeout
         self._last: dict[str, float] = {}
         self._stall: StallWatchdog | None = None
         self._sigterm: StopOnSigterm | None = None
@@ -166,8 +158,8 @@ class CoordinatedTrainer:
 
 
 class PsTrainer(CoordinatedTrainer):
-    def __init__(self, config, bundle):
-        super().__init__(config, bundle)
+    def __init__(self, plan, bundle, task, state, checkpointer, start_step, train_metrics):
+        super().__init__(plan, bundle, task, state, checkpointer, start_step, train_metrics)
         strategy = bundle.strategy
         # Steps each worker ran (the classic example's local_step), kept on
         # ps:0 rather than on the workers: reading a worker's own counter
@@ -179,15 +171,15 @@ class PsTrainer(CoordinatedTrainer):
                                                trainable=False, name="steps_by_worker")
         # Every worker shuffles with its own seed (seed=None): see data._seed_tensor.
         dataset_fn = data.make_dataset_fn(
-            config.global_batch_size, seed=None, data_dir=config.data_dir,
-            synthetic=config.synthetic_data,
+            task.task, plan.global_batch_size, seed=None,
+            synthetic=self.config.synthetic_data, in_memory=plan.in_memory,
         )
         self._iterator = iter(self.coordinator.create_per_worker_dataset(
             lambda: strategy.distribute_datasets_from_function(dataset_fn)
         ))
         self._train_fn = make_train_fn(
-            strategy, make_step_fn(self.state, config.global_batch_size), self.state,
-            config.global_batch_size, steps_by_worker=self.steps_by_worker,
+            strategy, make_step_fn(state, train_metrics), state, len(train_metrics.names),
+            steps_by_worker=self.steps_by_worker,
         )
         # Enough closures in flight to keep every worker busy while we read results.
         self.max_in_flight = 4 * max(1, len(self.workers))
@@ -213,7 +205,7 @@ class PsTrainer(CoordinatedTrainer):
         if self._stall is not None:
             self._stall.progress()
         self._staleness.append(result["staleness"])
-        self._last = {"loss": float(result["loss"]), "accuracy": float(result["accuracy"])}
+        self._last = metric_dict(result["loss"], self.metric_names, result["metrics"])
         self.completed += n
 
     def progress_fields(self) -> tuple[str, dict]:

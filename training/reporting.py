@@ -11,8 +11,7 @@ import time
 import tensorflow as tf
 
 import protocol
-from training import data
-from training.evaluation import PeriodicEval
+from training.evaluation import Evaluator, split_metrics
 
 SUMMARY_KEYS = (
     "strategy", "model", "num_workers", "num_ps", "replicas_in_sync", "global_steps",
@@ -24,10 +23,19 @@ def summary_line(results: dict) -> str:
     parts = []
     for key in SUMMARY_KEYS:
         value = results.get(key)
+        if key == "test_accuracy" and value is None:
+            continue  # a task without an accuracy metric: its metrics follow
         if isinstance(value, float):
             value = f"{value:.4f}" if key.startswith("test_") else f"{value:.1f}"
         parts.append(f"{key}={value}")
+    for name, value in (results.get("test_metrics") or {}).items():
+        if name != "accuracy":
+            parts.append(f"test_{name}={value:.4f}")
     return "SUMMARY " + " ".join(parts)
+
+
+def metrics_text(values: dict[str, float], prefix: str = "") -> str:
+    return " ".join(f"{prefix}{k} {v:.4f}" for k, v in values.items())
 
 
 class Throughput:
@@ -69,35 +77,36 @@ def flat_scalars(prefix: str, value) -> dict[str, float]:
     return {}
 
 
-def run_hparams(config, strategy: str, cluster) -> dict:
+def run_hparams(plan) -> dict:
     """The run's hyperparameters for TensorBoard's HParams dashboard (scalars and strings)."""
+    flags = {k: v for k, v in plan.defining_flags().items() if v is not None}
     return {
-        **config.defining_flags(strategy),
-        "steps_per_execution": config.steps_per_execution,
-        "num_workers": cluster.num_workers, "num_ps": cluster.num_ps,
-        "gradients_per_update": config.gradients_per_update,
+        **flags,
+        "steps_per_execution": plan.config.steps_per_execution,
+        "num_workers": plan.cluster.num_workers, "num_ps": plan.cluster.num_ps,
+        "gradients_per_update": plan.gradients_per_update,
     }
 
 
 class Reporter:
     """Progress lines and events on every task; TensorBoard on the chief only."""
 
-    def __init__(self, config, task: str, is_chief: bool, start_step: int, epoch_of,
+    def __init__(self, plan, checked, task: str, is_chief: bool, start_step: int,
                  started: float | None = None):
-        self.config = config
-        self.total = config.total_steps
-        self.epoch_of = epoch_of
-        self.throughput = Throughput(config.global_batch_size, start_step)
+        self.plan, self.checked = plan, checked
+        self.total = plan.total_steps
+        self.epoch_of = plan.schedule(start_step).epoch
+        self.throughput = Throughput(plan.global_batch_size, start_step)
         self.events = protocol.EventLog(task)
         self.writer = (
-            tf.summary.create_file_writer(os.path.join(config.model_dir, "logs"))
+            tf.summary.create_file_writer(os.path.join(plan.config.model_dir, "logs"))
             if is_chief else None
         )
         # The eval curve's clock starts with the process's work, startup included.
         self.started = time.perf_counter() if started is None else started
         self.eval_seconds = 0.0
-        self.curve: list[dict] = []  # test accuracy against training time
-        self._eval = None
+        self.curve: list[dict] = []  # test metrics against training time
+        self._eval: Evaluator | None = None
         self._start_step = start_step
 
     def hparams(self, values: dict) -> None:
@@ -115,7 +124,7 @@ class Reporter:
 
     def steady_from(self, step: int) -> None:
         """Rates count from here: the first call (tracing, connecting) is startup."""
-        self.throughput = Throughput(self.config.global_batch_size, step)
+        self.throughput = Throughput(self.plan.global_batch_size, step)
         self.events.emit(protocol.STARTED, step)
 
     def progress(self, step: int, scalars: dict, extra: str = "", fields: dict | None = None,
@@ -124,7 +133,7 @@ class Reporter:
         elapsed = self.clock()
         done = step - self._start_step
         eta = (self.total - step) * elapsed / done if done > 0 else float("nan")
-        text = " ".join(f"{k} {v:.4f}" for k, v in scalars.items())
+        text = metrics_text(scalars)
         lr = f" lr {learning_rate:.2e}" if learning_rate is not None else ""
         print(
             f"step {step}/{self.total} epoch {self.epoch_of(step)} {text}{lr} "
@@ -145,27 +154,37 @@ class Reporter:
                     for name, number in flat_scalars(f"train/{key}", value).items():
                         tf.summary.scalar(name, number)
 
-    def evaluate(self, step: int, model) -> None:
-        """Test accuracy now; its time is left out of every rate and clock."""
-        t0, seconds = time.perf_counter(), self.clock()
+    def evaluator(self) -> Evaluator:
+        """The task's loss and metrics on its test split (one, reused: no retracing)."""
         if self._eval is None:
-            self._eval = PeriodicEval(self.config.model, data.eval_dataset(self.config.data_dir))
-        accuracy, loss = self._eval(model)
-        self.add_point(step, accuracy, seconds)
-        print(f"eval step {step} test_accuracy {accuracy:.4f} test_loss {loss:.4f} "
+            self._eval = Evaluator(self.checked.task, self.checked.local_model)
+        return self._eval
+
+    def evaluate(self, step: int, model) -> None:
+        """Every test metric now; its time is left out of every rate and clock."""
+        t0, seconds = time.perf_counter(), self.clock()
+        loss, metrics = split_metrics(self.evaluator()(model))
+        self.add_point(step, metrics, seconds)
+        print(f"eval step {step} {metrics_text(metrics, 'test_')} test_loss {loss:.4f} "
               f"at {self.curve[-1]['seconds']:.1f}s", flush=True)
-        self.events.emit(protocol.EVAL, step, test_accuracy=accuracy, test_loss=loss)
+        self.events.emit(protocol.EVAL, step, test_accuracy=metrics.get("accuracy"),
+                         test_loss=loss, test_metrics=metrics)
         if self.writer is not None:
             with self.writer.as_default(step=step):
-                tf.summary.scalar("test/accuracy", accuracy)
+                for name, value in metrics.items():
+                    tf.summary.scalar(f"test/{name}", value)
+                tf.summary.scalar("test/loss", loss)
         spent = time.perf_counter() - t0
         self.eval_seconds += spent
         self.throughput.pause(spent)
 
-    def add_point(self, step: int, accuracy: float, seconds: float | None = None) -> None:
+    def add_point(self, step: int, metrics: dict[str, float], seconds: float | None = None) -> None:
         seconds = self.clock() if seconds is None else seconds
-        self.curve.append({"step": step, "seconds": round(seconds, 3),
-                           "test_accuracy": round(accuracy, 5)})
+        point = {"step": step, "seconds": round(seconds, 3),
+                 "test_metrics": {k: round(v, 5) for k, v in metrics.items()}}
+        if "accuracy" in metrics:
+            point["test_accuracy"] = round(metrics["accuracy"], 5)
+        self.curve.append(point)
 
     def checkpoint(self, step: int, path: str) -> None:
         """The line (and event) that ``launch.py --kill ...@step=N`` and the tests wait for."""
@@ -175,9 +194,11 @@ class Reporter:
     def final(self, results: dict) -> None:
         if self.writer is not None:
             with self.writer.as_default(step=results["global_steps"]):
-                tf.summary.scalar("test/accuracy", results["test_accuracy"])
+                for name, value in (results.get("test_metrics") or {}).items():
+                    tf.summary.scalar(f"test/{name}", value)
                 tf.summary.scalar("test/loss", results["test_loss"])
             self.writer.close()
         print(summary_line(results), flush=True)
         self.events.emit(protocol.DONE, results["completed_steps"],
-                         test_accuracy=results["test_accuracy"])
+                         test_accuracy=results["test_accuracy"],
+                         test_metrics=results.get("test_metrics"))

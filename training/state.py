@@ -12,13 +12,10 @@ from dataclasses import dataclass
 import keras
 import tensorflow as tf
 
-from models import build_model
-from training.config import DEFAULT_LEARNING_RATE
 
-
-def make_optimizer(name: str, learning_rate: float | None, schedule: str = "constant",
+def make_optimizer(name: str, learning_rate: float, schedule: str = "constant",
                    total_steps: int = 1) -> keras.optimizers.Optimizer:
-    lr = DEFAULT_LEARNING_RATE[name] if learning_rate is None else learning_rate
+    lr = learning_rate
     if schedule == "cosine":
         # Decaying to zero over the run helps the last steps settle (see the
         # benchmark notes), for a few scalar ops per step.
@@ -42,12 +39,17 @@ class TrainState:
     checkpoint: tf.train.Checkpoint
 
 
-def build_state(config, strategy) -> TrainState:
-    """Model, optimizer and step counter for ``config`` (a TrainConfig)."""
+def build_state(plan, task, strategy) -> TrainState:
+    """The task's model, the plan's optimizer and the step counters, in ``strategy``'s scope."""
     with strategy.scope():
-        model = build_model(config.model)
-        opt = make_optimizer(config.optimizer, config.learning_rate, config.lr_schedule,
-                             config.total_steps)
+        # The task compiles its model with its own optimizer; the library's
+        # replaces it where the plan says so (built-in tasks, or a flag).
+        model = task.build_model()
+        opt = model.optimizer
+        if plan.optimizer.library:
+            o = plan.optimizer
+            opt = make_optimizer(o.name, o.learning_rate, o.schedule, plan.total_steps)
+            model.optimizer = opt
         # Optimizer slots must exist before a checkpoint restore can fill them.
         opt.build(model.trainable_variables)
         # Updated in cross-replica context only (see make_train_fn), so no

@@ -13,27 +13,72 @@ import tensorflow as tf
 from training.state import TrainState
 
 
-def make_step_fn(state: TrainState, global_batch_size: int):
-    """One replica's step: forward, loss, gradients, update, metrics."""
+class TrainMetrics:
+    """The task's compiled metrics, as values of one batch, inside a traced step.
+
+    Stateless: the metric variables of a local model (built outside any
+    strategy, never written) are replaced by their initial values for each
+    batch, so a step on a worker, a replica or a ps closure reads nothing
+    remote and updates nothing shared. Progress lines show the mean of these
+    per-batch values; the test split is measured exactly, at evaluation.
+    """
+
+    def __init__(self, local_model: keras.Model):
+        self.compiled = getattr(local_model, "_compile_metrics", None)
+        self.names: tuple[str, ...] = ()
+        self._initial: list = []
+        if self.compiled is not None and self.compiled.built:
+            self.compiled.reset_state()
+            self.names = tuple(m.name for m in self.compiled.metrics)
+            self._initial = [tf.constant(v.numpy()) for v in self.compiled.variables]
+
+    def batch_values(self, labels, y_pred) -> tf.Tensor:
+        """Each metric on this batch, as a float32 vector in ``names`` order."""
+        if not self.names:
+            return tf.zeros([0], tf.float32)
+        state = self.compiled.stateless_update_state(self._initial, labels, y_pred)
+        result = self.compiled.stateless_result(state)
+        return tf.stack([tf.cast(tf.reshape(result[n], []), tf.float32) for n in self.names])
+
+
+def forward(model: keras.Model, features, labels):
+    """One replica's forward pass: predictions and the compiled loss.
+
+    Keras scales the loss by the replicas in sync (``sum_over_batch_size``
+    over this replica's batch, then divided by the replicas), so the sum the
+    optimizer's all-reduce makes is the gradient of the *global* batch mean.
+    """
+    y_pred = model(features, training=True)
+    loss = model.compute_loss(features, labels, y_pred, training=True)
+    return y_pred, loss
+
+
+def make_step_fn(state: TrainState, metrics: TrainMetrics):
+    """One replica's step: forward, loss, gradients, update, metric values."""
     model, optimizer = state.model, state.optimizer
 
-    def step_fn(images, labels):
+    def step_fn(features, labels):
         with tf.GradientTape() as tape:
-            logits = model(images, training=True)
-            per_example = keras.losses.sparse_categorical_crossentropy(
-                labels, logits, from_logits=True
-            )
-            # Divide by the *global* batch: the optimizer sums gradients over
-            # replicas, so the sum is the gradient of the global mean loss.
-            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
-        grads = tape.gradient(loss, model.trainable_variables)
+            y_pred, loss = forward(model, features, labels)
+            scaled = optimizer.scale_loss(loss)  # a LossScaleOptimizer's scaling; else loss
+        grads = tape.gradient(scaled, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        correct = tf.reduce_sum(
-            tf.cast(tf.equal(tf.argmax(logits, axis=-1), labels), tf.float32)
-        )
-        return loss, correct
+        return loss, metrics.batch_values(labels, y_pred)
 
     return step_fn
+
+
+def local_sum(strategy, per_replica):
+    """This worker's replicas' values, added. Local results only: a
+    cross-worker reduce would add a collective per step just to print a number."""
+    return tf.add_n(strategy.experimental_local_results(per_replica))
+
+
+def local_replicas(strategy) -> int:
+    try:
+        return len(strategy.extended.worker_devices)
+    except RuntimeError:  # the default (no-op) strategy: one replica, no device list
+        return 1
 
 
 def after_updates(variables) -> list[tf.Tensor]:
@@ -50,56 +95,48 @@ def after_updates(variables) -> list[tf.Tensor]:
     return reads
 
 
-def make_train_fn(strategy, step_fn, state: TrainState, examples_per_step: int,
+def make_train_fn(strategy, step_fn, state: TrainState, num_metrics: int,
                   steps_by_worker: tf.Variable | None = None):
     """``train_fn(iterator, num_steps)``: ``num_steps`` steps in one call.
 
     Packing several steps into one ``tf.function`` call (``--steps-per-execution``)
     saves a host round trip per step, which is what dominates small models.
-    Returns the mean loss and accuracy (this worker's replicas) and, per step,
-    the staleness: updates other workers applied between this step reading
-    ``global_step`` and applying its own update (always 0 when synchronous).
-    ``steps_by_worker`` (ps only): one count per worker, added to by the worker
-    that ran the call once its steps are done.
+    Returns the mean loss and metric values (this worker's replicas) and, per
+    step, the staleness: updates other workers applied between this step
+    reading ``global_step`` and applying its own update (always 0 when
+    synchronous). ``steps_by_worker`` (ps only): one count per worker, added
+    to by the worker that ran the call once its steps are done.
     """
-
-    def local_sum(per_replica):
-        # Local results only: a cross-worker reduce would add a collective
-        # per step just to print a number.
-        return tf.add_n(strategy.experimental_local_results(per_replica))
-
     global_step, variables = state.global_step, state.model.trainable_variables
-    try:
-        local_replicas = len(strategy.extended.worker_devices)
-    except RuntimeError:  # the default (no-op) strategy: one replica, no device list
-        local_replicas = 1
-    # This worker's share of the global batch, to turn local sums into means.
-    local_fraction = local_replicas / strategy.num_replicas_in_sync
+    replicas = local_replicas(strategy)
+    # This worker's share of the global batch, to turn local loss sums into means.
+    local_fraction = replicas / strategy.num_replicas_in_sync
 
     @tf.function
     def train_fn(iterator, num_steps):
         loss_sum = tf.constant(0.0)
-        correct_sum = tf.constant(0.0)
+        metric_sum = tf.zeros([num_metrics], tf.float32)
         staleness = tf.TensorArray(tf.int64, size=num_steps)
         for i in tf.range(num_steps):
             read_at = global_step.read_value()
             # The step's parameter reads must come after this read for the
             # staleness figure to mean what it says.
             with tf.control_dependencies([read_at]):
-                loss, correct = strategy.run(step_fn, args=next(iterator))
+                loss, values = strategy.run(step_fn, args=next(iterator))
             # Without this, only same-variable ordering holds: the counter's
             # increment could run before the update it counts and the
             # staleness figure would read ~0 whatever the overlap
             # (docs/performance.md).
             with tf.control_dependencies(after_updates(variables)):
                 applied_at = global_step.assign_add(1)
-            loss_sum += local_sum(loss) / local_fraction
-            correct_sum += local_sum(correct)
+            loss_sum += tf.cast(local_sum(strategy, loss), tf.float32) / local_fraction
+            step_values = local_sum(strategy, values) / replicas
+            metric_sum += step_values
             staleness = staleness.write(i, applied_at - 1 - read_at)
         steps = tf.cast(num_steps, tf.float32)
         out = {
             "loss": loss_sum / steps,
-            "accuracy": correct_sum / (steps * examples_per_step * local_fraction),
+            "metrics": metric_sum / steps,
             "staleness": staleness.stack(),
         }
         if steps_by_worker is not None:
@@ -111,3 +148,10 @@ def make_train_fn(strategy, step_fn, state: TrainState, examples_per_step: int,
         return out
 
     return train_fn
+
+
+def metric_dict(loss, names, values) -> dict[str, float]:
+    """{"loss": ..., metric name: ...} for progress lines, from a call's output."""
+    out = {"loss": float(loss)}
+    out.update({name: float(v) for name, v in zip(names, list(values))})
+    return out

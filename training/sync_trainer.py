@@ -10,17 +10,15 @@ from __future__ import annotations
 import shutil
 import signal
 
-import keras
 import tensorflow as tf
 
-from strategies import ConfigError
+from protocol import ConfigError
 from training import data
-from training.checkpoints import Checkpointer
 from training.evaluation import local_copy, weights_sha256
 from training.lifetime import keep_alive_until_exit
 from training.recovery import preemption_handler
-from training.state import build_state
-from training.step import make_step_fn, make_train_fn
+from training.step import make_step_fn, make_train_fn, metric_dict
+from training.trainer import Trainer
 
 # Errors that mean a peer went away rather than a bug in this program.
 PEER_ERRORS = (
@@ -55,39 +53,25 @@ def agree_on_start_step(strategy, step: int, me: str, tasks: list[str], model_di
     )
 
 
-class SyncTrainer:
+class SyncTrainer(Trainer):
     peer_errors = PEER_ERRORS
 
-    def __init__(self, config, bundle):
-        self.config, self.bundle = config, bundle
-        self.cfg = config.cluster
-        self.is_chief = self.cfg.is_chief
+    def __init__(self, plan, bundle, task, state, checkpointer, start_step, train_metrics):
+        super().__init__(plan, bundle, task, state, checkpointer, start_step, train_metrics)
         strategy = bundle.strategy
-        keras.utils.set_random_seed(config.seed)
-        self.state = build_state(config, strategy)
-        self.checkpointer = Checkpointer(self.state, config.model_dir, self.is_chief,
-                                         self.cfg.task_name)
-        try:
-            self.start_step = self.completed = self.checkpointer.restore(
-                config.model, config.total_steps, config.optimizer)
-            tasks = bundle.kind.training_tasks(self.cfg)
-            if len(tasks) > 1:
-                agree_on_start_step(strategy, self.start_step, self.cfg.task_name, tasks,
-                                    config.model_dir)
-        except ConfigError:
-            self.checkpointer.close()  # a worker's private directory
-            raise
+        tasks = bundle.kind.training_tasks(self.cfg)
+        if len(tasks) > 1:
+            agree_on_start_step(strategy, start_step, self.cfg.task_name, tasks,
+                                self.config.model_dir)
         dataset_fn = data.make_dataset_fn(
-            config.global_batch_size, seed=config.seed, start_step=self.start_step,
-            data_dir=config.data_dir, synthetic=config.synthetic_data,
+            task.task, plan.global_batch_size, seed=self.config.seed, start_step=start_step,
+            synthetic=self.config.synthetic_data, in_memory=plan.in_memory,
         )
         self._iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
         # From its creation on, so an error path that drops the trainer is covered too.
         keep_alive_until_exit(self._iterator)
         self._train_fn = make_train_fn(
-            strategy, make_step_fn(self.state, config.global_batch_size), self.state,
-            config.global_batch_size,
-        )
+            strategy, make_step_fn(state, train_metrics), state, len(train_metrics.names))
         self._out = None
         # As early as the coordination service allows (the strategy is up, so
         # every peer is): until the handler takes SIGTERM over, TensorFlow's
@@ -109,19 +93,13 @@ class SyncTrainer:
     def drain(self) -> None:
         """Nothing is ever in flight: each call returns with its steps applied."""
 
-    def on_started(self) -> None:
-        pass
-
     def stop_requested(self) -> bool:
         return False  # the preemption handler stops the run itself
 
     def metrics(self) -> dict[str, float]:
         if self._out is None:
             return {}
-        return {"loss": float(self._out["loss"]), "accuracy": float(self._out["accuracy"])}
-
-    def progress_fields(self) -> tuple[str, dict]:
-        return "", {}
+        return metric_dict(self._out["loss"], self.metric_names, self._out["metrics"])
 
     def result_fields(self, ran: int) -> dict:
         return {
@@ -131,7 +109,7 @@ class SyncTrainer:
 
     def finish_worker(self) -> None:
         """A non-chief worker's last line: its step count and weights fingerprint."""
-        digest = weights_sha256(local_copy(self.state.model, self.config.model))
+        digest = weights_sha256(local_copy(self.state.model, self.task.local_model))
         print(f"{self.cfg.task_name} done: global_steps={int(self.state.global_step.numpy())} "
               f"weights_sha256={digest}", flush=True)
 

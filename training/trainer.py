@@ -1,0 +1,73 @@
+"""The contract between the controller and a trainer (Orbit's ``AbstractTrainer``).
+
+The controller (``training.controller``) owns the outer loop and every
+cadence; a trainer owns how ``n`` steps run. Each strategy kind names its
+loop (``StrategyKind.trainer``: "sync", "ps" or "ps-sync"); the controller
+maps that to a class implementing this contract.
+
+Trainers are handed ready-made objects: the plan, the strategy bundle, the
+checked task (``training.tasks.CheckedTask``) and its stateless train
+metrics, the state (model, optimizer, counters) and its checkpointer,
+already restored to ``start_step``.
+"""
+
+from __future__ import annotations
+
+import abc
+
+
+class Trainer(abc.ABC):
+    """What every trainer provides; see ``training.controller.Controller``."""
+
+    # Errors that mean a peer task went away (the controller turns them into TaskLost).
+    peer_errors: tuple[type[BaseException], ...] = ()
+
+    def __init__(self, plan, bundle, task, state, checkpointer, start_step: int, train_metrics):
+        self.plan, self.bundle, self.task = plan, bundle, task
+        self.train_metrics = train_metrics  # training.step.TrainMetrics
+        self.config, self.cfg = plan.config, plan.cluster
+        self.state, self.checkpointer = state, checkpointer
+        self.start_step = self.completed = start_step  # requested steps applied so far
+        self.is_chief = self.cfg.is_chief
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """The task's compiled metrics, in the order a call's output carries them."""
+        return self.train_metrics.names
+
+    @abc.abstractmethod
+    def train(self, num_steps: int) -> None:
+        """Run (or schedule) ``num_steps`` steps; ``completed`` counts the applied ones."""
+
+    @abc.abstractmethod
+    def drain(self) -> None:
+        """Return once every scheduled step is applied (before checkpoints, evaluations, the end)."""
+
+    def on_started(self) -> None:
+        """The first call returned: every peer is connected."""
+
+    def stop_requested(self) -> bool:
+        """Whether a preemption asks the controller to drain, save and stop."""
+        return False
+
+    @abc.abstractmethod
+    def metrics(self) -> dict[str, float]:
+        """The latest call's training loss and metric values (empty before any)."""
+
+    def progress_fields(self) -> tuple[str, dict]:
+        """Extra text for the progress line, and the same as event fields."""
+        return "", {}
+
+    @abc.abstractmethod
+    def result_fields(self, ran: int) -> dict:
+        """Strategy-specific fields of the results record (``global_steps`` at least)."""
+
+    def finish_worker(self) -> None:
+        """A non-chief task's last words (its weights' fingerprint)."""
+
+    def end_of_job(self) -> None:
+        """The end-of-job rendezvous, after the chief's results."""
+
+    @abc.abstractmethod
+    def close(self, finished: bool) -> None:
+        """Release what the trainer holds (handlers, threads, the checkpointer)."""
