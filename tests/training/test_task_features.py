@@ -1,0 +1,134 @@
+"""Model features a task may use, under every strategy (the example task and a regression).
+
+The example task (``examples/custom_task.py``) has a dict of two inputs
+(float and integer), ``BatchNormalization``, ``Dropout``, an ``Embedding``
+and a ``from_logits`` loss, and a test split that does not divide the batch;
+``sample_tasks.REGRESSION`` has an MSE loss and an MAE metric.
+"""
+
+import json
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import REPO, child_env, launch_cmd, read_results
+
+EXAMPLE = str(REPO / "examples" / "custom_task.py")
+REGRESSION = str(REPO / "tests" / "training" / "sample_tasks.py") + ":REGRESSION"
+STATED = 0.90  # examples/custom_task.py's STATED_ACCURACY
+# The regression's noise has an MAE of 0.08; an untrained model's is about 1.4.
+MAE_BOUND = 0.3
+
+
+def _load_example():
+    from training import tasks
+
+    spec = tasks.parse_spec(EXAMPLE)
+    return tasks.load(spec), spec
+
+
+def test_the_example_states_what_the_tests_check():
+    task, _ = _load_example()
+    assert task.STATED_ACCURACY == STATED
+    assert task.SIZES["test"] % 64  # a last partial batch
+
+
+def test_embedding_gradients_stay_sparse_and_dropout_is_training_only():
+    from training.step import forward
+
+    task, _ = _load_example()
+    model = task.build_model()
+    features, labels = next(iter(task.dataset("train").batch(32)))
+    with tf.GradientTape() as tape:
+        _, loss = forward(model, features, labels)
+    grads = dict(zip([v.path for v in model.trainable_variables],
+                     tape.gradient(loss, model.trainable_variables)))
+    embedding = [p for p in grads if "embedding" in p]
+    assert embedding and all(isinstance(grads[p], tf.IndexedSlices) for p in embedding)
+    assert not any(isinstance(g, tf.IndexedSlices) for p, g in grads.items() if p not in embedding)
+    a, b = (model(features, training=True).numpy() for _ in range(2))
+    assert not np.allclose(a, b)  # dropout draws a new mask
+    c, d = (model(features, training=False).numpy() for _ in range(2))
+    np.testing.assert_array_equal(c, d)
+
+
+def _check_example(results, model_dir):
+    assert results["task"] == EXAMPLE and results["test_examples"] == 4000
+    assert results["test_metrics"]["accuracy"] >= STATED
+    assert results["test_accuracy"] == results["test_metrics"]["accuracy"]
+    # BatchNormalization's moving statistics were updated in training and saved.
+    model = keras.saving.load_model(f"{model_dir}/model.keras")
+    bn = next(l for l in model.layers if isinstance(l, keras.layers.BatchNormalization))
+    assert np.abs(bn.moving_mean.numpy()).max() > 0.01
+    assert not np.allclose(bn.moving_variance.numpy(), 1.0)
+    # The test split measured exactly once: Keras's own evaluate of the saved
+    # model on it gives the recorded figures (dropout off, BN in inference).
+    from training import tasks
+
+    task = tasks.load(tasks.parse_spec(EXAMPLE))
+    again = model.evaluate(task.dataset("test").batch(999), verbose=0, return_dict=True)
+    assert again["accuracy"] == pytest.approx(results["test_metrics"]["accuracy"], abs=1e-6)
+    assert again["loss"] == pytest.approx(results["test_loss"], rel=1e-4)
+
+
+def _check_regression(results):
+    assert set(results["test_metrics"]) == {"mae"} and results["test_accuracy"] is None
+    assert results["test_metrics"]["mae"] < MAE_BOUND
+    assert results["test_examples"] == 1001
+
+
+@pytest.mark.parametrize("strategy", ["none", "mirrored"])
+def test_one_process_strategies_train_the_example_and_the_regression(tmp_path, strategy):
+    import train
+
+    r = train.run(_config(strategy, EXAMPLE, tmp_path / "example", epochs=1))
+    _check_example(r, tmp_path / "example")
+    r = train.run(_config(strategy, REGRESSION, tmp_path / "regression", steps=300))
+    _check_regression(r)
+
+
+def _config(strategy, task, model_dir, **kw):
+    from training.config import TrainConfig
+
+    return TrainConfig(strategy=strategy, task=task, model_dir=str(model_dir), log_every=100, **kw)
+
+
+def test_train_task_runs_a_task_object_in_process(tmp_path):
+    import train
+    from tests.training.sample_tasks import Regression
+
+    r = train.train_task(Regression(), strategy="none", steps=300, model_dir=str(tmp_path / "r"))
+    _check_regression(r)
+    assert r["task"] == "Regression"
+    with pytest.raises(Exception, match="needs a cluster"):
+        train.train_task(Regression(), strategy="multiworker", steps=1)
+
+
+CLUSTERS = {
+    "multiworker": ["--workers", "2"],
+    "ps": ["--workers", "2", "--ps", "1"],
+    "ps-sync": ["--workers", "2", "--ps", "1"],
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", list(CLUSTERS))
+def test_cluster_strategies_train_the_example_and_the_regression(tmp_path, spawn, strategy):
+    example, regression = tmp_path / "example", tmp_path / "regression"
+    p = spawn(launch_cmd(strategy, *CLUSTERS[strategy],
+                         train_args=["--task", EXAMPLE, "--epochs", "1", "--model-dir", str(example)]))
+    assert p.wait(timeout=240) == 0, p.output
+    r = read_results(example)
+    _check_example(r, example)
+    if strategy == "multiworker":
+        # Identical weights on both workers, BatchNormalization's statistics included.
+        hashes = set(re.findall(r"weights_sha256=([0-9a-f]{64})", p.output))
+        assert hashes == {r["weights_sha256"]}
+    p = spawn(launch_cmd(strategy, *CLUSTERS[strategy],
+                         train_args=["--task", REGRESSION, "--steps", "300",
+                                     "--model-dir", str(regression)]))
+    assert p.wait(timeout=240) == 0, p.output
+    _check_regression(read_results(regression))
