@@ -1,13 +1,15 @@
-"""Input pipeline math: batch sizes, sharding, and the real MNIST splits."""
+"""Input pipeline math: batch sizes, sharding, streamed splits, and the real MNIST tasks."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from models import MODEL_NAMES
-from models import build_model
-from training.config import TEST_EXAMPLES, TRAIN_EXAMPLES
-from training import data
+from models import BUILTIN_TASKS, MODEL_ALIASES, MODEL_NAMES
+from training import data, tasks
+
+
+def builtin(name):
+    return tasks.load(tasks.parse_spec(name))
 
 
 def contexts(n):
@@ -48,29 +50,46 @@ def test_seeded_shuffle_is_reproducible_and_reshuffles_each_epoch():
 
 
 def test_real_mnist_splits():
-    train = data.load_split("train", None)
-    test = data.load_split("test", None)
-    assert int(train.cardinality()) == TRAIN_EXAMPLES
-    assert int(test.cardinality()) == TEST_EXAMPLES
-    images, labels = next(iter(data.eval_dataset(None, batch_size=100)))
-    assert images.shape == (100, 28, 28, 1) and images.dtype == tf.float32
-    assert 0.0 <= float(tf.reduce_min(images)) and float(tf.reduce_max(images)) <= 1.0
+    task = builtin("mnist-cnn")
+    entry = BUILTIN_TASKS["mnist-cnn"]
+    # The sizes the launcher plans with, without TensorFlow, are tfds's own.
+    assert int(task.dataset("train").cardinality()) == entry.train_examples == 60_000
+    assert int(task.dataset("test").cardinality()) == entry.test_examples == 10_000
+    images, labels = next(iter(data.eval_dataset(task, batch_size=100)))
+    # uint8 in the data; the model's first layer scales it.
+    assert images.shape == (100, 28, 28, 1) and images.dtype == tf.uint8
     counts = np.bincount(
-        np.concatenate([l.numpy() for _, l in data.eval_dataset(None, batch_size=1000)]), minlength=10
+        np.concatenate([l.numpy() for _, l in data.eval_dataset(task, batch_size=1000)]), minlength=10
     )
     # The published MNIST test-set label counts.
     assert counts.tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
 
 
 def test_dataset_fn_gives_per_replica_batches_of_mnist():
-    fn = data.make_dataset_fn(64, seed=0, data_dir=None)
+    fn = data.make_dataset_fn(builtin("mnist-cnn"), 64, seed=0)
     images, labels = next(iter(fn(contexts(2)[0])))
     assert images.shape == (32, 28, 28, 1) and labels.shape == (32,)
 
 
-def test_model_names_match_models():
-    assert [build_model(name).name for name in MODEL_NAMES] == list(MODEL_NAMES)
-    assert build_model("logreg").count_params() == 784 * 10 + 10
+def test_model_aliases_name_the_builtin_tasks():
+    assert [MODEL_ALIASES[n] for n in MODEL_NAMES] == ["mnist-cnn", "mnist-logreg"]
+    model = builtin("mnist-logreg").build_model()
+    assert model.count_params() == 784 * 10 + 10
+    assert model.compiled and model.name == "mnist_logreg"
+    assert builtin("mnist-cnn").build_model().count_params() == 225_034
+
+
+def test_streamed_split_is_sharded_batched_and_resumes_at_its_batch():
+    """An infinite train split (given --steps) is streamed, not held in memory."""
+    source = tf.data.Dataset.range(1000).repeat()
+    whole = [b.numpy().tolist() for b in data.stream_pipeline(source, None, 8, seed=3).take(6)]
+    assert all(len(b) == 8 for b in whole)
+    resumed = [b.numpy().tolist()
+               for b in data.stream_pipeline(source, None, 8, seed=3, first_batch=2).take(4)]
+    assert resumed == whole[2:]
+    ctx = contexts(2)[1]
+    shard = next(iter(data.stream_pipeline(tf.data.Dataset.range(10).repeat(), ctx, 8, seed=1)))
+    assert shard.shape == (4,) and all(v % 2 == 1 for v in shard.numpy())
 
 
 def test_resumed_pipeline_replays_the_same_batches():
@@ -98,11 +117,11 @@ def test_unseeded_pipelines_differ_per_build():
 def test_training_pipeline_needs_no_partial_batch_guard():
     """Infinite and statically shaped: a distributed iterator then skips
     get_next_as_optional, which under multiworker costs an all-reduce per step."""
-    ds = data.make_dataset_fn(64, seed=1, data_dir=None)(contexts(2)[0])
+    ds = data.make_dataset_fn(builtin("mnist-cnn"), 64, seed=1)(contexts(2)[0])
     assert ds.cardinality() == tf.data.INFINITE_CARDINALITY
     images, labels = ds.element_spec
     assert images.shape == (32, 28, 28, 1) and labels.shape == (32,)
     dist = tf.distribute.MirroredStrategy().distribute_datasets_from_function(
-        data.make_dataset_fn(64, seed=1, data_dir=None))
+        data.make_dataset_fn(builtin("mnist-cnn"), 64, seed=1))
     # The private flag the decision ends in (input_lib._enable_get_next_as_optional).
     assert dist._enable_get_next_as_optional is False
