@@ -68,23 +68,31 @@ def test_replicas_to_aggregate_belongs_to_ps_sync_only():
 def test_default_k_is_the_number_of_workers_and_sets_the_gradient_batch():
     from strategies.tf_config import parse_tf_config
     from training.config import TrainConfig
+    from training.plan import resolve
 
     cfg = parse_tf_config(json.dumps({"cluster": {**CLUSTER, "worker": ["a:1", "b:1", "c:1", "d:1"]},
                                       "task": {"type": "chief", "index": 0}}))
-    config = TrainConfig(strategy="ps-sync", cluster=cfg)
-    assert config.gradients_per_update == 4 and config.examples_per_gradient == 32
-    config = TrainConfig(strategy="ps-sync", cluster=cfg, replicas_to_aggregate=1)
-    assert config.gradients_per_update == 1 and config.examples_per_gradient == 128
+
+    def plan(**kw):
+        return resolve(TrainConfig(cluster=cfg, global_batch_size=128, **kw), [],
+                       train_examples=60_000)
+
+    p = plan(strategy="ps-sync")
+    assert p.gradients_per_update == 4 and p.examples_per_gradient == 32
+    p = plan(strategy="ps-sync", replicas_to_aggregate=1)
+    assert p.gradients_per_update == 1 and p.examples_per_gradient == 128
     # Other strategies: one gradient per update, on the whole global batch.
-    assert TrainConfig(strategy="ps", cluster=cfg).gradients_per_update == 1
+    assert plan(strategy="ps").gradients_per_update == 1
 
 
 def test_the_kind_names_its_trainer_and_is_never_auto():
     from strategies import kinds
 
     kind = kinds.get("ps-sync")
-    assert kind.trainer_class().__name__ == "PsSyncTrainer"
-    assert kinds.get("ps").trainer_class().__name__ == "PsTrainer"
+    from training.controller import TRAINERS
+
+    assert TRAINERS[kind.trainer].__name__ == "PsSyncTrainer"
+    assert TRAINERS[kinds.get("ps").trainer].__name__ == "PsTrainer"
     assert not kind.asynchronous and kind.min_ps == 1
     assert kind.layout(2, 1) == {"chief": 1, "worker": 2, "ps": 1}
     from strategies.tf_config import parse_tf_config

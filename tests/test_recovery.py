@@ -18,8 +18,9 @@ DATA = os.environ.get("TFDS_DATA_DIR")
 
 
 def _config(model_dir, steps, model="logreg", every=10):
-    return TrainConfig(strategy="mirrored", model=model, steps=steps, log_every=10,
-                       checkpoint_every=every, model_dir=str(model_dir), data_dir=DATA)
+    return TrainConfig(strategy="mirrored", task=f"mnist-{model}", steps=steps, log_every=10,
+                       checkpoint_every=every, model_dir=str(model_dir), data_dir=DATA,
+                       global_batch_size=128)
 
 
 @pytest.fixture
@@ -126,8 +127,8 @@ def test_foreign_checkpoint_is_refused_and_the_run_dir_left_alone(trained, capsy
     model_dir = trained()
     # run.json names the flag before any checkpoint is read; a run directory
     # from before run.json existed is refused by the restore itself.
-    for record, words in ((True, "--model was logreg, now cnn"),
-                          (False, "does not match --model=cnn --optimizer=adam")):
+    for record, words in ((True, "--task was mnist-logreg, now mnist-cnn"),
+                          (False, "does not match --task=mnist-cnn --optimizer=adam")):
         if not record:
             (model_dir / "run.json").unlink()
         before = snapshot(model_dir)

@@ -91,9 +91,9 @@ def test_divergence_stops_with_its_own_code_and_keeps_the_last_good_checkpoint(
 
 def test_the_chief_records_the_defining_flags(finished):
     record = json.loads((finished / "run.json").read_text())
-    assert {k: record[k] for k in ("strategy", "model", "optimizer", "learning_rate",
+    assert {k: record[k] for k in ("strategy", "task", "optimizer", "learning_rate",
                                    "lr_schedule", "global_batch_size", "seed", "total_steps")} == {
-        "strategy": "none", "model": "logreg", "optimizer": "sgd", "learning_rate": 0.1,
+        "strategy": "none", "task": "mnist-logreg", "optimizer": "sgd", "learning_rate": 0.1,
         "lr_schedule": "constant", "global_batch_size": 64, "seed": 42, "total_steps": 10}
 
 

@@ -69,11 +69,11 @@ def test_mirrored_few_steps_writes_outputs_and_resumes(tmp_path, capsys):
 
 def test_logreg_sgd_learns(tmp_path):
     results = train.run(TrainConfig(
-        strategy="auto", model="logreg", optimizer="sgd", learning_rate=0.5, steps=100,
+        strategy="auto", task="mnist-logreg", optimizer="sgd", learning_rate=0.5, steps=100,
         log_every=50, steps_per_execution=10, model_dir=str(tmp_path / "lr"),
         data_dir=os.environ.get("TFDS_DATA_DIR"),
     ))
-    assert results["strategy"] == "mirrored" and results["model"] == "logreg"
+    assert results["strategy"] == "mirrored" and results["model"] == "mnist-logreg"
     assert results["test_accuracy"] > 0.85
 
 
@@ -93,7 +93,7 @@ def test_dry_run_prints_plan_and_starts_nothing(tmp_path, capsys):
 
 def test_no_strategy_baseline_with_periodic_eval(tmp_path, capsys):
     results = train.run(TrainConfig(
-        strategy="none", model="logreg", optimizer="sgd", learning_rate=0.5, steps=60,
+        strategy="none", task="mnist-logreg", optimizer="sgd", learning_rate=0.5, steps=60,
         eval_every=25, log_every=30, model_dir=str(tmp_path / "none"),
         data_dir=os.environ.get("TFDS_DATA_DIR"),
     ))
@@ -111,7 +111,7 @@ def test_no_strategy_baseline_with_periodic_eval(tmp_path, capsys):
 
 def test_resume_replays_the_data_exactly(tmp_path):
     """Stopping and resuming gives the weights of an uninterrupted run."""
-    common = dict(strategy="none", model="logreg", optimizer="sgd", learning_rate=0.5,
+    common = dict(strategy="none", task="mnist-logreg", optimizer="sgd", learning_rate=0.5,
                   lr_schedule="constant", log_every=100, steps_per_execution=5,
                   data_dir=os.environ.get("TFDS_DATA_DIR"))
     straight = train.run(TrainConfig(steps=20, model_dir=str(tmp_path / "a"), **common))
