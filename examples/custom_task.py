@@ -6,7 +6,7 @@
 A functional model with two inputs, a float vector and an integer category
 (through an ``Embedding``), on data generated here from a planted rule, so it
 needs no download. It reaches a test accuracy of at least 0.90 after one
-epoch under every strategy (the planted rule's own accuracy is about 0.97).
+epoch under every strategy (the planted rule itself scores about 0.95).
 
 A task provides ``build_model()`` (compiled, exactly as for ``model.fit``)
 and ``dataset(split)`` (unbatched ``(features, label)`` examples). It does
@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 FEATURES, CATEGORIES, CLASSES = 8, 50, 3
-SIZES = {"train": 20_000, "test": 4_000}  # 4,000 does not divide a batch of 64: exact anyway
+SIZES = {"train": 60_000, "test": 4_000}  # 4,000 does not divide a batch of 64: exact anyway
 STATED_ACCURACY = 0.90
 
 
@@ -47,7 +47,7 @@ def build_model() -> keras.Model:
     ])
     h = keras.layers.Dropout(0.1)(keras.layers.Dense(32, activation="relu")(h))
     model = keras.Model({"x": x, "category": category}, keras.layers.Dense(CLASSES)(h))
-    model.compile(optimizer=keras.optimizers.Adam(3e-3),
+    model.compile(optimizer=keras.optimizers.Adam(5e-3),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     return model
