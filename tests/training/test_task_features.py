@@ -93,7 +93,8 @@ def test_one_process_strategies_train_the_example_and_the_regression(tmp_path, s
 def _config(strategy, task, model_dir, **kw):
     from training.config import TrainConfig
 
-    return TrainConfig(strategy=strategy, task=task, model_dir=str(model_dir), log_every=100, **kw)
+    return TrainConfig(strategy=strategy, task=task, model_dir=str(model_dir),
+                       **{"log_every": 100, **kw})
 
 
 def test_train_task_runs_a_task_object_in_process(tmp_path):
@@ -132,3 +133,31 @@ def test_cluster_strategies_train_the_example_and_the_regression(tmp_path, spawn
                                      "--model-dir", str(regression)]))
     assert p.wait(timeout=240) == 0, p.output
     _check_regression(read_results(regression))
+
+
+def test_a_users_optimizer_is_kept_unless_a_flag_overrides_it_with_a_line(tmp_path, capsys):
+    """And every compiled metric reaches the progress lines, events and TensorBoard."""
+    import train
+    from tests.test_train_local import _tensorboard_tags
+
+    own = train.run(_config("none", REGRESSION, tmp_path / "own", steps=120, eval_every=60,
+                            log_every=60))
+    out = capsys.readouterr().out
+    assert "instead of the optimizer it compiled" not in out
+    assert own["optimizer"] == "adam" and own["learning_rate"] == pytest.approx(1e-2)
+    assert own["lr_schedule"] == "task's own"
+    progress = [l for l in out.splitlines() if l.startswith("step 60/120")]
+    assert progress and " mae " in progress[0] and " loss " in progress[0]
+    assert re.search(r"eval step 60 test_mae [0-9.]+ test_loss", out)
+    assert [p["step"] for p in own["eval_curve"]] == [60, 120]
+    assert "mae" in own["eval_curve"][0]["test_metrics"]
+    tags = _tensorboard_tags(str(tmp_path / "own" / "logs"))["scalars"]
+    assert {"train/loss", "train/mae", "test/mae", "test/loss"} <= tags, tags
+
+    flagged = train.run(_config("none", REGRESSION, tmp_path / "sgd", steps=120,
+                                optimizer="sgd", learning_rate=0.05))
+    out = capsys.readouterr().out
+    line = [l for l in out.splitlines() if "instead of the optimizer it compiled" in l]
+    assert len(line) == 1 and "--optimizer sgd at 0.05 (cosine)" in line[0]
+    assert flagged["optimizer"] == "sgd" and flagged["learning_rate"] == 0.05
+    assert flagged["lr_schedule"] == "cosine"
