@@ -68,7 +68,8 @@ def make_statistics_sync(strategy, variables):
     def sync():
         def replica_fn():
             ctx = tf.distribute.get_replica_context()
-            means = ctx.all_reduce(tf.distribute.ReduceOp.MEAN, [v.value for v in variables])
+            means = ctx.all_reduce(tf.distribute.ReduceOp.MEAN,
+                                   [tf.identity(v.value) for v in variables])
             for var, mean in zip(variables, means):
                 var.assign(mean)
 
