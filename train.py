@@ -234,10 +234,6 @@ def check_own_port(cfg) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from models import BUILTIN_TASKS, DEFAULT_TASK, MODEL_NAMES
-    from strategies.kinds import ALL_REDUCE
-    from training.config import DEFAULT_LEARNING_RATE, LR_SCHEDULES, OPTIMIZERS
-
     p = protocol.OneLineParser(
         allow_abbrev=False,
         description=__doc__.split("\n\n")[0],
@@ -246,7 +242,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                "--cluster-resolver=slurm, the Slurm job step does. " + protocol.exit_epilog(),
     )
     d = TrainConfig()
-    cluster = p.add_argument_group("cluster")
+    _cluster_flags(p.add_argument_group("cluster"), d)
+    _training_flags(p.add_argument_group("training"), d)
+    _output_flags(p.add_argument_group("checkpoints, evaluation and output"), d)
+    slurm = p.add_argument_group("Slurm (--cluster-resolver=slurm)")
+    slurm.add_argument("--slurm-ps", type=int, default=None,
+                       help="rank 0 is the chief, the next N ranks are ps tasks, the rest "
+                            "workers (unset: every rank is a worker)")
+    slurm.add_argument("--slurm-port", type=int, default=None,
+                       help="first port on each node; a node's tasks take consecutive ports "
+                            "(unset: 2222)")
+    return p.parse_args(argv)
+
+
+def _cluster_flags(cluster, d: TrainConfig) -> None:
+    from strategies.kinds import ALL_REDUCE
+
     cluster.add_argument(
         "--strategy", default=d.strategy, choices=kinds.names(),
         help="; ".join(f"{name}: {kind.summary}" for name, kind in kinds.all_kinds().items())
@@ -261,7 +272,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                          help="ps-sync: gradients averaged into one update (unset: the number of "
                               "workers; fewer makes the N - K slowest backups whose late gradients "
                               "are dropped)")
-    train = p.add_argument_group("training")
+
+
+def _training_flags(train, d: TrainConfig) -> None:
+    from models import BUILTIN_TASKS, DEFAULT_TASK, MODEL_NAMES
+    from training.config import DEFAULT_LEARNING_RATE, LR_SCHEDULES, OPTIMIZERS
+
     train.add_argument("--task", default=None,
                        help="what to train: a built-in (" + ", ".join(BUILTIN_TASKS)
                        + f"; default {DEFAULT_TASK}), an import path pkg.mod[:NAME] or a file "
@@ -298,30 +314,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                             "else tfds's own)")
     train.add_argument("--synthetic-data", action="store_true",
                        help="train on the first batch, repeated (input-pipeline benchmark)")
-    out = p.add_argument_group("checkpoints, evaluation and output")
+
+
+def _output_flags(out, d: TrainConfig) -> None:
     out.add_argument("--model-dir", default=d.model_dir,
                      help="checkpoints, model.keras, logs/ and results.json; a rerun resumes there")
     out.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                      help="steps between checkpoints (epoch ends and the end always save)")
     out.add_argument("--eval-every", type=int, default=d.eval_every,
-                     help="steps between test-accuracy evaluations on the chief (0: at the end "
-                          "only); their time is left out of examples/s")
+                     help="steps between evaluations of the task's metrics on its test split, "
+                          "on the chief (0: at the end only); their time is left out of examples/s")
     out.add_argument("--log-every", type=int, default=d.log_every, help="steps between progress lines")
     out.add_argument("--verbose", action="store_true",
                      help="keep TensorFlow's own start-up and C++ log lines (hidden by default)")
     out.add_argument("--dry-run", action="store_true",
                      help="print the resolved plan as JSON and exit without starting anything")
-    # launch.py's pre-flight: --dry-run's checks without importing TensorFlow
-    # (GPUs are not listed), so every task is checked in well under a second.
+    # launch.py's pre-flight: --dry-run's checks without listing GPUs; a
+    # built-in task needs no TensorFlow for them, so it takes well under a second.
     out.add_argument("--check-only", action="store_true", help=argparse.SUPPRESS)
-    slurm = p.add_argument_group("Slurm (--cluster-resolver=slurm)")
-    slurm.add_argument("--slurm-ps", type=int, default=None,
-                       help="rank 0 is the chief, the next N ranks are ps tasks, the rest "
-                            "workers (unset: every rank is a worker)")
-    slurm.add_argument("--slurm-port", type=int, default=None,
-                       help="first port on each node; a node's tasks take consecutive ports "
-                            "(unset: 2222)")
-    return p.parse_args(argv)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
