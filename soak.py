@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 import protocol
+from launcher import policy
 from strategies import ConfigError, kinds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,7 +44,7 @@ class Run:
 
 def pick_faults(rng: random.Random, strategy: str, steps: int) -> list[str]:
     # The (action, task) faults the strategy kind survives with recovery on.
-    pool = list(kinds.get(strategy).survivable_faults)
+    pool = list(policy.survivable_faults(kinds.get(strategy)))
     chosen = rng.sample(pool, min(len(pool), rng.choice((1, 2))))
     return [f"--{action}={task}@step={rng.randrange(100, steps - 100)}" for action, task in chosen]
 
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
     os.makedirs(out, exist_ok=True)
     try:
         for strategy in args.strategies.split(","):
-            if kinds.get(strategy).single_process or not kinds.get(strategy).survivable_faults:
+            if not policy.survivable_faults(kinds.get(strategy)):
                 raise ConfigError(f"--strategies names {strategy!r}, which has no faults to soak")
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """The cluster as data (pure): tasks, their hosts, addresses and ports.
 
-Everything here comes from the strategy kind (``layout``, ``computing_roles``);
+Everything here comes from the strategy kind (``computing_roles``) and the
+launcher's policy on it (``policy.layout``);
 nothing compares strategy names, opens a socket or touches a file.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
+from launcher import policy
 from strategies import ConfigError, kinds
 
 
@@ -26,7 +28,7 @@ def kind_of(strategy: str) -> kinds.StrategyKind:
 def role_counts(strategy: str, workers: int, ps: int = 0, chief: bool = False) -> dict[str, int]:
     """Tasks per role (``{}``: one process without TF_CONFIG), from the kind."""
     try:
-        counts = kind_of(strategy).layout(workers, ps, bool(chief))
+        counts = policy.layout(kind_of(strategy), workers, ps, bool(chief))
     except LaunchError:
         raise
     except ConfigError as err:

@@ -17,7 +17,7 @@ from typing import Callable
 
 import protocol
 from launcher import faults as faultlib
-from launcher import processes
+from launcher import policy, processes
 from launcher.plan import ClusterPlan, kind_of
 from launcher.processes import Placement, Task
 from launcher.state import JobState, RestartTask, SignalTask, SlowTask, TaskView
@@ -36,7 +36,7 @@ def decide(strategy: str, exits: dict[str, int | None]) -> int | None:
     # watchdog giving up on a peer) is, to the job, a lost task: the code
     # its survivors report, and a relaunch resumes from the checkpoint.
     deciding = [Exit.TASK_LOST if code is not None and code < 0 else code
-                for name, code in exits.items() if kind.decides(name)]
+                for name, code in exits.items() if policy.decides(kind, name)]
     failed = [code for code in deciding if code not in (None, 0)]
     if failed:
         return failed[0]

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
+from protocol import ConfigError  # re-exported: ``from strategies.tf_config import ConfigError``
+
 ROLES = ("chief", "worker", "ps", "evaluator")
 # Tasks that run training steps (ps only holds variables, evaluator only reads).
 TRAINING_ROLES = ("chief", "worker")
@@ -22,10 +24,6 @@ EXPECTED_SHAPE = (
     '{"cluster": {"worker": ["host:port", ...], ...}, '
     '"task": {"type": "worker", "index": 0}}'
 )
-
-
-class ConfigError(ValueError):
-    """Bad user input. ``str(err)`` is the one line shown to the user."""
 
 
 @dataclass(frozen=True)

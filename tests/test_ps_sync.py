@@ -86,7 +86,9 @@ def test_the_kind_names_its_trainer_and_is_never_auto():
     assert kind.trainer_class().__name__ == "PsSyncTrainer"
     assert kinds.get("ps").trainer_class().__name__ == "PsTrainer"
     assert not kind.asynchronous and kind.min_ps == 1
-    assert kind.layout(2, 1) == {"chief": 1, "worker": 2, "ps": 1}
+    from launcher import policy
+
+    assert policy.layout(kind, 2, 1) == {"chief": 1, "worker": 2, "ps": 1}
     from strategies.tf_config import parse_tf_config
 
     cfg = parse_tf_config(json.dumps({"cluster": CLUSTER, "task": {"type": "chief", "index": 0}}))
