@@ -166,7 +166,7 @@ def hosts_for(kind_name: str, workers: int) -> int:
     """Simulated hosts for a scenario with links: one per computing task, one more
     for the tasks that only coordinate or serve (as ``launcher.plan.place_tasks``)."""
     kind = strategy_kinds.get(kind_name)
-    names = plans.task_names(kind_name, workers, kind.min_ps)
+    names = plans.task_names(kind, workers, kind.min_ps)
     busy = [n for n in names if n.partition(":")[0] in kind.computing_roles]
     return len(busy) + (1 if len(names) > len(busy) else 0)
 

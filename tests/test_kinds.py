@@ -51,7 +51,7 @@ def test_a_registered_kind_shows_in_dry_run_and_the_factory(toy, monkeypatch, ca
     assert bundle.kind is toy and bundle.strategy == "toy strategy for worker:0"
     assert "toy" in kinds.names()
     # The launcher derives its layout from the kind's facts, too.
-    assert list(launch_plan.build_cluster("toy", 2, ports=[5, 6])) == ["worker:0", "worker:1"]
+    assert list(launch_plan.build_cluster(toy, 2, ports=[5, 6])) == ["worker:0", "worker:1"]
     with pytest.raises(SystemExit):
         train.parse_args(["--help"])
     assert "toy: a toy that trains on every worker" in capsys.readouterr().out
