@@ -1,6 +1,6 @@
 """What the processes of a job tell each other and their callers; no TensorFlow.
 
-``train.py`` writes it, the launcher, ``bench.py`` and ``soak.py`` read it:
+``train.py`` writes it, the launcher and the benchmark (``bench/``, the soak too) read it:
 
 - **exit codes**, each defined once, and which of them mean "relaunch me";
 - **progress events**: one JSON object per line, appended to the file named

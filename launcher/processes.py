@@ -367,5 +367,25 @@ def has_flag(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
+def running_with(marker: str) -> list[str]:
+    """Live processes (zombies left out) whose command line contains ``marker``
+    (e.g. a model dir), as ``"pid: command"``: what a finished job left behind.
+    The soak and the tests ask it; this process is never counted."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if marker in cmd and state != "Z":
+            found.append(f"{pid}: {cmd}")
+    return found
+
+
 def quote(command: list[str]) -> str:
     return shlex.join(command)

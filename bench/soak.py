@@ -1,7 +1,7 @@
 """Soak test: back-to-back training jobs with random faults; not part of CI.
 
-    python soak.py --runs 3                 # 3 ps jobs, then 3 multi-worker jobs
-    python soak.py --runs 20 --steps 2000 --seed 7 --out runs/soak
+    python -m bench.soak --runs 3                 # 3 ps jobs, then 3 multi-worker jobs
+    python -m bench.soak --runs 20 --steps 2000 --seed 7 --out runs/soak
 
 Each job runs under ``launch.py`` with one or two random faults (``--kill``
 or ``--preempt`` of a random task at a random step) and every recovery
@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass, field
 
 import protocol
+from bench.common import LAUNCH, ROOT
 from launcher import policy
+from launcher.processes import running_with
 from strategies import ConfigError, kinds
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass
@@ -55,25 +55,10 @@ def job_command(strategy: str, faults: list[str], steps: int, model_dir: str) ->
     layout = ["--workers", "2", "--ps", str(kind.min_ps)]
     if kind.restartable_roles:
         recovery.append("--restart-tasks")
-    return [sys.executable, os.path.join(HERE, "launch.py"), "--strategy", strategy, *layout,
+    return [sys.executable, LAUNCH, "--strategy", strategy, *layout,
             "--grace", "5", "--timeout", "600", *recovery, *faults, "--",
             "--model", "logreg", "--steps", str(steps), "--log-every", "100",
             "--checkpoint-every", "200", "--steps-per-execution", "5", "--model-dir", model_dir]
-
-
-def leftovers(marker: str) -> list[str]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmd:
-            found.append(f"{pid}: {cmd[:200]}")
-    return found
 
 
 def check(run: Run, steps: int, model_dir: str) -> None:
@@ -101,8 +86,8 @@ def check(run: Run, steps: int, model_dir: str) -> None:
         elif results.global_steps != steps:
             run.problems.append(f"global step {results.global_steps} != {steps}")
     time.sleep(1)  # servers that saw the chief go have a moment to exit
-    if left := leftovers(model_dir):
-        run.problems.append(f"{len(left)} process(es) left behind: {left[0]}")
+    if left := running_with(model_dir):
+        run.problems.append(f"{len(left)} process(es) left behind: {left[0][:200]}")
 
 
 def soak(strategy: str, index: int, rng: random.Random, steps: int, out: str) -> Run:
@@ -113,7 +98,7 @@ def soak(strategy: str, index: int, rng: random.Random, steps: int, out: str) ->
     started = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(run.command, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=HERE)
+                                stdin=subprocess.DEVNULL, cwd=ROOT)
         try:
             run.code = proc.wait(timeout=900)
         except subprocess.TimeoutExpired:
@@ -142,7 +127,6 @@ def main(argv=None) -> int:
     if os.path.exists(out) and os.listdir(out):
         print(f"error: --out {out!r} is not empty; pass a new directory", file=sys.stderr)
         return 2
-    os.makedirs(out, exist_ok=True)
     try:
         for strategy in args.strategies.split(","):
             if not policy.survivable_faults(kinds.get(strategy)):
@@ -150,6 +134,7 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    os.makedirs(out, exist_ok=True)
     rng = random.Random(seed)
     print(f"soak: seed {seed}, {args.runs} job(s) per strategy, {args.steps} steps each, in {out}",
           flush=True)

@@ -37,13 +37,71 @@ import textwrap
 import time
 from dataclasses import dataclass, replace
 
-import bench
+from bench.common import BASELINE, LAUNCH, TRAIN, BenchError, Run, machine_description, \
+    parse_only, run_one, time_to_target
+from bench.config import BenchConfig
 from launcher import plan as plans
 from strategies import kinds as strategy_kinds
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PEERS_DIR = os.path.join(HERE, "bench", "peers")
+PEERS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers")
 UNIFORM = "uniform"
+
+
+@dataclass(frozen=True)
+class ScenarioRun(Run):
+    """A run of this suite: which scenario, which phase ("throughput": short,
+    "accuracy": long and evaluated, "repeat", "staleness"), which variant of
+    the kind (e.g. ps-sync with a backup worker), and whether a tutorial peer
+    (not this library) runs it."""
+
+    scenario: str = ""
+    phase: str = ""
+    variant: str = ""
+    peer: str = ""
+
+    @property
+    def results_file(self) -> str:
+        return PEER_RESULTS if self.peer else super().results_file
+
+    def load_results(self, path: str) -> dict:
+        return PeerResults.load(path).to_dict() if self.peer else super().load_results(path)
+
+
+PEER_RESULTS = "peer_results.json"  # what a tutorial peer (bench/peers/) writes
+
+
+@dataclass(frozen=True)
+class PeerResults:
+    """``peer_results.json``: the figures of a tutorial peer run that compare with ours.
+
+    Written by ``bench/peers/peer_lib.py``, which is kept apart from the
+    library; its examples/s leave out the first Keras epoch (start-up).
+    """
+
+    peer: str
+    keras_version: str
+    num_workers: int
+    global_batch_size: int
+    total_steps: int
+    steps_per_execution: int
+    steps_per_epoch: int
+    startup_seconds: float
+    train_seconds: float
+    steady_steps: int
+    examples_per_sec: float
+    test_accuracy: float
+    wall_seconds: float
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def load(cls, path: str) -> "PeerResults":
+        with open(path) as f:
+            data = json.load(f)
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+
+
 
 
 @dataclass(frozen=True)
@@ -114,7 +172,7 @@ class Peer:
 
 
 PEERS = (
-    Peer("keras3", "keras3_fit.py", bench.BASELINE,
+    Peer("keras3", "keras3_fit.py", BASELINE,
          "Keras 3 model.fit, one process (tfds tutorial)", tf_keras=False),
     Peer("tf_keras-multiworker", "tf_keras_multiworker.py", "multiworker",
          "tf_keras model.fit, MultiWorkerMirroredStrategy (multi-worker Keras tutorial)",
@@ -126,7 +184,7 @@ PEERS = (
 
 def ours_config(peer: Peer) -> str:
     """The row (config) of our run that ``peer`` is compared with."""
-    return peer.ours if peer.ours == bench.BASELINE else f"{UNIFORM}/{peer.ours}"
+    return peer.ours if peer.ours == BASELINE else f"{UNIFORM}/{peer.ours}"
 
 
 # Targets: ratios of examples/s measured in this run.
@@ -147,7 +205,7 @@ def parse_list(text: str, cast, flag: str) -> list:
     except ValueError:
         values = []
     if not values or any(v <= 0 for v in values):
-        raise bench.BenchError(f"{flag} {text!r} is not a comma-separated list of positive numbers")
+        raise BenchError(f"{flag} {text!r} is not a comma-separated list of positive numbers")
     return values
 
 
@@ -157,7 +215,7 @@ def parse_scenarios(text: str | None) -> list[Scenario]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in SCENARIOS]
     if bad or not names:
-        raise bench.BenchError(f"--scenarios {text!r} names {bad or 'nothing'}; "
+        raise BenchError(f"--scenarios {text!r} names {bad or 'nothing'}; "
                                f"allowed: {', '.join(SCENARIOS)}")
     return [SCENARIOS[n] for n in names]
 
@@ -174,7 +232,7 @@ def hosts_for(kind_name: str, workers: int) -> int:
 def launch_prefix(python: str, kind_name: str, workers: int, scenario: Scenario,
                   timeout: float, program: str | None = None) -> list[str]:
     kind = strategy_kinds.get(kind_name)
-    cmd = [python, os.path.join(HERE, "launch.py"), "--strategy", kind_name,
+    cmd = [python, LAUNCH, "--strategy", kind_name,
            "--workers", str(workers), "--timeout", str(timeout)]
     if kind.min_ps:
         cmd += ["--ps", str(kind.min_ps)]
@@ -197,7 +255,7 @@ def accuracy_length(args, scenario: Scenario) -> tuple[list[str], int, float]:
             args.scenario_target)
 
 
-def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) -> list[bench.Run]:
+def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) -> list[ScenarioRun]:
     """Every run of the scenarios suite, in order; pure (starts nothing).
 
     Two interleaved passes: every cell's throughput run, then every cell's
@@ -205,15 +263,15 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
     with), then the staleness study.
     """
     scenarios = parse_scenarios(args.scenarios)
-    only = bench.parse_only(args.only)
+    only = parse_only(args.only)
     if args.short_steps < 0 or args.accuracy_steps < 1 or args.peer_repeats < 1:
-        raise bench.BenchError("--short-steps must be 0 (no throughput pass) or more, "
+        raise BenchError("--short-steps must be 0 (no throughput pass) or more, "
                                "--accuracy-steps and --peer-repeats at least 1")
     # Scenarios whose cells get a short throughput run besides the accuracy
     # run (the others keep one run per cell, to keep the suite's time).
     short_in = {s.name for s in parse_scenarios(args.short_scenarios)} if args.short_scenarios else set()
-    runs: list[bench.Run] = []
-    train = os.path.join(HERE, "train.py")
+    runs: list[ScenarioRun] = []
+    train = TRAIN
 
     def common(scenario: Scenario, length: list[str], eval_every: int) -> list[str]:
         batch = scenario.global_batch or args.global_batch_size
@@ -227,7 +285,7 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
         config = key if scenario is None else f"{scenario.name}/{key}"
         name = f"{phase[:3]}-{config.replace('/', '-')}"
         model_dir = os.path.join(args.out, "runs", name)
-        runs.append(bench.Run(name, kind, workers, (*prefix, *flags, "--model-dir", model_dir),
+        runs.append(ScenarioRun(name, kind, workers, (*prefix, *flags, "--model-dir", model_dir),
                               model_dir, config, scenario.name if scenario else "", phase,
                               key, peer))
 
@@ -253,10 +311,10 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
         else:
             length, every, _ = accuracy_length(args, uniform)
             base_flags = common(uniform, length, every)
-        add(phase, None, bench.BASELINE, bench.BASELINE, 1,
-            [python, train, f"--strategy={bench.BASELINE}"], base_flags)
+        add(phase, None, BASELINE, BASELINE, 1,
+            [python, train, f"--strategy={BASELINE}"], base_flags)
         if phase == "accuracy":
-            add_peer(bench.BASELINE, base_flags)
+            add_peer(BASELINE, base_flags)
         for scenario in scenarios:
             if phase == "throughput" and scenario.name not in short_in:
                 continue
@@ -295,7 +353,7 @@ def staleness_kind() -> str:
                 if k.asynchronous and not k.single_process)
 
 
-def plan_staleness(args, python: str = sys.executable) -> list[bench.Run]:
+def plan_staleness(args, python: str = sys.executable) -> list[ScenarioRun]:
     """Async ps on softmax regression with plain SGD (the classic walk-through's
     set-up: batch 100, one step per call), over workers and learning rates."""
     if not args.staleness_workers:
@@ -315,7 +373,7 @@ def plan_staleness(args, python: str = sys.executable) -> list[bench.Run]:
             flags += ["--data-dir", args.data_dir] if args.data_dir else []
             prefix = launch_prefix(python, kind, workers, Scenario("staleness", "", workers),
                                    args.run_timeout)
-            runs.append(bench.Run(name, kind, workers, (*prefix, *flags, "--model-dir", model_dir),
+            runs.append(ScenarioRun(name, kind, workers, (*prefix, *flags, "--model-dir", model_dir),
                                   model_dir, config, "staleness", "staleness", f"lr={lr:g}"))
     return runs
 
@@ -343,14 +401,14 @@ def rate_from(result: dict, from_step: int) -> tuple[float, int] | None:
     return steps * result["global_batch_size"] / (end["seconds"] - start["seconds"]), start["step"]
 
 
-def summarize(results: dict[str, dict], runs: list[bench.Run], targets: dict[str, float]) -> list[dict]:
+def summarize(results: dict[str, dict], runs: list[ScenarioRun], targets: dict[str, float]) -> list[dict]:
     """One row per configuration (scenario and variant, peer, staleness point); pure.
 
     examples/s is the best of the configuration's runs, every run's figure
     kept; accuracy, time to the scenario's target, staleness and dropped
     gradients come from its accuracy run (the longer, evaluated one).
     """
-    groups: dict[str, list[bench.Run]] = {}
+    groups: dict[str, list[ScenarioRun]] = {}
     for run in runs:
         groups.setdefault(run.config, []).append(run)
     rows = []
@@ -371,10 +429,10 @@ def summarize(results: dict[str, dict], runs: list[bench.Run], targets: dict[str
             acc = next((res for r, res in done if r.phase != "throughput"), done[-1][1])
             row["test_accuracy"] = acc.get("test_accuracy")
             # The baseline runs beside the uniform scenario, on its work.
-            target = targets.get(UNIFORM if config == bench.BASELINE else first.scenario)
+            target = targets.get(UNIFORM if config == BASELINE else first.scenario)
             row["target"] = target
             curve = acc.get("eval_curve") or []
-            row["time_to_target"] = (bench.time_to_target(curve, target)
+            row["time_to_target"] = (time_to_target(curve, target)
                                      if target is not None and curve else None)
             st = acc.get("staleness") or None
             row["staleness"] = ({"mean": st.get("mean"), "p99": st.get("p99"), "max": st.get("max")}
@@ -385,7 +443,7 @@ def summarize(results: dict[str, dict], runs: list[bench.Run], targets: dict[str
             row["global_steps"] = acc.get("global_steps", acc.get("total_steps"))
             row["learning_rate"] = acc.get("learning_rate")
         rows.append(row)
-    base = next((r for r in rows if r["config"] == bench.BASELINE and "examples_per_sec" in r), None)
+    base = next((r for r in rows if r["config"] == BASELINE and "examples_per_sec" in r), None)
     for row in rows:
         if base is not None and "examples_per_sec" in row and not row["peer"] \
                 and row["scenario"] != "staleness":
@@ -457,7 +515,7 @@ def check_targets(rows: list[dict]) -> list[dict]:
                     "text": f"{ratio:.2f}×" if ratio >= need else _short(ratio, need)})
     uniform = [r for r in rows if r["scenario"] == UNIFORM and not r["peer"]]
     if uniform:
-        uniform += [r for r in rows if r["config"] == bench.BASELINE]
+        uniform += [r for r in rows if r["config"] == BASELINE]
         low = [r for r in uniform if (r.get("test_accuracy") or 0) < UNIFORM_ACCURACY]
         worst = min(uniform, key=lambda r: r.get("test_accuracy") or 0)
         text = (f"lowest {worst['config']} {worst.get('test_accuracy') or 0:.4f}" if not low else
@@ -476,8 +534,8 @@ def _fmt(value, spec, missing="–"):
 
 
 def _label(row: dict) -> str:
-    if row["config"] == bench.BASELINE:
-        return f"{bench.BASELINE} (1 process, baseline)"
+    if row["config"] == BASELINE:
+        return f"{BASELINE} (1 process, baseline)"
     if row["peer"]:
         return next(p.label for p in PEERS if p.key == row["peer"]) + " — *peer*"
     scenario = SCENARIOS.get(row["scenario"])
@@ -505,7 +563,7 @@ def render_markdown(rows: list[dict], targets: list[dict], settings: dict, machi
               "*× none*: against the one-process baseline of this bench run. "
               "Accuracy, time to target (start-up included, evaluation excluded), staleness "
               "and dropped gradients: from the accuracy run.", ""]
-    base = [r for r in rows if r["config"] == bench.BASELINE]
+    base = [r for r in rows if r["config"] == BASELINE]
     for name, scenario in SCENARIOS.items():
         srows = [r for r in rows if r["scenario"] == name and not r["peer"]]
         if not srows:
@@ -607,13 +665,13 @@ def plot(rows: list[dict], results: dict[str, dict], out: str, machine: str) -> 
     where = short_machine(machine)
     srows = [r for r in rows if r["scenario"] in SCENARIOS and not r["peer"]
              and "examples_per_sec" in r]
-    base = next((r for r in rows if r["config"] == bench.BASELINE and "examples_per_sec" in r), None)
+    base = next((r for r in rows if r["config"] == BASELINE and "examples_per_sec" in r), None)
     scen = [s for s in SCENARIOS if any(r["scenario"] == s for r in srows)]
     keys = list(dict.fromkeys(r["variant"] for r in srows))
     # One colour, marker and line per strategy in every plot and panel.
     legend = {v.key: v.generic for v in variants(2)}
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    styles = {bench.BASELINE: dict(color="black", marker="*", linestyle=":")}
+    styles = {BASELINE: dict(color="black", marker="*", linestyle=":")}
     for i, key in enumerate(keys):
         styles[key] = dict(color=colours[i % len(colours)], marker=MARKERS[i % len(MARKERS)],
                            linestyle=LINESTYLES[i % len(LINESTYLES)])
@@ -654,7 +712,7 @@ def plot(rows: list[dict], results: dict[str, dict], out: str, machine: str) -> 
         fig, axes = plt.subplots(nrows, cols, figsize=(10, 3.6 * nrows), squeeze=False)
         for ax, s in zip(axes.flat, scen):
             target = next((r.get("target") for r in srows if r["scenario"] == s), None)
-            configs = ([bench.BASELINE] if s == UNIFORM else []) + \
+            configs = ([BASELINE] if s == UNIFORM else []) + \
                 [r["config"] for r in srows if r["scenario"] == s]
             low = 1.0
             for config in configs:
@@ -749,19 +807,20 @@ def report_only(out: str) -> int:
     return 0
 
 
-def main(args) -> int:
-    if getattr(args, "report_only", False):
+def run(args: BenchConfig) -> int:
+    """The scenarios suite (or, with ``report_only``, its report again); the exit code."""
+    if args.report_only:
         return report_only(args.out)
     started = time.perf_counter()
     if args.peers and not os.path.isdir(PEERS_DIR):
         # An installed copy: the peers live in the source checkout only.
         print(f"[bench] no {PEERS_DIR}: the tutorial peers are left out (run from a checkout)",
               flush=True)
-        args.peers = False
+        args = replace(args, peers=False)
     try:
         tfk = have_tf_keras()
         runs = plan_runs(args, have_tf_keras=tfk)
-    except bench.BenchError as err:
+    except BenchError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
@@ -771,14 +830,14 @@ def main(args) -> int:
     print(f"[bench] {len(runs)} runs: {', '.join(r.name for r in runs)}", flush=True)
     results = {}
     for run in runs:
-        r = bench.run_one(run, args.run_timeout + 60, log=lambda m: print(m, flush=True))
+        r = run_one(run, args.run_timeout + 60, log=lambda m: print(m, flush=True))
         if r is not None:
             results[run.name] = r
     targets = {s: accuracy_length(args, SCENARIOS[s])[2] for s in SCENARIOS}
     rows = summarize(results, runs, targets)
     checked = check_targets(rows)
     seconds = time.perf_counter() - started
-    machine = bench.machine_description()
+    machine = machine_description()
     uniform_len = f"{args.steps} steps" if args.steps else f"{args.epochs} epochs"
     settings = {
         "model": args.model, "global batch": f"{args.global_batch_size} (more: 120)",
