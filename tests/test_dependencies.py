@@ -139,6 +139,22 @@ def test_no_import_cycle_among_the_projects_modules():
     assert cycles(without_known(import_graph())) == []
 
 
+# docs/architecture.md's order: a module imports only from layers after its own.
+LAYERS = (("train", "launch"), ("bench",), ("launcher",), ("training",), ("models",),
+          ("strategies",), ("protocol",))
+
+
+def layer(module: str) -> int:
+    top = module.partition(".")[0]
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def test_imports_point_down_the_layers():
+    upward = sorted(f"{m} -> {t}" for m, targets in without_known(import_graph()).items()
+                    for t in targets if layer(t) < layer(m))
+    assert upward == []
+
+
 def test_every_known_exception_is_still_an_edge():
     # Once the change removes an edge, its entry must go too.
     graph = import_graph()
