@@ -330,21 +330,27 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
                     [*flags, *v.train_flags])
                 if phase == "accuracy" and scenario.name == UNIFORM:
                     add_peer(v.key, flags)
-    # Every pair of a peer and the run it is compared with, again in later
-    # rounds (--peer-repeats), in the same order: a single pair is at the
-    # mercy of a slow minute on a shared host. The same commands, each
-    # round in directories of its own.
+    runs += repeat_rounds(runs, peers, args.peer_repeats, args.out)
+    runs += plan_staleness(args, python)
+    return runs
+
+
+def repeat_rounds(runs: list[ScenarioRun], peers, rounds: int, out: str) -> list[ScenarioRun]:
+    """Every pair of a peer and the run it is compared with, again in later
+    rounds (--peer-repeats), in the same order: a single pair is at the
+    mercy of a slow minute on a shared host. The same commands, each round
+    in directories of its own."""
     compared = {ours_config(p) for p in peers}
     pairs = [r for r in runs if r.phase == "accuracy" and (r.peer or r.config in compared)]
-    for i in range(1, args.peer_repeats):
+    again = []
+    for i in range(1, rounds):
         tag = "rep" if i == 1 else f"rep{i}"
         for run in pairs:
             name = f"{tag}-{run.name.partition('-')[2]}"
-            model_dir = os.path.join(args.out, "runs", name)
-            runs.append(replace(run, name=name, phase="repeat", model_dir=model_dir,
-                                cmd=(*run.cmd[:-1], model_dir)))
-    runs += plan_staleness(args, python)
-    return runs
+            model_dir = os.path.join(out, "runs", name)
+            again.append(replace(run, name=name, phase="repeat", model_dir=model_dir,
+                                 cmd=(*run.cmd[:-1], model_dir)))
+    return again
 
 
 def staleness_kind() -> str:
@@ -656,6 +662,8 @@ def short_machine(machine: str) -> str:
 
 
 def plot(rows: list[dict], results: dict[str, dict], out: str, machine: str) -> list[str]:
+    """The throughput bars, the accuracy curves per scenario and the staleness
+    study, each drawn when its rows exist; the PNGs' paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -675,93 +683,104 @@ def plot(rows: list[dict], results: dict[str, dict], out: str, machine: str) -> 
     for i, key in enumerate(keys):
         styles[key] = dict(color=colours[i % len(colours)], marker=MARKERS[i % len(MARKERS)],
                            linestyle=LINESTYLES[i % len(LINESTYLES)])
+    kept = dict(where=where, out=out, styles=styles, legend=legend)
     if srows:
-        fig, ax = plt.subplots(figsize=(9, 4.8))
-        width = 0.8 / max(1, len(keys))
-        for i, key in enumerate(keys):
-            xs, ys, lows, highs = [], [], [], []
-            for j, s in enumerate(scen):
-                row = next((r for r in srows if r["scenario"] == s and r["variant"] == key), None)
-                if row is None:
-                    continue
-                each = row["examples_per_sec_each"]
-                xs.append(j + (i - (len(keys) - 1) / 2) * width)
-                ys.append(row["examples_per_sec"])
-                lows.append(row["examples_per_sec"] - min(each))
-                highs.append(0)
-            ax.bar(xs, ys, width, label=legend.get(key, key), hatch=("", "//", "..", "xx", "\\\\")[i % 5],
-                   color=styles[key]["color"], edgecolor="black", linewidth=0.5)
-            # Run-to-run spread: from the slowest run up to the best (the bar).
-            ax.errorbar(xs, ys, yerr=[lows, highs], fmt="none", ecolor="black", capsize=3,
-                        linewidth=1)
-        if base is not None:
-            ax.axhline(base["examples_per_sec"], color="grey", linestyle="--", linewidth=1,
-                       label=f"none (1 process): {base['examples_per_sec']:,.0f}")
-        ax.set_xticks(range(len(scen)))
-        ax.set_xticklabels([SCENARIOS[s].label for s in scen])
-        ax.set_ylabel("examples/s (steady state; bar: best run, whisker: slowest run)")
-        ax.set_title(f"Throughput per scenario and strategy\n{where}", fontsize=10)
-        ax.legend(fontsize=8, ncol=3, loc="upper right")
-        paths.append(save(fig, out, "scenarios_throughput.png"))
-
-    acc_runs = {row["config"]: run["name"] for row in rows if not row["peer"]
-                for run in row["runs"] if run["phase"] == "accuracy"}
+        paths.append(_plot_throughput(plt, srows, scen, keys, base, **kept))
     if scen:
-        cols = 2
-        nrows = (len(scen) + 1) // 2
-        fig, axes = plt.subplots(nrows, cols, figsize=(10, 3.6 * nrows), squeeze=False)
-        for ax, s in zip(axes.flat, scen):
-            target = next((r.get("target") for r in srows if r["scenario"] == s), None)
-            configs = ([BASELINE] if s == UNIFORM else []) + \
-                [r["config"] for r in srows if r["scenario"] == s]
-            low = 1.0
-            for config in configs:
-                res = results.get(acc_runs.get(config, ""), {})
-                curve = res.get("eval_curve") or []
-                if not curve:
-                    continue
-                ys = [p["test_accuracy"] for p in curve]
-                low = min(low, min(ys))
-                key = config.split("/")[-1]
-                ax.plot([p["seconds"] for p in curve], ys, markersize=4,
-                        label=legend.get(key, key), **styles[key])
-            if target is not None:
-                ax.axhline(target, color="grey", linestyle=":", linewidth=1)
-                ax.set_ylim(max(low - 0.005, target - 0.08), 1.0)
-            ax.set_title(textwrap.fill(SCENARIOS[s].title, 60), fontsize=9)
-            ax.set_xlabel("seconds since start (evaluation excluded)", fontsize=8)
-            ax.set_ylabel("test accuracy", fontsize=8)
-            ax.legend(fontsize=7, loc="lower right")
-        for ax in list(axes.flat)[len(scen):]:
-            ax.axis("off")
-        fig.suptitle(f"Test accuracy against time, per scenario (dotted: target) — {where}",
-                     fontsize=10)
-        paths.append(save(fig, out, "scenarios_accuracy.png"))
-
+        paths.append(_plot_accuracy(plt, rows, results, srows, scen, **kept))
     st = [r for r in rows if r["scenario"] == "staleness" and "examples_per_sec" in r]
     if st:
-        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-        lrs = sorted({r["learning_rate"] for r in st})
-        for i, lr in enumerate(lrs):
-            pts = sorted((r["workers"], r) for r in st if r["learning_rate"] == lr)
-            ws = [w for w, _ in pts]
-            style = dict(marker=MARKERS[i % len(MARKERS)], linestyle=LINESTYLES[i % len(LINESTYLES)])
-            left.plot(ws, [(r["staleness"] or {}).get("mean") for _, r in pts],
-                      label=f"lr {lr:g}: mean", **style)
-            left.plot(ws, [(r["staleness"] or {}).get("p99") for _, r in pts], alpha=0.5,
-                      label=f"lr {lr:g}: p99", marker=style["marker"], linestyle=":")
-            right.plot(ws, [r["test_accuracy"] for _, r in pts], label=f"lr {lr:g}", **style)
-        for ax in (left, right):
-            ax.set_xlabel("workers")
-            ax.set_xticks(sorted({r["workers"] for r in st}))
-            ax.legend(fontsize=8)
-        left.set_ylabel("staleness (updates by others between read and apply)")
-        right.set_ylabel("final test accuracy")
-        left.set_title("Staleness against workers", fontsize=10)
-        right.set_title("Accuracy against workers", fontsize=10)
-        fig.suptitle(f"Async ps, softmax regression, SGD, batch 100 — {where}", fontsize=10)
-        paths.append(save(fig, out, "staleness.png"))
+        paths.append(_plot_staleness(plt, st, where, out))
     return paths
+
+
+def _plot_throughput(plt, srows, scen, keys, base, *, where, out, styles, legend) -> str:
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    width = 0.8 / max(1, len(keys))
+    for i, key in enumerate(keys):
+        xs, ys, lows, highs = [], [], [], []
+        for j, s in enumerate(scen):
+            row = next((r for r in srows if r["scenario"] == s and r["variant"] == key), None)
+            if row is None:
+                continue
+            each = row["examples_per_sec_each"]
+            xs.append(j + (i - (len(keys) - 1) / 2) * width)
+            ys.append(row["examples_per_sec"])
+            lows.append(row["examples_per_sec"] - min(each))
+            highs.append(0)
+        ax.bar(xs, ys, width, label=legend.get(key, key), hatch=("", "//", "..", "xx", "\\\\")[i % 5],
+               color=styles[key]["color"], edgecolor="black", linewidth=0.5)
+        # Run-to-run spread: from the slowest run up to the best (the bar).
+        ax.errorbar(xs, ys, yerr=[lows, highs], fmt="none", ecolor="black", capsize=3,
+                    linewidth=1)
+    if base is not None:
+        ax.axhline(base["examples_per_sec"], color="grey", linestyle="--", linewidth=1,
+                   label=f"none (1 process): {base['examples_per_sec']:,.0f}")
+    ax.set_xticks(range(len(scen)))
+    ax.set_xticklabels([SCENARIOS[s].label for s in scen])
+    ax.set_ylabel("examples/s (steady state; bar: best run, whisker: slowest run)")
+    ax.set_title(f"Throughput per scenario and strategy\n{where}", fontsize=10)
+    ax.legend(fontsize=8, ncol=3, loc="upper right")
+    return save(fig, out, "scenarios_throughput.png")
+
+
+def _plot_accuracy(plt, rows, results, srows, scen, *, where, out, styles, legend) -> str:
+    acc_runs = {row["config"]: run["name"] for row in rows if not row["peer"]
+                for run in row["runs"] if run["phase"] == "accuracy"}
+    cols = 2
+    nrows = (len(scen) + 1) // 2
+    fig, axes = plt.subplots(nrows, cols, figsize=(10, 3.6 * nrows), squeeze=False)
+    for ax, s in zip(axes.flat, scen):
+        target = next((r.get("target") for r in srows if r["scenario"] == s), None)
+        configs = ([BASELINE] if s == UNIFORM else []) + \
+            [r["config"] for r in srows if r["scenario"] == s]
+        low = 1.0
+        for config in configs:
+            res = results.get(acc_runs.get(config, ""), {})
+            curve = res.get("eval_curve") or []
+            if not curve:
+                continue
+            ys = [p["test_accuracy"] for p in curve]
+            low = min(low, min(ys))
+            key = config.split("/")[-1]
+            ax.plot([p["seconds"] for p in curve], ys, markersize=4,
+                    label=legend.get(key, key), **styles[key])
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+            ax.set_ylim(max(low - 0.005, target - 0.08), 1.0)
+        ax.set_title(textwrap.fill(SCENARIOS[s].title, 60), fontsize=9)
+        ax.set_xlabel("seconds since start (evaluation excluded)", fontsize=8)
+        ax.set_ylabel("test accuracy", fontsize=8)
+        ax.legend(fontsize=7, loc="lower right")
+    for ax in list(axes.flat)[len(scen):]:
+        ax.axis("off")
+    fig.suptitle(f"Test accuracy against time, per scenario (dotted: target) — {where}",
+                 fontsize=10)
+    return save(fig, out, "scenarios_accuracy.png")
+
+
+def _plot_staleness(plt, st, where, out) -> str:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    lrs = sorted({r["learning_rate"] for r in st})
+    for i, lr in enumerate(lrs):
+        pts = sorted((r["workers"], r) for r in st if r["learning_rate"] == lr)
+        ws = [w for w, _ in pts]
+        style = dict(marker=MARKERS[i % len(MARKERS)], linestyle=LINESTYLES[i % len(LINESTYLES)])
+        left.plot(ws, [(r["staleness"] or {}).get("mean") for _, r in pts],
+                  label=f"lr {lr:g}: mean", **style)
+        left.plot(ws, [(r["staleness"] or {}).get("p99") for _, r in pts], alpha=0.5,
+                  label=f"lr {lr:g}: p99", marker=style["marker"], linestyle=":")
+        right.plot(ws, [r["test_accuracy"] for _, r in pts], label=f"lr {lr:g}", **style)
+    for ax in (left, right):
+        ax.set_xlabel("workers")
+        ax.set_xticks(sorted({r["workers"] for r in st}))
+        ax.legend(fontsize=8)
+    left.set_ylabel("staleness (updates by others between read and apply)")
+    right.set_ylabel("final test accuracy")
+    left.set_title("Staleness against workers", fontsize=10)
+    right.set_title("Accuracy against workers", fontsize=10)
+    fig.suptitle(f"Async ps, softmax regression, SGD, batch 100 — {where}", fontsize=10)
+    return save(fig, out, "staleness.png")
 
 
 def save(fig, out: str, name: str) -> str:
