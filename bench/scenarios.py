@@ -42,6 +42,7 @@ from bench.common import BASELINE, LAUNCH, TRAIN, BenchError, Run, machine_descr
 from bench.config import BenchConfig
 from launcher import plan as plans
 from strategies import kinds as strategy_kinds
+from strategies.kinds import StrategyKind
 
 PEERS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers")
 UNIFORM = "uniform"
@@ -220,26 +221,24 @@ def parse_scenarios(text: str | None) -> list[Scenario]:
     return [SCENARIOS[n] for n in names]
 
 
-def hosts_for(kind_name: str, workers: int) -> int:
+def hosts_for(kind: StrategyKind, workers: int) -> int:
     """Simulated hosts for a scenario with links: one per computing task, one more
     for the tasks that only coordinate or serve (as ``launcher.plan.place_tasks``)."""
-    kind = strategy_kinds.get(kind_name)
     names = plans.task_names(kind, workers, kind.min_ps)
     busy = [n for n in names if n.partition(":")[0] in kind.computing_roles]
     return len(busy) + (1 if len(names) > len(busy) else 0)
 
 
-def launch_prefix(python: str, kind_name: str, workers: int, scenario: Scenario,
+def launch_prefix(python: str, kind: StrategyKind, workers: int, scenario: Scenario,
                   timeout: float, program: str | None = None) -> list[str]:
-    kind = strategy_kinds.get(kind_name)
-    cmd = [python, LAUNCH, "--strategy", kind_name,
+    cmd = [python, LAUNCH, "--strategy", kind.name,
            "--workers", str(workers), "--timeout", str(timeout)]
     if kind.min_ps:
         cmd += ["--ps", str(kind.min_ps)]
     if scenario.slow:
         cmd += ["--slow", scenario.slow]
     if scenario.link_rate:
-        cmd += ["--hosts", str(hosts_for(kind_name, workers)), "--link-rate", scenario.link_rate]
+        cmd += ["--hosts", str(hosts_for(kind, workers)), "--link-rate", scenario.link_rate]
     if program:
         # A tutorial ps server never exits by itself: a short wait, then SIGTERM.
         cmd += ["--program", program, "--grace", "3"]
@@ -300,7 +299,7 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
             if kind.single_process:
                 prefix = [python, script, f"--strategy={kind.name}"]
             else:
-                prefix = launch_prefix(python, kind.name, uniform.workers, uniform,
+                prefix = launch_prefix(python, kind, uniform.workers, uniform,
                                        args.run_timeout, program=script)
             add("accuracy", uniform, f"peer-{peer.key}", kind.name,
                 1 if kind.single_process else uniform.workers, prefix, flags, peer=peer.key)
@@ -324,8 +323,8 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
                 length, every, _ = accuracy_length(args, scenario)
                 flags = common(scenario, length, every)
             for v in (v for v in variants(scenario.workers) if v.kind in only):
-                prefix = launch_prefix(python, v.kind, scenario.workers, scenario,
-                                       args.run_timeout)
+                prefix = launch_prefix(python, strategy_kinds.get(v.kind), scenario.workers,
+                                       scenario, args.run_timeout)
                 add(phase, scenario, v.key, v.kind, scenario.workers, prefix,
                     [*flags, *v.train_flags])
                 if phase == "accuracy" and scenario.name == UNIFORM:
@@ -353,9 +352,9 @@ def repeat_rounds(runs: list[ScenarioRun], peers, rounds: int, out: str) -> list
     return again
 
 
-def staleness_kind() -> str:
+def staleness_kind() -> StrategyKind:
     """The asynchronous multi-process kind: the one whose updates can be stale."""
-    return next(name for name, k in strategy_kinds.all_kinds().items()
+    return next(k for k in strategy_kinds.all_kinds().values()
                 if k.asynchronous and not k.single_process)
 
 
@@ -379,8 +378,9 @@ def plan_staleness(args, python: str = sys.executable) -> list[ScenarioRun]:
             flags += ["--data-dir", args.data_dir] if args.data_dir else []
             prefix = launch_prefix(python, kind, workers, Scenario("staleness", "", workers),
                                    args.run_timeout)
-            runs.append(ScenarioRun(name, kind, workers, (*prefix, *flags, "--model-dir", model_dir),
-                                  model_dir, config, "staleness", "staleness", f"lr={lr:g}"))
+            runs.append(ScenarioRun(name, kind.name, workers,
+                                    (*prefix, *flags, "--model-dir", model_dir),
+                                    model_dir, config, "staleness", "staleness", f"lr={lr:g}"))
     return runs
 
 

@@ -213,7 +213,7 @@ def test_staleness_study_grid(tmp_path):
                         ("--lr-schedule", "constant"), ("--workers", "4"),
                         ("--steps-per-execution", "1")]:
         assert c[c.index(flag) + 1] == value, flag
-    assert runs[-1].kind == scen.staleness_kind()
+    assert runs[-1].kind == scen.staleness_kind().name
     assert scen.plan_staleness(scenario_args(tmp_path, "--staleness-workers", ""), python="py") == []
 
 
