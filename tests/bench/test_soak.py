@@ -16,7 +16,7 @@ def test_faults_come_from_the_launcher_policy_and_land_mid_run(strategy):
     allowed = {f"--{a}={t}" for a, t in policy.survivable_faults(kinds.get(strategy))}
     rng = random.Random(3)
     for _ in range(20):
-        faults = soak.pick_faults(rng, strategy, 1200)
+        faults = soak.pick_faults(rng, kinds.get(strategy), 1200)
         assert 1 <= len(faults) <= 2
         for fault in faults:
             spec, _, step = fault.partition("@step=")
@@ -24,16 +24,18 @@ def test_faults_come_from_the_launcher_policy_and_land_mid_run(strategy):
 
 
 def test_job_command_turns_on_the_recovery_the_kind_allows():
-    ps = soak.job_command("ps", ["--kill=worker:1@step=200"], 1200, "runs/x")
-    mw = soak.job_command("multiworker", [], 1200, "runs/y")
+    ps = soak.job_command(kinds.get("ps"), ["--kill=worker:1@step=200"], 1200, "runs/x")
+    mw = soak.job_command(kinds.get("multiworker"), [], 1200, "runs/y")
     assert ps[1] == str(REPO / "launch.py") and "--restart-tasks" in ps
     assert ps[ps.index("--ps") + 1] == "1" and "--kill=worker:1@step=200" in ps
     assert "--restart-tasks" not in mw and mw[mw.index("--ps") + 1] == "0"
+    assert ps[ps.index("--strategy") + 1] == "ps"
 
 
 @pytest.mark.parametrize("argv,words", [
     (["--runs", "0"], "--runs=0"),
     (["--strategies", "mirrored"], "no faults to soak"),
+    (["--strategies", "ps,horovod"], "unknown --strategy 'horovod'"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(argv, words, tmp_path, capsys):
     out = tmp_path / "soak"
