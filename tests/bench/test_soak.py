@@ -1,6 +1,7 @@
 """The soak's pure parts (bench/soak.py); the soak itself is not part of CI."""
 
 import random
+import sys
 
 import pytest
 
@@ -45,10 +46,10 @@ def test_bad_input_is_one_line_and_writes_nothing(argv, words, tmp_path, capsys)
     assert not out.exists()
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
 def test_the_leftover_scan_sees_a_live_process_and_not_itself(spawn, tmp_path):
     marker = str(tmp_path / "marker-for-the-scan")
-    import sys
-
     proc = spawn([sys.executable, "-c", "import sys, time; print('up', flush=True); "
                   "time.sleep(60)", marker])
     proc.wait_for_line("^up$", timeout=30)
