@@ -363,8 +363,8 @@ def train_arg(train_args: list[str], flag: str, default: str) -> str:
     return getattr(known, flag.lstrip("-").replace("-", "_"))
 
 
-def has_flag(args: list[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in args)
+def has_flag(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
 def running_with(marker: str) -> list[str]:
