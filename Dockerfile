@@ -40,6 +40,7 @@ COPY strategies/ strategies/
 COPY models/ models/
 COPY training/ training/
 COPY launcher/ launcher/
+COPY bench/ bench/
 COPY *.py ./
 # The package only: its dependencies are in the layer above, and the build
 # backend (setuptools) comes from the lock too, not from the internet.

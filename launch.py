@@ -16,7 +16,7 @@ By default every task listens on loopback in one private network namespace
 its own address on a private bridge; ``--link-rate`` shapes their links;
 ``--slow`` runs a task at a fraction of its speed. The work is done by the
 ``launcher`` package (plan, network, processes, faults, supervisor); this
-file only reads the flags.
+file only reads the flags into one ``LaunchConfig`` and runs it.
 """
 
 from __future__ import annotations
@@ -31,11 +31,13 @@ import sys
 import protocol
 from launcher import network, processes, supervisor
 from launcher import plan as plans
-from launcher.faults import add_recovery_args, plan_recovery
+from launcher.config import LaunchConfig
+from launcher.faults import FAULT_SPEC, MAX_TASK_RESTARTS, plan_recovery
 from launcher.network import INSIDE_FLAG, NETNS_MODES
 from launcher.plan import LaunchError
 from protocol import Exit
 from strategies import kinds
+from strategies.kinds import StrategyKind
 
 
 def parse_args(argv=None):
@@ -100,6 +102,25 @@ def parse_args(argv=None):
     return args, train_args
 
 
+def add_recovery_args(p) -> None:
+    p.add_argument("--kill", action="append", metavar="ROLE:INDEX@WHEN",
+                   help=f"SIGKILL a task (repeatable); {FAULT_SPEC}")
+    p.add_argument("--preempt", action="append", metavar="ROLE:INDEX@WHEN",
+                   help="SIGTERM a task, a polite preemption (repeatable); same WHEN")
+    p.add_argument("--slow", action="append", metavar="ROLE:INDEX=FRACTION[@WHEN]",
+                   help="run a task at FRACTION of its speed, from outside the process (a CFS "
+                        "CPU quota, else a SIGSTOP/SIGCONT duty cycle); repeatable, restarts "
+                        "included; without @WHEN from its start")
+    p.add_argument("--restart-tasks", action="store_true",
+                   help=f"ps: restart a dead worker with its TF_CONFIG (at most "
+                        f"{MAX_TASK_RESTARTS} times each), as a cluster manager would")
+    p.add_argument("--restart-delay", type=float, default=2.0,
+                   help="seconds before a task or job is restarted")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="relaunch a failed or preempted job up to N times with the same "
+                        "--model-dir (it resumes from its checkpoint)")
+
+
 def check_times(args) -> None:
     """--timeout and --grace: finite seconds (nan compares false and would never fire)."""
     if not 0 < args.timeout < math.inf:
@@ -110,24 +131,60 @@ def check_times(args) -> None:
                           "seconds")
 
 
-def plan_cluster(args) -> plans.ClusterPlan:
+def plan_cluster(args, kind: StrategyKind) -> plans.ClusterPlan:
     if args.hosts and args.host != "localhost":
         raise LaunchError(f"--host {args.host} names the one address of a loopback cluster; "
                           "--hosts gives each simulated host its own: use one of the two")
     if args.hosts:
-        return plans.build_host_cluster(args.strategy, args.workers, args.ps, args.chief,
-                                        args.hosts)
-    n = plans.task_count(args.strategy, args.workers, args.ps, args.chief)
-    return plans.loopback_plan(args.strategy, args.workers, args.ps, args.chief,
+        return plans.build_host_cluster(kind, args.workers, args.ps, args.chief, args.hosts)
+    n = plans.task_count(kind, args.workers, args.ps, args.chief)
+    return plans.loopback_plan(kind, args.workers, args.ps, args.chief,
                                processes.free_ports(n), args.host)
 
 
-def with_model_dir(strategy: str, train_args: list[str]) -> tuple[list[str], str]:
+def with_model_dir(kind: StrategyKind, train_args: list[str]) -> tuple[list[str], str]:
     """``train_args`` with ``--model-dir`` (default ``runs/<strategy>``), and that directory."""
-    model_dir = processes.train_arg(train_args, "--model-dir", f"runs/{strategy}")
+    model_dir = processes.train_arg(train_args, "--model-dir", f"runs/{kind.name}")
     if not processes.has_flag(train_args, "--model-dir"):
         train_args = [*train_args, "--model-dir", model_dir]
     return train_args, model_dir
+
+
+def build_config(args, train_args: list[str]) -> LaunchConfig:
+    """The flags, checked, as one frozen config (LaunchError: one line, nothing written)."""
+    kind = kinds.get(args.strategy)  # argparse's choices: always known
+    train_args, model_dir = with_model_dir(kind, train_args)
+    check_times(args)
+    if args.program is not None and args.dry_run:
+        raise LaunchError("--dry-run shows train.py's own plan for each task; it does not "
+                          "apply with --program: drop one of the two")
+    if args.program is not None and not os.path.isfile(args.program):
+        raise LaunchError(f"--program {args.program!r} is not a file; pass the path of "
+                          "a Python program that takes train.py's arguments")
+    cluster = plan_cluster(args, kind)
+    recovery = plan_recovery(kind, cluster.tf_configs, kill=args.kill, preempt=args.preempt,
+                             slow=args.slow, restart_tasks=args.restart_tasks,
+                             restart_delay=args.restart_delay, max_restarts=args.max_restarts)
+    rate = network.parse_rate(args.link_rate) if args.link_rate is not None else None
+    return LaunchConfig(
+        kind=kind, cluster=cluster, recovery=recovery,
+        cores=processes.share_cores(kind, cluster.names, os.cpu_count() or 1),
+        train_args=tuple(train_args), model_dir=model_dir, program=args.program,
+        timeout=args.timeout, grace=args.grace, dry_run=args.dry_run, netns=args.netns,
+        netns_inside=args.netns_inside, link_rate=args.link_rate, rate_bits=rate,
+        launch_argv=tuple(args.launch_argv))
+
+
+def decide_network(config: LaunchConfig) -> tuple[bool, str | None]:
+    """Whether the cluster runs in a private namespace, and the warning if it cannot."""
+    if config.netns_inside:
+        return False, None
+    network.check_hosts_mode(config.cluster.hosts, config.netns, config.link_rate,
+                             network.hosts_problem)
+    use_netns, warning = (True, None) if config.cluster.hosts else network.decide_netns(
+        config.netns, config.kind, network.netns_problem)
+    processes.check_launch_dir(config.launch_dir)
+    return use_netns, warning
 
 
 def show_plan(cluster: plans.ClusterPlan, checks: list[processes.TaskCheck]) -> None:
@@ -159,70 +216,65 @@ def main(argv=None) -> int:
     except protocol.UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return Exit.BAD_INPUT
-    train_args, model_dir = with_model_dir(args.strategy, train_args)
     try:
-        check_times(args)
-        if args.program is not None and args.dry_run:
-            raise LaunchError("--dry-run shows train.py's own plan for each task; it does not "
-                              "apply with --program: drop one of the two")
-        if args.program is not None and not os.path.isfile(args.program):
-            raise LaunchError(f"--program {args.program!r} is not a file; pass the path of "
-                              "a Python program that takes train.py's arguments")
-        cluster = plan_cluster(args)
-        recovery = plan_recovery(args, cluster.tf_configs)
-        rate = network.parse_rate(args.link_rate) if args.link_rate is not None else None
-        if args.netns_inside:
-            use_netns, warning = False, None
-        else:
-            network.check_hosts_mode(args.hosts, args.netns, args.link_rate, network.hosts_problem)
-            use_netns, warning = (True, None) if args.hosts else network.decide_netns(
-                args.netns, args.strategy, network.netns_problem)
-            processes.check_launch_dir(os.path.join(model_dir, "launch"))
+        config = build_config(args, train_args)
+        use_netns, warning = decide_network(config)
     except LaunchError as err:
         print(f"error: {err}", file=sys.stderr)
         return Exit.BAD_INPUT
-    if not args.netns_inside and args.program is None:
-        # Every task checks its own flags and TF_CONFIG before anything is
-        # written or started (the inner launcher in the namespace was checked).
-        # One task per role is enough to check flags (the others differ
-        # only by index); --dry-run shows them all.
-        roles: dict[str, str] = {}
-        for name in cluster.names:
-            roles.setdefault(name.partition(":")[0], name)
-        checked = cluster.names if args.dry_run else list(roles.values())
-        checks = processes.check_tasks({n: cluster.tf_configs[n] for n in checked},
-                                       processes.task_command(args.strategy, train_args),
-                                       dict(os.environ), full=args.dry_run)
-        if args.dry_run:
-            show_plan(cluster, checks)
-        failed = [c for c in checks if c.code != 0]
-        if failed:
-            if not args.dry_run:
-                same = all(c.error == failed[0].error for c in failed)
-                print(failed[0].error if same else f"{failed[0].task}: {failed[0].error}",
-                      file=sys.stderr)
-            return failed[0].code
-        if args.dry_run:
-            return Exit.OK
+    if not config.netns_inside and config.program is None:
+        # The inner launcher in the namespace was checked by the outer one.
+        code = preflight(config)
+        if code is not None:
+            return code
     if warning:
         print(warning, file=sys.stderr, flush=True)
     if use_netns:
-        code = processes.prepare_data(train_args, dict(os.environ))
+        code = processes.prepare_data(list(config.train_args), dict(os.environ))
         if code != 0:
             return code
         print("[launch] private network namespace: only the cluster's own tasks can reach "
               "its ports", flush=True)
-        return network.run_in_netns(network.netns_command(args.launch_argv, train_args), args.grace)
-    return run_inside(args, train_args, model_dir, cluster, recovery, rate)
+        return network.run_in_netns(
+            network.netns_command(list(config.launch_argv), list(config.train_args)),
+            config.grace)
+    return run_inside(config)
 
 
-def run_inside(args, train_args, model_dir, cluster, recovery, rate) -> int:
+def preflight(config: LaunchConfig) -> int | None:
+    """Every task checks its own flags and TF_CONFIG before anything is written or
+    started: the exit code to end with (a failed check, or ``--dry-run`` done), else None.
+
+    One task per role is enough to check flags (the others differ only by
+    index); ``--dry-run`` shows them all.
+    """
+    cluster = config.cluster
+    roles: dict[str, str] = {}
+    for name in cluster.names:
+        roles.setdefault(name.partition(":")[0], name)
+    checked = cluster.names if config.dry_run else list(roles.values())
+    checks = processes.check_tasks({n: cluster.tf_configs[n] for n in checked},
+                                   processes.task_command(config.kind, list(config.train_args)),
+                                   dict(os.environ), full=config.dry_run)
+    if config.dry_run:
+        show_plan(cluster, checks)
+    failed = [c for c in checks if c.code != 0]
+    if failed:
+        if not config.dry_run:
+            same = all(c.error == failed[0].error for c in failed)
+            print(failed[0].error if same else f"{failed[0].task}: {failed[0].error}",
+                  file=sys.stderr)
+        return failed[0].code
+    return Exit.OK if config.dry_run else None
+
+
+def run_inside(config: LaunchConfig) -> int:
     """The launcher in its namespace (or on the host network): build, run, tear down."""
     log = lambda m: print(m, flush=True)  # noqa: E731
-    if args.netns_inside:
+    if config.netns_inside:
         network.loopback_up()
-    launch_dir = os.path.join(model_dir, "launch")
-    command = processes.task_command(args.strategy, train_args, program=args.program)
+    cluster, launch_dir = config.cluster, config.launch_dir
+    command = processes.task_command(config.kind, list(config.train_args), program=config.program)
 
     received: list[int] = []
     holder: list = []
@@ -232,32 +284,19 @@ def run_inside(args, train_args, model_dir, cluster, recovery, rate) -> int:
         raise KeyboardInterrupt(signum)
 
     signal.signal(signal.SIGTERM, on_signal)
-    hosts = link = None
+    hosts = None
     try:
+        link = None
         if cluster.hosts:
-            hosts = network.SimulatedHosts(cluster.hosts, rate)
-            try:
-                hosts.up()
-                check = hosts.measure() if rate else None
-            except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as err:
-                # The outer launcher's probe passed, so this is the machine
-                # (no tc, no tbf, ...), not the flags: exit 1, not 2.
-                log(f"[launch] error: could not build or measure {cluster.hosts} simulated "
-                    f"hosts: {err}")
+            hosts = network.SimulatedHosts(cluster.hosts, config.rate_bits)
+            link = build_hosts(config, hosts, log)
+            if link is False:
                 return Exit.FAILED
-            log("[launch] hosts: " + ", ".join(
-                f"host{i} {plans.host_address(i)} ("
-                f"{', '.join(n for n, h in cluster.host_of.items() if h == i)})"
-                for i in range(cluster.hosts)) + f" on bridge {network.BRIDGE} "
-                f"({plans.BRIDGE_ADDRESS}/{plans.PREFIX}), private to this launcher")
-            if check is not None:
-                link = {"rate": args.link_rate, **check.to_dict()}
-                log(f"[launch] links: {check.describe(args.link_rate)}")
         processes.save_launch_files(launch_dir, cluster, command)
-        log(f"[launch] {args.strategy}: {', '.join(cluster.names)}; TF_CONFIGs in {launch_dir}/")
+        log(f"[launch] {config.kind.name}: {', '.join(cluster.names)}; TF_CONFIGs in {launch_dir}/")
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        code = supervisor.run_job(args, cluster, command, env, recovery, holder, log=log,
+        code = supervisor.run_job(config, command, env, holder, log=log,
                                   launch_dir=launch_dir, network=hosts, link=link)
     except KeyboardInterrupt:
         log("[launch] interrupted; stopping every task")
@@ -267,6 +306,29 @@ def run_inside(args, train_args, model_dir, cluster, recovery, rate) -> int:
             hosts.close()
     log(f"[launch] done: exit code {code}")
     return code
+
+
+def build_hosts(config: LaunchConfig, hosts, log):
+    """Bring the simulated hosts up and measure a shaped link: the link record
+    (``None`` unshaped), or ``False`` if the machine cannot (exit 1, not 2:
+    the outer launcher's probe passed, so it is the machine, not the flags)."""
+    cluster = config.cluster
+    try:
+        hosts.up()
+        check = hosts.measure() if config.rate_bits else None
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as err:
+        log(f"[launch] error: could not build or measure {cluster.hosts} simulated "
+            f"hosts: {err}")
+        return False
+    log("[launch] hosts: " + ", ".join(
+        f"host{i} {plans.host_address(i)} ("
+        f"{', '.join(n for n, h in cluster.host_of.items() if h == i)})"
+        for i in range(cluster.hosts)) + f" on bridge {network.BRIDGE} "
+        f"({plans.BRIDGE_ADDRESS}/{plans.PREFIX}), private to this launcher")
+    if check is None:
+        return None
+    log(f"[launch] links: {check.describe(config.link_rate)}")
+    return {"rate": config.link_rate, **check.to_dict()}
 
 
 if __name__ == "__main__":

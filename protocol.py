@@ -1,12 +1,15 @@
 """What the processes of a job tell each other and their callers; no TensorFlow.
 
-``train.py`` writes it, the launcher, ``bench.py`` and ``soak.py`` read it:
+``train.py`` writes it, the launcher and the benchmark (``bench/``, the soak too) read it:
 
 - **exit codes**, each defined once, and which of them mean "relaunch me";
 - **progress events**: one JSON object per line, appended to the file named
   by ``$SHOWCASE_EVENTS`` (the launcher sets one per task). Human-readable
   progress lines stay on stdout for people; programs read these instead;
-- **the results record** (``results.json``), typed and versioned.
+- **the results record** (``results.json``), typed and versioned;
+- **bad input**: ``ConfigError``, the one-line error every module raises
+  (``strategies``, ``training``, the launcher and the benchmark import it
+  from here, so none of them imports another for it).
 """
 
 from __future__ import annotations
@@ -61,6 +64,10 @@ def exit_epilog() -> str:
 
 
 # --- command lines -----------------------------------------------------------
+
+class ConfigError(ValueError):
+    """Bad user input. ``str(err)`` is the one line shown to the user (exit 2)."""
+
 
 class UsageError(Exception):
     """A bad command line: the caller prints ``error: <it>`` and exits 2."""

@@ -1,16 +1,16 @@
 """Faults the launcher injects, and how it recovers: kill, preempt, slow, restart, relaunch.
 
-``parse_fault``, ``parse_slow`` and ``plan_recovery`` check the flags (pure).
+``parse_fault``, ``parse_slow`` and ``plan_recovery`` check the flags (pure;
+``launch.py`` hands them the raw specs, never its argparse namespace).
 ``FaultInjector`` and ``TaskRestarter`` are supervisor hooks: they read the
 job's state and return actions. ``Slowdown`` runs a task at a fraction of
 its speed from outside the process, as a slower or busier host would: a
-cgroup v1 ``cpu`` controller CFS quota, or where cgroups cannot be written a
+cgroup v1 ``cpu`` controller CFS quota (``launcher/cgroups.py``), or where cgroups cannot be written a
 SIGSTOP/SIGCONT duty cycle; never code inside the training step.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import re
@@ -20,9 +20,11 @@ import time
 from dataclasses import dataclass
 
 import protocol
-from launcher.plan import LaunchError, kind_of
+from launcher import cgroups
+from launcher.plan import LaunchError
 from launcher.state import JobState, RestartTask, SignalTask, SlowTask
 from strategies import kinds
+from strategies.kinds import StrategyKind
 
 FAULT_ACTIONS = {"kill": signal.SIGKILL, "preempt": signal.SIGTERM}
 FAULT_SPEC = "ROLE:INDEX@WHEN, WHEN being seconds (@20, @2.5s) or a step reached (@step=150)"
@@ -110,55 +112,35 @@ class RecoveryPlan:
     slow: tuple[Slow, ...] = ()
 
 
-def plan_recovery(args, tasks) -> RecoveryPlan:
-    """Check the fault, slow-down and restart flags against the cluster (pure)."""
+def plan_recovery(kind: StrategyKind, tasks, *, kill=(), preempt=(), slow=(),
+                  restart_tasks: bool = False, restart_delay: float = 2.0,
+                  max_restarts: int = 0) -> RecoveryPlan:
+    """Check the fault, slow-down and restart flags (their raw specs) against the cluster (pure)."""
     names = list(tasks)
-    faults = tuple(
-        parse_fault(action, spec)
-        for action in FAULT_ACTIONS for spec in (getattr(args, action) or [])
-    )
-    slow = tuple(parse_slow(spec) for spec in (getattr(args, "slow", None) or []))
-    for item in (*faults, *slow):
+    specs = {"kill": kill or (), "preempt": preempt or ()}
+    faults = tuple(parse_fault(action, spec) for action in FAULT_ACTIONS for spec in specs[action])
+    slowed = tuple(parse_slow(spec) for spec in (slow or ()))
+    for item in (*faults, *slowed):
         if item.task not in names:
             raise LaunchError(
                 f"{item} names a task this cluster does not have; tasks: {', '.join(names)}"
             )
-    slowed = [s.task for s in slow]
-    if len(set(slowed)) != len(slowed):
-        raise LaunchError(f"--slow names {max(slowed, key=slowed.count)} twice; one --slow per task")
-    if args.max_restarts < 0:
-        raise LaunchError(f"--max-restarts={args.max_restarts}; use 0 (never) or more")
-    if not 0 <= args.restart_delay < math.inf:
-        raise LaunchError(f"--restart-delay={args.restart_delay:g}; use 0 or more seconds")
-    restartable = kind_of(args.strategy).restartable_roles
-    if args.restart_tasks and not restartable:
+    tasks_slowed = [s.task for s in slowed]
+    if len(set(tasks_slowed)) != len(tasks_slowed):
+        raise LaunchError(f"--slow names {max(tasks_slowed, key=tasks_slowed.count)} twice; "
+                          "one --slow per task")
+    if max_restarts < 0:
+        raise LaunchError(f"--max-restarts={max_restarts}; use 0 (never) or more")
+    if not 0 <= restart_delay < math.inf:
+        raise LaunchError(f"--restart-delay={restart_delay:g}; use 0 or more seconds")
+    if restart_tasks and not kind.restartable_roles:
         able = [k.name for k in kinds.all_kinds().values() if k.restartable_roles]
         raise LaunchError(
             f"--restart-tasks restarts lost workers under --strategy {'|'.join(able)}, received "
-            f"--strategy {args.strategy}, whose workers cannot rejoin a running all-reduce; "
+            f"--strategy {kind.name}, whose workers cannot rejoin a running all-reduce; "
             "use --max-restarts N to relaunch the whole job from its checkpoint"
         )
-    return RecoveryPlan(faults, bool(args.restart_tasks), args.restart_delay, args.max_restarts,
-                        slow)
-
-
-def add_recovery_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kill", action="append", metavar="ROLE:INDEX@WHEN",
-                   help=f"SIGKILL a task (repeatable); {FAULT_SPEC}")
-    p.add_argument("--preempt", action="append", metavar="ROLE:INDEX@WHEN",
-                   help="SIGTERM a task, a polite preemption (repeatable); same WHEN")
-    p.add_argument("--slow", action="append", metavar="ROLE:INDEX=FRACTION[@WHEN]",
-                   help="run a task at FRACTION of its speed, from outside the process (a CFS "
-                        "CPU quota, else a SIGSTOP/SIGCONT duty cycle); repeatable, restarts "
-                        "included; without @WHEN from its start")
-    p.add_argument("--restart-tasks", action="store_true",
-                   help=f"ps: restart a dead worker with its TF_CONFIG (at most "
-                        f"{MAX_TASK_RESTARTS} times each), as a cluster manager would")
-    p.add_argument("--restart-delay", type=float, default=2.0,
-                   help="seconds before a task or job is restarted")
-    p.add_argument("--max-restarts", type=int, default=0,
-                   help="relaunch a failed or preempted job up to N times with the same "
-                        "--model-dir (it resumes from its checkpoint)")
+    return RecoveryPlan(faults, bool(restart_tasks), restart_delay, max_restarts, slowed)
 
 
 def should_relaunch(code: int, attempt: int, max_restarts: int) -> bool:
@@ -305,58 +287,10 @@ class TaskRestarter:
 
 # --- slow-downs ------------------------------------------------------------------------------
 
-CFS_PERIOD_US = 100_000
 # Seconds per SIGCONT/SIGSTOP cycle: long enough that this thread's wake-up
 # delay on a busy machine (a few ms) is small against FRACTION of it, short
 # enough for a peer's RPC deadlines and the coordination heartbeats.
 DUTY_PERIOD = 0.2
-CGROUP_PREFIX = "showcase-"
-
-
-def cpu_cgroup_root(mounts: str = "/proc/self/mounts", own: str = "/proc/self/cgroup") -> str | None:
-    """The directory of this process's cgroup in the v1 ``cpu`` hierarchy, or ``None``."""
-    try:
-        with open(mounts) as f:
-            lines = f.read().splitlines()
-        with open(own) as f:
-            groups = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split()
-        if len(parts) >= 4 and parts[2] == "cgroup" and "cpu" in parts[3].split(","):
-            mount = parts[1]
-            for g in groups:
-                _, controllers, path = g.split(":", 2)
-                if "cpu" in controllers.split(","):
-                    return os.path.join(mount, path.lstrip("/"))
-            return mount
-    return None
-
-
-def cgroup_problem(root: str | None = None) -> str | None:
-    """Why this process cannot make a CPU-quota cgroup, or ``None`` (it tries one)."""
-    root = root or cpu_cgroup_root()
-    if root is None:
-        return "no cgroup v1 cpu controller is mounted"
-    if not os.path.exists(os.path.join(root, "cpu.cfs_quota_us")):
-        return f"{root} has no cpu.cfs_quota_us"
-    probe = os.path.join(root, f"{CGROUP_PREFIX}probe-{os.getpid()}")
-    try:
-        os.mkdir(probe)
-        try:
-            with open(os.path.join(probe, "cpu.cfs_quota_us"), "w") as f:
-                f.write(str(CFS_PERIOD_US))
-        finally:
-            os.rmdir(probe)
-    except OSError as err:
-        return f"cannot create a cgroup in {root}: {err.strerror}"
-    return None
-
-
-def quota_us(fraction: float, cores: int, period_us: int = CFS_PERIOD_US) -> int:
-    """CPU time per period for ``fraction`` of ``cores`` cores (pure; the kernel's minimum is 1 ms)."""
-    return max(1000, int(round(fraction * cores * period_us)))
 
 
 class Slowdown:
@@ -372,9 +306,9 @@ class Slowdown:
     def __init__(self, cores: dict[str, int], log=print, method: str = "auto",
                  root: str | None = None):
         self.cores, self.log = cores, log
-        self.root = root or cpu_cgroup_root()
+        self.root = root or cgroups.cpu_cgroup_root()
         if method == "auto":
-            problem = cgroup_problem(self.root)
+            problem = cgroups.cgroup_problem(self.root)
             method = "cgroup" if problem is None else "signals"
             if problem is not None:
                 self.log(f"[launch] slow: no CPU-quota cgroup here ({problem}); "
@@ -391,13 +325,9 @@ class Slowdown:
         self.active[task] = fraction
         if self.method == "cgroup":
             path = self.cgroups.get(task) or os.path.join(
-                self.root, f"{CGROUP_PREFIX}{os.getpid()}-{task.replace(':', '-')}")
-            os.makedirs(path, exist_ok=True)
-            self.cgroups[task] = path
-            with open(os.path.join(path, "cpu.cfs_period_us"), "w") as f:
-                f.write(str(CFS_PERIOD_US))
-            with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
-                f.write(str(quota_us(fraction, self.cores.get(task, 1))))
+                self.root, f"{cgroups.CGROUP_PREFIX}{os.getpid()}-{task.replace(':', '-')}")
+            self.cgroups[task] = path  # removed by close() even if creating it fails
+            cgroups.create(path, cgroups.quota_us(fraction, self.cores.get(task, 1)))
         elif self._thread is None:
             self._thread = threading.Thread(target=self._duty_cycle, daemon=True)
             self._thread.start()
@@ -405,8 +335,9 @@ class Slowdown:
     def describe(self, task: str) -> str:
         fraction = self.active[task]
         if self.method == "cgroup":
-            return (f"{task} at {fraction:.0%}: CFS quota {quota_us(fraction, self.cores.get(task, 1))}"
-                    f" us per {CFS_PERIOD_US} us ({self.cores.get(task, 1)} core(s)) in "
+            quota = cgroups.quota_us(fraction, self.cores.get(task, 1))
+            return (f"{task} at {fraction:.0%}: CFS quota {quota}"
+                    f" us per {cgroups.CFS_PERIOD_US} us ({self.cores.get(task, 1)} core(s)) in "
                     f"{self.cgroups[task]}")
         return f"{task} at {fraction:.0%}: SIGCONT {fraction:.0%} of every {DUTY_PERIOD * 1000:.0f} ms"
 
@@ -419,9 +350,7 @@ class Slowdown:
         if task not in self.active:
             return
         if self.method == "cgroup":
-            # cgroup v1: writing a process id to cgroup.procs moves all its threads.
-            with open(os.path.join(self.cgroups[task], "cgroup.procs"), "w") as f:
-                f.write(str(pid))
+            cgroups.join(self.cgroups[task], pid)
         else:
             with self._lock:
                 self._pids[task] = pid
@@ -468,45 +397,8 @@ class Slowdown:
             self._thread.join(timeout=5)
         self.resume()
         for path in self.cgroups.values():
-            remove_cgroup(path, log=self.log)
+            cgroups.remove(path, log=self.log)
         self.cgroups.clear()
-
-
-def remove_cgroup(path: str, timeout: float = 10.0, log=print) -> None:
-    """Remove one of our cgroups, ending whatever is still in it.
-
-    The tasks have been reaped, but a child they started (a watchdog) can
-    still be inside, exiting at the cgroup's slowed pace: the quota is
-    lifted first and such leftovers are killed, as no process may outlive
-    the launcher.
-    """
-    try:
-        with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
-            f.write("-1")
-    except OSError:
-        pass
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            os.rmdir(path)
-            return
-        except FileNotFoundError:
-            return
-        except OSError as err:
-            if time.monotonic() > deadline:
-                log(f"[launch] warning: could not remove cgroup {path}: {err}")
-                return
-        try:
-            with open(os.path.join(path, "cgroup.procs")) as f:
-                leftovers = [int(pid) for pid in f.read().split()]
-        except OSError:
-            leftovers = []
-        for pid in leftovers:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.05)
 
 
 def _killpg(pid: int, sig: int) -> None:

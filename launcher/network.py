@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from launcher import plan as plans
 from launcher.plan import LaunchError
 from launcher.processes import CLONE_NEWNET, die_with_parent, enter_netns, libc
+from strategies.kinds import StrategyKind
 
 NETNS_MODES = ("auto", "on", "off")
 # A user namespace makes an unprivileged network namespace possible; mapping
@@ -48,7 +49,7 @@ PROBE_PORT = 5201
 
 # --- the launcher's own namespace -----------------------------------------------------
 
-def decide_netns(mode: str, strategy: str, probe) -> tuple[bool, str | None]:
+def decide_netns(mode: str, kind: StrategyKind, probe) -> tuple[bool, str | None]:
     """Whether to run the cluster in a private network namespace (pure).
 
     ``probe()`` says why no namespace can be made here (``None``: it can); it
@@ -56,7 +57,7 @@ def decide_netns(mode: str, strategy: str, probe) -> tuple[bool, str | None]:
     """
     if mode not in NETNS_MODES:
         raise LaunchError(f"unknown --netns {mode!r}; allowed: {', '.join(NETNS_MODES)}")
-    if mode == "off" or plans.kind_of(strategy).single_process:  # one process opens no port
+    if mode == "off" or kind.single_process:  # one process opens no port
         return False, None
     problem = probe()
     if problem is None:

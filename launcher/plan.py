@@ -1,6 +1,7 @@
 """The cluster as data (pure): tasks, their hosts, addresses and ports.
 
-Everything here comes from the strategy kind (``layout``, ``computing_roles``);
+Everything here comes from the strategy kind (``computing_roles``) and the
+launcher's policy on it (``policy.layout``);
 nothing compares strategy names, opens a socket or touches a file.
 """
 
@@ -9,40 +10,34 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from strategies import ConfigError, kinds
+from launcher import policy
+from protocol import ConfigError
+from strategies.kinds import StrategyKind
 
 
 class LaunchError(ConfigError):
     """Bad launcher input: one ``error:`` line, exit 2, nothing written."""
 
 
-def kind_of(strategy: str) -> kinds.StrategyKind:
-    try:
-        return kinds.get(strategy)
-    except ConfigError as err:
-        raise LaunchError(str(err)) from None
-
-
-def role_counts(strategy: str, workers: int, ps: int = 0, chief: bool = False) -> dict[str, int]:
+def role_counts(kind: StrategyKind, workers: int, ps: int = 0,
+                chief: bool = False) -> dict[str, int]:
     """Tasks per role (``{}``: one process without TF_CONFIG), from the kind."""
     try:
-        counts = kind_of(strategy).layout(workers, ps, bool(chief))
-    except LaunchError:
-        raise
+        counts = policy.layout(kind, workers, ps, bool(chief))
     except ConfigError as err:
         raise LaunchError(str(err)) from None
     return {role: n for role, n in counts.items() if n}
 
 
-def task_names(strategy: str, workers: int, ps: int = 0, chief: bool = False) -> list[str]:
-    counts = role_counts(strategy, workers, ps, chief)
+def task_names(kind: StrategyKind, workers: int, ps: int = 0, chief: bool = False) -> list[str]:
+    counts = role_counts(kind, workers, ps, chief)
     if not counts:
         return ["local:0"]
     return [f"{role}:{i}" for role, n in counts.items() for i in range(n)]
 
 
-def task_count(strategy: str, workers: int, ps: int, chief: bool) -> int:
-    return len(task_names(strategy, workers, ps, chief))
+def task_count(kind: StrategyKind, workers: int, ps: int, chief: bool) -> int:
+    return len(task_names(kind, workers, ps, chief))
 
 
 def _tf_configs(cluster: dict[str, list[str]]) -> dict[str, dict]:
@@ -53,10 +48,10 @@ def _tf_configs(cluster: dict[str, list[str]]) -> dict[str, dict]:
     }
 
 
-def build_cluster(strategy: str, workers: int, ps: int = 0, ports: list[int] | None = None,
+def build_cluster(kind: StrategyKind, workers: int, ps: int = 0, ports: list[int] | None = None,
                   host: str = "localhost", chief: bool | None = None) -> dict[str, dict | None]:
     """TF_CONFIG for every task on one host, keyed ``role:index`` (``None``: no TF_CONFIG)."""
-    counts = role_counts(strategy, workers, ps, bool(chief))
+    counts = role_counts(kind, workers, ps, bool(chief))
     if not counts:
         return {"local:0": None}
     needed = sum(counts.values())
@@ -85,7 +80,7 @@ def host_address(index: int) -> str:
     return f"{SUBNET}.{FIRST_HOST + index}"
 
 
-def place_tasks(strategy: str, names: list[str], hosts: int) -> dict[str, int]:
+def place_tasks(kind: StrategyKind, names: list[str], hosts: int) -> dict[str, int]:
     """Which host (index) each task runs on (pure).
 
     The tasks that compute (the kind's ``computing_roles``) are spread one per
@@ -105,7 +100,7 @@ def place_tasks(strategy: str, names: list[str], hosts: int) -> dict[str, int]:
         )
     if hosts > MAX_HOSTS:
         raise LaunchError(f"--hosts={hosts}; at most {MAX_HOSTS}")
-    computing = kind_of(strategy).computing_roles
+    computing = kind.computing_roles
     busy = [n for n in names if n.partition(":")[0] in computing]
     quiet = [n for n in names if n not in busy]
     if not quiet or hosts == 1:
@@ -143,20 +138,20 @@ class ClusterPlan:
         return f"host{i} ({host_address(i)})"
 
 
-def build_host_cluster(strategy: str, workers: int, ps: int = 0, chief: bool = False,
+def build_host_cluster(kind: StrategyKind, workers: int, ps: int = 0, chief: bool = False,
                        hosts: int = 2, base_port: int = BASE_PORT) -> ClusterPlan:
     """TF_CONFIGs naming host addresses, as on a real cluster (pure).
 
     Each task listens on its host's address; the k-th task on a host uses
     ``base_port + k``, so tasks on different hosts share port 2222.
     """
-    if kind_of(strategy).single_process:
+    if kind.single_process:
         raise LaunchError(
             f"--hosts places the tasks of a multi-process strategy on simulated hosts; "
-            f"--strategy {strategy} is one process: drop --hosts"
+            f"--strategy {kind.name} is one process: drop --hosts"
         )
-    names = task_names(strategy, workers, ps, chief)
-    host_of = place_tasks(strategy, names, hosts)
+    names = task_names(kind, workers, ps, chief)
+    host_of = place_tasks(kind, names, hosts)
     used: dict[int, int] = {}
     addresses: dict[str, str] = {}
     for name in names:
@@ -169,9 +164,9 @@ def build_host_cluster(strategy: str, workers: int, ps: int = 0, chief: bool = F
     return ClusterPlan(_tf_configs(cluster), hosts, host_of)
 
 
-def loopback_plan(strategy: str, workers: int, ps: int, chief: bool, ports: list[int] | None,
-                  host: str = "localhost") -> ClusterPlan:
-    return ClusterPlan(build_cluster(strategy, workers, ps, ports, host, chief))
+def loopback_plan(kind: StrategyKind, workers: int, ps: int, chief: bool,
+                  ports: list[int] | None, host: str = "localhost") -> ClusterPlan:
+    return ClusterPlan(build_cluster(kind, workers, ps, ports, host, chief))
 
 
 # --- the saved plan ----------------------------------------------------------------

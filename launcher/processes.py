@@ -21,9 +21,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import protocol
+from launcher import cgroups
 from launcher import plan as plans
+from strategies.kinds import StrategyKind
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(HERE, "train.py")
@@ -58,18 +61,13 @@ def enter_netns(path: str) -> None:
         os.close(fd)
 
 
-def join_cgroup(directory: str) -> None:
-    with open(os.path.join(directory, "cgroup.procs"), "w") as f:
-        f.write(str(os.getpid()))
-
-
 @dataclass(frozen=True)
 class Placement:
     """Where a task runs: its host's network namespace, its cgroup, its cores."""
 
     netns: str | None = None  # /proc/<pid>/ns/net of the host's holder process
     cgroup: str | None = None  # a cgroup directory to join before exec (a slowed task)
-    cpus: str | None = None  # "0,1": a CPU set of its own
+    cpus: tuple[int, ...] = ()  # a CPU set of its own (empty: every core)
 
 
 def child_setup(place: Placement):
@@ -80,10 +78,10 @@ def child_setup(place: Placement):
         if place.netns:
             enter_netns(place.netns)
         if place.cgroup:
-            join_cgroup(place.cgroup)
+            cgroups.join(place.cgroup, os.getpid())
         if place.cpus:
             try:
-                os.sched_setaffinity(0, {int(c) for c in place.cpus.split(",")})
+                os.sched_setaffinity(0, set(place.cpus))
             except OSError:  # a container that forbids it: run unpinned
                 pass
 
@@ -120,10 +118,7 @@ def start_task(name: str, tf_config: dict | None, command: list[str], env: dict[
     sink = sink or sys.stdout
     full_env = {**(task_env or {}), **env}
     full_env.pop("TF_CONFIG", None)
-    cpus = full_env.pop("LAUNCH_CPUS", None)
     place = place or Placement()
-    if cpus and not place.cpus:
-        place = Placement(place.netns, place.cgroup, cpus)
     if tf_config is not None:
         full_env["TF_CONFIG"] = json.dumps(tf_config)
     proc = subprocess.Popen(
@@ -177,45 +172,51 @@ def stop_tasks(tasks: list[Task], grace: float = 5.0) -> None:
 
 # --- pinning -------------------------------------------------------------------------
 
-def thread_env(strategy: str, tasks, cpus: int) -> dict[str, dict[str, str]]:
-    """Each task's share of this machine's cores: TensorFlow's thread-pool size and a CPU set.
+@dataclass(frozen=True)
+class CoreShare:
+    """A task's share of this machine's cores: TensorFlow's thread-pool sizes
+    (``env``, set in its environment) and, when it has one, its own CPU set."""
+
+    env: Mapping[str, str]
+    cpus: tuple[int, ...] = ()
+
+    def cores(self, total: int) -> int:
+        """How many cores the task may use at full speed: its CPU set, else all of them."""
+        return len(self.cpus) or max(1, total)
+
+
+def share_cores(kind: StrategyKind, tasks, cpus: int) -> dict[str, CoreShare]:
+    """Each task's share of this machine's ``cpus`` cores (pure).
 
     The simulated hosts share one machine: left alone, every task sizes its
     intra-op pool to all the cores, and N workers oversubscribe them N times
     over. Tasks that only serve or dispatch (ps, and the ps chief) get one
     thread and no fixed cores. When the busy tasks fit, each is also pinned
-    (``LAUNCH_CPUS``) to cores of its own, as if on a host of its own, which
-    was faster in every run (docs/performance.md).
+    to cores of its own, as if on a host of its own, which was faster in
+    every run (docs/performance.md).
     """
-    computing = plans.kind_of(strategy).computing_roles
-    busy = [n for n in tasks if n.partition(":")[0] in computing]
+    busy = [n for n in tasks if n.partition(":")[0] in kind.computing_roles]
     share = max(1, cpus // max(1, len(busy)))
     envs = {n: {"TF_NUM_INTRAOP_THREADS": str(share if n in busy else 1)} for n in tasks}
+    pinned: dict[str, tuple[int, ...]] = {}
     if 1 < len(busy) <= cpus:
         for i, n in enumerate(busy):
-            envs[n]["LAUNCH_CPUS"] = ",".join(str(c) for c in range(i * share, (i + 1) * share))
+            pinned[n] = tuple(range(i * share, (i + 1) * share))
             # TensorFlow sizes its inter-op pool by the cores a process may
             # use; with one, a ps worker's function waiting on a ps read
             # holds the only thread and the job can deadlock (docs/performance.md).
             envs[n]["TF_NUM_INTEROP_THREADS"] = str(cpus)
-    return envs
-
-
-def cores_used(task_env: dict[str, str], cpus: int) -> int:
-    """How many cores a task may use at full speed: its CPU set, else all of them."""
-    if task_env.get("LAUNCH_CPUS"):
-        return len(task_env["LAUNCH_CPUS"].split(","))
-    return max(1, cpus)
+    return {n: CoreShare(envs[n], pinned.get(n, ())) for n in tasks}
 
 
 # --- commands and saved files -----------------------------------------------------
 
-def task_command(strategy: str, train_args: list[str], python: str = sys.executable,
+def task_command(kind: StrategyKind, train_args: list[str], python: str = sys.executable,
                  program: str | None = None) -> list[str]:
     """What every task runs: ``train.py``, or ``program`` (``--program``) with
     the same arguments, so another trainer (the benchmark's tutorial peers)
     runs on the same simulated cluster, TF_CONFIGs, pinning and slow-downs."""
-    return [python, program or TRAIN, f"--strategy={strategy}", *train_args]
+    return [python, program or TRAIN, f"--strategy={kind.name}", *train_args]
 
 
 # --- every task's own check, before anything is written ---------------------------------
@@ -362,8 +363,28 @@ def train_arg(train_args: list[str], flag: str, default: str) -> str:
     return getattr(known, flag.lstrip("-").replace("-", "_"))
 
 
-def has_flag(args: list[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in args)
+def has_flag(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def running_with(marker: str) -> list[str]:
+    """Live processes (zombies left out) whose command line contains ``marker``
+    (e.g. a model dir), as ``"pid: command"``: what a finished job left behind.
+    The soak and the tests ask it; this process is never counted."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if marker in cmd and state != "Z":
+            found.append(f"{pid}: {cmd}")
+    return found
 
 
 def quote(command: list[str]) -> str:

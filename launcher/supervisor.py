@@ -17,26 +17,26 @@ from typing import Callable
 
 import protocol
 from launcher import faults as faultlib
-from launcher import processes
-from launcher.plan import ClusterPlan, kind_of
+from launcher import policy, processes
+from launcher.config import LaunchConfig
 from launcher.processes import Placement, Task
 from launcher.state import JobState, RestartTask, SignalTask, SlowTask, TaskView
 from protocol import Exit
+from strategies.kinds import StrategyKind
 
 
-def decide(strategy: str, exits: dict[str, int | None]) -> int | None:
+def decide(kind: StrategyKind, exits: dict[str, int | None]) -> int | None:
     """The job's exit code once it is known, else ``None`` (pure).
 
     Only the tasks whose exits the strategy kind says decide count (every
     task of a sync job; the chief under ps, whose servers stop when it is
     gone): the first failure among them decides, else their success.
     """
-    kind = kind_of(strategy)
     # A deciding task ended by a signal (a kill, the OOM killer, its own
     # watchdog giving up on a peer) is, to the job, a lost task: the code
     # its survivors report, and a relaunch resumes from the checkpoint.
     deciding = [Exit.TASK_LOST if code is not None and code < 0 else code
-                for name, code in exits.items() if kind.decides(name)]
+                for name, code in exits.items() if policy.decides(kind, name)]
     failed = [code for code in deciding if code not in (None, 0)]
     if failed:
         return failed[0]
@@ -48,9 +48,9 @@ def decide(strategy: str, exits: dict[str, int | None]) -> int | None:
 class Supervisor:
     """One attempt of the job: its processes, their exits, the hooks' actions."""
 
-    def __init__(self, strategy: str, starter: Callable[[str], Task], log=print,
+    def __init__(self, kind: StrategyKind, starter: Callable[[str], Task], log=print,
                  grace: float = 5.0, poll: float = 0.1, slowdown=None, attempt: int = 0):
-        self.strategy, self.starter, self.log = strategy, starter, log
+        self.kind, self.starter, self.log = kind, starter, log
         self.grace, self.poll, self.slowdown, self.attempt = grace, poll, slowdown, attempt
         self.tasks: dict[str, Task] = {}
         self.exits: dict[str, int | None] = {}
@@ -124,7 +124,7 @@ class Supervisor:
                 for hook in hooks:
                     for action in hook(self.state()):
                         self.apply(action)
-                code = decide(self.strategy, self.exits)
+                code = decide(self.kind, self.exits)
                 if code is not None:
                     if code == Exit.PREEMPTED:
                         # Every worker saves at the agreed step and exits by
@@ -150,7 +150,7 @@ class Supervisor:
 
 # --- each worker's rate, from the progress events -------------------------------------------
 
-def worker_rates(strategy: str, event_paths: dict[str, str]) -> dict[str, dict]:
+def worker_rates(kind: StrategyKind, event_paths: dict[str, str]) -> dict[str, dict]:
     """Each computing task's steps, share and steps/s, from its progress events.
 
     A task whose progress events carry ``steps_per_worker`` (the ps chief)
@@ -159,7 +159,6 @@ def worker_rates(strategy: str, event_paths: dict[str, str]) -> dict[str, dict]:
     each computing task reports its own steps and steps/s (synchronous
     workers all run every step: no share).
     """
-    kind = kind_of(strategy)
     events = {n: [e for e in protocol.read_all_events(p)
                   if e.kind in (protocol.STARTED, protocol.PROGRESS)]
               for n, p in event_paths.items()}
@@ -211,9 +210,8 @@ def describe_rates(rates: dict[str, dict]) -> str:
 
 # --- the job, with recovery ----------------------------------------------------------------
 
-def run_job(args, plan: ClusterPlan, command: list[str], env: dict[str, str],
-            recovery: faultlib.RecoveryPlan, holder: list, log=print,
-            launch_dir: str | None = None, network=None, link=None) -> int:
+def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holder: list,
+            log=print, launch_dir: str | None = None, network=None, link=None) -> int:
     """Start, supervise and, under ``--max-restarts``, relaunch the job.
 
     ``holder`` gets the live Supervisor so the caller can stop it on an
@@ -222,9 +220,9 @@ def run_job(args, plan: ClusterPlan, command: list[str], env: dict[str, str],
     ``--model-dir``, so the tasks resume from the latest checkpoint.
     ``network`` (``SimulatedHosts``) puts each task in its host's namespace.
     """
-    cpus = os.cpu_count() or 1
-    names = plan.names
-    task_envs = processes.thread_env(args.strategy, names, cpus)
+    names, recovery = config.names, config.recovery
+    cores = config.cores or processes.share_cores(config.kind, names, os.cpu_count() or 1)
+    task_envs = {n: dict(cores[n].env) for n in names}
     paths: dict[str, str] = {}
     if launch_dir is not None:
         for name in names:
@@ -232,61 +230,75 @@ def run_job(args, plan: ClusterPlan, command: list[str], env: dict[str, str],
             task_envs[name][protocol.EVENTS_ENV] = paths[name]
     slowdown = None
     if recovery.slow:
-        slowdown = faultlib.Slowdown({n: processes.cores_used(task_envs[n], cpus) for n in names},
-                                     log=log)
+        total = os.cpu_count() or 1
+        slowdown = faultlib.Slowdown({n: cores[n].cores(total) for n in names}, log=log)
     try:
-        for slow in recovery.slow:
-            if slow.from_start:
-                slowdown.activate(slow.task, slow.fraction)
-                log(f"[launch] slow: {slowdown.describe(slow.task)}")
-        injector = faultlib.FaultInjector(
-            [*recovery.faults, *(s for s in recovery.slow if not s.from_start)],
-            log=log, grace=args.grace, event_paths=list(paths.values()))
-        restarter = faultlib.TaskRestarter(
-            recovery.restart_delay, log=log, roles=kind_of(args.strategy).restartable_roles,
-        ) if recovery.restart_tasks else None
-        hooks = [injector] + ([restarter] if restarter is not None else [])
+        injector, restarter = _hooks(config, slowdown, list(paths.values()), log)
 
         def starter(name: str) -> Task:
             place = Placement(
-                netns=network.netns(plan.host_of[name]) if network is not None else None,
-                cgroup=slowdown.cgroup_for(name) if slowdown is not None else None)
-            return processes.start_task(name, plan.tf_configs[name], command, env,
+                netns=network.netns(config.cluster.host_of[name]) if network is not None else None,
+                cgroup=slowdown.cgroup_for(name) if slowdown is not None else None,
+                cpus=cores[name].cpus)
+            return processes.start_task(name, config.cluster.tf_configs[name], command, env,
                                         task_env=task_envs[name], place=place)
 
-        attempt = 0
-        while True:
-            if restarter is not None:
-                restarter.new_attempt()
-            sup = Supervisor(args.strategy, starter, log=log, grace=args.grace,
-                             slowdown=slowdown, attempt=attempt)
-            holder[:] = [sup]
-            sup.start(names)
-            code = sup.run(args.timeout, hooks)
-            if not faultlib.should_relaunch(code, attempt, recovery.max_restarts):
-                break
-            attempt += 1
-            log(f"[launch] relaunching the job ({attempt} of --max-restarts="
-                f"{recovery.max_restarts}) after exit {code}, in {recovery.restart_delay:g}s; "
-                "it resumes from its checkpoint")
-            time.sleep(recovery.restart_delay)
+        code, attempt = _attempts(config, starter, [injector, *filter(None, [restarter])],
+                                  restarter, slowdown, holder, log)
     finally:
         if slowdown is not None:
             slowdown.close()
     restarts = sum(restarter.restarts.values()) if restarter is not None else 0
     log(f"[launch] recovery: faults injected {len(injector.fired)}, task restarts {restarts}, "
         f"job relaunches {attempt}")
-    rates = worker_rates(args.strategy, paths) if paths else {}
+    rates = worker_rates(config.kind, paths) if paths else {}
     if rates:
         log(f"[launch] per worker: {describe_rates(rates)}")
     if launch_dir is not None and os.path.isdir(launch_dir):
-        slowed = [str(s) for s in recovery.slow]
+        plan, slowed = config.cluster, [str(s) for s in recovery.slow]
         protocol.LaunchOutcome(
             int(code), list(injector.fired), restarts, attempt, per_task=rates or None,
             hosts={n: plan.where(n) for n in names} if plan.hosts else None,
             link=link, slowed=slowed or None,
         ).write(os.path.join(launch_dir, "outcome.json"))
     return code
+
+
+def _hooks(config: LaunchConfig, slowdown, event_paths: list[str], log):
+    """The fault injector (slow-downs from the start are applied here) and the task restarter."""
+    recovery = config.recovery
+    for slow in recovery.slow:
+        if slow.from_start:
+            slowdown.activate(slow.task, slow.fraction)
+            log(f"[launch] slow: {slowdown.describe(slow.task)}")
+    injector = faultlib.FaultInjector(
+        [*recovery.faults, *(s for s in recovery.slow if not s.from_start)],
+        log=log, grace=config.grace, event_paths=event_paths)
+    restarter = faultlib.TaskRestarter(
+        recovery.restart_delay, log=log, roles=config.kind.restartable_roles,
+    ) if recovery.restart_tasks else None
+    return injector, restarter
+
+
+def _attempts(config: LaunchConfig, starter, hooks, restarter, slowdown, holder,
+              log) -> tuple[int, int]:
+    """Run the job, relaunching it under ``--max-restarts``: its last code and the relaunches."""
+    recovery, attempt = config.recovery, 0
+    while True:
+        if restarter is not None:
+            restarter.new_attempt()
+        sup = Supervisor(config.kind, starter, log=log, grace=config.grace,
+                         slowdown=slowdown, attempt=attempt)
+        holder[:] = [sup]
+        sup.start(config.names)
+        code = sup.run(config.timeout, hooks)
+        if not faultlib.should_relaunch(code, attempt, recovery.max_restarts):
+            return code, attempt
+        attempt += 1
+        log(f"[launch] relaunching the job ({attempt} of --max-restarts="
+            f"{recovery.max_restarts}) after exit {code}, in {recovery.restart_delay:g}s; "
+            "it resumes from its checkpoint")
+        time.sleep(recovery.restart_delay)
 
 
 def interrupted(holder: list, received: list) -> int:

@@ -1,7 +1,10 @@
 """One object per strategy: everything the rest of the code knows about it.
 
 ``train.py``, the launcher, the benchmark and the soak ask a kind; none of
-them compares strategy names. A new strategy is one class here plus one
+them compares strategy names. A kind states facts about the strategy (its
+cluster shape, which roles compute or serve, whether updates wait for each
+other); what a launcher makes of them (how many tasks, which exits decide a
+job, which faults a job survives) is the launcher's (``launcher/policy.py``). A new strategy is one class here plus one
 line in ``_REGISTRY`` (or a call to :func:`register`).
 
 Pure Python: TensorFlow is imported inside ``build`` only, so the dry run,
@@ -49,18 +52,15 @@ class StrategyKind:
     computing_roles: tuple[str, ...] = TRAINING_ROLES
     # Roles whose process only serves a tf.distribute.Server.
     serving_roles: tuple[str, ...] = ()
-    # Roles a launcher may restart on their own while the job goes on.
+    # Roles whose task may be lost and come back at the same address while
+    # the job goes on (the coordinator gives it work again).
     restartable_roles: tuple[str, ...] = ()
     # Updates applied without waiting for the other workers (staleness exists).
     asynchronous = False
     # Each update averages --replicas-to-aggregate gradients of global/K examples.
     aggregates_gradients = False
-    # Parameter-server layout bounds for the launcher.
+    # The ps tasks the strategy needs at least (0: it takes none).
     min_ps = 0
-    max_ps = 0
-    # (action, task) faults this kind survives with the launcher's recovery
-    # flags on; the soak draws from them.
-    survivable_faults: tuple[tuple[str, str], ...] = ()
 
     # --- the cluster ------------------------------------------------------
 
@@ -112,30 +112,6 @@ class StrategyKind:
     def build(self, cfg: ClusterConfig, *, all_reduce: str = "auto") -> StrategyBundle:
         raise NotImplementedError
 
-    # --- the simulated cluster ------------------------------------------------
-
-    def layout(self, workers: int, ps: int = 0, chief: bool = False) -> dict[str, int]:
-        """Tasks per role for the launcher (``{}``: one process, no TF_CONFIG)."""
-        if workers < 1:
-            raise ConfigError(f"--workers={workers}; at least 1 worker is needed")
-        if self.single_process:
-            if workers != 1 or ps:
-                raise ConfigError(
-                    f"--strategy {self.name} is one process; received --workers={workers} "
-                    f"--ps={ps}; use --workers 1 --ps 0, or a multi-process strategy"
-                )
-            return {}
-        if ps < self.min_ps:
-            raise ConfigError(f"--strategy {self.name} needs --ps >= {self.min_ps}, received --ps={ps}")
-        if ps > self.max_ps:
-            raise ConfigError(
-                f"--strategy {self.name} takes no ps tasks, received --ps={ps}; use --ps 0"
-            )
-        return {"chief": 1 if chief else 0, "worker": workers, "ps": ps}
-
-    def decides(self, task: str) -> bool:
-        """Whether ``task``'s exit decides the job's outcome (first failure wins)."""
-        return True
 
     def __repr__(self) -> str:
         return f"<strategy kind {self.name}>"
@@ -201,9 +177,6 @@ class Mirrored(StrategyKind):
 class MultiWorker(StrategyKind):
     name = "multiworker"
     summary = "MultiWorkerMirroredStrategy: synchronous all-reduce, one process per worker"
-    max_ps = 0
-    survivable_faults = (("kill", "worker:0"), ("kill", "worker:1"),
-                         ("preempt", "worker:0"), ("preempt", "worker:1"))
 
     def check(self, cfg):
         if cfg.num_ps:
@@ -251,9 +224,6 @@ class ParameterServer(StrategyKind):
     restartable_roles = ("worker",)
     asynchronous = True
     min_ps = 1
-    max_ps = 64
-    survivable_faults = (("kill", "worker:0"), ("kill", "worker:1"), ("preempt", "worker:1"),
-                         ("kill", "ps:0"), ("kill", "chief:0"), ("preempt", "chief:0"))
 
     def check(self, cfg):
         if not cfg.num_ps:
@@ -312,16 +282,6 @@ class ParameterServer(StrategyKind):
         coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
         return StrategyBundle(self, strategy, coordinator)
 
-    def layout(self, workers, ps=0, chief=False):
-        counts = super().layout(workers, ps, chief)
-        counts["chief"] = 1  # the coordinator, always
-        return counts
-
-    def decides(self, task):
-        # Only the chief trains to the end; servers stop once it is gone, and
-        # a lost worker's steps are rescheduled on the others.
-        return task.startswith("chief:")
-
 
 class SyncParameterServer(ParameterServer):
     """TF1's SyncReplicasOptimizer mode on the ps cluster (``training.ps_sync_trainer``).
@@ -336,10 +296,6 @@ class SyncParameterServer(ParameterServer):
     trainer = "ps-sync"
     asynchronous = False
     aggregates_gradients = True
-    # Only those checked in tests/test_ps_sync.py. With the default K = N a
-    # lost worker stalls the updates until it is back (--restart-tasks) or
-    # the chief gives up (exit 75) and a relaunch resumes.
-    survivable_faults = (("kill", "worker:1"), ("preempt", "chief:0"))
 
     auto_rank = 100
 

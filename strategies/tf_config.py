@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
+from protocol import ConfigError  # re-exported: ``from strategies.tf_config import ConfigError``
+
 ROLES = ("chief", "worker", "ps", "evaluator")
 # Tasks that run training steps (ps only holds variables, evaluator only reads).
 TRAINING_ROLES = ("chief", "worker")
@@ -290,6 +292,17 @@ def parse_tf_config(text: str | None) -> ClusterConfig:
     """
     if text is None or not text.strip():
         return LOCAL
+    data = _load(text)
+    parsed = _parse_cluster(data["cluster"])
+    task_type, index = _parse_task(data["task"], parsed)
+    environment = _check_extras(data)
+    return ClusterConfig(
+        cluster=parsed, task_type=task_type, task_index=index, environment=environment
+    )
+
+
+def _load(text: str) -> dict:
+    """The JSON object, with only known keys and both required ones."""
     try:
         data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as err:
@@ -328,8 +341,11 @@ def parse_tf_config(text: str | None) -> ClusterConfig:
                 f"TF_CONFIG has no {key!r} key (received keys {_show(sorted(data))}); "
                 f"expected {EXPECTED_SHAPE}"
             )
+    return data
 
-    cluster = data["cluster"]
+
+def _parse_cluster(cluster) -> dict[str, tuple[str, ...]]:
+    """``cluster``: known roles, non-empty address lists, every host:port once."""
     if not isinstance(cluster, dict) or not cluster:
         raise ConfigError(
             f"TF_CONFIG cluster is {_show(cluster)}; expected a non-empty object "
@@ -377,8 +393,11 @@ def parse_tf_config(text: str | None) -> ClusterConfig:
             f"{', '.join(parsed)}; a cluster with ps tasks needs at least one worker: add "
             '"worker": ["host:port"]'
         )
+    return parsed
 
-    task = data["task"]
+
+def _parse_task(task, parsed: dict[str, tuple[str, ...]]) -> tuple[str, int]:
+    """``task``: a type the cluster has (or the evaluator outside it) and an index in range."""
     if not isinstance(task, dict):
         raise ConfigError(
             f"TF_CONFIG task is {_show(task)}; expected an object like "
@@ -401,6 +420,11 @@ def parse_tf_config(text: str | None) -> ClusterConfig:
         )
     count = 1 if outside else len(parsed[task_type])
     index = _task_index(task, task_type, count)
+    return task_type, index
+
+
+def _check_extras(data: dict) -> str | None:
+    """``environment`` and ``rpc_layer``, if given; the environment."""
     environment = data.get("environment")
     if environment is not None and (
         not isinstance(environment, str) or not _ENVIRONMENT.fullmatch(environment)
@@ -415,9 +439,7 @@ def parse_tf_config(text: str | None) -> ClusterConfig:
             f"TF_CONFIG rpc_layer is {_show(rpc_layer)}; this project runs over gRPC only: "
             "use \"grpc\" or leave it out"
         )
-    return ClusterConfig(
-        cluster=parsed, task_type=task_type, task_index=index, environment=environment
-    )
+    return environment
 
 
 def from_environ(environ: Mapping[str, str]) -> ClusterConfig:

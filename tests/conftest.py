@@ -105,20 +105,10 @@ def spawn():
 
 def descendants_alive(marker: str) -> list[str]:
     """Processes whose command line contains ``marker`` (e.g. a model dir)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker in cmd and state != "Z":
-            found.append(f"{pid}: {cmd}")
-    return found
+    # The soak's scan (bench/soak.py), one implementation.
+    from launcher.processes import running_with
+
+    return running_with(marker)
 
 
 def launch_cmd(strategy, *launch_args, train_args=()):

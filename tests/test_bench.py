@@ -1,4 +1,4 @@
-"""bench.py: the pure parts, and a few-step smoke run (no performance assertions)."""
+"""The benchmark (bench/): the pure parts, and a few-step smoke run (no performance assertions)."""
 
 import json
 import os
@@ -7,16 +7,17 @@ import sys
 
 import pytest
 
-import bench
+from bench import cli, common, suite
+from bench import scenarios as scen
 from conftest import REPO, child_env, descendants_alive
 
 
 def args(**kw):
-    return bench.parse_args([f"--{k.replace('_', '-')}={v}" for k, v in kw.items()])
+    return cli.parse_args([f"--{k.replace('_', '-')}={v}" for k, v in kw.items()])
 
 
 def test_plan_runs_same_work_for_every_strategy(tmp_path):
-    runs = bench.plan_runs(args(workers="1,2", out=str(tmp_path), steps=50, repeats=1),
+    runs = suite.plan_runs(args(workers="1,2", out=str(tmp_path), steps=50, repeats=1),
                            python="py")
     assert [r.name for r in runs] == [
         "none", "synthetic", "mirrored", "multiworker-1w", "multiworker-2w", "ps-1w", "ps-2w",
@@ -37,7 +38,7 @@ def test_plan_runs_same_work_for_every_strategy(tmp_path):
 
 
 def test_repeats_are_interleaved_and_the_best_counts(tmp_path):
-    runs = bench.plan_runs(args(only="none,ps", out=str(tmp_path), repeats=2), python="py")
+    runs = suite.plan_runs(args(only="none,ps", out=str(tmp_path), repeats=2), python="py")
     # Every configuration once, then again: a slow spell hits all of them.
     assert [(r.name, r.config) for r in runs] == [
         ("none-r1", "none"), ("ps-2w-r1", "ps-2w"), ("none-r2", "none"), ("ps-2w-r2", "ps-2w"),
@@ -46,15 +47,15 @@ def test_repeats_are_interleaved_and_the_best_counts(tmp_path):
     result = lambda eps: {"examples_per_sec": eps, "test_accuracy": 0.99, "global_steps": 10}
     results = {"none-r1": result(1000.0), "none-r2": result(1200.0),
                "ps-2w-r1": result(800.0), "ps-2w-r2": result(1020.0)}
-    rows = {r["name"]: r for r in bench.summarize(results, runs, 0.99)}
+    rows = {r["name"]: r for r in suite.summarize(results, runs, 0.99)}
     assert rows["none"]["examples_per_sec"] == 1200.0
     assert rows["ps-2w"]["examples_per_sec_each"] == [800.0, 1020.0]
     assert rows["ps-2w"]["ratio"] == pytest.approx(0.85) and rows["ps-2w"]["meets_target"]
     # One failed repeat fails the row, and the table names that run's log.
     del results["ps-2w-r2"]
-    rows = {r["name"]: r for r in bench.summarize(results, runs, 0.99)}
+    rows = {r["name"]: r for r in suite.summarize(results, runs, 0.99)}
     assert not rows["ps-2w"]["ok"] and rows["ps-2w"]["failed"] == ["ps-2w-r2"]
-    md = bench.render_markdown(list(rows.values()), {}, "m", 0.99)
+    md = suite.render_markdown(list(rows.values()), {}, "m", 0.99)
     assert "| ps-2w | 2 | FAILED (see runs/ps-2w-r2.log)" in md
 
 
@@ -65,7 +66,7 @@ def test_repeats_are_interleaved_and_the_best_counts(tmp_path):
     (["--repeats", "0"], ["--repeats 0", "at least 1"]),
 ])
 def test_bad_input_one_line(flag, words, capsys, tmp_path):
-    assert bench.main([*flag, "--out", str(tmp_path / "o")]) == 2
+    assert cli.main([*flag, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:")
     assert all(w in err[0] for w in words)
@@ -73,7 +74,7 @@ def test_bad_input_one_line(flag, words, capsys, tmp_path):
 
 
 def test_summarize_ratios_and_time_to_target():
-    runs = bench.plan_runs(args(only="none,synthetic,ps", workers="2", repeats=1), python="py")
+    runs = suite.plan_runs(args(only="none,synthetic,ps", workers="2", repeats=1), python="py")
     curve = lambda *pts: [{"seconds": s, "test_accuracy": a, "step": 0} for s, a in pts]
     results = {
         "none": {"examples_per_sec": 1000.0, "test_accuracy": 0.99, "global_steps": 10,
@@ -82,14 +83,14 @@ def test_summarize_ratios_and_time_to_target():
         "ps-2w": {"examples_per_sec": 850.0, "test_accuracy": 0.99, "global_steps": 10,
                   "eval_curve": curve((6, 0.97), (12, 0.985), (15, 0.992))},
     }
-    rows = {r["name"]: r for r in bench.summarize(results, runs, 0.99)}
+    rows = {r["name"]: r for r in suite.summarize(results, runs, 0.99)}
     assert rows["none"]["ratio"] == 1.0 and rows["none"]["time_to_target"] == 10
     assert rows["ps-2w"]["ratio"] == pytest.approx(0.85) and rows["ps-2w"]["meets_target"]
     assert rows["ps-2w"]["tta_ratio"] == pytest.approx(1.5)
     # Real data at 1000/s against 1250/s in memory: the input pipeline costs 20 %.
     assert rows["synthetic"]["ratio"] == pytest.approx(0.8) and not rows["synthetic"]["meets_target"]
-    assert bench.time_to_target(results["ps-2w"]["eval_curve"], 0.999) is None
-    md = bench.render_markdown(list(rows.values()), {"steps": 10}, "test machine", 0.99)
+    assert common.time_to_target(results["ps-2w"]["eval_curve"], 0.999) is None
+    md = suite.render_markdown(list(rows.values()), {"steps": 10}, "test machine", 0.99)
     assert "| ps-2w | 2 | 0.9900 | 850 | 0.85 | ≥ 0.8 met |" in md
     assert md.splitlines()[-1].endswith("| 850 |")  # each run's figure
     assert "**missed**" in md
@@ -119,13 +120,10 @@ def test_smoke_run_writes_table_and_plots(tmp_path):
     assert descendants_alive(str(out)) == []
 
 
-# --- the scenarios suite (bench_scenarios.py): pure parts ---------------------------------
-
-import bench_scenarios as scen  # noqa: E402
-
+# --- the scenarios suite (bench/scenarios.py): pure parts ---------------------------------
 
 def scenario_args(tmp_path, *extra):
-    return bench.parse_args(["--suite", "scenarios", "--out", str(tmp_path), *extra])
+    return cli.parse_args(["--suite", "scenarios", "--out", str(tmp_path), *extra])
 
 
 def test_scenarios_plan_every_cell_twice_interleaved_with_peers_after_their_run(tmp_path):
@@ -215,7 +213,7 @@ def test_staleness_study_grid(tmp_path):
                         ("--lr-schedule", "constant"), ("--workers", "4"),
                         ("--steps-per-execution", "1")]:
         assert c[c.index(flag) + 1] == value, flag
-    assert runs[-1].kind == scen.staleness_kind()
+    assert runs[-1].kind == scen.staleness_kind().name
     assert scen.plan_staleness(scenario_args(tmp_path, "--staleness-workers", ""), python="py") == []
 
 
@@ -226,7 +224,7 @@ def test_staleness_study_grid(tmp_path):
     (["--report-only"], ["--report-only", "scenarios.json", "run the suite first"]),
 ])
 def test_scenarios_bad_input_one_line(flags, words, capsys, tmp_path):
-    assert bench.main(["--suite", "scenarios", *flags, "--out", str(tmp_path / "o")]) == 2
+    assert cli.main(["--suite", "scenarios", *flags, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and all(w in err[0] for w in words)
     assert not (tmp_path / "o").exists()
@@ -401,7 +399,7 @@ def test_tutorial_peer_runs_under_the_launcher_and_reports(tmp_path):
         env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    record = bench.PeerResults.load(str(run_dir / bench.PEER_RESULTS))
+    record = scen.PeerResults.load(str(run_dir / scen.PEER_RESULTS))
     assert record.num_workers == 2 and record.total_steps == 20 and record.steady_steps == 10
     assert record.keras_version.startswith("2.") and 0.0 < record.test_accuracy <= 1.0
     assert record.examples_per_sec > 0
@@ -422,7 +420,7 @@ def test_report_only_writes_the_same_report_and_plots_from_the_record(tmp_path):
     (out / "scenarios.json").write_text(json.dumps(
         {"machine": "m", "settings": settings, "suite_seconds": 600.0, "rows": rows,
          "targets": [], "results": results}, sort_keys=True))
-    assert bench.main(["--suite", "scenarios", "--report-only", "--out", str(out)]) == 0
+    assert cli.main(["--suite", "scenarios", "--report-only", "--out", str(out)]) == 0
     assert (out / "scenarios.md").read_text() == expected
     assert "Work: model value of model, global batch value of global batch, seed" in expected
     for name in ("scenarios_throughput.png", "scenarios_accuracy.png", "staleness.png"):

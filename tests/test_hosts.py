@@ -5,7 +5,6 @@ duty-cycle tests (marked ``multiprocess``) start a busy Python loop or the
 link probe, never a cluster.
 """
 
-import argparse
 import json
 import os
 import signal
@@ -16,16 +15,17 @@ import time
 import pytest
 
 import protocol
-from launcher import faults, network, processes, supervisor
+from launcher import cgroups, faults, network, processes, supervisor
 from launcher import plan as plans
+from launcher.config import LaunchConfig
 from launcher.state import JobState, RestartTask, SignalTask, SlowTask, TaskView
-from strategies import parse_tf_config
+from strategies import kinds, parse_tf_config
 
 
 # --- the host plan (pure) ------------------------------------------------------------------
 
 def test_ps_on_three_hosts_coordinators_on_host0_one_worker_per_other_host():
-    plan = plans.build_host_cluster("ps", workers=2, ps=1, hosts=3)
+    plan = plans.build_host_cluster(kinds.get("ps"), workers=2, ps=1, hosts=3)
     assert plan.host_of == {"chief:0": 0, "worker:0": 1, "worker:1": 2, "ps:0": 0}
     assert plan.tf_configs["ps:0"]["cluster"] == {
         "chief": ["10.77.0.11:2222"], "worker": ["10.77.0.12:2222", "10.77.0.13:2222"],
@@ -35,7 +35,7 @@ def test_ps_on_three_hosts_coordinators_on_host0_one_worker_per_other_host():
 
 
 def test_multiworker_on_two_hosts_same_port_distinct_addresses():
-    plan = plans.build_host_cluster("multiworker", workers=2, hosts=2)
+    plan = plans.build_host_cluster(kinds.get("multiworker"), workers=2, hosts=2)
     assert plan.host_of == {"worker:0": 0, "worker:1": 1}
     addresses = plan.tf_configs["worker:0"]["cluster"]["worker"]
     assert addresses == ["10.77.0.11:2222", "10.77.0.12:2222"]
@@ -57,7 +57,7 @@ def test_multiworker_on_two_hosts_same_port_distinct_addresses():
     ("ps", 2, 1, False, 1, {"chief:0": 0, "worker:0": 0, "worker:1": 0, "ps:0": 0}),
 ])
 def test_task_placement(strategy, workers, ps, chief, hosts, expected):
-    plan = plans.build_host_cluster(strategy, workers, ps, chief, hosts)
+    plan = plans.build_host_cluster(kinds.get(strategy), workers, ps, chief, hosts)
     assert plan.host_of == expected
     # No two tasks on one host share a port; tasks on different hosts may.
     addresses = [tc["cluster"][tc["task"]["type"]][tc["task"]["index"]]
@@ -76,13 +76,14 @@ def test_task_placement(strategy, workers, ps, chief, hosts, expected):
     (("ps", 2, 0, False, 2), "--ps >= 1"),
 ])
 def test_bad_host_plans(args, words):
+    strategy, *rest = args
     with pytest.raises(plans.LaunchError) as err:
-        plans.build_host_cluster(*args)
+        plans.build_host_cluster(kinds.get(strategy), *rest)
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
 def test_saved_files_say_which_host_each_task_is_on(tmp_path):
-    plan = plans.build_host_cluster("ps", workers=2, ps=1, hosts=3)
+    plan = plans.build_host_cluster(kinds.get("ps"), workers=2, ps=1, hosts=3)
     processes.save_launch_files(str(tmp_path), plan, ["python", "train.py", "--strategy=ps"])
     script = (tmp_path / "commands.sh").read_text()
     assert "# worker:1 on host2 (10.77.0.13)" in script
@@ -154,29 +155,28 @@ def test_parse_slow_rejects(spec, words):
         faults.parse_slow(spec)
 
 
-def _args(**kw):
-    base = dict(strategy="ps", kill=None, preempt=None, slow=None, restart_tasks=False,
-                max_restarts=0, restart_delay=2.0)
-    return argparse.Namespace(**{**base, **kw})
+def _recovery(tasks, strategy="ps", **flags):
+    """plan_recovery with the launcher's defaults, as launch.py calls it."""
+    return faults.plan_recovery(kinds.get(strategy), tasks, **flags)
 
 
 def test_plan_recovery_checks_slow_tasks():
-    tasks = plans.build_cluster("ps", 2, ps=1, ports=[1, 2, 3, 4])
-    plan = faults.plan_recovery(_args(slow=["worker:1=0.25"], kill=["worker:1@step=5"],
-                                      restart_tasks=True), tasks)
+    tasks = plans.build_cluster(kinds.get("ps"), 2, ps=1, ports=[1, 2, 3, 4])
+    plan = _recovery(tasks, slow=["worker:1=0.25"], kill=["worker:1@step=5"],
+                     restart_tasks=True)
     assert plan.slow == (faults.Slow("worker:1", 0.25),) and plan.restart_tasks
     with pytest.raises(plans.LaunchError, match="worker:3.*does not have"):
-        faults.plan_recovery(_args(slow=["worker:3=0.5"]), tasks)
+        _recovery(tasks, slow=["worker:3=0.5"])
     with pytest.raises(plans.LaunchError, match="twice"):
-        faults.plan_recovery(_args(slow=["worker:1=0.5", "worker:1=0.2@step=3"]), tasks)
+        _recovery(tasks, slow=["worker:1=0.5", "worker:1=0.2@step=3"])
 
 
 def test_quota_is_the_fraction_of_the_cores_the_task_would_use():
-    assert faults.quota_us(0.25, 1) == 25_000
-    assert faults.quota_us(0.5, 2) == 100_000
-    assert faults.quota_us(0.001, 1) == 1000  # the kernel's minimum
-    assert processes.cores_used({"LAUNCH_CPUS": "2,3"}, 8) == 2
-    assert processes.cores_used({"TF_NUM_INTRAOP_THREADS": "1"}, 8) == 8
+    assert cgroups.quota_us(0.25, 1) == 25_000
+    assert cgroups.quota_us(0.5, 2) == 100_000
+    assert cgroups.quota_us(0.001, 1) == 1000  # the kernel's minimum
+    assert processes.CoreShare({}, (2, 3)).cores(8) == 2
+    assert processes.CoreShare({"TF_NUM_INTRAOP_THREADS": "1"}).cores(8) == 8
 
 
 def test_injector_returns_a_slow_action_when_its_step_comes(tmp_path):
@@ -222,7 +222,7 @@ def test_worker_rates_from_ps_chief_events(tmp_path):
                                {"steps_per_worker": {"worker:0": a, "worker:1": b}})
         with open(log.path, "a") as f:
             f.write(event.to_json() + "\n")
-    rates = supervisor.worker_rates("ps", {"chief:0": path, "worker:0": str(tmp_path / "none")})
+    rates = supervisor.worker_rates(kinds.get("ps"), {"chief:0": path, "worker:0": str(tmp_path / "none")})
     assert rates == {"worker:0": {"steps": 110, "share": 0.8333, "steps_per_sec": 5.0},
                      "worker:1": {"steps": 22, "share": 0.1667, "steps_per_sec": 1.0}}
     assert "worker:1 22 local steps (17%), 1.0 steps/s" in supervisor.describe_rates(rates)
@@ -236,7 +236,7 @@ def test_worker_rates_from_sync_workers_own_events(tmp_path):
             for step in (100, 200, 300):
                 f.write(protocol.Event(protocol.PROGRESS, name, step, step / per_sec,
                                        {"steps_per_sec": 1.0}).to_json() + "\n")
-    rates = supervisor.worker_rates("multiworker", paths)
+    rates = supervisor.worker_rates(kinds.get("multiworker"), paths)
     assert rates["worker:1"] == {"steps": 300, "share": None, "steps_per_sec": 20.0}
 
 
@@ -250,7 +250,7 @@ def test_launch_outcome_reads_files_without_the_new_fields(tmp_path):
 
 # --- the mechanisms, on trivial processes --------------------------------------------------
 
-CGROUP_PROBLEM = faults.cgroup_problem()
+CGROUP_PROBLEM = cgroups.cgroup_problem()
 needs_cgroup = pytest.mark.skipif(CGROUP_PROBLEM is not None,
                                   reason=f"no CPU-quota cgroup here: {CGROUP_PROBLEM}")
 _BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1e9: pass\n"
@@ -292,7 +292,7 @@ def test_slowdown_caps_a_busy_process_and_a_restart_is_slowed_again(method):
         started.append(task)
         return task
 
-    sup = supervisor.Supervisor("ps", starter, log=lambda m: None, grace=2, slowdown=slow)
+    sup = supervisor.Supervisor(kinds.get("ps"), starter, log=lambda m: None, grace=2, slowdown=slow)
     try:
         sup.start(["worker:1"])
         full = _burn_rate(started[-1])
@@ -356,25 +356,26 @@ if not os.path.exists(marker):
 @needs_cgroup
 @pytest.mark.timeout(60)
 def test_a_relaunched_job_starts_its_slowed_task_in_the_cgroup_again(tmp_path, capsys):
-    args = argparse.Namespace(strategy="mirrored", grace=2.0, timeout=30.0)
-    plan = plans.loopback_plan("mirrored", 1, 0, False, None)
-    recovery = faults.plan_recovery(_args(strategy="mirrored", slow=["local:0=0.5"],
-                                          max_restarts=1, restart_delay=0), plan.tf_configs)
+    plan = plans.loopback_plan(kinds.get("mirrored"), 1, 0, False, None)
+    recovery = _recovery(plan.tf_configs, strategy="mirrored", slow=["local:0=0.5"],
+                         max_restarts=1, restart_delay=0)
+    config = LaunchConfig(kind=kinds.get("mirrored"), cluster=plan, recovery=recovery,
+                          grace=2.0, timeout=30.0)
     launch_dir = tmp_path / "launch"
     processes.save_launch_files(str(launch_dir), plan, ["unused"])
     logs = []
-    code = supervisor.run_job(args, plan, [sys.executable, "-c", _RELAUNCHED,
-                                           str(tmp_path / "marker")], {}, recovery, [],
+    code = supervisor.run_job(config, [sys.executable, "-c", _RELAUNCHED,
+                                       str(tmp_path / "marker")], {}, [],
                               log=logs.append, launch_dir=str(launch_dir))
     assert code == 0, logs
     out = [l for l in capsys.readouterr().out.splitlines() if "cgroup" in l]
-    expected = f"[local:0] cgroup {faults.CGROUP_PREFIX}{os.getpid()}-local-0"
+    expected = f"[local:0] cgroup {cgroups.CGROUP_PREFIX}{os.getpid()}-local-0"
     assert out == [expected, expected], out  # both attempts, each from its first instruction
     assert any(l.startswith("[launch] relaunching the job (1 of") for l in logs)
     outcome = protocol.LaunchOutcome.load(str(launch_dir / "outcome.json"))
     assert outcome.slowed == ["--slow local:0=0.5"] and outcome.job_relaunches == 1
-    assert not os.path.exists(os.path.join(faults.cpu_cgroup_root(),
-                                           f"{faults.CGROUP_PREFIX}{os.getpid()}-local-0"))
+    assert not os.path.exists(os.path.join(cgroups.cpu_cgroup_root(),
+                                           f"{cgroups.CGROUP_PREFIX}{os.getpid()}-local-0"))
 
 
 @needs_cgroup

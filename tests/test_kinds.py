@@ -50,8 +50,8 @@ def test_a_registered_kind_shows_in_dry_run_and_the_factory(toy, monkeypatch, ca
     bundle = make_strategy("toy", cfg)
     assert bundle.kind is toy and bundle.strategy == "toy strategy for worker:0"
     assert "toy" in kinds.names()
-    # The launcher asks the kind for its layout, too.
-    assert list(launch_plan.build_cluster("toy", 2, ports=[5, 6])) == ["worker:0", "worker:1"]
+    # The launcher derives its layout from the kind's facts, too.
+    assert list(launch_plan.build_cluster(toy, 2, ports=[5, 6])) == ["worker:0", "worker:1"]
     with pytest.raises(SystemExit):
         train.parse_args(["--help"])
     assert "toy: a toy that trains on every worker" in capsys.readouterr().out
@@ -75,16 +75,17 @@ def test_auto_asks_the_kinds_in_rank_order(cluster, expected):
     assert kinds.resolve("auto", parse_tf_config(text)).name == expected
 
 
-def test_kinds_describe_their_launch_layout_and_outcome():
+def test_kinds_say_which_roles_may_rejoin():
     ps, mw = kinds.get("ps"), kinds.get("multiworker")
-    assert ps.layout(2, 1) == {"chief": 1, "worker": 2, "ps": 1}
-    assert mw.layout(3) == {"chief": 0, "worker": 3, "ps": 0}
-    assert kinds.get("mirrored").layout(1) == {}
-    assert ps.decides("chief:0") and not ps.decides("worker:1")
-    assert mw.decides("worker:1")
     assert ps.restartable_roles == ("worker",) and not mw.restartable_roles
-    with pytest.raises(ConfigError, match="needs --ps >= 1"):
-        ps.layout(2, 0)
+
+
+def test_kinds_carry_no_launcher_policy():
+    # Layout, deciding exits and survivable faults are the launcher's
+    # (launcher/policy.py), derived from the kind's facts.
+    for kind in kinds.all_kinds().values():
+        for name in ("layout", "decides", "survivable_faults", "max_ps"):
+            assert not hasattr(kind, name), f"{kind!r}.{name}"
 
 
 def _project_modules():

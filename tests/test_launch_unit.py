@@ -12,13 +12,13 @@ import launch
 import protocol
 from launcher import faults, network, processes, supervisor
 from launcher import plan as plans
-from strategies import kinds, parse_tf_config
+from strategies import ConfigError, kinds, parse_tf_config
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_multiworker_cluster_one_tf_config_per_worker():
-    tasks = plans.build_cluster("multiworker", 3, ports=[11, 12, 13], host="127.0.0.1")
+    tasks = plans.build_cluster(kinds.get("multiworker"), 3, ports=[11, 12, 13], host="127.0.0.1")
     assert list(tasks) == ["worker:0", "worker:1", "worker:2"]
     cluster = {"worker": ["127.0.0.1:11", "127.0.0.1:12", "127.0.0.1:13"]}
     for i, (name, tf_config) in enumerate(tasks.items()):
@@ -29,7 +29,7 @@ def test_multiworker_cluster_one_tf_config_per_worker():
 
 
 def test_ps_cluster_has_a_chief_workers_and_ps():
-    tasks = plans.build_cluster("ps", 2, ps=2, ports=[1, 2, 3, 4, 5])
+    tasks = plans.build_cluster(kinds.get("ps"), 2, ps=2, ports=[1, 2, 3, 4, 5])
     assert list(tasks) == ["chief:0", "worker:0", "worker:1", "ps:0", "ps:1"]
     assert tasks["ps:1"]["cluster"] == {
         "chief": ["localhost:1"], "worker": ["localhost:2", "localhost:3"],
@@ -39,7 +39,7 @@ def test_ps_cluster_has_a_chief_workers_and_ps():
 
 
 def test_mirrored_is_one_task_without_tf_config():
-    assert plans.build_cluster("mirrored", 1) == {"local:0": None}
+    assert plans.build_cluster(kinds.get("mirrored"), 1) == {"local:0": None}
 
 
 @pytest.mark.parametrize("args,words", [
@@ -50,8 +50,12 @@ def test_mirrored_is_one_task_without_tf_config():
     (("mirrored", 2), "one process"),
 ])
 def test_bad_layouts(args, words):
-    with pytest.raises(plans.LaunchError, match=words.replace("(", r"\(")):
-        plans.build_cluster(*args, ports=list(range(1, 10)))
+    # An unknown name fails where the launcher turns it into a kind; a bad
+    # layout of a known kind fails in the plan, as a LaunchError.
+    strategy, *rest = args
+    error = plans.LaunchError if strategy in kinds.names() else ConfigError
+    with pytest.raises(error, match=words.replace("(", r"\(")):
+        plans.build_cluster(kinds.get(strategy), *rest, ports=list(range(1, 10)))
 
 
 def test_free_ports_are_distinct():
@@ -70,12 +74,12 @@ def test_free_ports_are_distinct():
     ("ps", {"chief:0": 1, "worker:0": None, "ps:0": None}, 1),
 ])
 def test_decide(strategy, exits, expected):
-    assert supervisor.decide(strategy, exits) == expected
+    assert supervisor.decide(kinds.get(strategy), exits) == expected
 
 
 def test_saved_files_replay_each_task(tmp_path):
-    tasks = plans.build_cluster("multiworker", 2, ports=[21, 22])
-    cmd = processes.task_command("multiworker", ["--epochs", "1"], python="python")
+    tasks = plans.build_cluster(kinds.get("multiworker"), 2, ports=[21, 22])
+    cmd = processes.task_command(kinds.get("multiworker"), ["--epochs", "1"], python="python")
     processes.save_launch_files(str(tmp_path), tasks, cmd)
     for name, tf_config in tasks.items():
         saved = json.loads((tmp_path / f"{name.replace(':', '-')}.tf_config.json").read_text())
@@ -104,7 +108,7 @@ def _probe(answer):
 ])
 def test_decide_netns(mode, strategy, problem, use, warns, probed):
     probe, calls = _probe(problem)
-    got_use, warning = network.decide_netns(mode, strategy, probe)
+    got_use, warning = network.decide_netns(mode, kinds.get(strategy), probe)
     assert got_use is use
     assert (warning is not None) is warns
     assert bool(calls) is probed
@@ -115,9 +119,9 @@ def test_decide_netns(mode, strategy, problem, use, warns, probed):
 def test_netns_on_without_namespaces_is_an_error_naming_the_cause():
     probe, _ = _probe("unshare: unshare failed: Operation not permitted")
     with pytest.raises(plans.LaunchError, match="Operation not permitted.*--netns auto"):
-        network.decide_netns("on", "multiworker", probe)
+        network.decide_netns("on", kinds.get("multiworker"), probe)
     with pytest.raises(plans.LaunchError, match="unknown --netns 'yes'"):
-        network.decide_netns("yes", "multiworker", probe)
+        network.decide_netns("yes", kinds.get("multiworker"), probe)
 
 
 def test_netns_command_reruns_this_launcher_inside_and_keeps_the_train_args():
@@ -167,27 +171,33 @@ def test_mnist_prepared_looks_for_a_tfds_copy(tmp_path):
     assert processes.mnist_prepared(str(tmp_path))
 
 
-def test_thread_env_splits_cores_between_computing_tasks():
-    mw = plans.build_cluster("multiworker", 2, ports=[1, 2])
+def test_core_shares_split_cores_between_computing_tasks():
+    mw = plans.build_cluster(kinds.get("multiworker"), 2, ports=[1, 2])
     # Each worker also gets cores of its own, and an inter-op pool as large as
     # the host's (a one-thread pool deadlocks a ps worker).
-    assert processes.thread_env("multiworker", mw, 8) == {
-        "worker:0": {"TF_NUM_INTRAOP_THREADS": "4", "LAUNCH_CPUS": "0,1,2,3",
-                     "TF_NUM_INTEROP_THREADS": "8"},
-        "worker:1": {"TF_NUM_INTRAOP_THREADS": "4", "LAUNCH_CPUS": "4,5,6,7",
-                     "TF_NUM_INTEROP_THREADS": "8"},
+    assert processes.share_cores(kinds.get("multiworker"), mw, 8) == {
+        "worker:0": processes.CoreShare({"TF_NUM_INTRAOP_THREADS": "4",
+                                         "TF_NUM_INTEROP_THREADS": "8"}, (0, 1, 2, 3)),
+        "worker:1": processes.CoreShare({"TF_NUM_INTRAOP_THREADS": "4",
+                                         "TF_NUM_INTEROP_THREADS": "8"}, (4, 5, 6, 7)),
     }
-    ps = plans.build_cluster("ps", 3, ps=1, ports=[1, 2, 3, 4, 5])
-    env = {n: e["TF_NUM_INTRAOP_THREADS"] for n, e in processes.thread_env("ps", ps, 2).items()}
+    ps_kind = kinds.get("ps")
+    ps = plans.build_cluster(ps_kind, 3, ps=1, ports=[1, 2, 3, 4, 5])
+    env = {n: s.env["TF_NUM_INTRAOP_THREADS"]
+           for n, s in processes.share_cores(ps_kind, ps, 2).items()}
     # The ps chief only dispatches and the ps only applies updates; never below one thread.
     assert env == {"chief:0": "1", "worker:0": "1", "worker:1": "1", "worker:2": "1", "ps:0": "1"}
-    ps6 = {n: e["TF_NUM_INTRAOP_THREADS"] for n, e in processes.thread_env("ps", ps, 6).items()}
+    ps6 = {n: s.env["TF_NUM_INTRAOP_THREADS"]
+           for n, s in processes.share_cores(ps_kind, ps, 6).items()}
     assert ps6["worker:0"] == "2" and ps6["chief:0"] == ps6["ps:0"] == "1"
-    pinned = {n: e.get("LAUNCH_CPUS") for n, e in processes.thread_env("ps", ps, 6).items()}
-    assert pinned == {"chief:0": None, "worker:0": "0,1", "worker:1": "2,3", "worker:2": "4,5",
-                      "ps:0": None}
+    pinned = {n: s.cpus for n, s in processes.share_cores(ps_kind, ps, 6).items()}
+    assert pinned == {"chief:0": (), "worker:0": (0, 1), "worker:1": (2, 3), "worker:2": (4, 5),
+                      "ps:0": ()}
     # More busy tasks than cores: nobody is pinned.
-    assert all("LAUNCH_CPUS" not in e for e in processes.thread_env("ps", ps, 2).values())
+    assert all(s.cpus == () for s in processes.share_cores(ps_kind, ps, 2).values())
+    # The CPU set is a placement, not an environment variable passed to the task.
+    assert all(not any("CPU" in k for k in s.env)
+               for s in processes.share_cores(ps_kind, ps, 6).values())
 
 
 def test_pinned_task_runs_on_its_own_cores(tmp_path):
@@ -198,7 +208,7 @@ def test_pinned_task_runs_on_its_own_cores(tmp_path):
     code = f"import os; open({str(out)!r}, 'w').write(repr(sorted(os.sched_getaffinity(0))))"
     (task,) = processes.start_tasks({"worker:1": None}, [sys.executable, "-c", code], {},
                                  sink=open(os.devnull, "w"),
-                                 task_envs={"worker:1": {"LAUNCH_CPUS": "1"}})
+                                 places={"worker:1": processes.Placement(cpus=(1,))})
     assert task.proc.wait(30) == 0
     assert out.read_text() == "[1]"
 # --- fault injection and recovery flags (pure) ------------------------------------
@@ -225,22 +235,19 @@ def test_parse_fault_rejects_with_the_expected_form(spec):
     assert repr(spec) in message and "ROLE:INDEX@WHEN" in message and "@step=" in message
 
 
-def _args(strategy="ps", kill=None, preempt=None, restart_tasks=False, max_restarts=0,
-          restart_delay=2.0):
-    import argparse
-    return argparse.Namespace(strategy=strategy, kill=kill, preempt=preempt,
-                              restart_tasks=restart_tasks, max_restarts=max_restarts,
-                              restart_delay=restart_delay)
+def _recovery(tasks, strategy="ps", **flags):
+    """plan_recovery with the launcher's defaults, as launch.py calls it."""
+    return faults.plan_recovery(kinds.get(strategy), tasks, **flags)
 
 
 def test_plan_recovery_checks_tasks_and_flags():
-    tasks = plans.build_cluster("ps", 2, ps=1, ports=[1, 2, 3, 4])
-    plan = faults.plan_recovery(_args(kill=["worker:1@step=10"], preempt=["chief:0@5"],
-                                      restart_tasks=True, max_restarts=2), tasks)
+    tasks = plans.build_cluster(kinds.get("ps"), 2, ps=1, ports=[1, 2, 3, 4])
+    plan = _recovery(tasks, kill=["worker:1@step=10"], preempt=["chief:0@5"],
+                     restart_tasks=True, max_restarts=2)
     assert plan.faults == (faults.Fault("kill", "worker:1", step=10),
                            faults.Fault("preempt", "chief:0", seconds=5.0))
     assert plan.restart_tasks and plan.max_restarts == 2
-    assert faults.plan_recovery(_args(), tasks) == faults.RecoveryPlan()
+    assert _recovery(tasks) == faults.RecoveryPlan()
 
 
 @pytest.mark.parametrize("kwargs,words", [
@@ -252,10 +259,10 @@ def test_plan_recovery_checks_tasks_and_flags():
 ])
 def test_plan_recovery_rejects(kwargs, words):
     strategy = kwargs.get("strategy", "ps")
-    tasks = (plans.build_cluster("ps", 2, ps=1, ports=[1, 2, 3, 4]) if strategy == "ps"
-             else plans.build_cluster(strategy, 2, ports=[1, 2]))
+    tasks = (plans.build_cluster(kinds.get("ps"), 2, ps=1, ports=[1, 2, 3, 4]) if strategy == "ps"
+             else plans.build_cluster(kinds.get(strategy), 2, ports=[1, 2]))
     with pytest.raises(plans.LaunchError) as err:
-        faults.plan_recovery(_args(**kwargs), tasks)
+        _recovery(tasks, **kwargs)
     for word in words:
         assert word in str(err.value)
 
@@ -333,8 +340,8 @@ def test_bad_launcher_flags_exit_2_with_one_line_and_touch_nothing(tmp_path, fla
 
 def test_program_replaces_train_py_with_the_same_arguments(tmp_path):
     # --program: another trainer (a tutorial peer) on the same cluster and flags.
-    plain = processes.task_command("ps", ["--steps", "5"], python="py")
-    peer = processes.task_command("ps", ["--steps", "5"], python="py", program="/p/peer.py")
+    plain = processes.task_command(kinds.get("ps"), ["--steps", "5"], python="py")
+    peer = processes.task_command(kinds.get("ps"), ["--steps", "5"], python="py", program="/p/peer.py")
     assert plain[1] == processes.TRAIN and peer[1] == "/p/peer.py"
     assert plain[2:] == peer[2:] == ["--strategy=ps", "--steps", "5"]
     import launch
@@ -385,7 +392,7 @@ def test_saving_launch_files_replaces_a_planted_file_link(tmp_path):
     launch_dir = tmp_path / "launch"
     launch_dir.mkdir()
     (launch_dir / "commands.sh").symlink_to(target)
-    cluster = plans.loopback_plan("multiworker", 2, 0, False, [1001, 1002], "localhost")
+    cluster = plans.loopback_plan(kinds.get("multiworker"), 2, 0, False, [1001, 1002], "localhost")
     processes.save_launch_files(str(launch_dir), cluster, ["python", "train.py"])
     assert target.read_text() == "keep"
     assert not (launch_dir / "commands.sh").is_symlink()

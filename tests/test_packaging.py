@@ -9,6 +9,7 @@ of the user's own, which must never be imported.
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import site
@@ -27,7 +28,8 @@ tomllib = pytest.importorskip("tomllib", reason="Python 3.11+")
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 PROJECT = PYPROJECT["project"]
-SCRIPTS = {"tfdist-train": "train:main", "tfdist-launch": "launch:main", "tfdist-bench": "bench:main"}
+SCRIPTS = {"tfdist-train": "train:main", "tfdist-launch": "launch:main",
+           "tfdist-bench": "bench.cli:main"}
 # The canonical text (https://www.apache.org/licenses/LICENSE-2.0.txt), by its SHA-256.
 APACHE_2_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
 NOT_COPIED = shutil.ignore_patterns(
@@ -57,7 +59,7 @@ def test_the_container_image_gets_the_license():
 
 
 BAD_ARGV = {"train:main": ["--epochs=0", "--dry-run"], "launch:main": ["--strategy", "horovod"],
-            "bench:main": ["--steps", "0"]}
+            "bench.cli:main": ["--steps", "0"]}
 
 
 @pytest.mark.parametrize("target", sorted(SCRIPTS.values()))
@@ -65,7 +67,7 @@ def test_each_console_script_returns_an_exit_code(target, capsys, tmp_path, monk
     """The wrapper does sys.exit(main()): main must return the code, not print it."""
     monkeypatch.chdir(tmp_path)
     module, _, func = target.partition(":")
-    main = getattr(__import__(module), func)
+    main = getattr(importlib.import_module(module), func)
     with pytest.raises(SystemExit) as done:  # argparse's --help exits 0 itself
         main(["--help"])
     assert done.value.code == 0
@@ -99,6 +101,9 @@ def test_wheel_installs_into_a_fresh_venv_and_its_scripts_run_anywhere(tmp_path)
     (wheel,) = (tmp_path / "wheel").glob("*.whl")
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
+        # The bench package, without the checkout's tutorial programs or its bench.py command.
+        assert {"bench/__init__.py", "bench/cli.py", "bench/scenarios.py"} <= names
+        assert not any(n.startswith("bench/peers/") for n in names) and "bench.py" not in names
         dist_info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
         assert zf.read(f"{dist_info}/licenses/LICENSE") == (REPO / "LICENSE").read_bytes()
         metadata = zf.read(f"{dist_info}/METADATA").decode()

@@ -94,7 +94,9 @@ def test_the_kind_names_its_trainer_and_is_never_auto():
     assert TRAINERS[kind.trainer].__name__ == "PsSyncTrainer"
     assert TRAINERS[kinds.get("ps").trainer].__name__ == "PsTrainer"
     assert not kind.asynchronous and kind.min_ps == 1
-    assert kind.layout(2, 1) == {"chief": 1, "worker": 2, "ps": 1}
+    from launcher import policy
+
+    assert policy.layout(kind, 2, 1) == {"chief": 1, "worker": 2, "ps": 1}
     from strategies.tf_config import parse_tf_config
 
     cfg = parse_tf_config(json.dumps({"cluster": CLUSTER, "task": {"type": "chief", "index": 0}}))

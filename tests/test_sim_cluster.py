@@ -13,7 +13,7 @@ import re
 import pytest
 
 from conftest import descendants_alive, launch_cmd, read_results
-from launcher import faults, network
+from launcher import cgroups, network
 
 pytestmark = pytest.mark.multiprocess
 
@@ -30,10 +30,10 @@ SATURATED = 20.0
 
 
 def _slow_cgroups():
-    root = faults.cpu_cgroup_root()
+    root = cgroups.cpu_cgroup_root()
     if root is None or not os.path.isdir(root):
         return set()
-    return {d for d in os.listdir(root) if d.startswith(faults.CGROUP_PREFIX)}
+    return {d for d in os.listdir(root) if d.startswith(cgroups.CGROUP_PREFIX)}
 
 
 def _outcome(model_dir):
@@ -85,7 +85,7 @@ def test_ps_slow_worker_runs_fewer_local_steps_and_no_step_is_lost(tmp_path, spa
                          train_args=["--model", "cnn", "--steps", "500", "--steps-per-execution",
                                      "5", "--log-every", "50", "--model-dir", model_dir]))
     assert p.wait(280) == 0, p.output
-    if faults.cgroup_problem() is None:
+    if cgroups.cgroup_problem() is None:
         # Root here: the quota is set from inside the launcher's user namespace.
         assert any(re.match(r"^\[launch\] slow: worker:1 at 25%: CFS quota 25000 us", l)
                    for l in p.lines), p.output

@@ -37,13 +37,72 @@ import textwrap
 import time
 from dataclasses import dataclass, replace
 
-import bench
+from bench.common import BASELINE, LAUNCH, TRAIN, BenchError, Run, machine_description, \
+    parse_only, run_one, time_to_target
+from bench.config import BenchConfig
 from launcher import plan as plans
 from strategies import kinds as strategy_kinds
+from strategies.kinds import StrategyKind
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PEERS_DIR = os.path.join(HERE, "bench", "peers")
+PEERS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers")
 UNIFORM = "uniform"
+
+
+@dataclass(frozen=True)
+class ScenarioRun(Run):
+    """A run of this suite: which scenario, which phase ("throughput": short,
+    "accuracy": long and evaluated, "repeat", "staleness"), which variant of
+    the kind (e.g. ps-sync with a backup worker), and whether a tutorial peer
+    (not this library) runs it."""
+
+    scenario: str = ""
+    phase: str = ""
+    variant: str = ""
+    peer: str = ""
+
+    @property
+    def results_file(self) -> str:
+        return PEER_RESULTS if self.peer else super().results_file
+
+    def load_results(self, path: str) -> dict:
+        return PeerResults.load(path).to_dict() if self.peer else super().load_results(path)
+
+
+PEER_RESULTS = "peer_results.json"  # what a tutorial peer (bench/peers/) writes
+
+
+@dataclass(frozen=True)
+class PeerResults:
+    """``peer_results.json``: the figures of a tutorial peer run that compare with ours.
+
+    Written by ``bench/peers/peer_lib.py``, which is kept apart from the
+    library; its examples/s leave out the first Keras epoch (start-up).
+    """
+
+    peer: str
+    keras_version: str
+    num_workers: int
+    global_batch_size: int
+    total_steps: int
+    steps_per_execution: int
+    steps_per_epoch: int
+    startup_seconds: float
+    train_seconds: float
+    steady_steps: int
+    examples_per_sec: float
+    test_accuracy: float
+    wall_seconds: float
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def load(cls, path: str) -> "PeerResults":
+        with open(path) as f:
+            data = json.load(f)
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+
+
 
 
 @dataclass(frozen=True)
@@ -114,7 +173,7 @@ class Peer:
 
 
 PEERS = (
-    Peer("keras3", "keras3_fit.py", bench.BASELINE,
+    Peer("keras3", "keras3_fit.py", BASELINE,
          "Keras 3 model.fit, one process (tfds tutorial)", tf_keras=False),
     Peer("tf_keras-multiworker", "tf_keras_multiworker.py", "multiworker",
          "tf_keras model.fit, MultiWorkerMirroredStrategy (multi-worker Keras tutorial)",
@@ -126,7 +185,7 @@ PEERS = (
 
 def ours_config(peer: Peer) -> str:
     """The row (config) of our run that ``peer`` is compared with."""
-    return peer.ours if peer.ours == bench.BASELINE else f"{UNIFORM}/{peer.ours}"
+    return peer.ours if peer.ours == BASELINE else f"{UNIFORM}/{peer.ours}"
 
 
 # Targets: ratios of examples/s measured in this run.
@@ -147,7 +206,7 @@ def parse_list(text: str, cast, flag: str) -> list:
     except ValueError:
         values = []
     if not values or any(v <= 0 for v in values):
-        raise bench.BenchError(f"{flag} {text!r} is not a comma-separated list of positive numbers")
+        raise BenchError(f"{flag} {text!r} is not a comma-separated list of positive numbers")
     return values
 
 
@@ -157,31 +216,29 @@ def parse_scenarios(text: str | None) -> list[Scenario]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in SCENARIOS]
     if bad or not names:
-        raise bench.BenchError(f"--scenarios {text!r} names {bad or 'nothing'}; "
+        raise BenchError(f"--scenarios {text!r} names {bad or 'nothing'}; "
                                f"allowed: {', '.join(SCENARIOS)}")
     return [SCENARIOS[n] for n in names]
 
 
-def hosts_for(kind_name: str, workers: int) -> int:
+def hosts_for(kind: StrategyKind, workers: int) -> int:
     """Simulated hosts for a scenario with links: one per computing task, one more
     for the tasks that only coordinate or serve (as ``launcher.plan.place_tasks``)."""
-    kind = strategy_kinds.get(kind_name)
-    names = plans.task_names(kind_name, workers, kind.min_ps)
+    names = plans.task_names(kind, workers, kind.min_ps)
     busy = [n for n in names if n.partition(":")[0] in kind.computing_roles]
     return len(busy) + (1 if len(names) > len(busy) else 0)
 
 
-def launch_prefix(python: str, kind_name: str, workers: int, scenario: Scenario,
+def launch_prefix(python: str, kind: StrategyKind, workers: int, scenario: Scenario,
                   timeout: float, program: str | None = None) -> list[str]:
-    kind = strategy_kinds.get(kind_name)
-    cmd = [python, os.path.join(HERE, "launch.py"), "--strategy", kind_name,
+    cmd = [python, LAUNCH, "--strategy", kind.name,
            "--workers", str(workers), "--timeout", str(timeout)]
     if kind.min_ps:
         cmd += ["--ps", str(kind.min_ps)]
     if scenario.slow:
         cmd += ["--slow", scenario.slow]
     if scenario.link_rate:
-        cmd += ["--hosts", str(hosts_for(kind_name, workers)), "--link-rate", scenario.link_rate]
+        cmd += ["--hosts", str(hosts_for(kind, workers)), "--link-rate", scenario.link_rate]
     if program:
         # A tutorial ps server never exits by itself: a short wait, then SIGTERM.
         cmd += ["--program", program, "--grace", "3"]
@@ -197,7 +254,7 @@ def accuracy_length(args, scenario: Scenario) -> tuple[list[str], int, float]:
             args.scenario_target)
 
 
-def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) -> list[bench.Run]:
+def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) -> list[ScenarioRun]:
     """Every run of the scenarios suite, in order; pure (starts nothing).
 
     Two interleaved passes: every cell's throughput run, then every cell's
@@ -205,15 +262,15 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
     with), then the staleness study.
     """
     scenarios = parse_scenarios(args.scenarios)
-    only = bench.parse_only(args.only)
+    only = parse_only(args.only)
     if args.short_steps < 0 or args.accuracy_steps < 1 or args.peer_repeats < 1:
-        raise bench.BenchError("--short-steps must be 0 (no throughput pass) or more, "
+        raise BenchError("--short-steps must be 0 (no throughput pass) or more, "
                                "--accuracy-steps and --peer-repeats at least 1")
     # Scenarios whose cells get a short throughput run besides the accuracy
     # run (the others keep one run per cell, to keep the suite's time).
     short_in = {s.name for s in parse_scenarios(args.short_scenarios)} if args.short_scenarios else set()
-    runs: list[bench.Run] = []
-    train = os.path.join(HERE, "train.py")
+    runs: list[ScenarioRun] = []
+    train = TRAIN
 
     def common(scenario: Scenario, length: list[str], eval_every: int) -> list[str]:
         batch = scenario.global_batch or args.global_batch_size
@@ -227,7 +284,7 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
         config = key if scenario is None else f"{scenario.name}/{key}"
         name = f"{phase[:3]}-{config.replace('/', '-')}"
         model_dir = os.path.join(args.out, "runs", name)
-        runs.append(bench.Run(name, kind, workers, (*prefix, *flags, "--model-dir", model_dir),
+        runs.append(ScenarioRun(name, kind, workers, (*prefix, *flags, "--model-dir", model_dir),
                               model_dir, config, scenario.name if scenario else "", phase,
                               key, peer))
 
@@ -242,7 +299,7 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
             if kind.single_process:
                 prefix = [python, script, f"--strategy={kind.name}"]
             else:
-                prefix = launch_prefix(python, kind.name, uniform.workers, uniform,
+                prefix = launch_prefix(python, kind, uniform.workers, uniform,
                                        args.run_timeout, program=script)
             add("accuracy", uniform, f"peer-{peer.key}", kind.name,
                 1 if kind.single_process else uniform.workers, prefix, flags, peer=peer.key)
@@ -253,10 +310,10 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
         else:
             length, every, _ = accuracy_length(args, uniform)
             base_flags = common(uniform, length, every)
-        add(phase, None, bench.BASELINE, bench.BASELINE, 1,
-            [python, train, f"--strategy={bench.BASELINE}"], base_flags)
+        add(phase, None, BASELINE, BASELINE, 1,
+            [python, train, f"--strategy={BASELINE}"], base_flags)
         if phase == "accuracy":
-            add_peer(bench.BASELINE, base_flags)
+            add_peer(BASELINE, base_flags)
         for scenario in scenarios:
             if phase == "throughput" and scenario.name not in short_in:
                 continue
@@ -266,36 +323,42 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
                 length, every, _ = accuracy_length(args, scenario)
                 flags = common(scenario, length, every)
             for v in (v for v in variants(scenario.workers) if v.kind in only):
-                prefix = launch_prefix(python, v.kind, scenario.workers, scenario,
-                                       args.run_timeout)
+                prefix = launch_prefix(python, strategy_kinds.get(v.kind), scenario.workers,
+                                       scenario, args.run_timeout)
                 add(phase, scenario, v.key, v.kind, scenario.workers, prefix,
                     [*flags, *v.train_flags])
                 if phase == "accuracy" and scenario.name == UNIFORM:
                     add_peer(v.key, flags)
-    # Every pair of a peer and the run it is compared with, again in later
-    # rounds (--peer-repeats), in the same order: a single pair is at the
-    # mercy of a slow minute on a shared host. The same commands, each
-    # round in directories of its own.
-    compared = {ours_config(p) for p in peers}
-    pairs = [r for r in runs if r.phase == "accuracy" and (r.peer or r.config in compared)]
-    for i in range(1, args.peer_repeats):
-        tag = "rep" if i == 1 else f"rep{i}"
-        for run in pairs:
-            name = f"{tag}-{run.name.partition('-')[2]}"
-            model_dir = os.path.join(args.out, "runs", name)
-            runs.append(replace(run, name=name, phase="repeat", model_dir=model_dir,
-                                cmd=(*run.cmd[:-1], model_dir)))
+    runs += repeat_rounds(runs, peers, args.peer_repeats, args.out)
     runs += plan_staleness(args, python)
     return runs
 
 
-def staleness_kind() -> str:
+def repeat_rounds(runs: list[ScenarioRun], peers, rounds: int, out: str) -> list[ScenarioRun]:
+    """Every pair of a peer and the run it is compared with, again in later
+    rounds (--peer-repeats), in the same order: a single pair is at the
+    mercy of a slow minute on a shared host. The same commands, each round
+    in directories of its own."""
+    compared = {ours_config(p) for p in peers}
+    pairs = [r for r in runs if r.phase == "accuracy" and (r.peer or r.config in compared)]
+    again = []
+    for i in range(1, rounds):
+        tag = "rep" if i == 1 else f"rep{i}"
+        for run in pairs:
+            name = f"{tag}-{run.name.partition('-')[2]}"
+            model_dir = os.path.join(out, "runs", name)
+            again.append(replace(run, name=name, phase="repeat", model_dir=model_dir,
+                                 cmd=(*run.cmd[:-1], model_dir)))
+    return again
+
+
+def staleness_kind() -> StrategyKind:
     """The asynchronous multi-process kind: the one whose updates can be stale."""
-    return next(name for name, k in strategy_kinds.all_kinds().items()
+    return next(k for k in strategy_kinds.all_kinds().values()
                 if k.asynchronous and not k.single_process)
 
 
-def plan_staleness(args, python: str = sys.executable) -> list[bench.Run]:
+def plan_staleness(args, python: str = sys.executable) -> list[ScenarioRun]:
     """Async ps on softmax regression with plain SGD (the classic walk-through's
     set-up: batch 100, one step per call), over workers and learning rates."""
     if not args.staleness_workers:
@@ -315,8 +378,9 @@ def plan_staleness(args, python: str = sys.executable) -> list[bench.Run]:
             flags += ["--data-dir", args.data_dir] if args.data_dir else []
             prefix = launch_prefix(python, kind, workers, Scenario("staleness", "", workers),
                                    args.run_timeout)
-            runs.append(bench.Run(name, kind, workers, (*prefix, *flags, "--model-dir", model_dir),
-                                  model_dir, config, "staleness", "staleness", f"lr={lr:g}"))
+            runs.append(ScenarioRun(name, kind.name, workers,
+                                    (*prefix, *flags, "--model-dir", model_dir),
+                                    model_dir, config, "staleness", "staleness", f"lr={lr:g}"))
     return runs
 
 
@@ -343,14 +407,14 @@ def rate_from(result: dict, from_step: int) -> tuple[float, int] | None:
     return steps * result["global_batch_size"] / (end["seconds"] - start["seconds"]), start["step"]
 
 
-def summarize(results: dict[str, dict], runs: list[bench.Run], targets: dict[str, float]) -> list[dict]:
+def summarize(results: dict[str, dict], runs: list[ScenarioRun], targets: dict[str, float]) -> list[dict]:
     """One row per configuration (scenario and variant, peer, staleness point); pure.
 
     examples/s is the best of the configuration's runs, every run's figure
     kept; accuracy, time to the scenario's target, staleness and dropped
     gradients come from its accuracy run (the longer, evaluated one).
     """
-    groups: dict[str, list[bench.Run]] = {}
+    groups: dict[str, list[ScenarioRun]] = {}
     for run in runs:
         groups.setdefault(run.config, []).append(run)
     rows = []
@@ -371,10 +435,10 @@ def summarize(results: dict[str, dict], runs: list[bench.Run], targets: dict[str
             acc = next((res for r, res in done if r.phase != "throughput"), done[-1][1])
             row["test_accuracy"] = acc.get("test_accuracy")
             # The baseline runs beside the uniform scenario, on its work.
-            target = targets.get(UNIFORM if config == bench.BASELINE else first.scenario)
+            target = targets.get(UNIFORM if config == BASELINE else first.scenario)
             row["target"] = target
             curve = acc.get("eval_curve") or []
-            row["time_to_target"] = (bench.time_to_target(curve, target)
+            row["time_to_target"] = (time_to_target(curve, target)
                                      if target is not None and curve else None)
             st = acc.get("staleness") or None
             row["staleness"] = ({"mean": st.get("mean"), "p99": st.get("p99"), "max": st.get("max")}
@@ -385,7 +449,7 @@ def summarize(results: dict[str, dict], runs: list[bench.Run], targets: dict[str
             row["global_steps"] = acc.get("global_steps", acc.get("total_steps"))
             row["learning_rate"] = acc.get("learning_rate")
         rows.append(row)
-    base = next((r for r in rows if r["config"] == bench.BASELINE and "examples_per_sec" in r), None)
+    base = next((r for r in rows if r["config"] == BASELINE and "examples_per_sec" in r), None)
     for row in rows:
         if base is not None and "examples_per_sec" in row and not row["peer"] \
                 and row["scenario"] != "staleness":
@@ -457,7 +521,7 @@ def check_targets(rows: list[dict]) -> list[dict]:
                     "text": f"{ratio:.2f}×" if ratio >= need else _short(ratio, need)})
     uniform = [r for r in rows if r["scenario"] == UNIFORM and not r["peer"]]
     if uniform:
-        uniform += [r for r in rows if r["config"] == bench.BASELINE]
+        uniform += [r for r in rows if r["config"] == BASELINE]
         low = [r for r in uniform if (r.get("test_accuracy") or 0) < UNIFORM_ACCURACY]
         worst = min(uniform, key=lambda r: r.get("test_accuracy") or 0)
         text = (f"lowest {worst['config']} {worst.get('test_accuracy') or 0:.4f}" if not low else
@@ -476,8 +540,8 @@ def _fmt(value, spec, missing="–"):
 
 
 def _label(row: dict) -> str:
-    if row["config"] == bench.BASELINE:
-        return f"{bench.BASELINE} (1 process, baseline)"
+    if row["config"] == BASELINE:
+        return f"{BASELINE} (1 process, baseline)"
     if row["peer"]:
         return next(p.label for p in PEERS if p.key == row["peer"]) + " — *peer*"
     scenario = SCENARIOS.get(row["scenario"])
@@ -505,7 +569,7 @@ def render_markdown(rows: list[dict], targets: list[dict], settings: dict, machi
               "*× none*: against the one-process baseline of this bench run. "
               "Accuracy, time to target (start-up included, evaluation excluded), staleness "
               "and dropped gradients: from the accuracy run.", ""]
-    base = [r for r in rows if r["config"] == bench.BASELINE]
+    base = [r for r in rows if r["config"] == BASELINE]
     for name, scenario in SCENARIOS.items():
         srows = [r for r in rows if r["scenario"] == name and not r["peer"]]
         if not srows:
@@ -598,6 +662,8 @@ def short_machine(machine: str) -> str:
 
 
 def plot(rows: list[dict], results: dict[str, dict], out: str, machine: str) -> list[str]:
+    """The throughput bars, the accuracy curves per scenario and the staleness
+    study, each drawn when its rows exist; the PNGs' paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -607,103 +673,114 @@ def plot(rows: list[dict], results: dict[str, dict], out: str, machine: str) -> 
     where = short_machine(machine)
     srows = [r for r in rows if r["scenario"] in SCENARIOS and not r["peer"]
              and "examples_per_sec" in r]
-    base = next((r for r in rows if r["config"] == bench.BASELINE and "examples_per_sec" in r), None)
+    base = next((r for r in rows if r["config"] == BASELINE and "examples_per_sec" in r), None)
     scen = [s for s in SCENARIOS if any(r["scenario"] == s for r in srows)]
     keys = list(dict.fromkeys(r["variant"] for r in srows))
     # One colour, marker and line per strategy in every plot and panel.
     legend = {v.key: v.generic for v in variants(2)}
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    styles = {bench.BASELINE: dict(color="black", marker="*", linestyle=":")}
+    styles = {BASELINE: dict(color="black", marker="*", linestyle=":")}
     for i, key in enumerate(keys):
         styles[key] = dict(color=colours[i % len(colours)], marker=MARKERS[i % len(MARKERS)],
                            linestyle=LINESTYLES[i % len(LINESTYLES)])
+    kept = dict(where=where, out=out, styles=styles, legend=legend)
     if srows:
-        fig, ax = plt.subplots(figsize=(9, 4.8))
-        width = 0.8 / max(1, len(keys))
-        for i, key in enumerate(keys):
-            xs, ys, lows, highs = [], [], [], []
-            for j, s in enumerate(scen):
-                row = next((r for r in srows if r["scenario"] == s and r["variant"] == key), None)
-                if row is None:
-                    continue
-                each = row["examples_per_sec_each"]
-                xs.append(j + (i - (len(keys) - 1) / 2) * width)
-                ys.append(row["examples_per_sec"])
-                lows.append(row["examples_per_sec"] - min(each))
-                highs.append(0)
-            ax.bar(xs, ys, width, label=legend.get(key, key), hatch=("", "//", "..", "xx", "\\\\")[i % 5],
-                   color=styles[key]["color"], edgecolor="black", linewidth=0.5)
-            # Run-to-run spread: from the slowest run up to the best (the bar).
-            ax.errorbar(xs, ys, yerr=[lows, highs], fmt="none", ecolor="black", capsize=3,
-                        linewidth=1)
-        if base is not None:
-            ax.axhline(base["examples_per_sec"], color="grey", linestyle="--", linewidth=1,
-                       label=f"none (1 process): {base['examples_per_sec']:,.0f}")
-        ax.set_xticks(range(len(scen)))
-        ax.set_xticklabels([SCENARIOS[s].label for s in scen])
-        ax.set_ylabel("examples/s (steady state; bar: best run, whisker: slowest run)")
-        ax.set_title(f"Throughput per scenario and strategy\n{where}", fontsize=10)
-        ax.legend(fontsize=8, ncol=3, loc="upper right")
-        paths.append(save(fig, out, "scenarios_throughput.png"))
-
-    acc_runs = {row["config"]: run["name"] for row in rows if not row["peer"]
-                for run in row["runs"] if run["phase"] == "accuracy"}
+        paths.append(_plot_throughput(plt, srows, scen, keys, base, **kept))
     if scen:
-        cols = 2
-        nrows = (len(scen) + 1) // 2
-        fig, axes = plt.subplots(nrows, cols, figsize=(10, 3.6 * nrows), squeeze=False)
-        for ax, s in zip(axes.flat, scen):
-            target = next((r.get("target") for r in srows if r["scenario"] == s), None)
-            configs = ([bench.BASELINE] if s == UNIFORM else []) + \
-                [r["config"] for r in srows if r["scenario"] == s]
-            low = 1.0
-            for config in configs:
-                res = results.get(acc_runs.get(config, ""), {})
-                curve = res.get("eval_curve") or []
-                if not curve:
-                    continue
-                ys = [p["test_accuracy"] for p in curve]
-                low = min(low, min(ys))
-                key = config.split("/")[-1]
-                ax.plot([p["seconds"] for p in curve], ys, markersize=4,
-                        label=legend.get(key, key), **styles[key])
-            if target is not None:
-                ax.axhline(target, color="grey", linestyle=":", linewidth=1)
-                ax.set_ylim(max(low - 0.005, target - 0.08), 1.0)
-            ax.set_title(textwrap.fill(SCENARIOS[s].title, 60), fontsize=9)
-            ax.set_xlabel("seconds since start (evaluation excluded)", fontsize=8)
-            ax.set_ylabel("test accuracy", fontsize=8)
-            ax.legend(fontsize=7, loc="lower right")
-        for ax in list(axes.flat)[len(scen):]:
-            ax.axis("off")
-        fig.suptitle(f"Test accuracy against time, per scenario (dotted: target) — {where}",
-                     fontsize=10)
-        paths.append(save(fig, out, "scenarios_accuracy.png"))
-
+        paths.append(_plot_accuracy(plt, rows, results, srows, scen, **kept))
     st = [r for r in rows if r["scenario"] == "staleness" and "examples_per_sec" in r]
     if st:
-        fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-        lrs = sorted({r["learning_rate"] for r in st})
-        for i, lr in enumerate(lrs):
-            pts = sorted((r["workers"], r) for r in st if r["learning_rate"] == lr)
-            ws = [w for w, _ in pts]
-            style = dict(marker=MARKERS[i % len(MARKERS)], linestyle=LINESTYLES[i % len(LINESTYLES)])
-            left.plot(ws, [(r["staleness"] or {}).get("mean") for _, r in pts],
-                      label=f"lr {lr:g}: mean", **style)
-            left.plot(ws, [(r["staleness"] or {}).get("p99") for _, r in pts], alpha=0.5,
-                      label=f"lr {lr:g}: p99", marker=style["marker"], linestyle=":")
-            right.plot(ws, [r["test_accuracy"] for _, r in pts], label=f"lr {lr:g}", **style)
-        for ax in (left, right):
-            ax.set_xlabel("workers")
-            ax.set_xticks(sorted({r["workers"] for r in st}))
-            ax.legend(fontsize=8)
-        left.set_ylabel("staleness (updates by others between read and apply)")
-        right.set_ylabel("final test accuracy")
-        left.set_title("Staleness against workers", fontsize=10)
-        right.set_title("Accuracy against workers", fontsize=10)
-        fig.suptitle(f"Async ps, softmax regression, SGD, batch 100 — {where}", fontsize=10)
-        paths.append(save(fig, out, "staleness.png"))
+        paths.append(_plot_staleness(plt, st, where, out))
     return paths
+
+
+def _plot_throughput(plt, srows, scen, keys, base, *, where, out, styles, legend) -> str:
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    width = 0.8 / max(1, len(keys))
+    for i, key in enumerate(keys):
+        xs, ys, lows, highs = [], [], [], []
+        for j, s in enumerate(scen):
+            row = next((r for r in srows if r["scenario"] == s and r["variant"] == key), None)
+            if row is None:
+                continue
+            each = row["examples_per_sec_each"]
+            xs.append(j + (i - (len(keys) - 1) / 2) * width)
+            ys.append(row["examples_per_sec"])
+            lows.append(row["examples_per_sec"] - min(each))
+            highs.append(0)
+        ax.bar(xs, ys, width, label=legend.get(key, key), hatch=("", "//", "..", "xx", "\\\\")[i % 5],
+               color=styles[key]["color"], edgecolor="black", linewidth=0.5)
+        # Run-to-run spread: from the slowest run up to the best (the bar).
+        ax.errorbar(xs, ys, yerr=[lows, highs], fmt="none", ecolor="black", capsize=3,
+                    linewidth=1)
+    if base is not None:
+        ax.axhline(base["examples_per_sec"], color="grey", linestyle="--", linewidth=1,
+                   label=f"none (1 process): {base['examples_per_sec']:,.0f}")
+    ax.set_xticks(range(len(scen)))
+    ax.set_xticklabels([SCENARIOS[s].label for s in scen])
+    ax.set_ylabel("examples/s (steady state; bar: best run, whisker: slowest run)")
+    ax.set_title(f"Throughput per scenario and strategy\n{where}", fontsize=10)
+    ax.legend(fontsize=8, ncol=3, loc="upper right")
+    return save(fig, out, "scenarios_throughput.png")
+
+
+def _plot_accuracy(plt, rows, results, srows, scen, *, where, out, styles, legend) -> str:
+    acc_runs = {row["config"]: run["name"] for row in rows if not row["peer"]
+                for run in row["runs"] if run["phase"] == "accuracy"}
+    cols = 2
+    nrows = (len(scen) + 1) // 2
+    fig, axes = plt.subplots(nrows, cols, figsize=(10, 3.6 * nrows), squeeze=False)
+    for ax, s in zip(axes.flat, scen):
+        target = next((r.get("target") for r in srows if r["scenario"] == s), None)
+        configs = ([BASELINE] if s == UNIFORM else []) + \
+            [r["config"] for r in srows if r["scenario"] == s]
+        low = 1.0
+        for config in configs:
+            res = results.get(acc_runs.get(config, ""), {})
+            curve = res.get("eval_curve") or []
+            if not curve:
+                continue
+            ys = [p["test_accuracy"] for p in curve]
+            low = min(low, min(ys))
+            key = config.split("/")[-1]
+            ax.plot([p["seconds"] for p in curve], ys, markersize=4,
+                    label=legend.get(key, key), **styles[key])
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+            ax.set_ylim(max(low - 0.005, target - 0.08), 1.0)
+        ax.set_title(textwrap.fill(SCENARIOS[s].title, 60), fontsize=9)
+        ax.set_xlabel("seconds since start (evaluation excluded)", fontsize=8)
+        ax.set_ylabel("test accuracy", fontsize=8)
+        ax.legend(fontsize=7, loc="lower right")
+    for ax in list(axes.flat)[len(scen):]:
+        ax.axis("off")
+    fig.suptitle(f"Test accuracy against time, per scenario (dotted: target) — {where}",
+                 fontsize=10)
+    return save(fig, out, "scenarios_accuracy.png")
+
+
+def _plot_staleness(plt, st, where, out) -> str:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    lrs = sorted({r["learning_rate"] for r in st})
+    for i, lr in enumerate(lrs):
+        pts = sorted((r["workers"], r) for r in st if r["learning_rate"] == lr)
+        ws = [w for w, _ in pts]
+        style = dict(marker=MARKERS[i % len(MARKERS)], linestyle=LINESTYLES[i % len(LINESTYLES)])
+        left.plot(ws, [(r["staleness"] or {}).get("mean") for _, r in pts],
+                  label=f"lr {lr:g}: mean", **style)
+        left.plot(ws, [(r["staleness"] or {}).get("p99") for _, r in pts], alpha=0.5,
+                  label=f"lr {lr:g}: p99", marker=style["marker"], linestyle=":")
+        right.plot(ws, [r["test_accuracy"] for _, r in pts], label=f"lr {lr:g}", **style)
+    for ax in (left, right):
+        ax.set_xlabel("workers")
+        ax.set_xticks(sorted({r["workers"] for r in st}))
+        ax.legend(fontsize=8)
+    left.set_ylabel("staleness (updates by others between read and apply)")
+    right.set_ylabel("final test accuracy")
+    left.set_title("Staleness against workers", fontsize=10)
+    right.set_title("Accuracy against workers", fontsize=10)
+    fig.suptitle(f"Async ps, softmax regression, SGD, batch 100 — {where}", fontsize=10)
+    return save(fig, out, "staleness.png")
 
 
 def save(fig, out: str, name: str) -> str:
@@ -749,19 +826,20 @@ def report_only(out: str) -> int:
     return 0
 
 
-def main(args) -> int:
-    if getattr(args, "report_only", False):
+def run(args: BenchConfig) -> int:
+    """The scenarios suite (or, with ``report_only``, its report again); the exit code."""
+    if args.report_only:
         return report_only(args.out)
     started = time.perf_counter()
     if args.peers and not os.path.isdir(PEERS_DIR):
         # An installed copy: the peers live in the source checkout only.
         print(f"[bench] no {PEERS_DIR}: the tutorial peers are left out (run from a checkout)",
               flush=True)
-        args.peers = False
+        args = replace(args, peers=False)
     try:
         tfk = have_tf_keras()
         runs = plan_runs(args, have_tf_keras=tfk)
-    except bench.BenchError as err:
+    except BenchError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
@@ -771,14 +849,14 @@ def main(args) -> int:
     print(f"[bench] {len(runs)} runs: {', '.join(r.name for r in runs)}", flush=True)
     results = {}
     for run in runs:
-        r = bench.run_one(run, args.run_timeout + 60, log=lambda m: print(m, flush=True))
+        r = run_one(run, args.run_timeout + 60, log=lambda m: print(m, flush=True))
         if r is not None:
             results[run.name] = r
     targets = {s: accuracy_length(args, SCENARIOS[s])[2] for s in SCENARIOS}
     rows = summarize(results, runs, targets)
     checked = check_targets(rows)
     seconds = time.perf_counter() - started
-    machine = bench.machine_description()
+    machine = machine_description()
     uniform_len = f"{args.steps} steps" if args.steps else f"{args.epochs} epochs"
     settings = {
         "model": args.model, "global batch": f"{args.global_batch_size} (more: 120)",

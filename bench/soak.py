@@ -1,7 +1,7 @@
 """Soak test: back-to-back training jobs with random faults; not part of CI.
 
-    python soak.py --runs 3                 # 3 ps jobs, then 3 multi-worker jobs
-    python soak.py --runs 20 --steps 2000 --seed 7 --out runs/soak
+    python -m bench.soak --runs 3                 # 3 ps jobs, then 3 multi-worker jobs
+    python -m bench.soak --runs 20 --steps 2000 --seed 7 --out runs/soak
 
 Each job runs under ``launch.py`` with one or two random faults (``--kill``
 or ``--preempt`` of a random task at a random step) and every recovery
@@ -22,9 +22,11 @@ import time
 from dataclasses import dataclass, field
 
 import protocol
+from bench.common import LAUNCH, ROOT
+from launcher import policy
+from launcher.processes import running_with
 from strategies import ConfigError, kinds
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from strategies.kinds import StrategyKind
 
 
 @dataclass
@@ -41,38 +43,22 @@ class Run:
     problems: list[str] = field(default_factory=list)
 
 
-def pick_faults(rng: random.Random, strategy: str, steps: int) -> list[str]:
+def pick_faults(rng: random.Random, kind: StrategyKind, steps: int) -> list[str]:
     # The (action, task) faults the strategy kind survives with recovery on.
-    pool = list(kinds.get(strategy).survivable_faults)
+    pool = list(policy.survivable_faults(kind))
     chosen = rng.sample(pool, min(len(pool), rng.choice((1, 2))))
     return [f"--{action}={task}@step={rng.randrange(100, steps - 100)}" for action, task in chosen]
 
 
-def job_command(strategy: str, faults: list[str], steps: int, model_dir: str) -> list[str]:
-    kind = kinds.get(strategy)
+def job_command(kind: StrategyKind, faults: list[str], steps: int, model_dir: str) -> list[str]:
     recovery = ["--max-restarts", "3", "--restart-delay", "1"]
     layout = ["--workers", "2", "--ps", str(kind.min_ps)]
     if kind.restartable_roles:
         recovery.append("--restart-tasks")
-    return [sys.executable, os.path.join(HERE, "launch.py"), "--strategy", strategy, *layout,
+    return [sys.executable, LAUNCH, "--strategy", kind.name, *layout,
             "--grace", "5", "--timeout", "600", *recovery, *faults, "--",
             "--model", "logreg", "--steps", str(steps), "--log-every", "100",
             "--checkpoint-every", "200", "--steps-per-execution", "5", "--model-dir", model_dir]
-
-
-def leftovers(marker: str) -> list[str]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmd:
-            found.append(f"{pid}: {cmd[:200]}")
-    return found
 
 
 def check(run: Run, steps: int, model_dir: str) -> None:
@@ -100,19 +86,19 @@ def check(run: Run, steps: int, model_dir: str) -> None:
         elif results.global_steps != steps:
             run.problems.append(f"global step {results.global_steps} != {steps}")
     time.sleep(1)  # servers that saw the chief go have a moment to exit
-    if left := leftovers(model_dir):
-        run.problems.append(f"{len(left)} process(es) left behind: {left[0]}")
+    if left := running_with(model_dir):
+        run.problems.append(f"{len(left)} process(es) left behind: {left[0][:200]}")
 
 
-def soak(strategy: str, index: int, rng: random.Random, steps: int, out: str) -> Run:
-    model_dir = os.path.join(out, f"{strategy}-{index}")
-    faults = pick_faults(rng, strategy, steps)
+def soak(kind: StrategyKind, index: int, rng: random.Random, steps: int, out: str) -> Run:
+    model_dir = os.path.join(out, f"{kind.name}-{index}")
+    faults = pick_faults(rng, kind, steps)
     log_path = f"{model_dir}.log"
-    run = Run(strategy, faults, job_command(strategy, faults, steps, model_dir), log_path)
+    run = Run(kind.name, faults, job_command(kind, faults, steps, model_dir), log_path)
     started = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(run.command, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=HERE)
+                                stdin=subprocess.DEVNULL, cwd=ROOT)
         try:
             run.code = proc.wait(timeout=900)
         except subprocess.TimeoutExpired:
@@ -124,8 +110,18 @@ def soak(strategy: str, index: int, rng: random.Random, steps: int, out: str) ->
     return run
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+@dataclass(frozen=True)
+class SoakConfig:
+    kinds: tuple[StrategyKind, ...]
+    runs: int
+    steps: int
+    seed: int
+    out: str
+
+
+def parse_args(argv=None) -> SoakConfig:
+    """The flags, checked, as one frozen config; ConfigError (one line) otherwise."""
+    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=3, help="jobs per strategy")
     p.add_argument("--steps", type=int, default=1200, help="steps per job")
     p.add_argument("--seed", type=int, default=None, help="seed for the fault choice")
@@ -133,39 +129,52 @@ def main(argv=None) -> int:
     p.add_argument("--strategies", default="ps,multiworker")
     args = p.parse_args(argv)
     if args.runs < 1 or args.steps < 300:
-        print(f"error: --runs={args.runs} --steps={args.steps}; need --runs >= 1 and "
-              "--steps >= 300 (faults land between step 100 and steps-100)", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--runs={args.runs} --steps={args.steps}; need --runs >= 1 and "
+                          "--steps >= 300 (faults land between step 100 and steps-100)")
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     out = args.out or os.path.join("runs", time.strftime("soak-%Y%m%d-%H%M%S"))
     if os.path.exists(out) and os.listdir(out):
-        print(f"error: --out {out!r} is not empty; pass a new directory", file=sys.stderr)
-        return 2
-    os.makedirs(out, exist_ok=True)
+        raise ConfigError(f"--out {out!r} is not empty; pass a new directory")
+    chosen = tuple(kinds.get(name) for name in args.strategies.split(","))
+    for kind in chosen:
+        if not policy.survivable_faults(kind):
+            raise ConfigError(f"--strategies names {kind.name!r}, which has no faults to soak")
+    return SoakConfig(chosen, args.runs, args.steps, seed, out)
+
+
+def main(argv=None) -> int:
     try:
-        for strategy in args.strategies.split(","):
-            if kinds.get(strategy).single_process or not kinds.get(strategy).survivable_faults:
-                raise ConfigError(f"--strategies names {strategy!r}, which has no faults to soak")
+        config = parse_args(argv)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    rng = random.Random(seed)
-    print(f"soak: seed {seed}, {args.runs} job(s) per strategy, {args.steps} steps each, in {out}",
-          flush=True)
+    return run(config)
+
+
+def run(config: SoakConfig) -> int:
+    """Every job, one line each, then the summary and each crash's log tail; the exit code."""
+    os.makedirs(config.out, exist_ok=True)
+    rng = random.Random(config.seed)
+    print(f"soak: seed {config.seed}, {config.runs} job(s) per strategy, {config.steps} steps "
+          f"each, in {config.out}", flush=True)
     runs: list[Run] = []
-    for strategy in args.strategies.split(","):
-        for i in range(args.runs):
-            run = soak(strategy, i, rng, args.steps, out)
-            runs.append(run)
-            verdict = "ok" if not run.problems else "CRASH: " + "; ".join(run.problems)
-            print(f"  {strategy}-{i}: {' '.join(run.faults)} -> exit {run.code} in "
-                  f"{run.seconds:.0f}s, injected {run.injected}, task restarts "
-                  f"{run.task_restarts}, relaunches {run.relaunches}: {verdict}", flush=True)
+    for kind in config.kinds:
+        for i in range(config.runs):
+            job = soak(kind, i, rng, config.steps, config.out)
+            runs.append(job)
+            verdict = "ok" if not job.problems else "CRASH: " + "; ".join(job.problems)
+            print(f"  {kind.name}-{i}: {' '.join(job.faults)} -> exit {job.code} in "
+                  f"{job.seconds:.0f}s, injected {job.injected}, task restarts "
+                  f"{job.task_restarts}, relaunches {job.relaunches}: {verdict}", flush=True)
+    return summarize(config, runs)
+
+
+def summarize(config: SoakConfig, runs: list[Run]) -> int:
     print("soak summary:")
-    for strategy in args.strategies.split(","):
-        mine = [r for r in runs if r.strategy == strategy]
+    for kind in config.kinds:
+        mine = [r for r in runs if r.strategy == kind.name]
         ok = [r for r in mine if not r.problems]
-        print(f"  {strategy}: {len(ok)}/{len(mine)} jobs finished correctly; faults injected "
+        print(f"  {kind.name}: {len(ok)}/{len(mine)} jobs finished correctly; faults injected "
               f"{sum(r.injected for r in mine)}, survived {sum(r.injected for r in ok)}; "
               f"task restarts {sum(r.task_restarts for r in mine)}, "
               f"job relaunches {sum(r.relaunches for r in mine)}")

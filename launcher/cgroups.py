@@ -1,0 +1,115 @@
+"""CPU-quota cgroups (cgroup v1 ``cpu``): the one module that creates, joins and removes them.
+
+``faults.Slowdown`` makes one per slowed task; a task joins its cgroup
+between fork and exec (``processes.child_setup``), or, already running,
+when a slow-down starts; either way through :func:`join`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+CFS_PERIOD_US = 100_000
+CGROUP_PREFIX = "showcase-"
+
+
+def cpu_cgroup_root(mounts: str = "/proc/self/mounts", own: str = "/proc/self/cgroup") -> str | None:
+    """The directory of this process's cgroup in the v1 ``cpu`` hierarchy, or ``None``."""
+    try:
+        with open(mounts) as f:
+            lines = f.read().splitlines()
+        with open(own) as f:
+            groups = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 4 and parts[2] == "cgroup" and "cpu" in parts[3].split(","):
+            mount = parts[1]
+            for g in groups:
+                _, controllers, path = g.split(":", 2)
+                if "cpu" in controllers.split(","):
+                    return os.path.join(mount, path.lstrip("/"))
+            return mount
+    return None
+
+
+def cgroup_problem(root: str | None = None) -> str | None:
+    """Why this process cannot make a CPU-quota cgroup, or ``None`` (it tries one)."""
+    root = root or cpu_cgroup_root()
+    if root is None:
+        return "no cgroup v1 cpu controller is mounted"
+    if not os.path.exists(os.path.join(root, "cpu.cfs_quota_us")):
+        return f"{root} has no cpu.cfs_quota_us"
+    probe = os.path.join(root, f"{CGROUP_PREFIX}probe-{os.getpid()}")
+    try:
+        os.mkdir(probe)
+        try:
+            with open(os.path.join(probe, "cpu.cfs_quota_us"), "w") as f:
+                f.write(str(CFS_PERIOD_US))
+        finally:
+            os.rmdir(probe)
+    except OSError as err:
+        return f"cannot create a cgroup in {root}: {err.strerror}"
+    return None
+
+
+def quota_us(fraction: float, cores: int, period_us: int = CFS_PERIOD_US) -> int:
+    """CPU time per period for ``fraction`` of ``cores`` cores (pure; the kernel's minimum is 1 ms)."""
+    return max(1000, int(round(fraction * cores * period_us)))
+
+
+def create(path: str, quota: int, period_us: int = CFS_PERIOD_US) -> None:
+    """Make (or keep) the cgroup ``path`` with ``quota`` us of CPU time per period."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "cpu.cfs_period_us"), "w") as f:
+        f.write(str(period_us))
+    with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
+        f.write(str(quota))
+
+
+def join(path: str, pid: int) -> None:
+    """Move process ``pid`` into the cgroup ``path`` (cgroup v1: all its threads)."""
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write(str(pid))
+
+
+def remove(path: str, timeout: float = 10.0, log=print) -> None:
+    """Remove one of our cgroups, ending whatever is still in it.
+
+    The tasks have been reaped, but a child they started (a watchdog) can
+    still be inside, exiting at the cgroup's slowed pace: the quota is
+    lifted first and such leftovers are killed, as no process may outlive
+    the launcher.
+    """
+    try:
+        with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
+            f.write("-1")
+    except OSError:
+        pass
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as err:
+            if time.monotonic() > deadline:
+                log(f"[launch] warning: could not remove cgroup {path}: {err}")
+                return
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                leftovers = [int(pid) for pid in f.read().split()]
+        except OSError:
+            leftovers = []
+        for pid in leftovers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+
+

@@ -1,0 +1,70 @@
+"""launch.py's flags become one frozen LaunchConfig; nothing below it sees the command line."""
+
+import ast
+import dataclasses
+
+import pytest
+
+import launch
+from conftest import REPO
+from launcher import faults
+from launcher.config import LaunchConfig
+from strategies import kinds
+
+LAUNCHER = REPO / "launcher"
+
+
+def _config(*argv):
+    args, train_args = launch.parse_args(list(argv))
+    return launch.build_config(args, train_args)
+
+
+def test_flags_become_one_frozen_config_with_the_kind_object():
+    config = _config("--strategy", "ps", "--workers", "2", "--ps", "1",
+                     "--slow", "worker:1=0.3", "--kill", "worker:0@step=50", "--restart-tasks",
+                     "--", "--steps", "30")
+    assert config.kind is kinds.get("ps")
+    assert config.names == ["chief:0", "worker:0", "worker:1", "ps:0"]
+    assert config.recovery.slow == (faults.Slow("worker:1", 0.3),)
+    assert config.recovery.faults == (faults.Fault("kill", "worker:0", step=50),)
+    assert config.recovery.restart_tasks
+    assert config.train_args == ("--steps", "30", "--model-dir", "runs/ps")
+    assert config.launch_dir == "runs/ps/launch"
+    assert set(config.cores) == set(config.names)
+    assert config.launch_argv[:2] == ("--strategy", "ps")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.timeout = 1.0
+
+
+def test_the_cpu_set_is_a_placement_not_an_environment_variable():
+    config = _config("--strategy", "multiworker", "--workers", "2", "--")
+    for share in config.cores.values():
+        assert all(key.startswith("TF_NUM_") for key in share.env)
+
+
+def _functions(path):
+    return [n for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_no_launcher_function_takes_the_flags():
+    # launcher/network.py's main is `python -m launcher.network`, its own command.
+    offenders = [f"{p.name}:{f.name}" for p in sorted(LAUNCHER.glob("*.py"))
+                 for f in _functions(p)
+                 if {a.arg for a in f.args.args + f.args.kwonlyargs} & {"args", "namespace"}]
+    assert offenders == []
+    assert not any("getattr(args" in p.read_text() for p in LAUNCHER.glob("*.py"))
+
+
+def test_only_the_cgroups_module_joins_a_cgroup():
+    writers = sorted(p.name for p in LAUNCHER.glob("*.py") if '"cgroup.procs"' in p.read_text())
+    assert writers == ["cgroups.py"]
+
+
+def test_run_job_takes_the_config():
+    import inspect
+
+    from launcher import supervisor
+
+    first = next(iter(inspect.signature(supervisor.run_job).parameters.values()))
+    assert first.name == "config" and first.annotation in (LaunchConfig, "LaunchConfig")

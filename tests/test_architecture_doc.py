@@ -1,0 +1,38 @@
+"""docs/architecture.md lists every module of the real tree, and nothing that is gone."""
+
+import re
+
+from conftest import REPO
+
+DOC = REPO / "docs" / "architecture.md"
+PACKAGES = ("strategies", "training", "launcher", "models", "bench")
+# bench/peers/ is one row: programs, not modules of the package.
+GROUPED = ("bench/peers/",)
+
+
+def tree_modules() -> set[str]:
+    found = {p.name for p in REPO.glob("*.py")}
+    for package in PACKAGES:
+        found |= {p.relative_to(REPO).as_posix() for p in (REPO / package).rglob("*.py")}
+    return {m for m in found if not m.startswith(GROUPED)}
+
+
+def documented_paths() -> set[str]:
+    """Every `path.py` in the doc's module table (the first cell of each row)."""
+    return set(re.findall(r"^\| `([\w/]+\.py)` \|", DOC.read_text(), flags=re.M))
+
+
+def test_every_module_has_a_line():
+    assert sorted(tree_modules() - documented_paths()) == []
+
+
+def test_no_line_for_a_module_that_is_gone():
+    assert sorted(documented_paths() - tree_modules()) == []
+
+
+def test_the_check_reads_the_real_tree():
+    modules = tree_modules()
+    assert {"train.py", "launch.py", "launcher/config.py", "bench/cli.py",
+            "strategies/kinds.py", "training/controller.py", "models/mnist.py"} <= modules
+    assert not any(m.startswith(("tests/", "bench/peers/")) for m in modules)
+    assert len(documented_paths()) > 40

@@ -1,0 +1,175 @@
+"""Dependencies point one way: no import cycle among the project's own modules.
+
+The graph is built from the source, without importing anything: every
+``import`` and ``from ... import`` (function-local ones too) and every
+module name a module hands to ``importlib.import_module`` (a string naming
+one of the project's modules, in a module that calls it). A cycle through
+``importlib`` is a cycle all the same.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("strategies", "training", "launcher", "models", "bench")
+# Not modules of the project: the tutorials' programs (run by path, they
+# import each other by bare name) and the tests.
+NOT_MODULES = ("bench/peers/",)
+
+# Edges still in the graph that a change under way removes; each one is
+# allowed here and nowhere else (tests/strategies/ reads this list too).
+KNOWN_EDGES: set[tuple[str, str]] = set()  # none: every import points one way
+
+
+def project_modules() -> dict[str, Path]:
+    """Every module of the project: dotted name -> file."""
+    found = {p.stem: p for p in REPO.glob("*.py")}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            rel = path.relative_to(REPO).as_posix()
+            if any(rel.startswith(prefix) for prefix in NOT_MODULES):
+                continue
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _target(name: str, modules) -> str | None:
+    """The most specific project module ``name`` (or one of its parents) names."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _calls_import_module(tree: ast.AST) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in ("import_module", "__import__"):
+                return True
+    return False
+
+
+def imports_of(module: str, path: Path, modules) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                names.add(full if full in modules else base)
+    if _calls_import_module(tree):
+        names.update(node.value for node in ast.walk(tree)
+                     if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                     and node.value in modules)
+    targets = {_target(n, modules) for n in names}
+    return {t for t in targets if t is not None and t != module}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    return {m: imports_of(m, p, modules) for m, p in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def without_known(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    return {m: {t for t in targets if (m, t) not in KNOWN_EDGES} for m, targets in graph.items()}
+
+
+def test_no_import_cycle_among_the_projects_modules():
+    assert cycles(without_known(import_graph())) == []
+
+
+# docs/architecture.md's order: a module imports only from layers after its own.
+LAYERS = (("train", "launch"), ("bench",), ("launcher",), ("training",), ("models",),
+          ("strategies",), ("protocol",))
+
+
+def layer(module: str) -> int:
+    top = module.partition(".")[0]
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def test_imports_point_down_the_layers():
+    upward = sorted(f"{m} -> {t}" for m, targets in without_known(import_graph()).items()
+                    for t in targets if layer(t) < layer(m))
+    assert upward == []
+
+
+def test_every_known_exception_is_still_an_edge():
+    # Once the change removes an edge, its entry must go too.
+    graph = import_graph()
+    assert [e for e in KNOWN_EDGES if e[1] not in graph.get(e[0], set())] == []
+
+
+def test_the_graph_sees_static_local_and_importlib_imports(tmp_path):
+    # It must be able to fail: a cycle through a function-local import and
+    # one through an importlib string are both found.
+    modules = {"a": tmp_path / "a.py", "b": tmp_path / "b.py", "c": tmp_path / "c.py",
+               "pkg": tmp_path / "pkg" / "__init__.py", "pkg.d": tmp_path / "pkg" / "d.py"}
+    (tmp_path / "pkg").mkdir()
+    modules["a"].write_text("import b\n")
+    modules["b"].write_text("def f():\n    from a import thing\n")
+    modules["c"].write_text("import importlib\nM = ('pkg.d', 'X')\n"
+                            "def g():\n    return importlib.import_module(M[0])\n")
+    modules["pkg"].write_text("")
+    modules["pkg.d"].write_text("from . import x\nfrom c import y\n")
+    graph = {m: imports_of(m, p, modules) for m, p in modules.items()}
+    assert graph["b"] == {"a"} and graph["c"] == {"pkg.d"} and graph["pkg.d"] == {"pkg", "c"}
+    assert cycles(graph) == [["a", "b"], ["c", "pkg.d"]]
+
+
+def test_the_graph_covers_the_project():
+    graph = import_graph()
+    assert {"train", "launch", "protocol", "bench.cli", "launcher.config", "strategies.kinds",
+            "training.controller", "models"} <= set(graph)
+    assert not any(m.startswith(("tests", "bench.peers")) for m in graph)
+    assert "launcher.config" in graph["launch"] and "protocol" in graph["strategies.tf_config"]
