@@ -47,14 +47,29 @@ def _target(name: str, modules) -> str | None:
     return None
 
 
-def _calls_import_module(tree: ast.AST) -> bool:
+def _is_import_call(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    return name in ("import_module", "__import__")
+
+
+def _importlib_targets(tree: ast.AST, modules) -> set[str]:
+    """Modules a file may import by name at run time: the string argument of an
+    ``import_module`` call, and, in a file that calls it, dotted strings
+    naming a module (``"pkg.mod"`` or ``"pkg.mod:NAME"`` kept in a table)."""
+    calls = [n for n in ast.walk(tree) if _is_import_call(n)]
+    if not calls:
+        return set()
+    found = {arg.value for call in calls for arg in call.args[:1]
+             if isinstance(arg, ast.Constant) and isinstance(arg.value, str)}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            func = node.func
-            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-            if name in ("import_module", "__import__"):
-                return True
-    return False
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            name = node.value.partition(":")[0]
+            if "." in name and name in modules:
+                found.add(name)
+    return {name for name in found if name in modules}
 
 
 def imports_of(module: str, path: Path, modules) -> set[str]:
@@ -72,10 +87,7 @@ def imports_of(module: str, path: Path, modules) -> set[str]:
             for alias in node.names:
                 full = f"{base}.{alias.name}"
                 names.add(full if full in modules else base)
-    if _calls_import_module(tree):
-        names.update(node.value for node in ast.walk(tree)
-                     if isinstance(node, ast.Constant) and isinstance(node.value, str)
-                     and node.value in modules)
+    names.update(_importlib_targets(tree, modules))
     targets = {_target(n, modules) for n in names}
     return {t for t in targets if t is not None and t != module}
 
