@@ -150,10 +150,28 @@ def with_model_dir(kind: StrategyKind, train_args: list[str]) -> tuple[list[str]
     return train_args, model_dir
 
 
+def with_task_path(train_args: list[str]) -> list[str]:
+    """``--task path/to/task.py[:NAME]`` made absolute from here: every task
+    starts in the project's directory, and the user's relative path means
+    the file beside them, the same one on every task."""
+    out = list(train_args)
+    for i, arg in enumerate(out):
+        if arg == "--task" and i + 1 < len(out):
+            at, prefix, value = i + 1, "", out[i + 1]
+        elif arg.startswith("--task="):
+            at, prefix, value = i, "--task=", arg[len("--task="):]
+        else:
+            continue
+        path, colon, name = value.partition(":")
+        if path.endswith(".py") or os.sep in path:
+            out[at] = prefix + os.path.abspath(path) + colon + name
+    return out
+
+
 def build_config(args, train_args: list[str]) -> LaunchConfig:
     """The flags, checked, as one frozen config (LaunchError: one line, nothing written)."""
     kind = kinds.get(args.strategy)  # argparse's choices: always known
-    train_args, model_dir = with_model_dir(kind, train_args)
+    train_args, model_dir = with_model_dir(kind, with_task_path(train_args))
     check_times(args)
     if args.program is not None and args.dry_run:
         raise LaunchError("--dry-run shows train.py's own plan for each task; it does not "

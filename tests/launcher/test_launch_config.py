@@ -68,3 +68,17 @@ def test_run_job_takes_the_config():
 
     first = next(iter(inspect.signature(supervisor.run_job).parameters.values()))
     assert first.name == "config" and first.annotation in (LaunchConfig, "LaunchConfig")
+
+
+def test_a_relative_task_file_is_the_one_beside_the_launcher(tmp_path, monkeypatch):
+    """Every task starts in the project's directory; --task's relative file
+    path is made absolute from the launcher's own, so all tasks load that file."""
+    import launch
+
+    monkeypatch.chdir(tmp_path)
+    assert launch.with_task_path(["--task", "mine/task.py", "--epochs", "1"]) == [
+        "--task", str(tmp_path / "mine" / "task.py"), "--epochs", "1"]
+    assert launch.with_task_path(["--task=t.py:OBJ"]) == [f"--task={tmp_path / 't.py'}:OBJ"]
+    # Built-in names and import paths are not files.
+    for spec in ("mnist-cnn", "pkg.mod:NAME"):
+        assert launch.with_task_path(["--task", spec]) == ["--task", spec]
