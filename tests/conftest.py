@@ -119,3 +119,15 @@ def launch_cmd(strategy, *launch_args, train_args=()):
 def read_results(model_dir):
     with open(Path(model_dir) / "results.json") as f:
         return json.load(f)
+
+
+def tensorboard_tags(logdir: str) -> dict[str, set]:
+    import tensorflow as tf
+
+    scalars, plugin = set(), set()
+    for name in os.listdir(logdir):
+        for event in tf.compat.v1.train.summary_iterator(os.path.join(logdir, name)):
+            for value in event.summary.value:
+                (plugin if value.metadata.plugin_data.plugin_name == "hparams"
+                 else scalars).add(value.tag)
+    return {"scalars": scalars, "plugin": plugin}

@@ -6,7 +6,7 @@ import os
 import pytest
 
 import train
-from conftest import read_results
+from conftest import tensorboard_tags, read_results
 from strategies import parse_tf_config
 from training.config import TrainConfig
 
@@ -15,18 +15,6 @@ REQUIRED = {
     "global_steps", "steps_per_worker", "wall_seconds", "examples_per_sec", "test_accuracy",
     "test_loss", "weights_sha256", "tf_version", "keras_version",
 }
-
-
-def _tensorboard_tags(logdir: str) -> dict[str, set]:
-    import tensorflow as tf
-
-    scalars, plugin = set(), set()
-    for name in os.listdir(logdir):
-        for event in tf.compat.v1.train.summary_iterator(os.path.join(logdir, name)):
-            for value in event.summary.value:
-                (plugin if value.metadata.plugin_data.plugin_name == "hparams"
-                 else scalars).add(value.tag)
-    return {"scalars": scalars, "plugin": plugin}
 
 
 def test_flat_scalars_turn_per_worker_fields_into_paths():
@@ -55,7 +43,7 @@ def test_mirrored_few_steps_writes_outputs_and_resumes(tmp_path, capsys):
     assert on_disk["global_steps"] == 30 and on_disk["steps_per_worker"] == {"local:0": 30}
     assert on_disk["test_accuracy"] > 0.5  # 30 steps of Adam already learn a lot
     assert os.path.exists(os.path.join(model_dir, "model.keras"))
-    tags = _tensorboard_tags(os.path.join(model_dir, "logs"))
+    tags = tensorboard_tags(os.path.join(model_dir, "logs"))
     assert {"train/learning_rate", "train/loss", "test/accuracy"} <= tags["scalars"], tags
     # The HParams dashboard's record of the run's defining flags.
     assert "_hparams_/session_start_info" in tags["plugin"], tags

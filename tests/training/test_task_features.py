@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import REPO, child_env, launch_cmd, read_results
+from conftest import REPO, launch_cmd, read_results, tensorboard_tags
 
 EXAMPLE = str(REPO / "examples" / "custom_task.py")
 REGRESSION = str(REPO / "tests" / "training" / "sample_tasks.py") + ":REGRESSION"
@@ -138,7 +138,6 @@ def test_cluster_strategies_train_the_example_and_the_regression(tmp_path, spawn
 def test_a_users_optimizer_is_kept_unless_a_flag_overrides_it_with_a_line(tmp_path, capsys):
     """And every compiled metric reaches the progress lines, events and TensorBoard."""
     import train
-    from tests.test_train_local import _tensorboard_tags
 
     own = train.run(_config("none", REGRESSION, tmp_path / "own", steps=120, eval_every=60,
                             log_every=60))
@@ -151,7 +150,7 @@ def test_a_users_optimizer_is_kept_unless_a_flag_overrides_it_with_a_line(tmp_pa
     assert re.search(r"eval step 60 test_mae [0-9.]+ test_loss", out)
     assert [p["step"] for p in own["eval_curve"]] == [60, 120]
     assert "mae" in own["eval_curve"][0]["test_metrics"]
-    tags = _tensorboard_tags(str(tmp_path / "own" / "logs"))["scalars"]
+    tags = tensorboard_tags(str(tmp_path / "own" / "logs"))["scalars"]
     assert {"train/loss", "train/mae", "test/mae", "test/loss"} <= tags, tags
 
     flagged = train.run(_config("none", REGRESSION, tmp_path / "sgd", steps=120,
