@@ -1,8 +1,10 @@
-"""The Dockerfile is well formed, without a Docker daemon.
+"""The Dockerfile is well formed, without a container engine.
 
 It is parsed instruction by instruction, its build context is rebuilt from
 its COPY lines and .dockerignore, and the package is built from that
-context the way its ``pip install`` would.
+context the way its ``pip install`` would. Both locks (GPU-capable and CPU)
+are checked against pyproject.toml. tests/image/ builds the image for real
+and runs jobs of it (``make test-image``).
 """
 
 from __future__ import annotations
