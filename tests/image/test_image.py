@@ -22,7 +22,6 @@ Run it with ``make test-image`` (``pytest -m image``); ``make test`` leaves it o
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -189,14 +188,15 @@ network_config_dir = "{state}/cni"
         problems = []
         steps = [(["rm", "--force", "--time=0", "--ignore"], self.containers),
                  (["network", "rm", "--force"], self.networks), (["volume", "rm", "--force"], self.volumes),
-                 (["rmi", "--force", "--ignore"], self.images[::-1]),
-                 # The build cache's intermediate images: this storage holds only what the test made.
-                 (["image", "prune", "--all", "--force"], ["(all)"])]
+                 (["rmi", "--force", "--ignore"], self.images[::-1])]
+        # Then the build cache's intermediate images: this storage holds only what the test made.
+        steps += [(["image", "prune", "--all", "--force"], [])] if self.images else []
         for args, names in steps:
-            if names:
-                proc = self(*args, *[n for n in names if n != "(all)"], check=False, timeout=300)
-                if proc.returncode != 0:
-                    problems.append(f"podman {' '.join(args)}: {proc.stderr.strip()}")
+            if args[0] != "image" and not names:
+                continue  # nothing of that kind was made
+            proc = self(*args, *names, check=False, timeout=300)
+            if proc.returncode != 0:
+                problems.append(f"podman {' '.join(args)}: {proc.stderr.strip()}")
         for what, args in [("containers", ["ps", "-a", "-q"]), ("volumes", ["volume", "ls", "-q"]),
                            ("images", ["images", "-a", "-q"])]:
             left = self(*args, check=False).stdout.split()
@@ -212,16 +212,22 @@ network_config_dir = "{state}/cni"
             time.sleep(0.5)
         if left:
             problems.append(f"processes left: {left}")
+        # The containers' and conmon's cgroups, one tree per controller (cgroup v1).
         for cgroup in Path("/sys/fs/cgroup").glob(f"*{self.cgroup_parent}"):
-            for d in sorted((p for p in cgroup.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-                d.rmdir()
-            cgroup.rmdir()
+            for d in sorted((p for p in cgroup.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [cgroup]:
+                try:
+                    d.rmdir()
+                except OSError as err:
+                    problems.append(f"cgroup {d}: {err}")
         for d in self.created_dirs:
             try:
                 d.rmdir()
             except OSError as err:
                 problems.append(f"{d}: {err}")
-        shutil.rmtree(self.state, ignore_errors=True)
+        try:
+            shutil.rmtree(self.state)
+        except OSError as err:
+            problems.append(f"podman's state {self.state}: {err}")
         return problems
 
 
