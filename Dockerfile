@@ -7,11 +7,20 @@
 #   docker build -t tf-distribute-showcase:0.1.0 .
 #   docker run --rm tf-distribute-showcase:0.1.0 --strategy=auto --dry-run
 #
+# CPU only (the same pins without the CUDA wheels), and another base (a mirror,
+# or a local stand-in where no registry is reachable):
+#   docker build --build-arg REQUIREMENTS=requirements-cpu.lock \
+#                --build-arg BASE=registry.example.com/python:3.11-slim-bookworm -t ...:cpu .
+# (docs/deployment.md; tests/image/ builds it with podman and runs jobs of it.)
+#
 # Layers, from the least to the most often changed: the OS packages, the
 # dependencies (several GB, from requirements.lock: pinned and hashed), then
 # the sources. Editing a source file rebuilds only the last two layers, in
 # seconds; only a changed requirements.lock reinstalls the dependencies.
-FROM python:3.11-slim-bookworm
+# Any Debian bookworm image with CPython 3.11 as `python` and `pip` on PATH:
+# the locks are made for that Python (their wheels are cp311, manylinux_2_28).
+ARG BASE=python:3.11-slim-bookworm
+FROM ${BASE}
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -32,7 +41,10 @@ RUN apt-get update \
 
 WORKDIR /app
 # The dependencies alone: the lock is all this layer depends on.
-COPY requirements.lock ./
+# requirements.lock: GPU-capable (tensorflow[and-cuda]: CUDA and cuDNN wheels);
+# requirements-cpu.lock: the same pins without the CUDA wheels.
+ARG REQUIREMENTS=requirements.lock
+COPY ${REQUIREMENTS} requirements.lock
 RUN pip install --require-hashes --no-deps -r requirements.lock
 
 COPY pyproject.toml README.md LICENSE ./

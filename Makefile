@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # MNIST: tfds downloads it on first use; offline, set TFDS_DATA_DIR to a
 # prepared tfds copy (the tests and the demo read the same variable).
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-image venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q
+
+# The container tier (docs/deployment.md): builds the image with podman (installed
+# with apt where missing; root, Linux) and runs jobs of containers. Several minutes.
+test-image: venv
+	$(PY) -m pytest -q -m image tests/image
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,8 +1,10 @@
-"""The Dockerfile is well formed, without a Docker daemon.
+"""The Dockerfile is well formed, without a container engine.
 
 It is parsed instruction by instruction, its build context is rebuilt from
 its COPY lines and .dockerignore, and the package is built from that
-context the way its ``pip install`` would.
+context the way its ``pip install`` would. Both locks (GPU-capable and CPU)
+are checked against pyproject.toml. tests/image/ builds the image for real
+and runs jobs of it (``make test-image``).
 """
 
 from __future__ import annotations
@@ -54,11 +56,26 @@ def _all(name):
     return [args for word, args in INSTR if word == name]
 
 
-def dockerfile_copies() -> list[tuple[list[str], str]]:
+def build_args() -> dict[str, str]:
+    """Every ``ARG name=default`` of the Dockerfile."""
+    pairs = [a.split("=", 1) for a in _all("ARG")]
+    assert all(len(p) == 2 for p in pairs), "every build argument needs a default"
+    return dict(pairs)
+
+
+def _expand(text: str, args: dict[str, str] | None = None) -> str:
+    """``${NAME}`` as a build with ``args`` (the defaults otherwise) sees it."""
+    values = {**build_args(), **(args or {})}
+    return re.sub(r"\$\{(\w+)\}", lambda m: values[m.group(1)], text)
+
+
+def dockerfile_copies(args: dict[str, str] | None = None) -> list[tuple[list[str], str]]:
+    """(sources, destination) of every COPY, build arguments expanded."""
     result = []
-    for args in _all("COPY"):
-        assert not args.startswith("--from"), "single-stage build expected"
-        parts = json.loads(args) if args.startswith("[") else shlex.split(args)
+    for raw in _all("COPY"):
+        assert not raw.startswith("--from"), "single-stage build expected"
+        parts = json.loads(raw) if raw.startswith("[") else shlex.split(raw)
+        parts = [_expand(p, args) for p in parts]
         result.append((parts[:-1], parts[-1]))
     return result
 
@@ -94,18 +111,24 @@ def context_files(source: str) -> list[str]:
     return sorted(f for f in files if not _ignored(f, patterns))
 
 
-def test_from_comes_first_and_names_a_pinned_base():
-    assert INSTR[0][0] == "FROM"
-    base = INSTR[0][1].split()[0]
+def test_the_base_is_a_build_argument_defaulting_to_a_pinned_official_image():
+    """``--build-arg BASE=...`` swaps the base (a mirror, a local stand-in); nothing else changes."""
+    words = [w for w, _ in INSTR]
+    first_from = words.index("FROM")
+    assert set(words[:first_from]) == {"ARG"}, "only build arguments before FROM"
+    assert _all("FROM") == ["${BASE}"]
+    base = build_args()["BASE"]
+    assert base == "python:3.11-slim-bookworm", f"the default base is the official image: {base}"
     assert ":" in base and not base.endswith(":latest"), f"pin the base image: {base}"
-    assert len(_all("FROM")) == 1
 
 
 def test_every_copied_file_exists_and_survives_dockerignore():
     copies = dockerfile_copies()
     assert copies
     for sources, dest in copies:
-        assert dest.endswith("/") or dest == ".", f"COPY destination {dest!r} should be a directory"
+        # A directory, or a file name for one file (the chosen lock, renamed).
+        one_file = len(sources) == 1 and (ROOT / _expand(sources[0])).is_file() and "/" not in dest
+        assert dest.endswith("/") or dest == "." or one_file, f"COPY destination {dest!r} should be a directory"
         for source in sources:
             assert context_files(source), f"COPY {source}: nothing in the build context"
 
@@ -119,6 +142,10 @@ def test_the_image_gets_everything_pyproject_installs():
         if (ROOT / f"{module}.py").exists():  # listed modules may not exist yet
             assert f"{module}.py" in copied, module
     assert {"pyproject.toml", PYPROJECT["project"]["readme"], "requirements.lock"} <= copied
+    # The CPU variant's lock is in the build context too.
+    cpu = {f for sources, _ in dockerfile_copies({"REQUIREMENTS": "requirements-cpu.lock"})
+           for s in sources for f in context_files(s)}
+    assert "requirements-cpu.lock" in cpu
 
 
 def _index(predicate) -> int:
@@ -129,7 +156,8 @@ def _index(predicate) -> int:
 
 def test_dependencies_get_their_own_layer_before_any_source():
     """A source edit must not reinstall gigabytes: lock, install, then sources, then --no-deps ."""
-    copy_lock = _index(lambda w, a: w == "COPY" and a.split()[0] == "requirements.lock")
+    copy_lock = _index(lambda w, a: w == "COPY" and a.split() == ["${REQUIREMENTS}", "requirements.lock"])
+    assert build_args()["REQUIREMENTS"] == "requirements.lock", "the default image is the GPU-capable one"
     install_lock = _index(lambda w, a: w == "RUN" and "-r requirements.lock" in a)
     assert "--require-hashes" in INSTR[install_lock][1] and "--no-deps" in INSTR[install_lock][1]
     sources = [i for i, (w, a) in enumerate(INSTR) if w == "COPY" and i != copy_lock]
@@ -141,9 +169,12 @@ def test_dependencies_get_their_own_layer_before_any_source():
     assert len(pip_runs) == 2, pip_runs  # nothing else installs from an index
 
 
-def _lock() -> dict[str, tuple[str, list[str]]]:
-    """requirements.lock as {name: (version, hashes)}."""
-    text = (ROOT / "requirements.lock").read_text()
+LOCKS = {"requirements.lock": "gpu", "requirements-cpu.lock": "cpu"}
+
+
+def _lock(name: str = "requirements.lock") -> dict[str, tuple[str, list[str]]]:
+    """A lock file as {name: (version, hashes)}."""
+    text = (ROOT / name).read_text()
     entries = {}
     for block in re.split(r"\n(?=[A-Za-z0-9])", text.split("\n", 1)[1] if text.startswith("#") else text):
         m = re.match(r"([A-Za-z0-9._-]+)==([^\s\\]+)", block.strip())
@@ -156,25 +187,41 @@ def _normal(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def test_lock_pins_every_dependency_of_pyproject_with_hashes():
+@pytest.mark.parametrize("lock_file", sorted(LOCKS))
+def test_lock_pins_every_dependency_of_pyproject_with_hashes(lock_file):
     from packaging.requirements import Requirement
     from packaging.version import Version
 
-    lock = _lock()
+    lock = _lock(lock_file)
     assert len(lock) > 20
     assert all(hashes for _, hashes in lock.values()), "every pin needs a hash (--require-hashes)"
     project = PYPROJECT["project"]
-    wanted = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["gpu"]]
+    extras = project["optional-dependencies"]["gpu"] if LOCKS[lock_file] == "gpu" else []
+    wanted = [Requirement(r) for r in project["dependencies"] + extras]
     for req in wanted:
         name = _normal(req.name)
-        assert name in lock, f"{req.name} is in pyproject.toml but not in requirements.lock: re-lock"
+        assert name in lock, f"{req.name} is in pyproject.toml but not in {lock_file}: re-lock"
         assert Version(lock[name][0]) in req.specifier, \
-            f"requirements.lock pins {req.name}=={lock[name][0]}, pyproject.toml asks {req.specifier}: re-lock"
-    # tensorflow[and-cuda]: the CUDA wheels are pinned too.
-    assert any(n.startswith("nvidia-cudnn") for n in lock) and "nvidia-nccl-cu12" in lock
+            f"{lock_file} pins {req.name}=={lock[name][0]}, pyproject.toml asks {req.specifier}: re-lock"
+    cuda = {n for n in lock if n.startswith("nvidia-")}
+    if LOCKS[lock_file] == "gpu":  # tensorflow[and-cuda]: the CUDA wheels are pinned too.
+        assert any(n.startswith("nvidia-cudnn") for n in cuda) and "nvidia-nccl-cu12" in cuda
+    else:
+        assert not cuda, f"the CPU lock pins CUDA wheels: {sorted(cuda)}"
+    # setuptools: the package is built in the image with --no-build-isolation.
+    assert "setuptools" in lock
     # The lock was made for the base image's Python.
-    base_python = re.search(r"python:(\d+\.\d+)", INSTR[0][1]).group(1)
-    assert f"--python-version {base_python}" in (ROOT / "requirements.lock").read_text()
+    base_python = re.search(r"python:(\d+\.\d+)", build_args()["BASE"]).group(1)
+    assert f"--python-version {base_python}" in (ROOT / lock_file).read_text()
+
+
+def test_the_cpu_lock_is_the_gpu_lock_without_the_cuda_wheels():
+    """Same pins, same hashes: the two images differ by the CUDA wheels only."""
+    gpu, cpu = _lock("requirements.lock"), _lock("requirements-cpu.lock")
+    assert set(gpu) - set(cpu) == {n for n in gpu if n.startswith("nvidia-")}
+    assert set(cpu) <= set(gpu)
+    for name, (version, hashes) in cpu.items():
+        assert (version, sorted(hashes)) == (gpu[name][0], sorted(gpu[name][1])), name
 
 
 def test_entrypoint_runs_train_py_under_tini():
