@@ -1,6 +1,6 @@
 #!/bin/bash
 # A two-node Slurm cluster on this host, for trying the sbatch scripts and for
-# the tests (tests/test_slurm_cluster.py). Needs root and Linux namespaces.
+# the tests (tests/deploy/test_slurm_cluster.py). Needs root and Linux namespaces.
 #
 #   slurm/local-cluster.sh up                  # installs slurm-wlm and munge if missing
 #   slurm/local-cluster.sh exec -- sinfo       # any command, inside the emulated cluster

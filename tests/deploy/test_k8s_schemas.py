@@ -21,7 +21,7 @@ import pytest
 yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = ROOT / "tests" / "schemas"
 DOCS = [(path.name, doc) for path in sorted((ROOT / "k8s").glob("*.yaml"))
         for doc in yaml.safe_load_all(path.read_text()) if doc is not None]

@@ -14,7 +14,7 @@ from launcher import faults, network, processes, supervisor
 from launcher import plan as plans
 from strategies import ConfigError, kinds, parse_tf_config
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_multiworker_cluster_one_tf_config_per_worker():

@@ -2,7 +2,7 @@
 
 A step is faked with the variables srun sets for each task; a failing
 ``scontrol`` first on PATH checks that nothing calls the real one. The real
-thing, on a Slurm cluster emulated on this host: tests/test_slurm_cluster.py.
+thing, on a Slurm cluster emulated on this host: tests/deploy/test_slurm_cluster.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import train
 from strategies import ConfigError
 from strategies.slurm import expand_hostlist, expand_tasks_per_node, from_slurm, slurm_jobs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SBATCH = sorted((ROOT / "slurm").glob("*.sbatch"))
 SLURM_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST",
               "SLURM_STEP_TASKS_PER_NODE", "SLURMD_NODENAME")

@@ -25,7 +25,7 @@ from strategies.slurm import DEFAULT_PORT
 
 tomllib = pytest.importorskip("tomllib", reason="Python 3.11+")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
@@ -262,7 +262,7 @@ def test_exposes_the_port_every_manifest_uses_and_runs_unprivileged():
 def test_dockerignore_keeps_local_state_out():
     patterns = _ignore_patterns()
     for path in (".venv/bin/python", "runs/demo/results.json", ".git/HEAD",
-                 "strategies/__pycache__/x.pyc", "tests/test_container.py"):
+                 "strategies/__pycache__/x.pyc", "tests/deploy/test_container.py"):
         assert _ignored(path, patterns), path
     assert not _ignored("strategies/slurm.py", patterns)
 

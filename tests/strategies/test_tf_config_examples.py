@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "TF_CONFIG_examples"
 FILES = sorted(EXAMPLES.rglob("*.json"))
 LAYOUTS = sorted({f.parent for f in FILES})

@@ -20,7 +20,7 @@ import pytest
 
 from conftest import descendants_alive
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "slurm" / "local-cluster.sh"
 STEPS_PER_EPOCH = 60_000 // 128  # --epochs 1 at the scripts' --global-batch-size 128
 SHORT = ["--model", "logreg", "--log-every", "100"]

@@ -12,7 +12,7 @@ import train
 from strategies import ConfigError, kinds, make_strategy, parse_tf_config
 from strategies.kinds import StrategyBundle, StrategyKind
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 W2 = {"worker": ["a:1", "b:1"]}
 
 

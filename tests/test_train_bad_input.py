@@ -10,11 +10,16 @@ written to fd 1 and 2 captured); the rows in ``SUBPROCESS`` also run as a real
 ``GOOD`` rows must plan (exit 0, the plan as JSON). ``FLAG_LIMITS`` rows
 are values argparse accepts but the run cannot use (non-finite numbers,
 out-of-range seeds, absurd lengths): ``TrainConfig.validate`` refuses them.
+
+The cases after the table (TF_CONFIG, flags and run directories given
+through ``train.main``, and a few as real commands): exit code 2, one
+'error:' line naming the input, the model dir untouched.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -24,6 +29,7 @@ import pytest
 
 import train
 from conftest import REPO, child_env
+
 
 TIMEOUT = 30.0  # seconds, for one row
 
@@ -460,3 +466,110 @@ def test_tasks_that_disagree_on_the_cluster_get_tensorflows_reason_in_one_line()
     assert "is joining a group with size3, but that group has size 2" in line
     assert "same TF_CONFIG" in line
     assert cluster_disagreement(RuntimeError("Connection reset by peer")) is None
+
+
+def tf_config_json(cluster, task_type="worker", index=0):
+    return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
+
+
+TWO_WORKERS = {"worker": ["localhost:2222", "localhost:2223"]}
+PS_NO_CHIEF = {"worker": ["localhost:2222"], "ps": ["localhost:2223"]}
+
+# (case id, TF_CONFIG or None, extra argv, words the message must contain)
+CASES = [
+    ("invalid-json", '{"cluster": {"worker": [', [], ["not valid JSON", '{"cluster"']),
+    ("cluster-missing", json.dumps({"task": {"type": "worker", "index": 0}}), [], ["no 'cluster'", "expected"]),
+    ("task-missing", json.dumps({"cluster": TWO_WORKERS}), [], ["no 'task'", "expected"]),
+    ("task-type-not-in-cluster", tf_config_json(TWO_WORKERS, "chief"), [], ["'chief'", "allowed: worker"]),
+    ("index-out-of-range", tf_config_json(TWO_WORKERS, "worker", 2), [], ["index is 2", "0 to 1"]),
+    # "1" is accepted, as TensorFlow's resolver accepts it; "1.0" is not.
+    ("index-not-int", tf_config_json(TWO_WORKERS, "worker", "1.0"), [], ["'1.0'", "integer"]),
+    ("index-bool", tf_config_json(TWO_WORKERS, "worker", True), [], ["True", "integer"]),
+    ("duplicate-address", tf_config_json({"worker": ["localhost:2222", "localhost:2222"]}), [],
+     ["'localhost:2222' is used twice", "own host:port"]),
+    ("address-without-port", tf_config_json({"worker": ["localhost"]}), [], ["'localhost'", "host:port"]),
+    ("unknown-role", tf_config_json({"worker": ["a:1"], "master": ["b:1"]}), [], ["'master'", "allowed roles"]),
+    ("ps-without-ps-job", tf_config_json(TWO_WORKERS), ["--strategy=ps"], ["'ps' job", "multiworker"]),
+    ("multiworker-with-ps-job", tf_config_json(PS, "worker"), ["--strategy=multiworker"], ["1 ps task", "--strategy=ps"]),
+    ("ps-without-chief", tf_config_json(PS_NO_CHIEF, "worker"), ["--strategy=ps"], ["'chief'", "received roles"]),
+    ("mirrored-with-cluster", tf_config_json(TWO_WORKERS), ["--strategy=mirrored"], ["2 tasks", "multiworker"]),
+    ("unknown-strategy", None, ["--strategy=horovod"], ["'horovod'", "auto, none, mirrored, multiworker, ps"]),
+    ("batch-not-divisible", tf_config_json({"worker": ["a:1", "b:1", "c:1"]}), ["--strategy=multiworker", "--global-batch-size=128"],
+     ["128", "3 replica", "multiple of 3"]),
+    ("unknown-model", None, ["--model=resnet"], ["'resnet'", "cnn, logreg"]),
+    ("unknown-lr-schedule", None, ["--lr-schedule=linear"], ["'linear'", "cosine, constant"]),
+    ("zero-epochs", None, ["--epochs=0"], ["--epochs=0", "greater than 0"]),
+    ("non-int-steps", None, ["--steps=ten"], ["'ten'", "--help"]),
+    ("ps-shards-is-gone", None, ["--ps-shards=2"], ["--ps-shards", "--help"]),
+    ("unknown-flag", None, ["--learning-rat=1"], ["--learning-rat", "--help"]),
+]
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """An existing run directory: bad input must leave it exactly as it was."""
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "results.json").write_text('{"keep": true}\n')
+    return d
+
+
+def snapshot_bytes(d):
+    return sorted((p.relative_to(d).as_posix(), p.read_bytes()) for p in d.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("case,tf_config,argv,words", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(case, tf_config, argv, words, model_dir, monkeypatch, capsys):
+    before = snapshot_bytes(model_dir)
+    fresh = model_dir.parent / "fresh"
+    if tf_config is None:
+        monkeypatch.delenv("TF_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("TF_CONFIG", tf_config)
+    for target in (model_dir, fresh):
+        code = train.main([*argv, "--model-dir", str(target), "--dry-run"])
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert code == 2, err
+        assert len(errors) == 1, err
+        assert "Traceback" not in err
+        for word in words:
+            assert word in errors[0], f"{word!r} not in {errors[0]!r}"
+    assert snapshot_bytes(model_dir) == before
+    assert not fresh.exists()
+
+
+def test_model_dir_that_is_a_file(tmp_path, capsys):
+    target = tmp_path / "file"
+    target.write_text("x")
+    assert train.main(["--model-dir", str(target)]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert target.read_text() == "x"
+
+
+def test_missing_mnist_is_one_line_without_download(tmp_path):
+    """A data dir without MNIST: a pointer to --data-dir, not minutes of retries."""
+    empty = tmp_path / "no-data"
+    empty.mkdir()
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--steps=1", "--data-dir", str(empty),
+         "--model-dir", str(tmp_path / "m")],
+        env=child_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "--data-dir" in errors[0] and str(empty) in errors[0]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "m").exists()
+
+
+def test_subprocess_exit_code_and_clean_stderr(tmp_path):
+    """End to end: the real exit status, and nothing but the error on stderr."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--strategy=ps", "--model-dir", str(tmp_path / "m")],
+        env=child_env(tf_config=tf_config_json(TWO_WORKERS)), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith("error: --strategy=ps needs a 'ps' job")
+    assert not (tmp_path / "m").exists()

@@ -22,7 +22,7 @@ import train  # noqa: E402
 from strategies import ConfigError  # noqa: E402
 from strategies.jobset import from_jobset, parse_shape, pod_host  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 JOBSETS = {doc["metadata"]["name"]: doc for path in sorted((ROOT / "k8s").glob("*.yaml"))
            for doc in yaml.safe_load_all(path.read_text()) if doc and doc["kind"] == "JobSet"}
 # What JobSet annotates every pod with (api/jobset/v1alpha2/jobset_types.go).

@@ -1,4 +1,4 @@
-"""A run directory is never lost or mixed (issue 19, items 2-5 and 8).
+"""A run directory is never lost or mixed.
 
 Divergence stops with its own exit code and keeps the last good checkpoint;
 a resume with other defining flags, a second job on the same directory, a

@@ -19,7 +19,7 @@ yaml = pytest.importorskip("yaml")
 
 import train  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 DOCS = [(path, doc) for path in sorted(K8S.glob("*.yaml"))
         for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
@@ -96,7 +96,7 @@ PODS = [(name, rt, i) for name, job in TFJOBS.items() for rt, i in _pods(job)]
 
 
 def test_manifests_parse_into_the_expected_objects():
-    # (The JobSets and the MNIST Job: tests/test_jobset.py, tests/test_k8s_schemas.py.)
+    # (The JobSets and the MNIST Job: tests/strategies/test_jobset.py, tests/deploy/test_k8s_schemas.py.)
     assert {doc["kind"] for _, doc in DOCS} == {"TFJob", "JobSet", "Job", "NetworkPolicy", "PersistentVolumeClaim"}
     assert sorted(_strategy(job) for job in TFJOBS.values()) == ["multiworker", "ps"]
     for job in TFJOBS.values():
