@@ -109,28 +109,33 @@ def split_rows(rows: int, shards: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(shards)]
 
 
-def _shard_initializer(initializer, full_shape, shard_shape):
+def _shard_initializer(initializer, full_shape, shard_shape, index):
     """The initializer for one shard, with the whole variable's statistics.
 
     Shape-free initializers (uniform, normal, zeros) apply as they are; a
     variance-scaling one (Glorot, He, LeCun) computes its variance from the
     shape it is given, so its scale is corrected to the full shape's fans.
+    A fixed integer seed is offset by the shard index: the same seed would
+    give every shard the same values.
     """
     import keras
 
     init = keras.initializers.get(initializer)
+    seed = getattr(init, "_init_seed", None)
+    if isinstance(seed, int):
+        seed += index
+        if not isinstance(init, keras.initializers.VarianceScaling):
+            init = type(init).from_config({**init.get_config(), "seed": seed})
     if isinstance(init, keras.initializers.VarianceScaling):
         def fans(shape):
             fan_in, fan_out = (shape[0], shape[1]) if len(shape) == 2 else (shape[-1], shape[-1])
             return {"fan_in": fan_in, "fan_out": fan_out,
                     "fan_avg": (fan_in + fan_out) / 2.0}[init.mode]
 
-        config = init.get_config()
-        config["scale"] = init.scale * fans(shard_shape) / fans(full_shape)
-        init = type(init).from_config(config) if type(init) is keras.initializers.VarianceScaling \
-            else keras.initializers.VarianceScaling.from_config(
-                {k: v for k, v in config.items()
-                 if k in ("scale", "mode", "distribution", "seed")})
+        # Built from attributes: Glorot/He configs carry only their seed.
+        init = keras.initializers.VarianceScaling(
+            scale=init.scale * fans(shard_shape) / fans(full_shape), mode=init.mode,
+            distribution=init.distribution, seed=seed)
     return init
 
 
@@ -146,7 +151,7 @@ def _add_shards(layer, name, full_shape, initializer, regularizer, num_shards):
         shape = (r, *full_shape[1:])
         shards.append(layer.add_weight(
             name=f"{name}__shard{i}", shape=shape,
-            initializer=_shard_initializer(initializer, full_shape, shape),
+            initializer=_shard_initializer(initializer, full_shape, shape, i),
             regularizer=regularizer, trainable=True))
     return shards
 

@@ -197,7 +197,7 @@ def test_ps_cluster_trains_a_split_table_and_resumes_on_3_and_1_ps(spawn, tmp_pa
     first = _run_chief(spawn, 2, tmp_path, steps=30)
     # 40,000 x 16 float32 table (2.56 MB) and its Adagrad accumulator, split in two.
     assert first["shards"] == [[20000, 16], [20000, 16]]
-    assert sorted(d.split("/")[2] for d in first["shard_devices"]) == ["task:0", "task:1"]
+    assert sorted(d.split("/")[3] for d in first["shard_devices"]) == ["task:0", "task:1"]
     byts = first["ps_variable_bytes"]
     assert set(byts) == {"ps:0", "ps:1"}
     for b in byts.values():
@@ -216,3 +216,21 @@ def test_ps_cluster_trains_a_split_table_and_resumes_on_3_and_1_ps(spawn, tmp_pa
     assert one["shards"] == [[40000, 16]]
     assert one["restored_step"] == 40 and one["restored_table_equal"]
     assert one["global_step"] == 50
+
+
+def test_shards_keep_the_whole_kernels_initial_statistics():
+    import keras
+
+    with sharding.sharding_scope(sharding.ShardingPolicy("fixed", 4)):
+        dense = keras.layers.Dense(100)
+        dense.build((None, 4000))
+        seeded = keras.layers.Embedding(10, 3, embeddings_initializer=keras.initializers.RandomUniform(seed=3))
+        seeded.build()
+    assert len(dense.shards) == 4
+    # Glorot uniform over the full 4000 x 100 kernel: limit sqrt(6 / 4100), std limit / sqrt(3).
+    limit = np.sqrt(6 / 4100)
+    kernel = dense.kernel.numpy()
+    assert np.abs(kernel).max() <= limit
+    assert kernel.std() == pytest.approx(limit / np.sqrt(3), rel=0.02)
+    # A fixed seed is offset per shard, or all shards would start equal.
+    assert not np.array_equal(seeded.shards[0].numpy(), seeded.shards[1].numpy())
