@@ -249,6 +249,8 @@ class Results:
     test_metrics: dict | None = None
     train_examples: int | None = None  # None: a streamed (infinite or unknown) split
     test_examples: int | None = None
+    # Parameter servers: bytes of variables and optimizer slots each ps holds.
+    ps_variable_bytes: dict | None = None
     # A task's extra_results(), written at the top level beside the fields above.
     extra: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION

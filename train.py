@@ -276,7 +276,7 @@ def _cluster_flags(cluster, d: TrainConfig) -> None:
 
 def _training_flags(train, d: TrainConfig) -> None:
     from models import BUILTIN_TASKS, DEFAULT_TASK, MODEL_NAMES
-    from training.config import DEFAULT_LEARNING_RATE, LR_SCHEDULES, OPTIMIZERS
+    from training.config import DEFAULT_LEARNING_RATE, LR_SCHEDULES, OPTIMIZERS, PARTITIONERS
 
     train.add_argument("--task", default=None,
                        help="what to train: a built-in (" + ", ".join(BUILTIN_TASKS)
@@ -312,6 +312,12 @@ def _training_flags(train, d: TrainConfig) -> None:
     train.add_argument("--data-dir", default=None,
                        help="tfds data dir for the built-in MNIST tasks (default: TFDS_DATA_DIR, "
                             "else tfds's own)")
+    train.add_argument("--variable-partitioner", default=None, choices=PARTITIONERS,
+                       help="ps, ps-sync: split Embedding tables and Dense kernels over the ps "
+                            "tasks, one shard per ps: min-size (default; those of "
+                            "--shard-min-bytes or more), fixed (all of them), none")
+    train.add_argument("--shard-min-bytes", type=int, default=d.shard_min_bytes,
+                       help="--variable-partitioner min-size: the smallest variable split")
     train.add_argument("--synthetic-data", action="store_true",
                        help="train on the first batch, repeated (input-pipeline benchmark)")
 

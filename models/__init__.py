@@ -29,6 +29,9 @@ class BuiltinTask:
     test_examples: int | None = None
     # Whether the task reads a tfds data directory (--data-dir).
     reads_tfds: bool = False
+    # Whether --optimizer, --learning-rate and --lr-schedule (with their
+    # defaults) replace the compiled optimizer, or only when given.
+    flags_set_optimizer: bool = True
 
 
 BUILTIN_TASKS = {
@@ -40,6 +43,11 @@ BUILTIN_TASKS = {
         "mnist-logreg", "models.mnist:LOGREG",
         "MNIST, 784 -> 10 softmax regression (the classic parameter-server example)",
         train_examples=60_000, test_examples=10_000, reads_tfds=True),
+    "ctr": BuiltinTask(
+        "ctr", "models.ctr:TASK",
+        "click-through prediction: a 2M x 16 embedding table over hashed categorical features "
+        "(synthetic, planted logistic model; AUC and its ceiling)",
+        flags_set_optimizer=False),
 }
 
 # ``--model cnn|logreg`` predates tasks; scripts and docs still use it.

@@ -193,8 +193,8 @@ class CtrTask:
         return {"auc_ceiling": round(auc(labels, logits), 6)}
 
 
-_TASK = CtrTask()
-configure = _TASK.configure
-build_model = _TASK.build_model
-dataset = _TASK.dataset
-extra_results = _TASK.extra_results
+TASK = CtrTask()
+configure = TASK.configure
+build_model = TASK.build_model
+dataset = TASK.dataset
+extra_results = TASK.extra_results

@@ -20,6 +20,8 @@ OPTIMIZERS = ("adam", "sgd")
 # Peak rates for the default cosine schedule (chosen in the benchmark notes).
 DEFAULT_LEARNING_RATE = {"adam": 5e-3, "sgd": 0.1}
 LR_SCHEDULES = ("cosine", "constant")
+# --variable-partitioner (training.sharding.POLICIES; this module imports no TensorFlow).
+PARTITIONERS = ("none", "min-size", "fixed")
 # What the built-in tasks train with unless the flags say otherwise.
 DEFAULT_OPTIMIZER, DEFAULT_LR_SCHEDULE = "adam", "cosine"
 # Seeds feed TensorFlow's and NumPy's generators, which take 32-bit seeds.
@@ -32,7 +34,7 @@ PER_REPLICA_BATCH = 64
 # them changed would mix two runs (``training.checkpoints.check_run_record``).
 # ``total_steps`` is recorded too, but a resume may extend a run.
 DEFINING_FLAGS = ("strategy", "task", "optimizer", "learning_rate", "lr_schedule",
-                  "global_batch_size", "seed")
+                  "global_batch_size", "seed", "variable_partitioner", "shard_min_bytes")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,10 @@ class TrainConfig:
     # ps-sync: gradients averaged into one update (None: one per worker).
     replicas_to_aggregate: int | None = None
     synthetic_data: bool = False
+    # Parameter servers: which variables are split over the ps tasks (None:
+    # min-size under a strategy with ps, none otherwise) and the minimum size.
+    variable_partitioner: str | None = None
+    shard_min_bytes: int = 1 << 20
     dry_run: bool = False
     cluster: ClusterConfig = field(default=LOCAL)
 
@@ -69,7 +75,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad value; touches nothing."""
-        choices = {"optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES}
+        choices = {"optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES,
+                   "variable_partitioner": PARTITIONERS}
         for name, allowed in choices.items():
             value = getattr(self, name)
             if value is not None and value not in allowed:
@@ -108,6 +115,9 @@ class TrainConfig:
                 f"--steps={self.steps} is more than the {MAX_STEPS} steps a run may ask for; "
                 "use fewer"
             )
+        if self.shard_min_bytes < 0:
+            raise ConfigError(f"--shard-min-bytes={self.shard_min_bytes} is not allowed; use 0 "
+                              "or more bytes")
         if self.replicas_to_aggregate is not None and self.replicas_to_aggregate < 1:
             raise ConfigError(
                 f"--replicas-to-aggregate={self.replicas_to_aggregate} is not allowed; it must "

@@ -18,7 +18,9 @@ def local_copy(model: keras.Model, local: keras.Model) -> keras.Model:
     variables once, and Keras 3 cannot predict or save through a
     ParameterServerStrategy-scoped model.
     """
-    local.set_weights([np.asarray(w) for w in model.get_weights()])
+    from training.sharding import full_weights
+
+    local.set_weights(full_weights(model))
     return local
 
 

@@ -50,6 +50,15 @@ class OptimizerPlan:
 
 
 @dataclass(frozen=True)
+class ShardingPlan:
+    """Which variables are split over the ps tasks (``training.sharding``)."""
+
+    partitioner: str = "none"  # none | min-size | fixed
+    num_shards: int = 1  # the ps tasks; 1 keeps a split layout that reshards
+    min_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
 class RunPlan:
     config: TrainConfig
     cluster: ClusterConfig
@@ -65,6 +74,7 @@ class RunPlan:
     total_steps: int
     steps_per_epoch: int
     optimizer: OptimizerPlan
+    sharding: ShardingPlan = ShardingPlan()
 
     @property
     def examples_per_gradient(self) -> int:
@@ -101,6 +111,8 @@ class RunPlan:
             "lr_schedule": opt.schedule if opt.library else None,
             "global_batch_size": self.global_batch_size, "seed": self.config.seed,
             "total_steps": self.total_steps,
+            "variable_partitioner": self.sharding.partitioner,
+            "shard_min_bytes": self.sharding.min_bytes,
         }
 
     def batch_note(self) -> str | None:
@@ -130,6 +142,8 @@ class RunPlan:
             "per_replica_batch_size": self.global_batch_size // self.replicas,
             "gradients_per_update": self.gradients_per_update,
             "train_examples": self.train_examples,
+            "variable_partitioner": self.sharding.partitioner,
+            "shards_per_split_variable": self.sharding.num_shards,
             "total_steps": self.total_steps,
             "devices": {**self.devices, "cpu": True},
             "model_dir": self.config.model_dir,
@@ -186,13 +200,28 @@ def resolve(config: TrainConfig, gpus: list[str], *, train_examples: int | None 
         global_batch_size=batch, batch_chosen=chosen, replicas=replicas, devices=devices,
         train_examples=train_examples, test_examples=test_examples, total_steps=total,
         steps_per_epoch=steps_per_epoch, optimizer=_optimizer(config, spec),
+        sharding=_sharding(config, kind, cfg),
     )
+
+
+def _sharding(config: TrainConfig, kind: StrategyKind, cfg: ClusterConfig) -> ShardingPlan:
+    """--variable-partitioner: min-size by default where variables live on ps tasks."""
+    if kind.min_ps == 0:
+        if config.variable_partitioner not in (None, "none"):
+            able = "|".join(name for name, other in kinds.all_kinds().items() if other.min_ps)
+            raise ConfigError(
+                f"--variable-partitioner {config.variable_partitioner} splits variables over ps "
+                f"tasks, and --strategy {kind.name} has none; drop the flag or use --strategy "
+                f"{able}")
+        return ShardingPlan("none", 1, config.shard_min_bytes)
+    return ShardingPlan(config.variable_partitioner or "min-size", max(1, cfg.num_ps),
+                        config.shard_min_bytes)
 
 
 def _optimizer(config: TrainConfig, spec: TaskSpec) -> OptimizerPlan:
     """Built-in tasks train with the flags (their defaults when unset); a user's
     task with its own compiled optimizer unless a flag overrides it."""
-    if spec.builtin is None and not config.optimizer_overridden:
+    if not tasks.flags_set_optimizer(spec) and not config.optimizer_overridden:
         return OptimizerPlan(library=False)
     name = config.optimizer or DEFAULT_OPTIMIZER
     return OptimizerPlan(

@@ -401,6 +401,7 @@ class PsSyncTrainer(CoordinatedTrainer):
             # Gradients each worker computed in this run.
             "steps_per_worker": {w: c["computed"] for w, c in counts.items()},
             "variables_per_ps": variables_per_ps(self.state.model),
+            "ps_variable_bytes": self.ps_variable_bytes(),
             "replicas_to_aggregate": self.k,
             "aggregated_gradients": sum(c["accepted"] for c in counts.values()),
             "stale_gradients_dropped": sum(c["dropped"] for c in counts.values()),

@@ -30,6 +30,7 @@ from tensorflow.python.distribute.coordinator.cluster_coordinator import (
 
 from training import data
 from training.recovery import StallWatchdog, condense_tf_logs, fetch
+from training.sharding import ps_variable_bytes
 from training.step import make_step_fn, make_train_fn, metric_dict
 from training.sync_trainer import PEER_ERRORS
 from training.trainer import Trainer
@@ -143,6 +144,11 @@ class CoordinatedTrainer(Trainer):
     def metrics(self) -> dict[str, float]:
         return dict(self._last)
 
+    def ps_variable_bytes(self) -> dict[str, int]:
+        """Bytes of model variables and optimizer slots each ps task holds."""
+        state = self.state
+        return ps_variable_bytes(state.model.weights, state.optimizer.variables)
+
     def finish_worker(self) -> None:
         raise AssertionError(f"under {self.bundle.name} only the chief trains")
 
@@ -242,4 +248,5 @@ class PsTrainer(CoordinatedTrainer):
             "steps_per_worker": dict(zip(self.workers, counts)) if counts else None,
             "staleness": staleness_stats(all_staleness),
             "variables_per_ps": variables_per_ps(self.state.model),
+            "ps_variable_bytes": self.ps_variable_bytes(),
         }

@@ -478,3 +478,30 @@ def sparse_updates(optimizer) -> str:
 
     optimizer.update_step = update_step
     return "adagrad"
+
+
+def full_weights(model) -> list:
+    """``model``'s weights as the unsplit model holds them: the shards of each
+    split variable joined along their rows, in the model's weight order.
+
+    A local copy built from the task (outside the strategy, unsplit) takes
+    these with ``set_weights``: evaluation, the weights' hash and
+    ``model.keras`` do not depend on the number of ps tasks.
+    """
+    import numpy as np
+
+    out, key, run = [], None, []
+    for var in model.weights:
+        match = SHARD_RE.match(var.path)
+        group = (match.group("head"), match.group("tail")) if match else None
+        if run and group != key:
+            out.append(np.concatenate(run, axis=0))
+            run = []
+        key = group
+        if group is None:
+            out.append(np.asarray(var.numpy()))
+        else:
+            run.append(np.asarray(var.numpy()))
+    if run:
+        out.append(np.concatenate(run, axis=0))
+    return out

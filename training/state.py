@@ -12,6 +12,9 @@ from dataclasses import dataclass
 import keras
 import tensorflow as tf
 
+from protocol import ConfigError
+from training import sharding
+
 
 def make_optimizer(name: str, learning_rate: float, schedule: str = "constant",
                    total_steps: int = 1) -> keras.optimizers.Optimizer:
@@ -41,10 +44,19 @@ class TrainState:
 
 def build_state(plan, task, strategy) -> TrainState:
     """The task's model, the plan's optimizer and the step counters, in ``strategy``'s scope."""
+    policy = sharding.ShardingPolicy(plan.sharding.partitioner, plan.sharding.num_shards,
+                                     plan.sharding.min_bytes)
     with strategy.scope():
         # The task compiles its model with its own optimizer; the library's
         # replaces it where the plan says so (built-in tasks, or a flag).
-        model = task.build_model()
+        # Large Embedding tables and Dense kernels are split over the ps tasks
+        # as they are built (training.sharding: Keras 3 cannot train
+        # TensorFlow's own partitioned variables).
+        try:
+            with sharding.sharding_scope(policy):
+                model = task.build_model()
+        except sharding.ShardingError as err:
+            raise ConfigError(f"task {plan.task.name}: {err}") from None
         opt = model.optimizer
         if plan.optimizer.library:
             o = plan.optimizer
@@ -52,6 +64,10 @@ def build_state(plan, task, strategy) -> TrainState:
             model.optimizer = opt
         # Optimizer slots must exist before a checkpoint restore can fill them.
         opt.build(model.trainable_variables)
+        if plan.kind.min_ps:
+            # On the ps, row-sparse gradients update only their rows (Adagrad;
+            # SGD already does); replicated variables keep Keras's own update.
+            sharding.sparse_updates(opt)
         # Updated in cross-replica context only (see make_train_fn), so no
         # cross-replica aggregation is ever needed; ONLY_FIRST_REPLICA still
         # makes replica-context reads well defined.
@@ -63,6 +79,7 @@ def build_state(plan, task, strategy) -> TrainState:
             0, dtype=tf.int64, trainable=False, name="completed_steps",
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
-    checkpoint = tf.train.Checkpoint(model=model, optimizer=opt, global_step=global_step,
-                                     completed_steps=completed_steps)
+    # Split variables are saved whole, so a run resumes on another number of ps.
+    checkpoint = tf.train.Checkpoint(**sharding.checkpoint_objects(model, opt),
+                                     global_step=global_step, completed_steps=completed_steps)
     return TrainState(model, opt, global_step, completed_steps, checkpoint)

@@ -130,6 +130,13 @@ def static_sizes(spec: TaskSpec) -> tuple[int | None, int | None]:
     return entry.train_examples, entry.test_examples
 
 
+def flags_set_optimizer(spec: TaskSpec) -> bool:
+    """Whether the optimizer flags' defaults apply (the MNIST built-ins), or
+    the task's own compiled optimizer trains unless a flag is given."""
+    entry = BUILTIN_TASKS.get(spec.builtin or "")
+    return entry is not None and entry.flags_set_optimizer
+
+
 def reads_tfds(spec: TaskSpec) -> bool:
     entry = BUILTIN_TASKS.get(spec.builtin or "")
     return entry is not None and entry.reads_tfds
