@@ -301,11 +301,15 @@ class LaunchOutcome:
     # Optional, added later (readers of older files get None): each computing
     # task's {"steps", "share", "steps_per_sec"} from its progress events;
     # under --hosts each task's host; under --link-rate the measured link;
-    # the --slow flags applied.
+    # the --slow flags applied; each fault fired ({"kind", "target",
+    # "at_seconds", "at_step"}, and for a hang or partition "lift_after",
+    # "lifted_at_seconds", "lifted_by": "schedule", "launcher cleanup" or
+    # "task gone").
     per_task: dict | None = None
     hosts: dict | None = None
     link: dict | None = None
     slowed: list | None = None
+    faults: list | None = None
 
     def write(self, path: str) -> None:
         write_json_atomic(path, dataclasses.asdict(self))
