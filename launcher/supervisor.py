@@ -166,6 +166,9 @@ class Supervisor:
                         self.apply(action)
                 code = decide(self.kind, self.exits)
                 if code is not None:
+                    # The outcome is known: a task still hung or cut off
+                    # could not checkpoint or see its chief gone.
+                    self.lift_all()
                     if code == Exit.PREEMPTED:
                         # Every worker saves at the agreed step and exits by
                         # itself; a SIGTERM now would be read as another notice.
