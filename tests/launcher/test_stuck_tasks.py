@@ -187,3 +187,28 @@ def test_ps_worker_hung_then_continued_the_job_finishes_with_exact_step_accounti
     assert r["global_steps"] == r["applied_steps"] == 1200 and r["reexecuted_steps"] == 0
     assert not any("Traceback" in l for l in p.lines)
     assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
+
+
+@pytest.mark.timeout(300)
+def test_ps_worker_hung_for_good_the_chief_ends_with_one_line_and_75(tmp_path, spawn):
+    # The coordinator does not route around a stopped worker (no RPC fails):
+    # the chief's stall watchdog ends it --startup-timeout after the last
+    # completed closure, naming no unreachable task (the peer is up but stuck).
+    model_dir = str(tmp_path / "pshung")
+    p = spawn(launch_cmd("ps", "--workers", "2", "--ps", "1", "--timeout", "240", "--grace", "3",
+                         "--hang", "worker:1@step=300",
+                         train_args=["--model", "logreg", "--log-every", "100", "--steps", "1200",
+                                     "--steps-per-execution", "5", "--startup-timeout", "20",
+                                     "--model-dir", model_dir]))
+    p.wait_for_line(r"^\[launch\] fault --hang worker:1@step=300: sent SIGSTOP", 200)
+    assert p.wait(120) == 75, p.output
+    chief = [l for l in p.lines if l.startswith("[chief:0] ")]
+    errors = [l for l in chief if l.startswith("[chief:0] error:")]
+    assert len(errors) == 1, "\n".join(chief[-20:])
+    assert "no training step completed for 20s (--startup-timeout)" in errors[0]
+    assert not any("Traceback" in l for l in chief)
+    assert any(re.match(r"^\[launch\] worker:1 \(pid \d+\) is still hung: SIGCONT", l)
+               for l in p.lines)
+    (record,) = _outcome(model_dir)["faults"]
+    assert record["lifted_by"] == "launcher cleanup"
+    assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
