@@ -212,3 +212,27 @@ def test_ps_worker_hung_for_good_the_chief_ends_with_one_line_and_75(tmp_path, s
     (record,) = _outcome(model_dir)["faults"]
     assert record["lifted_by"] == "launcher cleanup"
     assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
+
+
+@pytest.mark.timeout(300)
+def test_multiworker_hung_worker_the_survivor_ends_with_one_line_naming_it_and_75(tmp_path,
+                                                                                  spawn):
+    # TensorFlow's coordination service (hosted by worker:0) misses worker:1's
+    # heartbeats and aborts the collectives: worker:0 stops waiting in the
+    # all-reduce and names the stuck task.
+    model_dir = str(tmp_path / "mwhung")
+    p = spawn(launch_cmd("multiworker", "--workers", "2", "--timeout", "200", "--grace", "3",
+                         "--hang", "worker:1@step=300",
+                         train_args=["--model", "logreg", "--log-every", "100", "--steps", "1200",
+                                     "--model-dir", model_dir]))
+    p.wait_for_line(r"^\[launch\] fault --hang worker:1@step=300: sent SIGSTOP", 200)
+    p.wait_for_line(r"^\[launch\] worker:0 exited with code 75$", 90)
+    assert p.wait(60) == 75, p.output
+    survivor = [l for l in p.lines if l.startswith("[worker:0] ")]
+    errors = [l for l in survivor if l.startswith("[worker:0] error:")]
+    assert len(errors) == 1, "\n".join(survivor[-20:])
+    assert "worker:0 lost contact with worker:1 while training" in errors[0]
+    assert not any("Traceback" in l for l in survivor)
+    (record,) = _outcome(model_dir)["faults"]
+    assert record["kind"] == "hang" and record["lifted_by"] == "launcher cleanup"
+    assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
