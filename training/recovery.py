@@ -283,6 +283,7 @@ def preemption_handler(strategy, save, step_now):
 
     if threading.current_thread() is not threading.main_thread():
         return None  # signal handlers can only be installed from the main thread
+    quiet_watcher_deaths()
     counter_dir = tempfile.mkdtemp(prefix="preemption-")
     manager = tf.train.CheckpointManager(tf.train.Checkpoint(), counter_dir, max_to_keep=1)
 
@@ -296,6 +297,38 @@ def preemption_handler(strategy, save, step_now):
         getattr(strategy, "cluster_resolver", None), manager, termination_config=config,
     )
     return _Handler(handler, counter_dir)
+
+
+def _from_failure_handling(tb) -> bool:
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(os.path.join("failure_handling",
+                                                                "failure_handling.py")):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def quiet_watcher_deaths() -> None:
+    """TensorFlow's preemption watcher threads die with a traceback when the
+    coordination service's host is gone (a peer lost, or this task stopped
+    and continued after its peers gave up on it); the task's own error line
+    says what happened, so such a death is one warning line."""
+    previous = threading.excepthook
+    if getattr(previous, "quiet_watcher_deaths", False):
+        return
+
+    def hook(args):
+        import tensorflow as tf
+
+        if isinstance(args.exc_value, tf.errors.OpError) and _from_failure_handling(
+                args.exc_traceback):
+            print(f"warning: TensorFlow's preemption watcher stopped: "
+                  f"{type(args.exc_value).__name__}: {first_line(args.exc_value)}", flush=True)
+            return
+        previous(args)
+
+    hook.quiet_watcher_deaths = True
+    threading.excepthook = hook
 
 
 class _Handler:

@@ -125,3 +125,42 @@ def test_the_ps_trainer_fetches_through_the_retrying_path(monkeypatch):
     monkeypatch.setattr(ps_trainer, "metric_dict", lambda loss, names, values: {"loss": loss})
     ps_trainer.PsTrainer._collect_one(fake)
     assert remote.calls == 2 and fake.completed == 5 and fake._last == {"loss": 0.25}
+
+
+def _died(fn):
+    """The excepthook's argument for a thread whose target ``fn`` raised."""
+    import sys
+
+    try:
+        fn()
+    except Exception:  # noqa: BLE001
+        kind, value, tb = sys.exc_info()
+    return types.SimpleNamespace(exc_type=kind, exc_value=value, exc_traceback=tb, thread=None)
+
+
+def test_a_preemption_watcher_dying_on_a_lost_peer_is_one_warning_line(capsys, monkeypatch):
+    import threading
+
+    seen = []
+    monkeypatch.setattr(threading, "excepthook", seen.append)  # the hook before ours
+    recovery.quiet_watcher_deaths()
+    recovery.quiet_watcher_deaths()  # installed once: no chain of hooks
+    hook = threading.excepthook
+    assert hook.quiet_watcher_deaths
+    # A function compiled as if it lived in TF's failure_handling module.
+    fake = "/x/tensorflow/python/distribute/failure_handling/failure_handling.py"
+    scope = {"tf": tf}
+    exec(compile("def _watch():\n    raise tf.errors.UnavailableError(None, None, "
+                 "'sendmsg: Broken pipe (32)\\nmore')\n", fake, "exec"), scope)
+    hook(_died(scope["_watch"]))
+    assert capsys.readouterr().out.splitlines() == [
+        "warning: TensorFlow's preemption watcher stopped: UnavailableError: "
+        "sendmsg: Broken pipe (32)"]
+    assert seen == []
+
+    def bug():
+        raise ValueError("a real bug")
+
+    hook(_died(bug))  # anything else goes to the previous hook (a traceback)
+    assert len(seen) == 1 and isinstance(seen[0].exc_value, ValueError)
+    assert capsys.readouterr().out == ""
