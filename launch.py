@@ -107,6 +107,14 @@ def add_recovery_args(p) -> None:
                    help=f"SIGKILL a task (repeatable); {FAULT_SPEC}")
     p.add_argument("--preempt", action="append", metavar="ROLE:INDEX@WHEN",
                    help="SIGTERM a task, a polite preemption (repeatable); same WHEN")
+    p.add_argument("--hang", action="append", metavar="ROLE:INDEX@WHEN[+SECONDS]",
+                   help="SIGSTOP a task's process group, alive but stuck (a frozen host or VM); "
+                        "SIGCONT after SECONDS if given, always before the launcher stops it; "
+                        "repeatable; same WHEN")
+    p.add_argument("--partition", action="append", metavar="hostN@WHEN[+SECONDS]",
+                   help="with --hosts: take a simulated host's link down (ip link set ... "
+                        "down), up again after SECONDS if given, always when the launcher "
+                        "ends; repeatable; same WHEN")
     p.add_argument("--slow", action="append", metavar="ROLE:INDEX=FRACTION[@WHEN]",
                    help="run a task at FRACTION of its speed, from outside the process (a CFS "
                         "CPU quota, else a SIGSTOP/SIGCONT duty cycle); repeatable, restarts "
@@ -181,6 +189,7 @@ def build_config(args, train_args: list[str]) -> LaunchConfig:
                           "a Python program that takes train.py's arguments")
     cluster = plan_cluster(args, kind)
     recovery = plan_recovery(kind, cluster.tf_configs, kill=args.kill, preempt=args.preempt,
+                             hang=args.hang, partition=args.partition, hosts=args.hosts,
                              slow=args.slow, restart_tasks=args.restart_tasks,
                              restart_delay=args.restart_delay, max_restarts=args.max_restarts)
     rate = network.parse_rate(args.link_rate) if args.link_rate is not None else None

@@ -36,7 +36,7 @@ class Exit(IntEnum):
     BAD_INPUT = 2  # flags, TF_CONFIG, data or run directory: nothing was started
     PREEMPTED = 42  # SIGTERM: a checkpoint was saved at an agreed step (TF's own choice)
     DIVERGED = 65  # EX_DATAERR: the loss or weights became NaN/inf; the last good checkpoint is kept
-    TASK_LOST = 75  # EX_TEMPFAIL: a peer was lost or never came
+    TASK_LOST = 75  # EX_TEMPFAIL: a peer was lost or never came, or RPCs kept failing
     TIMEOUT = 124  # the launcher stopped a job that ran past --timeout (as timeout(1))
     INTERRUPTED = 130  # Ctrl-C (SIGINT)
     TERMINATED = 143  # SIGTERM to the launcher: it stopped every task
@@ -51,7 +51,7 @@ EXIT_MEANINGS = {
     Exit.BAD_INPUT: "bad input: one error line, nothing started or written",
     Exit.PREEMPTED: "preempted: checkpoint saved, relaunch to resume",
     Exit.DIVERGED: "training diverged (non-finite loss or weights): stopped, last good checkpoint kept",
-    Exit.TASK_LOST: "a peer task was lost or never came: relaunch to resume",
+    Exit.TASK_LOST: "a peer task was lost, never came, or its RPCs kept failing: relaunch to resume",
     Exit.TIMEOUT: "launcher: the job ran past --timeout and was stopped",
     Exit.INTERRUPTED: "interrupted (Ctrl-C)",
     Exit.TERMINATED: "launcher: SIGTERM; every task was stopped",
@@ -303,11 +303,15 @@ class LaunchOutcome:
     # Optional, added later (readers of older files get None): each computing
     # task's {"steps", "share", "steps_per_sec"} from its progress events;
     # under --hosts each task's host; under --link-rate the measured link;
-    # the --slow flags applied.
+    # the --slow flags applied; each fault fired ({"kind", "target",
+    # "at_seconds", "at_step"}, and for a hang or partition "lift_after",
+    # "lifted_at_seconds", "lifted_by": "schedule", "launcher cleanup" or
+    # "task gone").
     per_task: dict | None = None
     hosts: dict | None = None
     link: dict | None = None
     slowed: list | None = None
+    faults: list | None = None
 
     def write(self, path: str) -> None:
         write_json_atomic(path, dataclasses.asdict(self))

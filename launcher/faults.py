@@ -1,4 +1,5 @@
-"""Faults the launcher injects, and how it recovers: kill, preempt, slow, restart, relaunch.
+"""Faults the launcher injects, and how it recovers: kill, preempt, hang, partition, slow,
+restart, relaunch.
 
 ``parse_fault``, ``parse_slow`` and ``plan_recovery`` check the flags (pure;
 ``launch.py`` hands them the raw specs, never its argparse namespace).
@@ -22,28 +23,50 @@ from dataclasses import dataclass
 import protocol
 from launcher import cgroups
 from launcher.plan import LaunchError
-from launcher.state import JobState, RestartTask, SignalTask, SlowTask
+from launcher.state import JobState, RestartTask, SetLink, SignalTask, SlowTask
 from strategies import kinds
 from strategies.kinds import StrategyKind
 
-FAULT_ACTIONS = {"kill": signal.SIGKILL, "preempt": signal.SIGTERM}
+# The signal each task fault sends; ``partition`` takes a simulated host's link down instead.
+FAULT_ACTIONS = {"kill": signal.SIGKILL, "preempt": signal.SIGTERM, "hang": signal.SIGSTOP,
+                 "partition": None}
+# Faults that last: lifted after +SECONDS if given, and always when the launcher ends.
+LASTING = ("hang", "partition")
 FAULT_SPEC = "ROLE:INDEX@WHEN, WHEN being seconds (@20, @2.5s) or a step reached (@step=150)"
+LASTING_SPEC = {
+    "hang": "ROLE:INDEX@WHEN[+SECONDS], e.g. worker:1@step=150+20 (stopped for 20 s; "
+            "without +SECONDS until the launcher ends)",
+    "partition": "hostN@WHEN[+SECONDS], e.g. host1@30+10 (host1's link down for 10 s; "
+                 "without +SECONDS until the launcher ends)",
+}
 SLOW_SPEC = "ROLE:INDEX=FRACTION[@WHEN], FRACTION in (0, 1), e.g. worker:1=0.25 or worker:1=0.5@step=200"
 MAX_TASK_RESTARTS = 3  # per task: a worker that keeps dying is not a transient fault
 
 
 @dataclass(frozen=True)
 class Fault:
-    """``--kill``/``--preempt``: signal ``task`` once ``seconds`` or ``step`` is reached."""
+    """``--kill``/``--preempt``/``--hang``: signal ``task`` once ``seconds`` or ``step`` is
+    reached; ``--partition``: take host ``task`` (``host1``) off its link then.
+
+    ``lift_after``: a hang or partition is lifted that many seconds later
+    (``None``: only when the launcher ends).
+    """
 
     action: str
     task: str
     seconds: float | None = None
     step: int | None = None
+    lift_after: float | None = None
+
+    @property
+    def host(self) -> int | None:
+        """The simulated host's index, for a partition."""
+        return int(self.task[len("host"):]) if self.action == "partition" else None
 
     def __str__(self) -> str:
         when = f"step={self.step}" if self.step is not None else f"{self.seconds:g}s"
-        return f"--{self.action} {self.task}@{when}"
+        lift = f"+{self.lift_after:g}s" if self.lift_after is not None else ""
+        return f"--{self.action} {self.task}@{when}{lift}"
 
 
 @dataclass(frozen=True)
@@ -68,13 +91,19 @@ class Slow:
 _TASK = r"(chief|worker|ps|local):(\d+)"
 _WHEN = r"(?:step=(\d+)|(\d+(?:\.\d+)?)s?)"
 _FAULT_RX = re.compile(rf"^{_TASK}@{_WHEN}$")
+_LIFT = r"(?:\+(\d+(?:\.\d+)?)s?)?"
+_HANG_RX = re.compile(rf"^{_TASK}@{_WHEN}{_LIFT}$")
+_PARTITION_RX = re.compile(rf"^host(\d+)@{_WHEN}{_LIFT}$")
 _SLOW_RX = re.compile(rf"^{_TASK}=(\d*\.?\d+)(?:@{_WHEN})?$")
 
 
 def parse_fault(action: str, spec: str) -> Fault:
-    """``worker:1@20`` / ``ps:0@step=150`` into a Fault, or LaunchError (pure)."""
+    """``worker:1@20`` / ``ps:0@step=150`` (``--hang worker:1@20+5``, ``--partition
+    host1@step=100+10``) into a Fault, or LaunchError (pure)."""
     if action not in FAULT_ACTIONS:
         raise LaunchError(f"unknown fault action {action!r}; allowed: {', '.join(FAULT_ACTIONS)}")
+    if action in LASTING:
+        return _parse_lasting(action, spec)
     m = _FAULT_RX.match(spec.strip())
     if not m:
         raise LaunchError(
@@ -86,6 +115,22 @@ def parse_fault(action: str, spec: str) -> Fault:
     if step is not None:
         return Fault(action, task, step=int(step))
     return Fault(action, task, seconds=float(seconds))
+
+
+def _parse_lasting(action: str, spec: str) -> Fault:
+    m = (_HANG_RX if action == "hang" else _PARTITION_RX).match(spec.strip())
+    if not m:
+        raise LaunchError(f"--{action} {spec!r} is not a {action} spec; expected "
+                          f"{LASTING_SPEC[action]}; WHEN as for --kill (@20, @step=150)")
+    *target, step, seconds, lift = m.groups()
+    task = f"{target[0]}:{int(target[1])}" if action == "hang" else f"host{int(target[0])}"
+    lift_after = float(lift) if lift is not None else None
+    if lift_after is not None and lift_after <= 0:
+        raise LaunchError(f"--{action} {spec!r}: +SECONDS must be above 0 (how long the "
+                          f"{action} lasts), received {lift_after:g}; leave it out to "
+                          "last until the launcher ends")
+    return Fault(action, task, seconds=float(seconds) if seconds is not None else None,
+                 step=int(step) if step is not None else None, lift_after=lift_after)
 
 
 def parse_slow(spec: str) -> Slow:
@@ -112,15 +157,31 @@ class RecoveryPlan:
     slow: tuple[Slow, ...] = ()
 
 
-def plan_recovery(kind: StrategyKind, tasks, *, kill=(), preempt=(), slow=(),
-                  restart_tasks: bool = False, restart_delay: float = 2.0,
-                  max_restarts: int = 0) -> RecoveryPlan:
-    """Check the fault, slow-down and restart flags (their raw specs) against the cluster (pure)."""
+def plan_recovery(kind: StrategyKind, tasks, *, kill=(), preempt=(), slow=(), hang=(),
+                  partition=(), hosts: int = 0, restart_tasks: bool = False,
+                  restart_delay: float = 2.0, max_restarts: int = 0) -> RecoveryPlan:
+    """Check the fault, slow-down and restart flags (their raw specs) against the cluster (pure).
+
+    ``hosts``: how many simulated hosts (``--hosts``; 0: none), which a
+    ``--partition`` needs.
+    """
     names = list(tasks)
-    specs = {"kill": kill or (), "preempt": preempt or ()}
+    specs = {"kill": kill or (), "preempt": preempt or (), "hang": hang or (),
+             "partition": partition or ()}
     faults = tuple(parse_fault(action, spec) for action in FAULT_ACTIONS for spec in specs[action])
     slowed = tuple(parse_slow(spec) for spec in (slow or ()))
+    for fault in faults:
+        if fault.action != "partition":
+            continue
+        if not hosts:
+            raise LaunchError(f"{fault} takes a simulated host's link down; it needs "
+                              "--hosts N (N >= 2): without it every task shares one loopback")
+        if fault.host >= hosts:
+            raise LaunchError(f"{fault} names a host this launch does not have; hosts: "
+                              + ", ".join(f"host{i}" for i in range(hosts)))
     for item in (*faults, *slowed):
+        if isinstance(item, Fault) and item.action == "partition":
+            continue
         if item.task not in names:
             raise LaunchError(
                 f"{item} names a task this cluster does not have; tasks: {', '.join(names)}"
@@ -174,6 +235,9 @@ class FaultInjector:
         self.readers = [protocol.EventReader(p) for p in event_paths]
         self.waiting = list(faults)
         self.fired: list[str] = []
+        # Each fault fired: kind, target, when; hangs and partitions: when lifted, and by what.
+        self.records: list[dict] = []
+        self._lasting: list[tuple[Fault, int | None, dict]] = []
         self.slowed: list[str] = []
         self.log = log
         self.clock = clock
@@ -200,14 +264,21 @@ class FaultInjector:
         return ready
 
     def __call__(self, state: JobState) -> list:
-        actions = self._enforce_grace(state)
+        actions = self._enforce_grace(state) + self._lift_due(state)
         for fault in self.due():
+            at = f"at {self.clock() - self.started:.1f}s, step {max(self.step, 0)}"
+            if isinstance(fault, Fault) and fault.action == "partition":
+                actions.append(SetLink(fault.host, up=False))
+                self._fired(fault, None)
+                self.log(f"[launch] fault {fault}: {fault.task}'s link is down {at}"
+                         + (f"; back up in {fault.lift_after:g}s" if fault.lift_after else
+                            "; until the launcher ends"))
+                continue
             task = state.task(fault.task)
             if task is None or not task.running:
                 self.log(f"[launch] {'slow' if isinstance(fault, Slow) else 'fault'} {fault}: "
                          f"{fault.task} is not running; skipped")
                 continue
-            at = f"at {self.clock() - self.started:.1f}s, step {max(self.step, 0)}"
             if isinstance(fault, Slow):
                 actions.append(SlowTask(fault.task, fault.fraction))
                 self.slowed.append(str(fault))
@@ -215,15 +286,62 @@ class FaultInjector:
                          f"{fault.fraction:.0%} of its speed from now on, {at}")
                 continue
             sig = FAULT_ACTIONS[fault.action]
-            # A kill takes the whole task, as if its host died; a preemption
-            # signals the task's own process, as Kubernetes does.
-            actions.append(SignalTask(fault.task, sig, group=fault.action == "kill", pid=task.pid))
+            # A kill or a hang takes the whole task, as if its host died or
+            # froze; a preemption signals the task's own process, as
+            # Kubernetes does.
+            actions.append(SignalTask(fault.task, sig, group=fault.action != "preempt",
+                                      pid=task.pid))
             if fault.action == "preempt" and self.grace is not None:
                 self._terminating.append((fault.task, task.pid, self.clock() + self.grace))
-            self.fired.append(str(fault))
+            self._fired(fault, task.pid)
+            lasts = ("" if fault.action != "hang" else
+                     f"; SIGCONT in {fault.lift_after:g}s" if fault.lift_after else
+                     "; stopped until the launcher ends")
             self.log(f"[launch] fault {fault}: sent {signal.Signals(sig).name} to {fault.task} "
-                     f"(pid {task.pid}) {at}")
+                     f"(pid {task.pid}) {at}{lasts}")
         return actions
+
+    def _fired(self, fault: Fault, pid: int | None) -> None:
+        self.fired.append(str(fault))
+        record = {"kind": fault.action, "target": fault.task,
+                  "at_seconds": round(self.clock() - self.started, 2),
+                  "at_step": max(self.step, 0)}
+        if fault.action in LASTING:
+            record.update(lift_after=fault.lift_after, lifted_at_seconds=None, lifted_by=None)
+            self._lasting.append((fault, pid, record))
+        self.records.append(record)
+
+    def _lift_due(self, state: JobState) -> list:
+        """Hangs and partitions whose +SECONDS are over: SIGCONT, link up."""
+        now, keep, actions = self.clock() - self.started, [], []
+        for fault, pid, record in self._lasting:
+            if fault.lift_after is None or now < record["at_seconds"] + fault.lift_after:
+                keep.append((fault, pid, record))
+                continue
+            record.update(lifted_at_seconds=round(now, 2), lifted_by="schedule")
+            if fault.action == "partition":
+                actions.append(SetLink(fault.host, up=True))
+                self.log(f"[launch] fault {fault} lifted: {fault.task}'s link is up again at "
+                         f"{now:.1f}s")
+                continue
+            task = state.task(fault.task)
+            if task is None or task.pid != pid or not task.running:
+                record["lifted_by"] = "task gone"
+                continue
+            actions.append(SignalTask(fault.task, signal.SIGCONT, group=True, pid=pid))
+            self.log(f"[launch] fault {fault} lifted: sent SIGCONT to {fault.task} (pid {pid}) "
+                     f"at {now:.1f}s")
+        self._lasting = keep
+        return actions
+
+    def end_attempt(self) -> None:
+        """The supervisor has continued every stopped task and raised every
+        link (``Supervisor.stop``): the hangs and partitions still on are
+        recorded as lifted by that cleanup."""
+        now = round(self.clock() - self.started, 2)
+        for _, _, record in self._lasting:
+            record.update(lifted_at_seconds=now, lifted_by="launcher cleanup")
+        self._lasting = []
 
     def _enforce_grace(self, state: JobState) -> list:
         """A preempted task still running ``--grace`` s later is SIGKILLed, as
@@ -357,6 +475,18 @@ class Slowdown:
             # Stopped until the next cycle continues it: a process attached
             # mid-cycle would otherwise run free for up to a whole period.
             _killpg(pid, signal.SIGSTOP)
+
+    def hold(self, task: str, pid: int, held: bool) -> None:
+        """A hung task leaves the duty cycle (which would continue it) and
+        rejoins it when the hang is lifted. (A cycle under way ends with its
+        SIGSTOP, so the task stays stopped.) A cgroup quota needs nothing."""
+        if self.method != "signals" or task not in self.active:
+            return
+        with self._lock:
+            if held:
+                self._pids.pop(task, None)
+            else:
+                self._pids[task] = pid
 
     def _duty_cycle(self) -> None:
         try:  # wake on time even when the cores are busy (allowed for root)

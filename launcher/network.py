@@ -290,6 +290,14 @@ class SimulatedHosts:
             _run(["tc", "qdisc", "add", "dev", "eth0", "root", *tbf_args(self.rate_bits)], ns)
             _run(["tc", "qdisc", "add", "dev", outer, "root", *tbf_args(self.rate_bits)])
 
+    def set_link(self, index: int, up: bool) -> None:
+        """``--partition``: host ``index``'s link down (its bridge end; the
+        host's eth0 loses its carrier), or up again. Connections stay open,
+        as across a real switch failure: packets are simply not delivered."""
+        if not 0 <= index < len(self.holders):
+            raise ValueError(f"no simulated host{index}")
+        _run(["ip", "link", "set", f"vh{index}", "up" if up else "down"])
+
     def measure(self, src: int = 0, dst: int = 1, timeout: float = 30.0) -> LinkCheck:
         """One TCP transfer from host ``src`` to host ``dst``, timed by the receiver."""
         size = probe_bytes(self.rate_bits or 10**9)

@@ -1,6 +1,6 @@
 """The job as the supervisor sees it, and what hooks may ask it to do (pure, typed).
 
-Hooks (fault injection, task restarts, slow-downs) read a ``JobState``
+Hooks (fault injection, task restarts, slow-downs, partitions) read a ``JobState``
 snapshot and return actions; only the supervisor starts, signals or
 replaces processes, so the task list has one owner.
 """
@@ -62,4 +62,16 @@ class SlowTask:
     fraction: float
 
 
-Action = Union[SignalTask, RestartTask, SlowTask]
+@dataclass(frozen=True)
+class SetLink:
+    """Take simulated host ``host``'s link down (``up=False``: a partition) or bring it back."""
+
+    host: int
+    up: bool
+
+    @property
+    def task(self) -> str:
+        return f"host{self.host}"
+
+
+Action = Union[SignalTask, RestartTask, SlowTask, SetLink]

@@ -20,7 +20,7 @@ from launcher import faults as faultlib
 from launcher import policy, processes
 from launcher.config import LaunchConfig
 from launcher.processes import Placement, Task
-from launcher.state import JobState, RestartTask, SignalTask, SlowTask, TaskView
+from launcher.state import JobState, RestartTask, SetLink, SignalTask, SlowTask, TaskView
 from protocol import Exit
 from strategies.kinds import StrategyKind
 
@@ -49,12 +49,18 @@ class Supervisor:
     """One attempt of the job: its processes, their exits, the hooks' actions."""
 
     def __init__(self, kind: StrategyKind, starter: Callable[[str], Task], log=print,
-                 grace: float = 5.0, poll: float = 0.1, slowdown=None, attempt: int = 0):
+                 grace: float = 5.0, poll: float = 0.1, slowdown=None, attempt: int = 0,
+                 network=None):
         self.kind, self.starter, self.log = kind, starter, log
         self.grace, self.poll, self.slowdown, self.attempt = grace, poll, slowdown, attempt
+        self.network = network  # SimulatedHosts, for --partition
         self.tasks: dict[str, Task] = {}
         self.exits: dict[str, int | None] = {}
         self.starts: dict[str, int] = {}
+        # What stop() must undo whatever happens: tasks hung by SIGSTOP (their
+        # pid), hosts whose link is down.
+        self.hung: dict[str, int] = {}
+        self.links_down: set[int] = set()
 
     # --- processes ---------------------------------------------------------------
 
@@ -79,20 +85,34 @@ class Supervisor:
         for name, t in self.tasks.items():
             if self.exits[name] is None and (code := t.proc.poll()) is not None:
                 self.exits[name] = code
+                self.hung.pop(name, None)
                 how = f" (killed by {signal.Signals(-code).name})" if code < 0 else ""
                 self.log(f"[launch] {name} exited with code {code}{how}")
 
     def apply(self, action) -> None:
+        if isinstance(action, SetLink):
+            if self.network is None:
+                raise RuntimeError(f"{action} without simulated hosts")
+            self.network.set_link(action.host, action.up)
+            (self.links_down.discard if action.up else self.links_down.add)(action.host)
+            return
         task = self.tasks.get(action.task)
         if task is None:
             return
         if isinstance(action, SignalTask):
             if task.proc.poll() is not None or (action.pid is not None and action.pid != task.proc.pid):
                 return  # gone, or already replaced by a restart
+            if action.sig == signal.SIGSTOP:
+                self.hung[action.task] = task.proc.pid
+                if self.slowdown is not None:
+                    self.slowdown.hold(action.task, task.proc.pid, held=True)
             if action.group:
                 processes.signal_group(task.proc, action.sig)
             else:
                 task.proc.send_signal(action.sig)
+            if action.sig == signal.SIGCONT and self.hung.pop(action.task, None) is not None \
+                    and self.slowdown is not None:
+                self.slowdown.hold(action.task, task.proc.pid, held=False)
         elif isinstance(action, RestartTask):
             task.pump.join(timeout=5)
             new = self._start(action.task)
@@ -108,10 +128,30 @@ class Supervisor:
             raise TypeError(f"unknown action {action!r}")
 
     def stop(self) -> None:
-        """Every task stopped: SIGTERM, then SIGKILL after ``grace``."""
+        """Every task stopped: SIGTERM, then SIGKILL after ``grace``; before
+        that, every hung task continued and every downed link brought up."""
+        self.lift_all()
         if self.slowdown is not None:
             self.slowdown.resume()  # a stopped process cannot act on SIGTERM
         processes.stop_tasks(list(self.tasks.values()), grace=self.grace)
+
+    def lift_all(self) -> None:
+        """Undo every hang and partition still on: a stopped process cannot
+        act on SIGTERM, and a relaunch needs its links."""
+        for name, pid in list(self.hung.items()):
+            self.log(f"[launch] {name} (pid {pid}) is still hung: SIGCONT before stopping it")
+            try:
+                os.killpg(pid, signal.SIGCONT)
+            except (ProcessLookupError, PermissionError):
+                pass
+            del self.hung[name]
+        for host in sorted(self.links_down):
+            self.log(f"[launch] host{host}'s link is still down: bringing it up")
+            try:
+                self.network.set_link(host, True)
+            except (OSError, RuntimeError, ValueError) as err:  # the namespaces go with the holders
+                self.log(f"[launch] warning: could not bring host{host}'s link up: {err}")
+        self.links_down.clear()
 
     # --- the poll loop -------------------------------------------------------------
 
@@ -126,6 +166,9 @@ class Supervisor:
                         self.apply(action)
                 code = decide(self.kind, self.exits)
                 if code is not None:
+                    # The outcome is known: a task still hung or cut off
+                    # could not checkpoint or see its chief gone.
+                    self.lift_all()
                     if code == Exit.PREEMPTED:
                         # Every worker saves at the agreed step and exits by
                         # itself; a SIGTERM now would be read as another notice.
@@ -244,7 +287,8 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
                                         task_env=task_envs[name], place=place)
 
         code, attempt = _attempts(config, starter, [injector, *filter(None, [restarter])],
-                                  restarter, slowdown, holder, log)
+                                  restarter, slowdown, holder, log, network=network,
+                                  injector=injector)
     finally:
         if slowdown is not None:
             slowdown.close()
@@ -259,7 +303,7 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
         protocol.LaunchOutcome(
             int(code), list(injector.fired), restarts, attempt, per_task=rates or None,
             hosts={n: plan.where(n) for n in names} if plan.hosts else None,
-            link=link, slowed=slowed or None,
+            link=link, slowed=slowed or None, faults=list(injector.records) or None,
         ).write(os.path.join(launch_dir, "outcome.json"))
     return code
 
@@ -281,17 +325,21 @@ def _hooks(config: LaunchConfig, slowdown, event_paths: list[str], log):
 
 
 def _attempts(config: LaunchConfig, starter, hooks, restarter, slowdown, holder,
-              log) -> tuple[int, int]:
+              log, network=None, injector=None) -> tuple[int, int]:
     """Run the job, relaunching it under ``--max-restarts``: its last code and the relaunches."""
     recovery, attempt = config.recovery, 0
     while True:
         if restarter is not None:
             restarter.new_attempt()
         sup = Supervisor(config.kind, starter, log=log, grace=config.grace,
-                         slowdown=slowdown, attempt=attempt)
+                         slowdown=slowdown, attempt=attempt, network=network)
         holder[:] = [sup]
         sup.start(config.names)
-        code = sup.run(config.timeout, hooks)
+        try:
+            code = sup.run(config.timeout, hooks)
+        finally:
+            if injector is not None:
+                injector.end_attempt()  # sup.run's stop() lifted what was still on
         if not faultlib.should_relaunch(code, attempt, recovery.max_restarts):
             return code, attempt
         attempt += 1

@@ -207,7 +207,7 @@ class PsTrainer(CoordinatedTrainer):
 
     def _collect_one(self) -> None:
         remote, n = self._pending.popleft()
-        result = fetch(remote, time.monotonic() + self.patience)
+        result = fetch(remote, time.monotonic() + self.patience, task=self.cfg.task_name)
         if self._stall is not None:
             self._stall.progress()
         self._staleness.append(result["staleness"])

@@ -141,21 +141,72 @@ def is_worker_failure(err: BaseException) -> bool:
     return cc._is_worker_failure(err)  # pylint: disable=protected-access
 
 
-def fetch(remote, deadline: float, retry_every: float = 0.2):
-    """``remote.fetch()``, riding out the loss of the worker that ran it.
+class RpcFailed(TaskLost):
+    """An RPC error that is not a lost worker outlived its retries (exit 75).
+
+    A relaunch resumes from the checkpoint, as after a lost task.
+    """
+
+
+# An error on the chief's schedule/fetch path that TensorFlow does not take
+# for a lost worker, but that a retry may cure: gRPC INTERNAL (status 13,
+# e.g. "Unable to parse request" while copying a finished closure's outputs)
+# and UNKNOWN. Retried TRANSIENT_RETRIES times, waiting TRANSIENT_BACKOFF s,
+# then twice that, ...; then the chief ends with one line and exit 75.
+TRANSIENT_RETRIES = 3
+TRANSIENT_BACKOFF = 0.5
+
+
+def is_transient(err: BaseException) -> bool:
+    import tensorflow as tf
+
+    return isinstance(err, (tf.errors.InternalError, tf.errors.UnknownError))
+
+
+def fetch(remote, deadline: float, retry_every: float = 0.2, *, task: str = "chief",
+          retries: int = TRANSIENT_RETRIES, backoff: float = TRANSIENT_BACKOFF,
+          sleep=time.sleep, log=None, worker_failure=None, transient=None):
+    """``remote.fetch()``, riding out the loss of the worker that ran it, and
+    a few transient RPC errors.
 
     The coordinator puts a lost worker's closure back on the queue and runs it
     elsewhere, but ``RemoteValue.fetch`` can still raise: the closure may have
     finished, and the copy of its outputs from the dead worker fails. The
     rerun sets fresh outputs on the same RemoteValue, so fetching again works.
+
+    Any other error that ``transient`` accepts (``is_transient``) is retried
+    ``retries`` times with a doubling ``backoff``, each retry logged in one
+    line: a failed copy of the outputs is tried afresh (``RemoteValue.get``
+    copies again until one copy succeeds). Past that, ``RpcFailed``: one line,
+    exit 75, never a traceback. ``worker_failure``/``transient``/``sleep``/
+    ``log`` are for tests.
     """
+    worker_failure = worker_failure or is_worker_failure
+    transient = transient or is_transient
+    log = log or (lambda line: print(line, flush=True))
+    failures = 0
     while True:
         try:
             return remote.fetch()
         except Exception as err:  # pylint: disable=broad-except
-            if not is_worker_failure(err) or time.monotonic() > deadline:
+            if worker_failure(err):
+                if time.monotonic() > deadline:
+                    raise
+                sleep(retry_every)
+                continue
+            if not transient(err):
                 raise
-            time.sleep(retry_every)
+            failures += 1
+            what = f"{type(err).__name__}: {_telling_line(err)}"
+            if failures > retries:
+                raise RpcFailed(
+                    f"{task}: fetching a finished step's results failed {failures} times "
+                    f"({what}), not a lost worker; relaunch the same command to resume "
+                    "from the newest checkpoint") from None
+            wait = backoff * 2 ** (failures - 1)
+            log(f"warning: {task}: fetching a step's results failed ({what}); "
+                f"retry {failures} of {retries} in {wait:g}s")
+            sleep(wait)
 
 
 class StallWatchdog:
@@ -232,6 +283,7 @@ def preemption_handler(strategy, save, step_now):
 
     if threading.current_thread() is not threading.main_thread():
         return None  # signal handlers can only be installed from the main thread
+    quiet_watcher_deaths()
     counter_dir = tempfile.mkdtemp(prefix="preemption-")
     manager = tf.train.CheckpointManager(tf.train.Checkpoint(), counter_dir, max_to_keep=1)
 
@@ -245,6 +297,38 @@ def preemption_handler(strategy, save, step_now):
         getattr(strategy, "cluster_resolver", None), manager, termination_config=config,
     )
     return _Handler(handler, counter_dir)
+
+
+def _from_failure_handling(tb) -> bool:
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(os.path.join("failure_handling",
+                                                                "failure_handling.py")):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def quiet_watcher_deaths() -> None:
+    """TensorFlow's preemption watcher threads die with a traceback when the
+    coordination service's host is gone (a peer lost, or this task stopped
+    and continued after its peers gave up on it); the task's own error line
+    says what happened, so such a death is one warning line."""
+    previous = threading.excepthook
+    if getattr(previous, "quiet_watcher_deaths", False):
+        return
+
+    def hook(args):
+        import tensorflow as tf
+
+        if isinstance(args.exc_value, tf.errors.OpError) and _from_failure_handling(
+                args.exc_traceback):
+            print(f"warning: TensorFlow's preemption watcher stopped: "
+                  f"{type(args.exc_value).__name__}: {first_line(args.exc_value)}", flush=True)
+            return
+        previous(args)
+
+    hook.quiet_watcher_deaths = True
+    threading.excepthook = hook
 
 
 class _Handler:

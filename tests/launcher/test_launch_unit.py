@@ -306,6 +306,13 @@ def test_should_relaunch(code, attempt, max_restarts, expected):
     (["--kill", "worker1@20"], ["'worker1@20'", "ROLE:INDEX@WHEN"]),
     (["--preempt", "worker:5@step=3"], ["worker:5", "does not have"]),
     (["--max-restarts", "-2"], ["--max-restarts=-2"]),
+    # Stuck tasks and partitions.
+    (["--hang", "worker:1@20+0"], ["--hang 'worker:1@20+0'", "+SECONDS must be above 0"]),
+    (["--hang", "worker:9@5"], ["--hang worker:9@5s", "does not have"]),
+    (["--hang", "worker:1"], ["'worker:1'", "ROLE:INDEX@WHEN[+SECONDS]"]),
+    (["--partition", "worker:1@5"], ["'worker:1@5'", "hostN@WHEN[+SECONDS]"]),
+    (["--partition", "host1@5"], ["--partition host1@5s", "needs --hosts N"]),
+    (["--hosts", "2", "--partition", "host2@5+3"], ["host2", "does not have", "host0, host1"]),
     # Simulated hosts, links and slow workers.
     (["--hosts", "9"], ["--hosts=9", "4 task(s)"]),
     (["--hosts", "2", "--link-rate", "fast"], ["--link-rate 'fast'", "100mbit"]),

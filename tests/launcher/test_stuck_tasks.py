@@ -1,0 +1,238 @@
+"""--hang and --partition on real processes: a task stopped and continued, a
+host's link down and up again, and nothing left stopped or down afterwards.
+
+The first three run a tiny ``--program`` (no TensorFlow) on every task, so
+they see the launcher's mechanics alone; the last runs a ps job through a
+hang. Every wait has a timeout; tests synchronise on the launcher's lines
+and on the processes' state in /proc, never on a sleep.
+"""
+
+import json
+import re
+import signal
+import time
+
+import pytest
+
+from conftest import descendants_alive, launch_cmd, read_results
+from launcher import network
+
+pytestmark = pytest.mark.multiprocess
+
+# Each task: print a tick every 0.1 s for SECONDS (argv: the program's flags,
+# ignored), then exit 0; a SIGTERM is announced, then exit 0. worker:1 also serves TCP on its
+# TF_CONFIG port; worker:0 says each 0.2 s whether it can reach that port.
+TICKER = r"""
+import json, os, signal, socket, sys, threading, time
+def on_term(signum, frame):
+    print("SIGTERM received", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+cfg = json.loads(os.environ["TF_CONFIG"])
+me = f"{cfg['task']['type']}:{cfg['task']['index']}"
+seconds = float(os.environ.get("TICK_SECONDS", "6"))
+peer = cfg["cluster"]["worker"][1]
+host, port = peer.rsplit(":", 1)
+if me == "worker:1":
+    srv = socket.create_server(("0.0.0.0", int(port)))
+    def serve():
+        while True:
+            conn, _ = srv.accept()
+            conn.close()
+    threading.Thread(target=serve, daemon=True).start()
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    if me == "worker:0" and os.environ.get("PROBE_PEER"):
+        try:
+            socket.create_connection((host, int(port)), timeout=0.3).close()
+            print("reach ok", flush=True)
+        except OSError as err:
+            print(f"reach fail {type(err).__name__}", flush=True)
+    else:
+        print("tick", flush=True)
+    time.sleep(0.2)
+"""
+
+
+def _program(tmp_path):
+    path = tmp_path / "ticker.py"
+    path.write_text(TICKER)
+    return str(path)
+
+
+def _state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+def _wait_state(pid, wanted, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = _state(pid)
+        if (state == "T") == wanted:
+            return state
+        time.sleep(0.05)
+    raise AssertionError(f"pid {pid} still in state {_state(pid)!r} after {timeout}s")
+
+
+def _stopped_with(marker):
+    """Processes whose command line holds ``marker`` and that are stopped (T)."""
+    import subprocess
+
+    out = subprocess.run(["ps", "-eo", "stat,args"], capture_output=True, text=True).stdout
+    return [l for l in out.splitlines()[1:] if l.startswith("T") and marker in l]
+
+
+def _outcome(model_dir):
+    with open(f"{model_dir}/launch/outcome.json") as f:
+        return json.load(f)
+
+
+@pytest.mark.timeout(90)
+def test_a_hung_task_is_stopped_then_continued_after_its_seconds(tmp_path, spawn):
+    model_dir = str(tmp_path / "hang")
+    p = spawn(launch_cmd("multiworker", "--workers", "2", "--timeout", "60", "--grace", "3",
+                         "--program", _program(tmp_path), "--hang", "worker:1@1+2",
+                         train_args=["--model-dir", model_dir]))
+    line = p.wait_for_line(r"^\[launch\] fault --hang worker:1@1s\+2s: sent SIGSTOP", 60)
+    pid = int(re.search(r"\(pid (\d+)\)", line).group(1))
+    assert "SIGCONT in 2s" in line
+    _wait_state(pid, wanted=True)  # stopped: the whole task, alive
+    p.wait_for_line(rf"^\[launch\] fault --hang worker:1@1s\+2s lifted: sent SIGCONT to "
+                    rf"worker:1 \(pid {pid}\)", 30)
+    _wait_state(pid, wanted=False)
+    assert p.wait(60) == 0, p.output
+    (record,) = _outcome(model_dir)["faults"]
+    assert record["kind"] == "hang" and record["target"] == "worker:1"
+    assert record["lifted_by"] == "schedule" and record["lift_after"] == 2.0
+    assert record["lifted_at_seconds"] >= record["at_seconds"] + 2.0
+    assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
+
+
+@pytest.mark.timeout(90)
+def test_a_task_hung_for_good_is_continued_before_the_launcher_stops_it(tmp_path, spawn):
+    # Hung until the end: the job's --timeout stops it. A stopped task cannot
+    # act on SIGTERM: the launcher continues it first, so it sees the
+    # SIGTERM (before --grace's SIGKILL, which it would never see).
+    model_dir = str(tmp_path / "hung")
+    p = spawn(launch_cmd("multiworker", "--workers", "2", "--timeout", "4", "--grace", "30",
+                         "--program", _program(tmp_path), "--hang", "worker:1@1",
+                         train_args=["--model-dir", model_dir]),
+              env=None)
+    line = p.wait_for_line(r"^\[launch\] fault --hang worker:1@1s: sent SIGSTOP", 60)
+    assert "stopped until the launcher ends" in line
+    _wait_state(int(re.search(r"\(pid (\d+)\)", line).group(1)), wanted=True)
+    assert p.wait(60) == 124, p.output
+    lines = p.lines
+    assert any(re.match(r"^\[launch\] worker:1 \(pid \d+\) is still hung: SIGCONT before "
+                        r"stopping it$", l) for l in lines), p.output
+    assert "[worker:1] SIGTERM received" in lines, p.output
+    (record,) = _outcome(model_dir)["faults"]
+    assert record["lifted_by"] == "launcher cleanup" and record["lift_after"] is None
+    assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
+
+
+HOSTS_PROBLEM = network.hosts_problem()
+
+
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.timeout(120)
+def test_a_partitioned_host_is_unreachable_then_reachable_again(tmp_path, spawn):
+    import os
+
+    from conftest import child_env
+
+    model_dir = str(tmp_path / "part")
+    env = child_env(PROBE_PEER="1", TICK_SECONDS="10")
+    p = spawn(launch_cmd("multiworker", "--workers", "2", "--hosts", "2", "--timeout", "60",
+                         "--grace", "3", "--program", _program(tmp_path),
+                         "--partition", "host1@3+3", train_args=["--model-dir", model_dir]),
+              env=env)
+    p.wait_for_line(r"^\[worker:0\] reach ok", 60)
+    down = p.wait_for_line(r"^\[launch\] fault --partition host1@3s\+3s: host1's link is down", 30)
+    assert "back up in 3s" in down
+    up = p.wait_for_line(r"^\[launch\] fault --partition host1@3s\+3s lifted: host1's link is "
+                         r"up again", 30)
+    assert p.wait(60) == 0, p.output
+    lines = p.lines
+    i_down, i_up = lines.index(down), lines.index(up)
+    during = [l for l in lines[i_down:i_up] if l.startswith("[worker:0] reach")]
+    after = [l for l in lines[i_up:] if l.startswith("[worker:0] reach")]
+    # The first probe after the down line may have been sent before it.
+    assert any(l.startswith("[worker:0] reach fail") for l in during), p.output
+    assert after and after[-1] == "[worker:0] reach ok", p.output
+    (record,) = _outcome(model_dir)["faults"]
+    assert record["kind"] == "partition" and record["target"] == "host1"
+    assert record["lifted_by"] == "schedule"
+    assert descendants_alive(model_dir) == [] and os.path.isdir(model_dir)
+
+
+@pytest.mark.timeout(300)
+def test_ps_worker_hung_then_continued_the_job_finishes_with_exact_step_accounting(tmp_path,
+                                                                                   spawn):
+    model_dir = str(tmp_path / "pshang")
+    p = spawn(launch_cmd("ps", "--workers", "2", "--ps", "1", "--timeout", "240", "--grace", "3",
+                         "--hang", "worker:1@step=300+15",
+                         train_args=["--model", "logreg", "--log-every", "100", "--steps", "1200",
+                                     "--steps-per-execution", "5", "--model-dir", model_dir]))
+    p.wait_for_line(r"^\[launch\] fault --hang worker:1@step=300\+15s: sent SIGSTOP", 200)
+    p.wait_for_line(r"^\[launch\] fault --hang worker:1@step=300\+15s lifted", 60)
+    assert p.wait(240) == 0, p.output
+    r = read_results(model_dir)
+    assert r["completed_steps"] == r["scheduled_steps"] == 1200
+    # A stopped worker loses no closure: nothing is re-executed.
+    assert r["global_steps"] == r["applied_steps"] == 1200 and r["reexecuted_steps"] == 0
+    assert not any("Traceback" in l for l in p.lines)
+    assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
+
+
+@pytest.mark.timeout(300)
+def test_ps_worker_hung_for_good_the_chief_ends_with_one_line_and_75(tmp_path, spawn):
+    # The coordinator does not route around a stopped worker (no RPC fails):
+    # the chief's stall watchdog ends it --startup-timeout after the last
+    # completed closure, naming no unreachable task (the peer is up but stuck).
+    model_dir = str(tmp_path / "pshung")
+    p = spawn(launch_cmd("ps", "--workers", "2", "--ps", "1", "--timeout", "240", "--grace", "3",
+                         "--hang", "worker:1@step=300",
+                         train_args=["--model", "logreg", "--log-every", "100", "--steps", "1200",
+                                     "--steps-per-execution", "5", "--startup-timeout", "20",
+                                     "--model-dir", model_dir]))
+    p.wait_for_line(r"^\[launch\] fault --hang worker:1@step=300: sent SIGSTOP", 200)
+    assert p.wait(120) == 75, p.output
+    chief = [l for l in p.lines if l.startswith("[chief:0] ")]
+    errors = [l for l in chief if l.startswith("[chief:0] error:")]
+    assert len(errors) == 1, "\n".join(chief[-20:])
+    assert "no training step completed for 20s (--startup-timeout)" in errors[0]
+    assert not any("Traceback" in l for l in chief)
+    assert any(re.match(r"^\[launch\] worker:1 \(pid \d+\) is still hung: SIGCONT", l)
+               for l in p.lines)
+    (record,) = _outcome(model_dir)["faults"]
+    assert record["lifted_by"] == "launcher cleanup"
+    assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
+
+
+@pytest.mark.timeout(300)
+def test_multiworker_hung_worker_the_survivor_ends_with_one_line_naming_it_and_75(tmp_path,
+                                                                                  spawn):
+    # TensorFlow's coordination service (hosted by worker:0) misses worker:1's
+    # heartbeats and aborts the collectives: worker:0 stops waiting in the
+    # all-reduce and names the stuck task.
+    model_dir = str(tmp_path / "mwhung")
+    p = spawn(launch_cmd("multiworker", "--workers", "2", "--timeout", "200", "--grace", "3",
+                         "--hang", "worker:1@step=300",
+                         train_args=["--model", "logreg", "--log-every", "100", "--steps", "1200",
+                                     "--model-dir", model_dir]))
+    p.wait_for_line(r"^\[launch\] fault --hang worker:1@step=300: sent SIGSTOP", 200)
+    p.wait_for_line(r"^\[launch\] worker:0 exited with code 75$", 90)
+    assert p.wait(60) == 75, p.output
+    survivor = [l for l in p.lines if l.startswith("[worker:0] ")]
+    errors = [l for l in survivor if l.startswith("[worker:0] error:")]
+    assert len(errors) == 1, "\n".join(survivor[-20:])
+    assert "worker:0 lost contact with worker:1 while training" in errors[0]
+    assert not any("Traceback" in l for l in survivor)
+    (record,) = _outcome(model_dir)["faults"]
+    assert record["kind"] == "hang" and record["lifted_by"] == "launcher cleanup"
+    assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
