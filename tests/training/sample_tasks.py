@@ -26,3 +26,29 @@ class Regression:
 
 
 REGRESSION = Regression()
+
+
+class BigEmbedding:
+    """A user's model with a keras.layers.Embedding of 300,000 x 8 floats (9.6 MB):
+    above the 1 MiB default, so split over the ps tasks. Label: whether the
+    id is even (a table lookup learns it)."""
+
+    rows = 300_000
+    sizes = {"train": 20_000, "test": 2_000}
+
+    def build_model(self):
+        ids = keras.Input((), dtype="int32", name="id")
+        h = keras.layers.Embedding(self.rows, 8, name="table")(ids)
+        model = keras.Model(ids, keras.layers.Dense(1)(h))
+        model.compile(optimizer=keras.optimizers.Adagrad(0.5),
+                      loss=keras.losses.BinaryCrossentropy(from_logits=True),
+                      metrics=[keras.metrics.BinaryAccuracy(threshold=0.0, name="accuracy")])
+        return model
+
+    def dataset(self, split):
+        rng = np.random.default_rng({"train": 1, "test": 1}[split])
+        ids = rng.integers(0, 500, size=self.sizes[split]).astype("int32")  # rows seen often
+        return tf.data.Dataset.from_tensor_slices((ids, (ids % 2 == 0).astype("float32")[:, None]))
+
+
+BIG_EMBEDDING = BigEmbedding()
