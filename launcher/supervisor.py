@@ -10,6 +10,7 @@ rate, read from the tasks' progress events.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -18,6 +19,7 @@ from typing import Callable
 import protocol
 from launcher import faults as faultlib
 from launcher import policy, processes
+from launcher import traffic as trafficlib
 from launcher.config import LaunchConfig
 from launcher.processes import Placement, Task
 from launcher.state import JobState, RestartTask, SignalTask, SlowTask, TaskView
@@ -243,8 +245,11 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
             return processes.start_task(name, config.cluster.tf_configs[name], command, env,
                                         task_env=task_envs[name], place=place)
 
+        # After the link probe (build_hosts), so only the job's bytes count.
+        before = network.counters() if network is not None else None
         code, attempt = _attempts(config, starter, [injector, *filter(None, [restarter])],
                                   restarter, slowdown, holder, log)
+        after = network.counters() if network is not None else None
     finally:
         if slowdown is not None:
             slowdown.close()
@@ -254,14 +259,29 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
     rates = worker_rates(config.kind, paths) if paths else {}
     if rates:
         log(f"[launch] per worker: {describe_rates(rates)}")
+    traffic = None
+    if network is not None:
+        traffic = trafficlib.measured_record(before, after, _chief_steps(config.model_dir),
+                                             dict(config.cluster.host_of), config.kind.trainer)
+        log(trafficlib.describe(traffic))
     if launch_dir is not None and os.path.isdir(launch_dir):
         plan, slowed = config.cluster, [str(s) for s in recovery.slow]
         protocol.LaunchOutcome(
             int(code), list(injector.fired), restarts, attempt, per_task=rates or None,
             hosts={n: plan.where(n) for n in names} if plan.hosts else None,
-            link=link, slowed=slowed or None,
+            link=link, slowed=slowed or None, traffic=traffic,
         ).write(os.path.join(launch_dir, "outcome.json"))
     return code
+
+
+def _chief_steps(model_dir: str) -> int | None:
+    """The steps the chief's final run made (``results.json``), or ``None`` without one."""
+    try:
+        with open(os.path.join(model_dir, "results.json")) as f:
+            steps = json.load(f).get("steps_this_run")
+    except (OSError, ValueError):
+        return None
+    return steps if isinstance(steps, int) and steps > 0 else None
 
 
 def _hooks(config: LaunchConfig, slowdown, event_paths: list[str], log):
