@@ -261,8 +261,9 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
         log(f"[launch] per worker: {describe_rates(rates)}")
     traffic = None
     if network is not None:
-        traffic = trafficlib.measured_record(before, after, _chief_steps(config.model_dir),
-                                             dict(config.cluster.host_of), config.kind.trainer)
+        steps, shares = _chief_steps(config.model_dir)
+        traffic = trafficlib.measured_record(before, after, steps, dict(config.cluster.host_of),
+                                             config.kind.trainer, shares)
         log(trafficlib.describe(traffic))
     if launch_dir is not None and os.path.isdir(launch_dir):
         plan, slowed = config.cluster, [str(s) for s in recovery.slow]
@@ -274,14 +275,22 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
     return code
 
 
-def _chief_steps(model_dir: str) -> int | None:
-    """The steps the chief's final run made (``results.json``), or ``None`` without one."""
+def _chief_steps(model_dir: str) -> tuple[int | None, dict | None]:
+    """The steps the chief's final run made and, under ps, each worker's share
+    of them (``results.json``); ``None`` for what it does not say."""
     try:
         with open(os.path.join(model_dir, "results.json")) as f:
-            steps = json.load(f).get("steps_this_run")
+            results = json.load(f)
     except (OSError, ValueError):
-        return None
-    return steps if isinstance(steps, int) and steps > 0 else None
+        return None, None
+    steps, per_worker = results.get("steps_this_run"), results.get("steps_per_worker")
+    steps = steps if isinstance(steps, int) and steps > 0 else None
+    shares = None
+    if isinstance(per_worker, dict) and per_worker:
+        total = sum(v for v in per_worker.values() if isinstance(v, int))
+        if total > 0:
+            shares = {w: round(v / total, 4) for w, v in per_worker.items() if isinstance(v, int)}
+    return steps, shares
 
 
 def _hooks(config: LaunchConfig, slowdown, event_paths: list[str], log):

@@ -20,8 +20,8 @@ from collections import defaultdict
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def task_flows(trainer: str, names: list[str], params: int, gradient_dtype: str = "float32"
-               ) -> dict[tuple[str, str], float]:
+def task_flows(trainer: str, names: list[str], params: int, gradient_dtype: str = "float32",
+               shares: dict[str, float] | None = None) -> dict[tuple[str, str], float]:
     """``{(sender, receiver): payload bytes per step}`` for the tasks ``names``.
 
     ``trainer`` is the strategy kind's loop (``StrategyKind.trainer``):
@@ -30,7 +30,9 @@ def task_flows(trainer: str, names: list[str], params: int, gradient_dtype: str 
     its gradients to them) or ``ps-sync`` (each update: every worker reads
     the weights once and queues one flat gradient on ps:0; the update
     applies K of them, the other N - K are computed, sent and dropped).
-    ``params``: trainable parameters (float32 weights).
+    ``params``: trainable parameters (float32 weights). ``shares`` (ps): each
+    worker's fraction of the steps, when known (``results.json``'s
+    ``steps_per_worker``); else an even split.
     """
     if gradient_dtype not in DTYPE_BYTES:
         raise ValueError(f"gradient dtype {gradient_dtype!r}; allowed: {', '.join(DTYPE_BYTES)}")
@@ -50,8 +52,8 @@ def task_flows(trainer: str, names: list[str], params: int, gradient_dtype: str 
         # Any one worker runs a step: on average each does 1/N of them. The
         # variables are split over the ps tasks (about evenly by size).
         workers = [w for w in workers if w.startswith("worker:")]  # the chief only schedules
-        share = 1.0 / (len(workers) * len(ps))
         for w in workers:
+            share = (shares[w] if shares else 1.0 / len(workers)) / len(ps)
             for p in ps:
                 flows[(p, w)] += weights * share
                 flows[(w, p)] += grads * share
@@ -82,10 +84,10 @@ def host_bytes_per_step(flows: dict[tuple[str, str], float],
     return out
 
 
-def predict(trainer: str, host_of: dict[str, int], params: int, gradient_dtype: str = "float32"
-            ) -> dict[int, dict[str, float]]:
+def predict(trainer: str, host_of: dict[str, int], params: int, gradient_dtype: str = "float32",
+            shares: dict[str, float] | None = None) -> dict[int, dict[str, float]]:
     """Payload bytes per step each host sends (tx) and receives (rx)."""
-    flows = task_flows(trainer, list(host_of), params, gradient_dtype)
+    flows = task_flows(trainer, list(host_of), params, gradient_dtype, shares)
     return host_bytes_per_step(flows, host_of)
 
 
@@ -93,11 +95,12 @@ def predict(trainer: str, host_of: dict[str, int], params: int, gradient_dtype: 
 
 def measured_record(before: dict[int, dict[str, int]], after: dict[int, dict[str, int]],
                     steps: int | None, host_of: dict[str, int],
-                    trainer: str | None = None) -> dict:
+                    trainer: str | None = None, shares: dict[str, float] | None = None) -> dict:
     """The outcome record's ``traffic``: each host's bytes over the job, and per step.
 
     ``before``/``after``: ``SimulatedHosts.counters()`` at the job's start and
-    end; ``steps``: the chief's steps this run (``None``: no results).
+    end; ``steps``: the chief's steps this run (``None``: no results);
+    ``shares`` (ps): each worker's fraction of those steps.
     """
     hosts = {}
     for h in sorted(after):
@@ -109,7 +112,7 @@ def measured_record(before: dict[int, dict[str, int]], after: dict[int, dict[str
             "tx_bytes_per_step": round(tx / steps) if steps else None,
             "rx_bytes_per_step": round(rx / steps) if steps else None,
         }
-    return {"steps": steps, "trainer": trainer, "hosts": hosts}
+    return {"steps": steps, "trainer": trainer, "worker_shares": shares, "hosts": hosts}
 
 
 def describe(record: dict) -> str:
@@ -130,7 +133,8 @@ def describe(record: dict) -> str:
 def compare(record: dict, params: int, gradient_dtype: str = "float32") -> dict[str, dict]:
     """Measured against predicted per step, per host: ``{host: {tx, rx, tx_model, rx_model}}``."""
     host_of = {t: int(name[4:]) for name, h in record["hosts"].items() for t in h["tasks"]}
-    model = predict(record["trainer"], host_of, params, gradient_dtype)
+    model = predict(record["trainer"], host_of, params, gradient_dtype,
+                    record.get("worker_shares"))
     return {name: {"tx": h["tx_bytes_per_step"], "rx": h["rx_bytes_per_step"],
                    "tx_model": round(model[int(name[4:])]["tx"]),
                    "rx_model": round(model[int(name[4:])]["rx"])}

@@ -52,6 +52,13 @@ def test_async_ps_host_sends_the_weights_and_receives_the_gradients_every_step()
     assert total(half) / total(model) == pytest.approx(0.75)
 
 
+def test_async_ps_workers_traffic_follows_their_share_of_the_steps():
+    host_of = {"chief:0": 0, "ps:0": 0, "worker:0": 1, "worker:1": 2}
+    model = traffic.predict("ps", host_of, 100, shares={"worker:0": 0.75, "worker:1": 0.25})
+    assert model[1] == {"tx": 300.0, "rx": 300.0} and model[2] == {"tx": 100.0, "rx": 100.0}
+    assert model[0] == {"tx": 400.0, "rx": 400.0}  # the ps host's bytes do not depend on it
+
+
 def test_ps_sync_every_worker_reads_the_weights_and_queues_one_gradient_per_update():
     host_of = {"chief:0": 0, "ps:0": 0, "worker:0": 1, "worker:1": 2, "worker:2": 3}
     model = traffic.predict("ps-sync", host_of, 100)
