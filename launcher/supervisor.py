@@ -246,10 +246,10 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
                                         task_env=task_envs[name], place=place)
 
         # After the link probe (build_hosts), so only the job's bytes count.
-        before = network.counters() if network is not None else None
+        before = _counters(network, log)
         code, attempt = _attempts(config, starter, [injector, *filter(None, [restarter])],
                                   restarter, slowdown, holder, log)
-        after = network.counters() if network is not None else None
+        after = _counters(network, log) if before is not None else None
     finally:
         if slowdown is not None:
             slowdown.close()
@@ -260,7 +260,7 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
     if rates:
         log(f"[launch] per worker: {describe_rates(rates)}")
     traffic = None
-    if network is not None:
+    if after is not None:
         steps, shares = _chief_steps(config.model_dir)
         traffic = trafficlib.measured_record(before, after, steps, dict(config.cluster.host_of),
                                              config.kind.trainer, shares)
@@ -273,6 +273,19 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
             link=link, slowed=slowed or None, traffic=traffic,
         ).write(os.path.join(launch_dir, "outcome.json"))
     return code
+
+
+def _counters(network, log) -> dict | None:
+    """Every simulated host's byte counters, or ``None`` (no hosts, or unreadable:
+    the job's outcome is written all the same, without ``traffic``)."""
+    if network is None:
+        return None
+    try:
+        return network.counters()
+    except (OSError, KeyError, ValueError) as err:
+        log(f"[launch] warning: could not read the hosts' byte counters ({err!r}); "
+            "outcome.json will have no traffic")
+        return None
 
 
 def _chief_steps(model_dir: str) -> tuple[int | None, dict | None]:

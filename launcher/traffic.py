@@ -53,7 +53,7 @@ def task_flows(trainer: str, names: list[str], params: int, gradient_dtype: str 
         # variables are split over the ps tasks (about evenly by size).
         workers = [w for w in workers if w.startswith("worker:")]  # the chief only schedules
         for w in workers:
-            share = (shares[w] if shares else 1.0 / len(workers)) / len(ps)
+            share = (shares.get(w, 0.0) if shares else 1.0 / len(workers)) / len(ps)
             for p in ps:
                 flows[(p, w)] += weights * share
                 flows[(w, p)] += grads * share
