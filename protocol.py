@@ -312,6 +312,10 @@ class LaunchOutcome:
     link: dict | None = None
     slowed: list | None = None
     faults: list | None = None
+    # Under --hosts: each host's bytes sent and received over the job (its
+    # veth's counters at start and end, headers included) and per step of
+    # the chief's final run (launcher.traffic.measured_record).
+    traffic: dict | None = None
 
     def write(self, path: str) -> None:
         write_json_atomic(path, dataclasses.asdict(self))

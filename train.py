@@ -272,6 +272,13 @@ def _cluster_flags(cluster, d: TrainConfig) -> None:
                          help="ps-sync: gradients averaged into one update (unset: the number of "
                               "workers; fewer makes the N - K slowest backups whose late gradients "
                               "are dropped)")
+    from training.config import GRADIENT_DTYPES
+
+    cluster.add_argument("--gradient-dtype", default=d.gradient_dtype, metavar="DTYPE",
+                         help="what gradients cross the network as (" + ", ".join(GRADIENT_DTYPES)
+                         + "): cast before multiworker's all-reduce or the push to the ps, the "
+                         "update applied in float32; bfloat16 halves the gradient bytes. float16 "
+                         "is refused (no loss scaling)")
 
 
 def _training_flags(train, d: TrainConfig) -> None:

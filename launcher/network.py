@@ -248,6 +248,31 @@ def _run(cmd: list[str], netns: str | None = None, timeout: float = 20.0) -> Non
         raise RuntimeError(f"`{' '.join(cmd)}` failed: {out.stderr.strip() or out.returncode}")
 
 
+def parse_net_dev(text: str) -> dict[str, tuple[int, int]]:
+    """``/proc/net/dev`` -> ``{interface: (rx_bytes, tx_bytes)}`` (pure)."""
+    out = {}
+    for line in text.splitlines()[2:]:  # two header lines
+        name, sep, rest = line.partition(":")
+        fields = rest.split()
+        if sep and len(fields) >= 9:
+            out[name.strip()] = (int(fields[0]), int(fields[8]))
+    return out
+
+
+def host_counters(devices: dict[str, tuple[int, int]], hosts: int) -> dict[int, dict[str, int]]:
+    """Each host's bytes sent and received, from its veth's bridge end (pure).
+
+    The bridge end ``vh<i>`` receives what host i sends and transmits what
+    it receives, so its rx is the host's tx: what crossed the host's link,
+    Ethernet, IP and TCP headers included.
+    """
+    out = {}
+    for i in range(hosts):
+        rx, tx = devices[f"vh{i}"]
+        out[i] = {"tx_bytes": rx, "rx_bytes": tx}
+    return out
+
+
 class SimulatedHosts:
     """N hosts on a bridge inside the launcher's namespace; call ``close`` when done."""
 
@@ -297,6 +322,16 @@ class SimulatedHosts:
         if not 0 <= index < len(self.holders):
             raise ValueError(f"no simulated host{index}")
         _run(["ip", "link", "set", f"vh{index}", "up" if up else "down"])
+
+    def counters(self) -> dict[int, dict[str, int]]:
+        """Every host's bytes sent and received so far (its veth's counters).
+
+        Read from ``/proc/net/dev`` of this (the launcher's) namespace, where
+        the bridge ends live: ``/sys/class/net`` would show the namespace
+        that mounted sysfs, not this one.
+        """
+        with open("/proc/net/dev") as f:
+            return host_counters(parse_net_dev(f.read()), self.count)
 
     def measure(self, src: int = 0, dst: int = 1, timeout: float = 30.0) -> LinkCheck:
         """One TCP transfer from host ``src`` to host ``dst``, timed by the receiver."""

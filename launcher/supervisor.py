@@ -10,6 +10,7 @@ rate, read from the tasks' progress events.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -18,6 +19,7 @@ from typing import Callable
 import protocol
 from launcher import faults as faultlib
 from launcher import policy, processes
+from launcher import traffic as trafficlib
 from launcher.config import LaunchConfig
 from launcher.processes import Placement, Task
 from launcher.state import JobState, RestartTask, SetLink, SignalTask, SlowTask, TaskView
@@ -286,9 +288,12 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
             return processes.start_task(name, config.cluster.tf_configs[name], command, env,
                                         task_env=task_envs[name], place=place)
 
+        # After the link probe (build_hosts), so only the job's bytes count.
+        before = _counters(network, log)
         code, attempt = _attempts(config, starter, [injector, *filter(None, [restarter])],
                                   restarter, slowdown, holder, log, network=network,
                                   injector=injector)
+        after = _counters(network, log) if before is not None else None
     finally:
         if slowdown is not None:
             slowdown.close()
@@ -298,14 +303,52 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
     rates = worker_rates(config.kind, paths) if paths else {}
     if rates:
         log(f"[launch] per worker: {describe_rates(rates)}")
+    traffic = None
+    if after is not None:
+        steps, shares = _chief_steps(config.model_dir)
+        traffic = trafficlib.measured_record(before, after, steps, dict(config.cluster.host_of),
+                                             config.kind.trainer, shares)
+        log(trafficlib.describe(traffic))
     if launch_dir is not None and os.path.isdir(launch_dir):
         plan, slowed = config.cluster, [str(s) for s in recovery.slow]
         protocol.LaunchOutcome(
             int(code), list(injector.fired), restarts, attempt, per_task=rates or None,
             hosts={n: plan.where(n) for n in names} if plan.hosts else None,
             link=link, slowed=slowed or None, faults=list(injector.records) or None,
+            traffic=traffic,
         ).write(os.path.join(launch_dir, "outcome.json"))
     return code
+
+
+def _counters(network, log) -> dict | None:
+    """Every simulated host's byte counters, or ``None`` (no hosts, or unreadable:
+    the job's outcome is written all the same, without ``traffic``)."""
+    if network is None:
+        return None
+    try:
+        return network.counters()
+    except (OSError, KeyError, ValueError) as err:
+        log(f"[launch] warning: could not read the hosts' byte counters ({err!r}); "
+            "outcome.json will have no traffic")
+        return None
+
+
+def _chief_steps(model_dir: str) -> tuple[int | None, dict | None]:
+    """The steps the chief's final run made and, under ps, each worker's share
+    of them (``results.json``); ``None`` for what it does not say."""
+    try:
+        with open(os.path.join(model_dir, "results.json")) as f:
+            results = json.load(f)
+    except (OSError, ValueError):
+        return None, None
+    steps, per_worker = results.get("steps_this_run"), results.get("steps_per_worker")
+    steps = steps if isinstance(steps, int) and steps > 0 else None
+    shares = None
+    if isinstance(per_worker, dict) and per_worker:
+        total = sum(v for v in per_worker.values() if isinstance(v, int))
+        if total > 0:
+            shares = {w: round(v / total, 4) for w, v in per_worker.items() if isinstance(v, int)}
+    return steps, shares
 
 
 def _hooks(config: LaunchConfig, slowdown, event_paths: list[str], log):

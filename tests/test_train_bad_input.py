@@ -188,6 +188,8 @@ BAD_FLAGS = [
     Row("optimizer-unknown", None, ("--optimizer=rmsprop",), ("'rmsprop'", "adam, sgd")),
     Row("lr-schedule-unknown", None, ("--lr-schedule=linear",), ("'linear'",)),
     Row("all-reduce-unknown", None, ("--all-reduce=mpi",), ("'mpi'",)),
+    Row("gradient-dtype-unknown", None, ("--gradient-dtype=int8",), ("'int8'", "bfloat16")),
+    Row("gradient-dtype-float16", None, ("--gradient-dtype=float16",), ("loss scaling", "bfloat16")),
     Row("epochs-zero", None, ("--epochs=0",), ("--epochs=0", "greater than 0")),
     Row("epochs-negative", None, ("--epochs=-3",), ("--epochs=-3",)),
     Row("epochs-float", None, ("--epochs=1.5",), ("'1.5'",)),

@@ -22,6 +22,8 @@ DEFAULT_LEARNING_RATE = {"adam": 5e-3, "sgd": 0.1}
 LR_SCHEDULES = ("cosine", "constant")
 # --variable-partitioner (training.sharding.POLICIES; this module imports no TensorFlow).
 PARTITIONERS = ("none", "min-size", "fixed")
+# What gradients cross the network as (--gradient-dtype); updates are float32 whatever it is.
+GRADIENT_DTYPES = ("float32", "bfloat16", "float16")
 # What the built-in tasks train with unless the flags say otherwise.
 DEFAULT_OPTIMIZER, DEFAULT_LR_SCHEDULE = "adam", "cosine"
 # Seeds feed TensorFlow's and NumPy's generators, which take 32-bit seeds.
@@ -60,6 +62,9 @@ class TrainConfig:
     startup_timeout: float = 120.0
     # ps-sync: gradients averaged into one update (None: one per worker).
     replicas_to_aggregate: int | None = None
+    # What gradients cross the network as: cast before the all-reduce or the
+    # push to the ps, cast back to float32 where the update is applied.
+    gradient_dtype: str = "float32"
     synthetic_data: bool = False
     # Parameter servers: which variables are split over the ps tasks (None:
     # min-size under a strategy with ps, none otherwise) and the minimum size.
@@ -76,13 +81,21 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise ConfigError naming the first bad value; touches nothing."""
         choices = {"optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES,
-                   "variable_partitioner": PARTITIONERS}
+                   "variable_partitioner": PARTITIONERS, "gradient_dtype": GRADIENT_DTYPES}
         for name, allowed in choices.items():
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 raise ConfigError(
                     f"unknown --{name.replace('_', '-')} {value!r}; allowed: {', '.join(allowed)}"
                 )
+        if self.gradient_dtype == "float16":
+            # float16's smallest normal is 6e-5: without loss scaling small
+            # gradients flush to zero; bfloat16 has float32's exponent range.
+            raise ConfigError(
+                "--gradient-dtype float16 without loss scaling underflows small gradients "
+                "(below 6e-5 they lose precision, below 6e-8 they become 0); use bfloat16, "
+                "which has float32's range"
+            )
         positive = {
             "epochs": self.epochs, "steps_per_execution": self.steps_per_execution,
             "log_every": self.log_every, "startup_timeout": self.startup_timeout,

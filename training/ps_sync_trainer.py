@@ -145,8 +145,13 @@ class SyncQueues:
     stopping: Any
 
 
-def make_queues(workers: int, gradient_size: int, num_metrics: int) -> SyncQueues:
-    """Created eagerly outside the strategy's scope, so exactly where we say (ps:0)."""
+def make_queues(workers: int, gradient_size: int, num_metrics: int,
+                gradient_dtype: str = "float32") -> SyncQueues:
+    """Created eagerly outside the strategy's scope, so exactly where we say (ps:0).
+
+    The gradient queue holds the flat gradient as ``gradient_dtype``: what a
+    worker enqueues is what crosses the network to ps:0.
+    """
     with tf.device(PS0):
         counter = lambda name: tf.Variable(tf.zeros([workers], tf.int64),  # noqa: E731
                                            trainable=False, name=name)
@@ -154,7 +159,8 @@ def make_queues(workers: int, gradient_size: int, num_metrics: int) -> SyncQueue
             tokens=[tf.queue.FIFOQueue(1 << 20, [tf.int64], shapes=[[]], name=f"sync_tokens_{i}")
                     for i in range(workers)],
             gradients=tf.queue.FIFOQueue(
-                1 << 16, [tf.int64, tf.int64, tf.int64, tf.float32, tf.float32, tf.float32],
+                1 << 16, [tf.int64, tf.int64, tf.int64, tf.as_dtype(gradient_dtype),
+                          tf.float32, tf.float32],
                 shapes=[[], [], [], [gradient_size], [], [num_metrics]], name="sync_gradients"),
             accepted=counter("sync_accepted"), dropped=counter("sync_dropped"),
             skipped=counter("sync_skipped"), computed=counter("sync_computed"),
@@ -210,8 +216,11 @@ def make_work_fn(strategy, model, train_metrics, q: SyncQueues, global_step, wor
                 flat = local_sum(strategy, flat)
                 with tf.control_dependencies([flat]):
                     after = global_step.read_value()
+                # Cast on the worker, after adding its replicas' gradients
+                # in float32: the queue on ps:0 takes the wire dtype.
+                wire = tf.cast(flat, q.gradients.dtypes[3])
                 enqueued = q.gradients.enqueue(
-                    [token, worker, after, flat, local_sum(strategy, loss),
+                    [token, worker, after, wire, local_sum(strategy, loss),
                      local_sum(strategy, values) / replicas])
                 with tf.control_dependencies([enqueued, q.computed.assign_add(hot)]):
                     taken += 1
@@ -242,6 +251,7 @@ def make_aggregate_fn(q: SyncQueues, optimizer, variables, global_step, k: int, 
 
         def take(fresh, acc, loss_acc, metrics_acc):
             token, worker, after, flat, loss, values = q.gradients.dequeue()
+            flat = tf.cast(flat, tf.float32)  # on ps:0: averaged and applied in float32
             ok = tf.equal(token, step)
             hot = tf.one_hot(worker, workers, dtype=tf.int64)
             ok64 = tf.cast(ok, tf.int64)
@@ -301,7 +311,7 @@ class PsSyncTrainer(CoordinatedTrainer):
         variables = state.model.trainable_variables
         num_metrics = len(train_metrics.names)
         total = sum(int(np.prod(v.shape)) for v in variables)
-        self._q = make_queues(len(self.workers), total, num_metrics)
+        self._q = make_queues(len(self.workers), total, num_metrics, self.config.gradient_dtype)
         dataset_fn = data.make_dataset_fn(task.task, plan.examples_per_gradient, seed=None,
                                           synthetic=self.config.synthetic_data,
                                           in_memory=plan.in_memory)

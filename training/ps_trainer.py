@@ -184,7 +184,8 @@ class PsTrainer(CoordinatedTrainer):
             lambda: strategy.distribute_datasets_from_function(dataset_fn)
         ))
         self._train_fn = make_train_fn(
-            strategy, make_step_fn(state, train_metrics), state, len(train_metrics.names),
+            strategy, make_step_fn(state, train_metrics, self.config.gradient_dtype), state,
+            len(train_metrics.names),
             steps_by_worker=self.steps_by_worker,
         )
         # Enough closures in flight to keep every worker busy while we read results.

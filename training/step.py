@@ -53,8 +53,33 @@ def forward(model: keras.Model, features, labels):
     return y_pred, loss
 
 
-def make_step_fn(state: TrainState, metrics: TrainMetrics):
-    """One replica's step: forward, loss, gradients, update, metric values."""
+def to_wire(grads, dtype: str = "float32") -> list:
+    """Gradients as they should cross the network: cast to ``dtype`` (None stays None).
+
+    float32 returns them untouched (no cast op in the graph).
+    """
+    if dtype == "float32":
+        return list(grads)
+    wire = tf.as_dtype(dtype)
+    return [None if g is None else tf.cast(g, wire) for g in grads]
+
+
+def from_wire(grads, dtype=tf.float32) -> list:
+    """Back to the variables' dtype, where the update is applied."""
+    return [None if g is None else tf.cast(g, dtype) for g in grads]
+
+
+def make_step_fn(state: TrainState, metrics: TrainMetrics, gradient_dtype: str = "float32"):
+    """One replica's step: forward, loss, gradients, update, metric values.
+
+    With a 16-bit ``gradient_dtype`` the gradients reach ``apply_gradients``
+    in 16 bits. Keras's optimizer all-reduces what it is given (under
+    multiworker the collective then carries 16-bit tensors), and its
+    ``update_step`` casts each gradient to its variable's dtype inside the
+    strategy's update of that variable, which runs on the variable's device:
+    under ps the cast back happens on the ps, after the 16-bit gradient has
+    crossed the network. The update itself is float32 arithmetic.
+    """
     model, optimizer = state.model, state.optimizer
 
     def step_fn(features, labels):
@@ -62,6 +87,7 @@ def make_step_fn(state: TrainState, metrics: TrainMetrics):
             y_pred, loss = forward(model, features, labels)
             scaled = optimizer.scale_loss(loss)  # a LossScaleOptimizer's scaling; else loss
         grads = tape.gradient(scaled, model.trainable_variables)
+        grads = to_wire(grads, gradient_dtype)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss, metrics.batch_values(labels, y_pred)
 

@@ -96,7 +96,8 @@ class SyncTrainer(Trainer):
         # From its creation on, so an error path that drops the trainer is covered too.
         keep_alive_until_exit(self._iterator)
         self._train_fn = make_train_fn(
-            strategy, make_step_fn(state, train_metrics), state, len(train_metrics.names))
+            strategy, make_step_fn(state, train_metrics, self.config.gradient_dtype), state,
+            len(train_metrics.names))
         self._out = None
         statistics = [v for v in state.model.non_trainable_variables
                       if tf.as_dtype(v.dtype).is_floating]

@@ -1,0 +1,170 @@
+"""The traffic model: bytes each simulated host should send and receive per step (pure).
+
+Every strategy moves the model's weights or its gradients over the network
+each step; on a slow link those bytes bound the step rate. The model below
+(``docs/performance.md``, "Bytes per step") lists who sends what to whom per
+step, as flows between tasks, and adds up the flows that cross from one host
+to another (tasks on the same host talk over its loopback, which no link
+carries). Figures are payload bytes: TCP/IP and Ethernet headers (~4.6 % on a
+1,500-byte MTU), the acknowledgements flowing back and gRPC's framing come on
+top, so a measurement should exceed the model by some 5 to 10 %.
+
+A *step* is what ``results.json`` counts: one global step (multiworker, ps),
+one applied update of K gradients (ps-sync).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def task_flows(trainer: str, names: list[str], params: int, gradient_dtype: str = "float32",
+               shares: dict[str, float] | None = None) -> dict[tuple[str, str], float]:
+    """``{(sender, receiver): payload bytes per step}`` for the tasks ``names``.
+
+    ``trainer`` is the strategy kind's loop (``StrategyKind.trainer``):
+    ``sync`` (multiworker: a ring all-reduce among every computing task),
+    ``ps`` (async: one worker's step reads every weight from the ps and pushes
+    its gradients to them) or ``ps-sync`` (each update: every worker reads
+    the weights once and queues one flat gradient on ps:0; the update
+    applies K of them, the other N - K are computed, sent and dropped).
+    ``params``: trainable parameters (float32 weights). ``shares`` (ps): each
+    worker's fraction of the steps, when known (``results.json``'s
+    ``steps_per_worker``); else an even split.
+    """
+    if gradient_dtype not in DTYPE_BYTES:
+        raise ValueError(f"gradient dtype {gradient_dtype!r}; allowed: {', '.join(DTYPE_BYTES)}")
+    weights = 4.0 * params
+    grads = float(DTYPE_BYTES[gradient_dtype] * params)
+    workers = [n for n in names if n.partition(":")[0] in ("worker", "chief")]
+    ps = [n for n in names if n.startswith("ps:")]
+    flows: dict[tuple[str, str], float] = defaultdict(float)
+    if trainer == "sync":
+        # A ring all-reduce: reduce-scatter then all-gather, each N - 1 rounds
+        # of 1/N of the tensor, every worker sending to its successor.
+        n = len(workers)
+        if n > 1:
+            for i, w in enumerate(workers):
+                flows[(w, workers[(i + 1) % n])] += 2 * (n - 1) / n * grads
+    elif trainer == "ps":
+        # Any one worker runs a step: on average each does 1/N of them. The
+        # variables are split over the ps tasks (about evenly by size).
+        workers = [w for w in workers if w.startswith("worker:")]  # the chief only schedules
+        for w in workers:
+            share = (shares.get(w, 0.0) if shares else 1.0 / len(workers)) / len(ps)
+            for p in ps:
+                flows[(p, w)] += weights * share
+                flows[(w, p)] += grads * share
+    elif trainer == "ps-sync":
+        workers = [w for w in workers if w.startswith("worker:")]
+        for w in workers:
+            for p in ps:
+                flows[(p, w)] += weights / len(ps)
+            flows[(w, ps[0])] += grads  # the flat gradient, queued on ps:0
+        # ps:0 averages K and applies each part where its variable lives
+        # (float32 again after the aggregator's cast back).
+        for p in ps[1:]:
+            flows[(ps[0], p)] += weights / len(ps)
+    else:
+        raise ValueError(f"no traffic model for trainer {trainer!r}")
+    return dict(flows)
+
+
+def host_bytes_per_step(flows: dict[tuple[str, str], float],
+                        host_of: dict[str, int]) -> dict[int, dict[str, float]]:
+    """``{host: {"tx": bytes, "rx": bytes}}`` per step: the flows that cross hosts."""
+    out = {h: {"tx": 0.0, "rx": 0.0} for h in sorted(set(host_of.values()))}
+    for (src, dst), size in flows.items():
+        if host_of[src] == host_of[dst]:
+            continue
+        out[host_of[src]]["tx"] += size
+        out[host_of[dst]]["rx"] += size
+    return out
+
+
+def predict(trainer: str, host_of: dict[str, int], params: int, gradient_dtype: str = "float32",
+            shares: dict[str, float] | None = None) -> dict[int, dict[str, float]]:
+    """Payload bytes per step each host sends (tx) and receives (rx)."""
+    flows = task_flows(trainer, list(host_of), params, gradient_dtype, shares)
+    return host_bytes_per_step(flows, host_of)
+
+
+# --- what the launcher measured ---------------------------------------------------------------
+
+def measured_record(before: dict[int, dict[str, int]], after: dict[int, dict[str, int]],
+                    steps: int | None, host_of: dict[str, int],
+                    trainer: str | None = None, shares: dict[str, float] | None = None) -> dict:
+    """The outcome record's ``traffic``: each host's bytes over the job, and per step.
+
+    ``before``/``after``: ``SimulatedHosts.counters()`` at the job's start and
+    end; ``steps``: the chief's steps this run (``None``: no results);
+    ``shares`` (ps): each worker's fraction of those steps.
+    """
+    hosts = {}
+    for h in sorted(after):
+        tx = after[h]["tx_bytes"] - before[h]["tx_bytes"]
+        rx = after[h]["rx_bytes"] - before[h]["rx_bytes"]
+        hosts[f"host{h}"] = {
+            "tasks": [n for n, i in host_of.items() if i == h],
+            "tx_bytes": tx, "rx_bytes": rx,
+            "tx_bytes_per_step": round(tx / steps) if steps else None,
+            "rx_bytes_per_step": round(rx / steps) if steps else None,
+        }
+    return {"steps": steps, "trainer": trainer, "worker_shares": shares, "hosts": hosts}
+
+
+def describe(record: dict) -> str:
+    """One line: each host's MB sent/received per step (or over the job without steps)."""
+    steps = record.get("steps")
+    parts = []
+    for name, h in record["hosts"].items():
+        if steps:
+            parts.append(f"{name} {h['tx_bytes_per_step'] / 1e6:.3f} / "
+                         f"{h['rx_bytes_per_step'] / 1e6:.3f}")
+        else:
+            parts.append(f"{name} {h['tx_bytes'] / 1e6:.1f} / {h['rx_bytes'] / 1e6:.1f}")
+    what = (f"MB sent / received per step over {steps} steps" if steps
+            else "MB sent / received over the job (no step count: no results.json)")
+    return f"[launch] traffic: {what}: " + "; ".join(parts)
+
+
+def compare(record: dict, params: int, gradient_dtype: str = "float32") -> dict[str, dict]:
+    """Measured against predicted per step, per host: ``{host: {tx, rx, tx_model, rx_model}}``."""
+    host_of = {t: int(name[4:]) for name, h in record["hosts"].items() for t in h["tasks"]}
+    model = predict(record["trainer"], host_of, params, gradient_dtype,
+                    record.get("worker_shares"))
+    return {name: {"tx": h["tx_bytes_per_step"], "rx": h["rx_bytes_per_step"],
+                   "tx_model": round(model[int(name[4:])]["tx"]),
+                   "rx_model": round(model[int(name[4:])]["rx"])}
+            for name, h in record["hosts"].items()}
+
+
+def main(argv=None) -> int:
+    """``python -m launcher.traffic MODEL_DIR --params N``: measured vs the model."""
+    import argparse
+    import json
+    import os
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("model_dir")
+    p.add_argument("--params", type=int, required=True, help="trainable parameters (cnn: 225034)")
+    p.add_argument("--gradient-dtype", default="float32", choices=sorted(DTYPE_BYTES))
+    args = p.parse_args(argv)
+    with open(os.path.join(args.model_dir, "launch", "outcome.json")) as f:
+        record = json.load(f).get("traffic")
+    if not record or not record.get("steps"):
+        print(f"error: {args.model_dir}/launch/outcome.json has no traffic per step "
+              "(run launch.py with --hosts N)")
+        return 2
+    for name, c in compare(record, args.params, args.gradient_dtype).items():
+        ratio = lambda m, e: f"{m / e:.2f}x" if e else "-"  # noqa: E731
+        print(f"{name}: sent {c['tx']:,} B/step (model {c['tx_model']:,}, "
+              f"{ratio(c['tx'], c['tx_model'])}), received {c['rx']:,} "
+              f"(model {c['rx_model']:,}, {ratio(c['rx'], c['rx_model'])})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
