@@ -76,6 +76,14 @@ def parse_only(text: str | None) -> tuple[str, ...]:
     return kinds
 
 
+def group_by_config(runs: list) -> dict[str, list]:
+    """Runs grouped by their ``config`` (repeats of one configuration), in plan order."""
+    groups: dict[str, list] = {}
+    for run in runs:
+        groups.setdefault(run.config, []).append(run)
+    return groups
+
+
 def time_to_target(curve: list[dict], target: float) -> float | None:
     """Seconds (startup included, evaluation excluded) to first reach ``target``."""
     for point in curve:

@@ -37,8 +37,8 @@ import textwrap
 import time
 from dataclasses import dataclass, replace
 
-from bench.common import BASELINE, LAUNCH, TRAIN, BenchError, Run, machine_description, \
-    parse_only, run_one, time_to_target
+from bench.common import (BASELINE, LAUNCH, TRAIN, BenchError, Run, group_by_config,
+                          machine_description, parse_only, run_one, time_to_target)
 from bench.config import BenchConfig
 from launcher import plan as plans
 from strategies import kinds as strategy_kinds
@@ -414,11 +414,8 @@ def summarize(results: dict[str, dict], runs: list[ScenarioRun], targets: dict[s
     kept; accuracy, time to the scenario's target, staleness and dropped
     gradients come from its accuracy run (the longer, evaluated one).
     """
-    groups: dict[str, list[ScenarioRun]] = {}
-    for run in runs:
-        groups.setdefault(run.config, []).append(run)
     rows = []
-    for config, group in groups.items():
+    for config, group in group_by_config(runs).items():
         first = group[0]
         row = {"config": config, "scenario": first.scenario, "variant": first.variant,
                "kind": first.kind, "workers": first.workers, "peer": first.peer,

@@ -27,8 +27,8 @@ import os
 import sys
 import time
 
-from bench.common import BASELINE, LAUNCH, TRAIN, BenchError, Run, machine_description, \
-    parse_only, parse_workers, run_one, time_to_target
+from bench.common import (BASELINE, LAUNCH, TRAIN, BenchError, Run, group_by_config,
+                          machine_description, parse_only, parse_workers, run_one, time_to_target)
 from bench.config import BenchConfig
 from strategies import kinds as strategy_kinds
 
@@ -94,11 +94,8 @@ def summarize(results: dict[str, dict], runs: list[Run], target: float) -> list[
     the least disturbed measure, as with ``timeit``'s minimum. Every run's
     figure stays in the row. Accuracy and times are averaged.
     """
-    groups: dict[str, list[Run]] = {}
-    for run in runs:
-        groups.setdefault(run.config, []).append(run)
     rows = []
-    for config, group in groups.items():
+    for config, group in group_by_config(runs).items():
         first = group[0]
         done = [results[run.name] for run in group if run.name in results]
         row = {"name": config, "kind": first.kind, "workers": first.workers,
