@@ -166,6 +166,11 @@ def _sharded_classes():
     global _CLASSES  # pylint: disable=global-statement
     if _CLASSES is not None:
         return _CLASSES
+    _CLASSES = (_embedding_class(), _dense_class())
+    return _CLASSES
+
+
+def _embedding_class():
     import keras
     import tensorflow as tf
     from keras import ops
@@ -201,6 +206,13 @@ def _sharded_classes():
 
         def load_own_variables(self, store):
             _assign_rows(self._shards, store["0"])
+
+    return ShardedEmbedding
+
+
+def _dense_class():
+    import keras
+    from keras import ops
 
     class ShardedDense(keras.layers.Dense):
         """A Dense whose kernel is K blocks of input rows (see the module docstring)."""
@@ -251,8 +263,7 @@ def _sharded_classes():
             if self.bias is not None:
                 self.bias.assign(store["1"])
 
-    _CLASSES = (ShardedEmbedding, ShardedDense)
-    return _CLASSES
+    return ShardedDense
 
 
 _CLASSES = None
