@@ -40,36 +40,48 @@ def task_flows(trainer: str, names: list[str], params: int, gradient_dtype: str 
     grads = float(DTYPE_BYTES[gradient_dtype] * params)
     workers = [n for n in names if n.partition(":")[0] in ("worker", "chief")]
     ps = [n for n in names if n.startswith("ps:")]
-    flows: dict[tuple[str, str], float] = defaultdict(float)
-    if trainer == "sync":
-        # A ring all-reduce: reduce-scatter then all-gather, each N - 1 rounds
-        # of 1/N of the tensor, every worker sending to its successor.
-        n = len(workers)
-        if n > 1:
-            for i, w in enumerate(workers):
-                flows[(w, workers[(i + 1) % n])] += 2 * (n - 1) / n * grads
-    elif trainer == "ps":
-        # Any one worker runs a step: on average each does 1/N of them. The
-        # variables are split over the ps tasks (about evenly by size).
-        workers = [w for w in workers if w.startswith("worker:")]  # the chief only schedules
-        for w in workers:
-            share = (shares.get(w, 0.0) if shares else 1.0 / len(workers)) / len(ps)
-            for p in ps:
-                flows[(p, w)] += weights * share
-                flows[(w, p)] += grads * share
-    elif trainer == "ps-sync":
-        workers = [w for w in workers if w.startswith("worker:")]
-        for w in workers:
-            for p in ps:
-                flows[(p, w)] += weights / len(ps)
-            flows[(w, ps[0])] += grads  # the flat gradient, queued on ps:0
-        # ps:0 averages K and applies each part where its variable lives
-        # (float32 again after the aggregator's cast back).
-        for p in ps[1:]:
-            flows[(ps[0], p)] += weights / len(ps)
-    else:
+    if trainer not in _FLOWS:
         raise ValueError(f"no traffic model for trainer {trainer!r}")
+    flows: dict[tuple[str, str], float] = defaultdict(float)
+    _FLOWS[trainer](flows, workers, ps, weights, grads, shares)
     return dict(flows)
+
+
+def _ring_flows(flows, workers, ps, weights, grads, shares) -> None:
+    """multiworker: a ring all-reduce, reduce-scatter then all-gather, each
+    N - 1 rounds of 1/N of the tensor, every worker sending to its successor."""
+    n = len(workers)
+    if n > 1:
+        for i, w in enumerate(workers):
+            flows[(w, workers[(i + 1) % n])] += 2 * (n - 1) / n * grads
+
+
+def _async_ps_flows(flows, workers, ps, weights, grads, shares) -> None:
+    """ps: any one worker runs a step, on average 1/N of them; the variables
+    are split over the ps tasks (about evenly by size)."""
+    workers = [w for w in workers if w.startswith("worker:")]  # the chief only schedules
+    for w in workers:
+        share = (shares.get(w, 0.0) if shares else 1.0 / len(workers)) / len(ps)
+        for p in ps:
+            flows[(p, w)] += weights * share
+            flows[(w, p)] += grads * share
+
+
+def _sync_ps_flows(flows, workers, ps, weights, grads, shares) -> None:
+    """ps-sync: every worker reads the weights once per update and queues one
+    flat gradient on ps:0, which averages K and applies each part where its
+    variable lives (float32 again after the aggregator's cast back)."""
+    workers = [w for w in workers if w.startswith("worker:")]
+    for w in workers:
+        for p in ps:
+            flows[(p, w)] += weights / len(ps)
+        flows[(w, ps[0])] += grads
+    for p in ps[1:]:
+        flows[(ps[0], p)] += weights / len(ps)
+
+
+# The traffic model of each training loop (StrategyKind.trainer).
+_FLOWS = {"sync": _ring_flows, "ps": _async_ps_flows, "ps-sync": _sync_ps_flows}
 
 
 def host_bytes_per_step(flows: dict[tuple[str, str], float],
