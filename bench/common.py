@@ -112,6 +112,17 @@ def machine_description() -> str:
     return f"{os.cpu_count()} CPU cores ({cpu}), {gpus}, {platform.system()} {platform.release()}"
 
 
+def run_all(runs: list, timeout: float) -> dict[str, dict]:
+    """Every planned run in turn, each in fresh processes; {name: results} of those that finished."""
+    print(f"[bench] {len(runs)} runs: {', '.join(r.name for r in runs)}", flush=True)
+    results = {}
+    for run in runs:
+        r = run_one(run, timeout, log=lambda m: print(m, flush=True))
+        if r is not None:
+            results[run.name] = r
+    return results
+
+
 def run_one(run: Run, timeout: float, log=print) -> dict | None:
     """Run one configuration in fresh processes; its results record, or None."""
     # The bench owns <out>/runs/: a stale run there would be resumed, not measured.

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, replace
 
 from bench.common import (BASELINE, LAUNCH, TRAIN, BenchError, Run, group_by_config,
-                          machine_description, parse_only, run_one, time_to_target)
+                          machine_description, parse_only, run_all, time_to_target)
 from bench.config import BenchConfig
 from launcher import plan as plans
 from strategies import kinds as strategy_kinds
@@ -843,12 +843,7 @@ def run(args: BenchConfig) -> int:
     if args.peers and not tfk:
         print("[bench] tf_keras is not installed (pip install 'tf-keras==2.21.*', or the "
               "project's [bench] extra): the Keras 2 tutorial peers are left out", flush=True)
-    print(f"[bench] {len(runs)} runs: {', '.join(r.name for r in runs)}", flush=True)
-    results = {}
-    for run in runs:
-        r = run_one(run, args.run_timeout + 60, log=lambda m: print(m, flush=True))
-        if r is not None:
-            results[run.name] = r
+    results = run_all(runs, args.run_timeout + 60)
     targets = {s: accuracy_length(args, SCENARIOS[s])[2] for s in SCENARIOS}
     rows = summarize(results, runs, targets)
     checked = check_targets(rows)

@@ -28,7 +28,8 @@ import sys
 import time
 
 from bench.common import (BASELINE, LAUNCH, TRAIN, BenchError, Run, group_by_config,
-                          machine_description, parse_only, parse_workers, run_one, time_to_target)
+                          machine_description, parse_only, parse_workers, run_all,
+                          time_to_target)
 from bench.config import BenchConfig
 from strategies import kinds as strategy_kinds
 
@@ -273,12 +274,7 @@ def run(config: BenchConfig) -> int:
         return 2
     os.makedirs(args.out, exist_ok=True)
     started = time.perf_counter()
-    print(f"[bench] {len(runs)} runs: {', '.join(r.name for r in runs)}", flush=True)
-    results = {}
-    for run in runs:
-        r = run_one(run, args.run_timeout + 60, log=lambda m: print(m, flush=True))
-        if r is not None:
-            results[run.name] = r
+    results = run_all(runs, args.run_timeout + 60)
     rows = summarize(results, runs, args.target)
     settings = {
         "model": args.model,
