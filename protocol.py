@@ -26,10 +26,6 @@ from enum import IntEnum
 from typing import Any
 
 
-class ConfigError(ValueError):
-    """Bad user input. ``str(err)`` is the one line shown to the user."""
-
-
 class Exit(IntEnum):
     OK = 0
     FAILED = 1  # an unexpected error: a bug, or a fault nobody handled

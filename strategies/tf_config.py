@@ -7,8 +7,6 @@ or from a Slurm job step (``strategies/slurm.py``) or a JobSet pod (``strategies
 
 from __future__ import annotations
 
-from protocol import ConfigError  # noqa: F401  (re-exported: strategies.tf_config.ConfigError)
-
 import ipaddress
 import json
 import re

@@ -23,7 +23,7 @@ import tensorflow as tf
 import protocol
 from protocol import ConfigError
 from training.checkpoints import Checkpointer
-from training.evaluation import Evaluator, split_metrics, weights_sha256
+from training.evaluation import split_metrics, weights_sha256
 from training.lifetime import keep_alive_until_exit
 from training.ps_sync_trainer import PsSyncTrainer
 from training.ps_trainer import PsTrainer
