@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # MNIST: tfds downloads it on first use; offline, set TFDS_DATA_DIR to a
 # prepared tfds copy (the tests and the demo read the same variable).
 
-.PHONY: demo test test-image venv clean
+.PHONY: demo test test-image test-long venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ test: venv
 # with apt where missing; root, Linux) and runs jobs of containers. Several minutes.
 test-image: venv
 	$(PY) -m pytest -q -m image tests/image
+
+# The long multiprocess suites: every fault and task feature under every cluster
+# strategy, several launches each (about 11 minutes); `make test` runs one of each kind.
+test-long: venv
+	$(PY) -m pytest -q -m long
 
 clean:
 	rm -rf $(VENV) runs

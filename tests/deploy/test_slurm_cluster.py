@@ -161,6 +161,7 @@ def test_multiworker_and_ps_jobs_share_the_nodes(cluster):
     assert ps_port == 20000 + int(ps) % 4000 * 10 + 1  # rank 1: the node's second port
 
 
+@pytest.mark.long
 def test_scancel_term_requeues_and_resumes_with_exact_steps(cluster):
     steps = 1500
     job_id, log = cluster.submit("preempted", "train_multiworker.sbatch", *SHORT, "--steps", str(steps))

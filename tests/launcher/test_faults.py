@@ -62,6 +62,7 @@ def test_ps_lost_worker_training_goes_on_and_no_step_is_missing(tmp_path, spawn)
     assert descendants_alive(model_dir) == []
 
 
+@pytest.mark.long
 @pytest.mark.timeout(200)
 def test_ps_restarted_worker_rejoins_and_gets_work(tmp_path, spawn):
     # One worker: the run can only finish if the restarted one is given work.
@@ -86,6 +87,7 @@ def test_ps_restarted_worker_rejoins_and_gets_work(tmp_path, spawn):
     assert descendants_alive(model_dir) == []
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_ps_lost_ps_task_then_lost_chief_relaunch_resumes_each_time(tmp_path, spawn):
     model_dir = str(tmp_path / "psps")
@@ -125,6 +127,7 @@ def test_ps_lost_ps_task_then_lost_chief_relaunch_resumes_each_time(tmp_path, sp
     assert descendants_alive(model_dir) == []
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_multiworker_lost_worker_fails_fast_and_relaunch_resumes(tmp_path, spawn):
     model_dir = str(tmp_path / "mwk")
@@ -183,6 +186,7 @@ def test_multiworker_preemption_checkpoints_at_an_agreed_step_and_loses_none(tmp
     assert descendants_alive(model_dir) == []
 
 
+@pytest.mark.long
 @pytest.mark.timeout(200)
 def test_kill_while_checkpointing_every_step_never_breaks_the_resume(tmp_path, spawn):
     """A checkpoint every step, so the kill very likely lands inside a write."""

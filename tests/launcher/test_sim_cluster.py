@@ -107,6 +107,7 @@ def test_ps_slow_worker_runs_fewer_local_steps_and_no_step_is_lost(tmp_path, spa
     assert _slow_cgroups() <= before  # its cgroup was removed
 
 
+@pytest.mark.long
 @pytest.mark.timeout(400)
 def test_multiworker_slow_worker_slows_every_step(tmp_path, spawn):
     # Slowed once the job runs (@step=20): a slowed start-up would only add

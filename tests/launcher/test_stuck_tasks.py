@@ -170,6 +170,7 @@ def test_a_partitioned_host_is_unreachable_then_reachable_again(tmp_path, spawn)
     assert descendants_alive(model_dir) == [] and os.path.isdir(model_dir)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_ps_worker_hung_then_continued_the_job_finishes_with_exact_step_accounting(tmp_path,
                                                                                    spawn):
@@ -189,6 +190,7 @@ def test_ps_worker_hung_then_continued_the_job_finishes_with_exact_step_accounti
     assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_ps_worker_hung_for_good_the_chief_ends_with_one_line_and_75(tmp_path, spawn):
     # The coordinator does not route around a stopped worker (no RPC fails):

@@ -90,6 +90,7 @@ def test_keras_applies_a_16_bit_gradient_in_float32(optimizer):
 
 # --- a real job ---------------------------------------------------------------------------------------
 
+@pytest.mark.long
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_multiworker_bfloat16_trains_logreg_as_well_as_float32_on_half_the_bytes(tmp_path, spawn):

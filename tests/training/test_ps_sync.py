@@ -109,17 +109,19 @@ def test_the_kind_names_its_trainer_and_is_never_auto():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 def test_k_equals_n_every_worker_gives_one_fresh_gradient_per_update(tmp_path, spawn):
-    # The CNN for one epoch at the default global batch (64 per gradient x K = 2).
+    STEPS = 150
+    # The CNN for 150 steps at the default global batch (64 per gradient x K = 2);
+    # the long tier's preemption test trains 300 (a whole epoch took 41 s here).
     model_dir = str(tmp_path / "k2")
     p = spawn(launch_cmd("ps-sync", "--workers", "2", "--ps", "1", "--timeout", "360",
-                         train_args=["--model", "cnn", "--epochs", "1", "--log-every", "100",
+                         train_args=["--model", "cnn", "--steps", str(STEPS), "--log-every", "50",
                                      "--startup-timeout", "180", "--model-dir", model_dir]))
     assert p.wait(390) == 0, p.output
     r = read_results(model_dir)
     assert r["strategy"] == "ps-sync" and r["replicas_to_aggregate"] == 2
     assert r["global_batch_size"] == 128
-    assert r["test_accuracy"] >= 0.97
-    assert r["global_steps"] == r["applied_steps"] == 468
+    assert r["test_accuracy"] >= 0.95  # 0.9775 measured
+    assert r["global_steps"] == r["applied_steps"] == STEPS
     assert r["aggregated_gradients"] == 2 * r["global_steps"]
     assert r["stale_gradients_applied"] == 0
     # K = N: an update needs both workers, so no gradient can go stale, and
@@ -128,16 +130,17 @@ def test_k_equals_n_every_worker_gives_one_fresh_gradient_per_update(tmp_path, s
     per_worker = r["gradients_per_worker"]
     assert set(per_worker) == {"worker:0", "worker:1"}
     for counts in per_worker.values():
-        assert counts["accepted"] == 468 and counts["dropped"] == 0 and counts["skipped"] == 0
+        assert counts["accepted"] == STEPS and counts["dropped"] == 0 and counts["skipped"] == 0
         assert counts["computed"] == counts["accepted"] + counts["pending"]
     assert r["update_interval"]["count"] > 0
     assert 0 < r["update_interval"]["p50"] <= r["update_interval"]["p99"]
     progress = [l for l in p.lines if l.startswith("[chief:0] step ")]
     assert progress and all("aggregated" in l and "worker:1=" in l for l in progress)
-    assert any("step 468/468" in l and "aggregated 936 dropped 0" in l for l in progress)
+    assert any(f"step {STEPS}/{STEPS}" in l and f"aggregated {2 * STEPS} dropped 0" in l for l in progress)
     assert descendants_alive(model_dir) == []
 
 
+@pytest.mark.long
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 def test_k1_of_2_the_slowed_worker_is_the_backup_and_its_late_gradients_drop(tmp_path, spawn):
@@ -179,6 +182,7 @@ def _kill_worker_1(spawn, model_dir, *train_args):
                                         "400", "--model-dir", model_dir, *train_args]))
 
 
+@pytest.mark.long
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 def test_lost_worker_with_k_at_most_live_workers_training_goes_on(tmp_path, spawn):
@@ -196,6 +200,7 @@ def test_lost_worker_with_k_at_most_live_workers_training_goes_on(tmp_path, spaw
     assert r["test_accuracy"] >= 0.88
 
 
+@pytest.mark.long
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 def test_lost_worker_with_k_above_live_workers_is_one_line_and_exit_75(tmp_path, spawn):
@@ -209,6 +214,7 @@ def test_lost_worker_with_k_above_live_workers_is_one_line_and_exit_75(tmp_path,
     assert "worker:0" not in errors[0]
 
 
+@pytest.mark.long
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_chief_preemption_saves_exits_42_and_the_relaunch_resumes(tmp_path, spawn):

@@ -116,7 +116,9 @@ CLUSTERS = {
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", list(CLUSTERS))
+# ps and ps-sync under the long tier (`make test-long`): about 100 s together.
+@pytest.mark.parametrize("strategy", ["multiworker", pytest.param("ps", marks=pytest.mark.long),
+                                      pytest.param("ps-sync", marks=pytest.mark.long)])
 def test_cluster_strategies_train_the_example_and_the_regression(tmp_path, spawn, strategy):
     example, regression = tmp_path / "example", tmp_path / "regression"
     p = spawn(launch_cmd(strategy, *CLUSTERS[strategy],
