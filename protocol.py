@@ -247,6 +247,9 @@ class Results:
     test_examples: int | None = None
     # Parameter servers: bytes of variables and optimizer slots each ps holds.
     ps_variable_bytes: dict | None = None
+    # This process's (the chief's) peak resident memory in bytes; the launcher's
+    # outcome.json has every task's (peak_rss_bytes there).
+    peak_rss_bytes: int | None = None
     # A task's extra_results(), written at the top level beside the fields above.
     extra: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
@@ -312,6 +315,9 @@ class LaunchOutcome:
     # veth's counters at start and end, headers included) and per step of
     # the chief's final run (launcher.traffic.measured_record).
     traffic: dict | None = None
+    # Each task's peak resident memory in bytes, the largest over its restarts
+    # and the job's relaunches (launcher.memory: sampled at every poll).
+    peak_rss_bytes: dict | None = None
 
     def write(self, path: str) -> None:
         write_json_atomic(path, dataclasses.asdict(self))

@@ -43,7 +43,9 @@ def parse_args(argv=None) -> BenchConfig:
                    help="default: every strategy on a uniform cluster; scenarios: which strategy "
                         "when (slow worker, slow links, more workers, tutorial peers, staleness)")
     s = p.add_argument_group("--suite scenarios (the flags above set the uniform accuracy runs)")
-    s.add_argument("--scenarios", default=None, help="subset of uniform,slow,links,more")
+    s.add_argument("--scenarios", default=None,
+                   help="subset of uniform,slow,links,more and the study sparse (the ctr task "
+                        "under each strategy, bench/sparse.py); default: all")
     s.add_argument("--short-steps", type=int, default=200,
                    help="steps of each throughput run (0: no throughput pass)")
     s.add_argument("--short-scenarios", default="uniform,slow,links,more",
@@ -63,6 +65,9 @@ def parse_args(argv=None) -> BenchConfig:
                    help="async ps worker counts of the staleness study ('' to skip it)")
     s.add_argument("--staleness-lrs", default="0.05,0.5,2", help="its SGD learning rates")
     s.add_argument("--staleness-steps", type=int, default=300)
+    s.add_argument("--sparse-steps", type=int, default=400, help="steps of each sparse study run")
+    s.add_argument("--sparse-global-batch", type=int, default=512,
+                   help="global batch of the sparse study (the same under every strategy)")
     s.add_argument("--report-only", action="store_true",
                    help="run nothing: write scenarios.md and the plots again from "
                         "<out>/scenarios.json (a finished suite's figures)")

@@ -36,4 +36,6 @@ class BenchConfig:
     staleness_workers: str = "1,2,4"
     staleness_lrs: str = "0.05,0.5,2"
     staleness_steps: int = 300
+    sparse_steps: int = 400
+    sparse_global_batch: int = 512
     report_only: bool = False

@@ -24,7 +24,9 @@ with the same hyperparameters right after the run they are compared with;
 each such pair runs again in a later round (``--peer-repeats``), and each
 side's best run counts.
 Then a staleness study: async ps on softmax regression over workers and
-learning rates. Targets are ratios measured in this run.
+learning rates, and the big sparse embedding study (``--scenarios sparse``,
+``bench/sparse.py``): the ``ctr`` task, whose table is split over 2 ps.
+Targets are ratios measured in this run.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import textwrap
 import time
 from dataclasses import dataclass, replace
 
+from bench import sparse
 from bench.common import (BASELINE, LAUNCH, TRAIN, BenchError, Run, group_by_config,
                           machine_description, parse_only, run_all, time_to_target)
 from bench.config import BenchConfig
@@ -210,15 +213,25 @@ def parse_list(text: str, cast, flag: str) -> list:
     return values
 
 
-def parse_scenarios(text: str | None) -> list[Scenario]:
+# Studies chosen by --scenarios beside the scenarios: a task of their own.
+STUDIES = (sparse.SPARSE,)
+
+
+def scenario_names(text: str | None) -> list[str]:
+    """The scenarios and studies ``--scenarios`` names (all of them when empty)."""
     if not text:
-        return list(SCENARIOS.values())
+        return [*SCENARIOS, *STUDIES]
     names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in SCENARIOS]
+    bad = [n for n in names if n not in SCENARIOS and n not in STUDIES]
     if bad or not names:
         raise BenchError(f"--scenarios {text!r} names {bad or 'nothing'}; "
-                               f"allowed: {', '.join(SCENARIOS)}")
-    return [SCENARIOS[n] for n in names]
+                               f"allowed: {', '.join([*SCENARIOS, *STUDIES])}")
+    return names
+
+
+def parse_scenarios(text: str | None) -> list[Scenario]:
+    """The MNIST scenarios ``text`` names (the studies are planned apart)."""
+    return [SCENARIOS[n] for n in scenario_names(text) if n in SCENARIOS]
 
 
 def hosts_for(kind: StrategyKind, workers: int) -> int:
@@ -310,6 +323,8 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
         else:
             length, every, _ = accuracy_length(args, uniform)
             base_flags = common(uniform, length, every)
+        if not scenarios:
+            break  # a study alone (--scenarios sparse): no MNIST run at all
         add(phase, None, BASELINE, BASELINE, 1,
             [python, train, f"--strategy={BASELINE}"], base_flags)
         if phase == "accuracy":
@@ -331,6 +346,8 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
                     add_peer(v.key, flags)
     runs += repeat_rounds(runs, peers, args.peer_repeats, args.out)
     runs += plan_staleness(args, python)
+    if sparse.SPARSE in scenario_names(args.scenarios):
+        runs += sparse.plan(args, python)
     return runs
 
 
@@ -516,6 +533,7 @@ def check_targets(rows: list[dict]) -> list[dict]:
         ratio = a["examples_per_sec"] / b["examples_per_sec"]
         out.append({"target": label, "met": ratio >= need, "ratio": ratio,
                     "text": f"{ratio:.2f}×" if ratio >= need else _short(ratio, need)})
+    out += sparse.check(rows)
     uniform = [r for r in rows if r["scenario"] == UNIFORM and not r["peer"]]
     if uniform:
         uniform += [r for r in rows if r["config"] == BASELINE]
@@ -626,6 +644,7 @@ def render_markdown(rows: list[dict], targets: list[dict], settings: dict, machi
                          f"| {_fmt(st.get('max'), 'g')} | {row['test_accuracy']:.4f} "
                          f"| {row['examples_per_sec']:,.0f} |")
         lines.append("")
+    lines += sparse.render(rows)
     lines += ["## Targets (ratios measured in this run)", ""]
     for t in targets:
         mark = {True: "met", False: "**missed**", None: "not measured"}[t["met"]]
@@ -797,7 +816,7 @@ def have_tf_keras() -> bool:
 
 
 SETTINGS_ORDER = ("model", "global batch", "seed", "steps per call", "throughput runs",
-                  "accuracy runs", "staleness study")
+                  "accuracy runs", "staleness study", "sparse study")
 
 
 def report_only(out: str) -> int:
@@ -845,7 +864,9 @@ def run(args: BenchConfig) -> int:
               "project's [bench] extra): the Keras 2 tutorial peers are left out", flush=True)
     results = run_all(runs, args.run_timeout + 60)
     targets = {s: accuracy_length(args, SCENARIOS[s])[2] for s in SCENARIOS}
-    rows = summarize(results, runs, targets)
+    studied = [r for r in runs if isinstance(r, sparse.SparseRun)]
+    rows = summarize(results, [r for r in runs if r not in studied], targets)
+    rows += sparse.summarize(results, sparse.load_outcomes(studied), studied)
     checked = check_targets(rows)
     seconds = time.perf_counter() - started
     machine = machine_description()
@@ -858,6 +879,7 @@ def run(args: BenchConfig) -> int:
                          f"{args.target}), other scenarios {args.accuracy_steps} steps (eval every "
                          f"{args.accuracy_eval_every}, target {args.scenario_target})",
         "staleness study": f"{args.staleness_steps} steps per run",
+        "sparse study": f"ctr, {args.sparse_steps} steps at global batch {args.sparse_global_batch}",
     }
     assert tuple(settings) == SETTINGS_ORDER
     markdown = render_markdown(rows, checked, settings, machine, seconds)

@@ -21,6 +21,7 @@ from launcher import faults as faultlib
 from launcher import policy, processes
 from launcher import traffic as trafficlib
 from launcher.config import LaunchConfig
+from launcher.memory import PeakMemory
 from launcher.processes import Placement, Task
 from launcher.state import JobState, RestartTask, SetLink, SignalTask, SlowTask, TaskView
 from protocol import Exit
@@ -279,6 +280,7 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
         slowdown = faultlib.Slowdown({n: cores[n].cores(total) for n in names}, log=log)
     try:
         injector, restarter = _hooks(config, slowdown, list(paths.values()), log)
+        peaks = PeakMemory()
 
         def starter(name: str) -> Task:
             place = Placement(
@@ -290,7 +292,7 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
 
         # After the link probe (build_hosts), so only the job's bytes count.
         before = _counters(network, log)
-        code, attempt = _attempts(config, starter, [injector, *filter(None, [restarter])],
+        code, attempt = _attempts(config, starter, [injector, *filter(None, [restarter]), peaks],
                                   restarter, slowdown, holder, log, network=network,
                                   injector=injector)
         after = _counters(network, log) if before is not None else None
@@ -300,6 +302,8 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
     restarts = sum(restarter.restarts.values()) if restarter is not None else 0
     log(f"[launch] recovery: faults injected {len(injector.fired)}, task restarts {restarts}, "
         f"job relaunches {attempt}")
+    if peaks.peaks:
+        log(f"[launch] peak memory (resident): {peaks.describe()}")
     rates = worker_rates(config.kind, paths) if paths else {}
     if rates:
         log(f"[launch] per worker: {describe_rates(rates)}")
@@ -315,7 +319,7 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
             int(code), list(injector.fired), restarts, attempt, per_task=rates or None,
             hosts={n: plan.where(n) for n in names} if plan.hosts else None,
             link=link, slowed=slowed or None, faults=list(injector.records) or None,
-            traffic=traffic,
+            traffic=traffic, peak_rss_bytes=peaks.peaks or None,
         ).write(os.path.join(launch_dir, "outcome.json"))
     return code
 

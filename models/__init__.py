@@ -32,6 +32,8 @@ class BuiltinTask:
     # Whether --optimizer, --learning-rate and --lr-schedule (with their
     # defaults) replace the compiled optimizer, or only when given.
     flags_set_optimizer: bool = True
+    # The default batch per replica (--global-batch-size overrides it).
+    per_replica_batch: int = 64
 
 
 BUILTIN_TASKS = {
@@ -47,7 +49,11 @@ BUILTIN_TASKS = {
         "ctr", "models.ctr:TASK",
         "click-through prediction: a 2M x 16 embedding table over hashed categorical features "
         "(synthetic, planted logistic model; AUC and its ceiling)",
-        flags_set_optimizer=False),
+        # Click logs train on large batches: each row is seen rarely, and a
+        # step's cost is the rows it touches, not the batch. Measured here, one
+        # process, 600 steps: batch 64 ended 0.014 short of the AUC ceiling,
+        # 256 ended 0.006 short.
+        flags_set_optimizer=False, per_replica_batch=256),
 }
 
 # ``--model cnn|logreg`` predates tasks; scripts and docs still use it.

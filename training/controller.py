@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import time
 
 import keras
@@ -190,6 +191,8 @@ class Controller:
             weights_sha256=weights_sha256(model),
             tf_version=tf.__version__,
             keras_version=keras.__version__,
+            # Linux reports ru_maxrss in KiB.
+            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             extra=dict(info.extra_results),
             **specific,
         )

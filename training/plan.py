@@ -119,8 +119,9 @@ class RunPlan:
         """The chief's line saying how a default global batch was chosen."""
         if not self.batch_chosen or not self.cluster.is_chief:
             return None
-        return (f"global batch {self.global_batch_size}: {PER_REPLICA_BATCH} per replica "
-                f"x {self.global_batch_size // PER_REPLICA_BATCH} (TensorFlow's "
+        per_replica = tasks.per_replica_batch(self.task, PER_REPLICA_BATCH)
+        return (f"global batch {self.global_batch_size}: {per_replica} per replica "
+                f"x {self.global_batch_size // per_replica} (TensorFlow's "
                 "convention; --global-batch-size sets it)")
 
     def describe(self) -> dict:
@@ -169,7 +170,8 @@ def resolve(config: TrainConfig, gpus: list[str], *, train_examples: int | None 
     devices = plan_devices(kind.gpu_roles(), cfg, gpus)
     replicas = kind.replicas(cfg, len(devices["visible_gpus"]))
     chosen = config.global_batch_size is None
-    batch = PER_REPLICA_BATCH * replicas * k if chosen else config.global_batch_size
+    per_replica = tasks.per_replica_batch(spec, PER_REPLICA_BATCH)
+    batch = per_replica * replicas * k if chosen else config.global_batch_size
     if batch % k:
         raise ConfigError(
             f"--global-batch-size={batch} does not split into {k} gradients of equal size "

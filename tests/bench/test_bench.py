@@ -128,6 +128,7 @@ def scenario_args(tmp_path, *extra):
 
 def test_scenarios_plan_every_cell_twice_interleaved_with_peers_after_their_run(tmp_path):
     runs = scen.plan_runs(scenario_args(tmp_path, "--staleness-workers", "",
+                                        "--scenarios", "uniform,slow,links,more",
                                         "--short-scenarios", "uniform,slow,links,more"), python="py")
     names = [r.name for r in runs]
     cells = [f"{s}-{v}" for s in ("uniform", "slow", "links", "more")

@@ -5,6 +5,8 @@ Under ``ps`` and ``ps-sync`` with ``--ps 2`` the table (above
 30-70 % of the variable bytes; a run saved on 2 ps resumes on 3.
 """
 
+import json
+
 import pytest
 
 from conftest import REPO, launch_cmd, read_results
@@ -33,6 +35,11 @@ def test_a_large_embedding_trains_split_over_two_ps(tmp_path, spawn, strategy):
     r = read_results(run)
     _balanced(r, 2)
     assert r["global_steps"] == 60 and r["test_metrics"]["accuracy"] > 0.9
+    # Each task's peak resident memory, sampled by the launcher: a TensorFlow
+    # process holds a few hundred MB (its runtime alone), none holds 8 GB here.
+    peaks = json.loads((run / "launch" / "outcome.json").read_text())["peak_rss_bytes"]
+    assert set(peaks) == {"chief:0", "worker:0", "worker:1", "ps:0", "ps:1"}, peaks
+    assert all(200 * 2**20 < b < 8 * 2**30 for b in peaks.values()), peaks
     if strategy == "ps":
         # The same run directory on 3 ps: the split table reshards on restore.
         p = spawn(launch_cmd(strategy, "--workers", "2", "--ps", "3",

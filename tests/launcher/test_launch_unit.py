@@ -422,17 +422,21 @@ def test_train_flags_after_the_separator_are_refused_where_they_belong(tmp_path)
     assert len(p.stderr.splitlines()) == 1
 
 
-@pytest.mark.parametrize("strategy,cluster,expected", [
-    ("multiworker", {"worker": ["a:1", "b:1", "c:1"]}, 192),
-    ("ps", {"chief": ["a:1"], "worker": ["b:1", "c:1", "d:1"], "ps": ["e:1"]}, 64),
-    ("ps-sync", {"chief": ["a:1"], "worker": ["b:1", "c:1", "d:1"], "ps": ["e:1"]}, 192),
-    ("none", None, 64),
+@pytest.mark.parametrize("strategy,cluster,expected,task", [
+    ("multiworker", {"worker": ["a:1", "b:1", "c:1"]}, 192, "mnist-cnn"),
+    ("ps", {"chief": ["a:1"], "worker": ["b:1", "c:1", "d:1"], "ps": ["e:1"]}, 64, "mnist-cnn"),
+    ("ps-sync", {"chief": ["a:1"], "worker": ["b:1", "c:1", "d:1"], "ps": ["e:1"]}, 192, "mnist-cnn"),
+    ("none", None, 64, "mnist-cnn"),
+    # A built-in task's own per-replica batch (ctr: 256).
+    ("multiworker", {"worker": ["a:1", "b:1"]}, 512, "ctr"),
+    ("none", None, 256, "ctr"),
 ])
-def test_the_default_global_batch_is_per_replica_times_replicas(strategy, cluster, expected):
+def test_the_default_global_batch_is_per_replica_times_replicas(strategy, cluster, expected, task):
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     if cluster:
         env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": "1"}})
     p = subprocess.run([sys.executable, str(REPO / "train.py"), f"--strategy={strategy}",
-                        "--check-only"], capture_output=True, text=True, env=env, timeout=60)
+                        "--task", task, "--check-only"], capture_output=True, text=True, env=env,
+                       timeout=60)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["global_batch_size"] == expected
