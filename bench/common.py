@@ -146,7 +146,10 @@ def run_one(run: Run, timeout: float, log=print) -> dict | None:
         log(f"[bench] {run.name}: FAILED (exit {code}) after {seconds:.0f}s; log: {log_path}")
         return None
     results = run.load_results(path)
-    log(f"[bench] {run.name}: test accuracy {results['test_accuracy']:.4f}, "
+    # Every compiled metric of the task (MNIST: accuracy; ctr: auc).
+    metrics = ", ".join(f"test {k} {v:.4f}" for k, v in (results.get("test_metrics") or {}).items()
+                        if isinstance(v, (int, float)))
+    log(f"[bench] {run.name}: {metrics or 'no test metric'}, "
         f"{results['examples_per_sec']:,.0f} examples/s, {seconds:.0f}s")
     return results
 
