@@ -29,7 +29,7 @@ import subprocess
 import sys
 
 import protocol
-from launcher import network, processes, supervisor
+from launcher import memory, network, processes, supervisor
 from launcher import plan as plans
 from launcher.config import LaunchConfig
 from launcher.faults import FAULT_SPEC, MAX_TASK_RESTARTS, plan_recovery
@@ -119,6 +119,10 @@ def add_recovery_args(p) -> None:
                    help="run a task at FRACTION of its speed, from outside the process (a CFS "
                         "CPU quota, else a SIGSTOP/SIGCONT duty cycle); repeatable, restarts "
                         "included; without @WHEN from its start")
+    p.add_argument("--memory-limit", action="append", metavar="ROLE=SIZE",
+                   help="run each task of ROLE in a memory cgroup of SIZE (e.g. ps=1200M, "
+                        "1.5G): past it the kernel ends the task, as a container's limit "
+                        "would; repeatable; root on Linux (cgroup v1)")
     p.add_argument("--restart-tasks", action="store_true",
                    help=f"ps: restart a dead worker with its TF_CONFIG (at most "
                         f"{MAX_TASK_RESTARTS} times each), as a cluster manager would")
@@ -193,13 +197,24 @@ def build_config(args, train_args: list[str]) -> LaunchConfig:
                              slow=args.slow, restart_tasks=args.restart_tasks,
                              restart_delay=args.restart_delay, max_restarts=args.max_restarts)
     rate = network.parse_rate(args.link_rate) if args.link_rate is not None else None
+    roles: dict[str, list[str]] = {}
+    for name in cluster.names:
+        roles.setdefault(name.partition(":")[0], []).append(name)
+    try:
+        limits = memory.parse_limits(args.memory_limit, roles)
+    except memory.MemoryLimitError as err:
+        raise LaunchError(str(err)) from None
+    problem = memory.limits_problem() if limits else None
+    if problem is not None:
+        raise LaunchError(f"--memory-limit needs a memory cgroup: {problem}; run as root on "
+                          "Linux with cgroup v1, or drop the flag")
     return LaunchConfig(
         kind=kind, cluster=cluster, recovery=recovery,
         cores=processes.share_cores(kind, cluster.names, os.cpu_count() or 1),
         train_args=tuple(train_args), model_dir=model_dir, program=args.program,
         timeout=args.timeout, grace=args.grace, dry_run=args.dry_run, netns=args.netns,
         netns_inside=args.netns_inside, link_rate=args.link_rate, rate_bits=rate,
-        launch_argv=tuple(args.launch_argv))
+        launch_argv=tuple(args.launch_argv), memory_limits=limits)
 
 
 def decide_network(config: LaunchConfig) -> tuple[bool, str | None]:

@@ -318,6 +318,11 @@ class LaunchOutcome:
     # Each task's peak resident memory in bytes, the largest over its restarts
     # and the job's relaunches (launcher.memory: sampled at every poll).
     peak_rss_bytes: dict | None = None
+    # --memory-limit: each limited task's {"limit_bytes", "max_usage_bytes"} (the
+    # most its memory cgroup was charged), and those the kernel's OOM killer
+    # ended (how many times).
+    memory_limits: dict | None = None
+    oom_killed: dict | None = None
 
     def write(self, path: str) -> None:
         write_json_atomic(path, dataclasses.asdict(self))

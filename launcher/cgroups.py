@@ -1,8 +1,10 @@
-"""CPU-quota cgroups (cgroup v1 ``cpu``): the one module that creates, joins and removes them.
+"""cgroups (v1): the one module that creates, joins and removes them.
 
-``faults.Slowdown`` makes one per slowed task; a task joins its cgroup
-between fork and exec (``processes.child_setup``), or, already running,
-when a slow-down starts; either way through :func:`join`.
+CPU quotas (``cpu``): ``faults.Slowdown`` makes one per slowed task; a task
+joins its cgroup between fork and exec (``processes.child_setup``), or,
+already running, when a slow-down starts; either way through :func:`join`.
+Memory limits (``memory``): ``memory.MemoryLimits`` makes one per limited
+task (``launch.py --memory-limit``), joined between fork and exec.
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ CGROUP_PREFIX = "showcase-"
 
 def cpu_cgroup_root(mounts: str = "/proc/self/mounts", own: str = "/proc/self/cgroup") -> str | None:
     """The directory of this process's cgroup in the v1 ``cpu`` hierarchy, or ``None``."""
+    return cgroup_root("cpu", mounts, own)
+
+
+def cgroup_root(controller: str, mounts: str = "/proc/self/mounts",
+                own: str = "/proc/self/cgroup") -> str | None:
+    """The directory of this process's cgroup in the v1 ``controller`` hierarchy, or ``None``."""
     try:
         with open(mounts) as f:
             lines = f.read().splitlines()
@@ -26,11 +34,11 @@ def cpu_cgroup_root(mounts: str = "/proc/self/mounts", own: str = "/proc/self/cg
         return None
     for line in lines:
         parts = line.split()
-        if len(parts) >= 4 and parts[2] == "cgroup" and "cpu" in parts[3].split(","):
+        if len(parts) >= 4 and parts[2] == "cgroup" and controller in parts[3].split(","):
             mount = parts[1]
             for g in groups:
                 _, controllers, path = g.split(":", 2)
-                if "cpu" in controllers.split(","):
+                if controller in controllers.split(","):
                     return os.path.join(mount, path.lstrip("/"))
             return mount
     return None
@@ -68,6 +76,56 @@ def create(path: str, quota: int, period_us: int = CFS_PERIOD_US) -> None:
         f.write(str(period_us))
     with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
         f.write(str(quota))
+
+
+def memory_problem(root: str | None) -> str | None:
+    """Why this process cannot make a memory-limit cgroup under ``root``, or ``None`` (it tries one)."""
+    if root is None:
+        return "no cgroup v1 memory controller is mounted"
+    probe = os.path.join(root, f"{CGROUP_PREFIX}probe-{os.getpid()}")
+    try:
+        create_memory(probe, 1 << 30)
+        os.rmdir(probe)
+    except OSError as err:
+        return f"cannot create a memory cgroup in {root}: {err.strerror}"
+    return None
+
+
+def create_memory(path: str, limit_bytes: int) -> None:
+    """Make the cgroup ``path`` whose processes may hold ``limit_bytes`` of memory, swap
+    included (where the kernel accounts swap): past it the kernel's OOM killer ends one."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+        f.write(str(limit_bytes))
+    memsw = os.path.join(path, "memory.memsw.limit_in_bytes")
+    if os.path.exists(memsw):  # else a limited task could page out to swap instead
+        with open(memsw, "w") as f:
+            f.write(str(limit_bytes))
+
+
+def max_usage(path: str) -> int | None:
+    """The most memory the cgroup ``path`` was charged at once, in bytes: its
+    processes' own pages (a shared library's pages are charged to whoever read
+    them first, so this is what its limit compares with, not the resident set)."""
+    try:
+        with open(os.path.join(path, "memory.max_usage_in_bytes")) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def oom_kills(path: str) -> int:
+    """How many processes the kernel's OOM killer ended in the cgroup ``path``
+    (``memory.oom_control``'s ``oom_kill``; 0 where it is not counted)."""
+    try:
+        with open(os.path.join(path, "memory.oom_control")) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def join(path: str, pid: int) -> None:

@@ -38,6 +38,8 @@ class LaunchConfig:
     link_rate: str | None = None  # --link-rate as given, e.g. "1gbit"
     rate_bits: int | None = None  # ... in bits per second
     launch_argv: tuple[str, ...] = ()  # launch.py's own flags, to re-run it in the namespace
+    # --memory-limit: each limited task's bytes (launcher.memory.parse_limits).
+    memory_limits: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def launch_dir(self) -> str:

@@ -67,6 +67,7 @@ class Placement:
 
     netns: str | None = None  # /proc/<pid>/ns/net of the host's holder process
     cgroup: str | None = None  # a cgroup directory to join before exec (a slowed task)
+    memory_cgroup: str | None = None  # ... and one that limits its memory (--memory-limit)
     cpus: tuple[int, ...] = ()  # a CPU set of its own (empty: every core)
 
 
@@ -79,6 +80,8 @@ def child_setup(place: Placement):
             enter_netns(place.netns)
         if place.cgroup:
             cgroups.join(place.cgroup, os.getpid())
+        if place.memory_cgroup:
+            cgroups.join(place.memory_cgroup, os.getpid())
         if place.cpus:
             try:
                 os.sched_setaffinity(0, set(place.cpus))

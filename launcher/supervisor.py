@@ -21,7 +21,7 @@ from launcher import faults as faultlib
 from launcher import policy, processes
 from launcher import traffic as trafficlib
 from launcher.config import LaunchConfig
-from launcher.memory import PeakMemory
+from launcher.memory import MemoryLimits, PeakMemory
 from launcher.processes import Placement, Task
 from launcher.state import JobState, RestartTask, SetLink, SignalTask, SlowTask, TaskView
 from protocol import Exit
@@ -274,11 +274,12 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
         for name in names:
             paths[name] = protocol.events_path(launch_dir, name)
             task_envs[name][protocol.EVENTS_ENV] = paths[name]
-    slowdown = None
+    slowdown, limits = None, None
     if recovery.slow:
         total = os.cpu_count() or 1
         slowdown = faultlib.Slowdown({n: cores[n].cores(total) for n in names}, log=log)
     try:
+        limits = MemoryLimits(dict(config.memory_limits), log=log)
         injector, restarter = _hooks(config, slowdown, list(paths.values()), log)
         peaks = PeakMemory()
 
@@ -286,7 +287,7 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
             place = Placement(
                 netns=network.netns(config.cluster.host_of[name]) if network is not None else None,
                 cgroup=slowdown.cgroup_for(name) if slowdown is not None else None,
-                cpus=cores[name].cpus)
+                memory_cgroup=limits.cgroup_for(name), cpus=cores[name].cpus)
             return processes.start_task(name, config.cluster.tf_configs[name], command, env,
                                         task_env=task_envs[name], place=place)
 
@@ -296,14 +297,25 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
                                   restarter, slowdown, holder, log, network=network,
                                   injector=injector)
         after = _counters(network, log) if before is not None else None
+        oom, limited = limits.oom_killed(), limits.record()
     finally:
         if slowdown is not None:
             slowdown.close()
+        if limits is not None:
+            limits.close()
     restarts = sum(restarter.restarts.values()) if restarter is not None else 0
     log(f"[launch] recovery: faults injected {len(injector.fired)}, task restarts {restarts}, "
         f"job relaunches {attempt}")
     if peaks.peaks:
         log(f"[launch] peak memory (resident): {peaks.describe()}")
+    if limited:
+        log("[launch] most memory charged, of its --memory-limit: " + ", ".join(
+            f"{n} {r['max_usage_bytes'] / 2**20:.0f} of {r['limit_bytes'] / 2**20:.0f} MiB"
+            for n, r in limited.items() if r["max_usage_bytes"] is not None))
+    for name, count in oom.items():
+        log(f"[launch] {name} was ended by the kernel's OOM killer {count} time(s): its "
+            f"--memory-limit of {config.memory_limits[name] / 2**20:.0f} MiB is too small "
+            "for what it holds (more ps tasks split the variables further)")
     rates = worker_rates(config.kind, paths) if paths else {}
     if rates:
         log(f"[launch] per worker: {describe_rates(rates)}")
@@ -320,6 +332,7 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
             hosts={n: plan.where(n) for n in names} if plan.hosts else None,
             link=link, slowed=slowed or None, faults=list(injector.records) or None,
             traffic=traffic, peak_rss_bytes=peaks.peaks or None,
+            memory_limits=limited or None, oom_killed=oom or None,
         ).write(os.path.join(launch_dir, "outcome.json"))
     return code
 

@@ -6,6 +6,7 @@ Under ``ps`` and ``ps-sync`` with ``--ps 2`` the table (above
 """
 
 import json
+from unittest import mock
 
 import pytest
 
@@ -48,3 +49,42 @@ def test_a_large_embedding_trains_split_over_two_ps(tmp_path, spawn, strategy):
         r = read_results(run)
         assert r["resumed_from_step"] == 60 and r["global_steps"] == 90
         _balanced(r, 3)
+
+
+# A ctr table of 10M x 16 (640 MB) and its Adagrad slot: 1,280 MB on one ps,
+# 640 MB on each of two. What a memory cgroup is charged is the task's own
+# pages, not its resident set (TensorFlow's shared library pages are charged
+# to whoever read them first). Measured here, 1 worker, 30 steps: two ps
+# trained under a limit of 1,450 MiB each; one ps was killed at 1,750 MiB
+# (and, with a 6M-row table, at 1,300 but not at 1,700).
+ROWS, LIMIT_MIB = 10_000_000, 1600
+
+
+def _ctr_under_limit(spawn, run, ps):
+    return spawn(launch_cmd("ps", "--workers", "1", "--ps", str(ps),
+                            "--memory-limit", f"ps={LIMIT_MIB}M", "--timeout", "400",
+                            train_args=["--task", "ctr", "--task-option", f"rows={ROWS}",
+                                        "--steps", "30", "--model-dir", str(run)]))
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_a_table_too_big_for_one_ps_under_its_memory_limit_trains_split_over_two(tmp_path, spawn):
+    one = _ctr_under_limit(spawn, tmp_path / "one", 1)
+    assert one.wait(timeout=450) != 0, one.output
+    outcome = json.loads((tmp_path / "one" / "launch" / "outcome.json").read_text())
+    assert outcome["oom_killed"] == {"ps:0": 1}, outcome
+    assert any(l.startswith("[launch] ps:0 was ended by the kernel's OOM killer") for l in one.lines)
+
+    two = _ctr_under_limit(spawn, tmp_path / "two", 2)
+    assert two.wait(timeout=450) == 0, two.output
+    r = read_results(tmp_path / "two")
+    assert r["global_steps"] == 30
+    held = r["ps_variable_bytes"]
+    assert sorted(held) == ["ps:0", "ps:1"] and min(held.values()) > 0.45 * 2 * ROWS * 16 * 4
+    outcome = json.loads((tmp_path / "two" / "launch" / "outcome.json").read_text())
+    assert outcome["oom_killed"] is None
+    assert outcome["memory_limits"] == {p: {"limit_bytes": LIMIT_MIB << 20, "max_usage_bytes": mock.ANY}
+                                        for p in ("ps:0", "ps:1")}
+    assert all(r["max_usage_bytes"] <= LIMIT_MIB << 20 for r in outcome["memory_limits"].values())

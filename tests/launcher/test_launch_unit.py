@@ -381,6 +381,19 @@ def test_a_bad_train_flag_stops_the_launch_before_launch_dir_is_written(tmp_path
     assert p.stdout == "" and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("limit,says", [
+    ("gpu=1G", "error: --memory-limit 'gpu=1G': use ROLE=SIZE with a role of this job (chief, "
+               "worker, ps), e.g. ps=1200M"),
+    ("ps=64M", "error: --memory-limit 'ps=64M' is 64 MiB, below the 256 MiB a TensorFlow task "
+               "needs to start; raise it"),
+])
+def test_a_bad_memory_limit_is_one_line_and_nothing_is_written(tmp_path, limit, says):
+    p = _launch("--strategy", "ps", "--ps", "2", "--memory-limit", limit, "--",
+                "--steps", "5", "--model-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.splitlines() == [says], p.stderr
+    assert p.stdout == "" and list(tmp_path.iterdir()) == []
+
+
 def test_a_symlinked_launch_dir_is_refused_and_not_followed(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
