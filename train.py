@@ -421,6 +421,15 @@ def _fault_exit(err: Exception) -> int | None:
         print(f"preempted: checkpoint saved at step {err.step}; exiting with code "
               f"{int(Exit.PREEMPTED)} so the job is relaunched and resumes there", flush=True)
         return Exit.PREEMPTED
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and isinstance(err, tf.errors.UnavailableError):
+        # A peer lost before the training loop's own handling starts, e.g. a ps
+        # ended while the variables are created on it (its memory limit): a
+        # relaunch can succeed, as for a task lost while training.
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        print(f"error: a peer task became unreachable before training ({type(err).__name__}: "
+              f"{first}); relaunch to resume from the last checkpoint", file=sys.stderr, flush=True)
+        return Exit.TASK_LOST
     return None
 
 

@@ -110,6 +110,15 @@ def test_train_py_ends_an_rpc_failure_with_one_error_line_and_75(capsys):
     assert err.splitlines() == ["error: chief:0: fetching ... failed 4 times"]
 
 
+def test_a_peer_lost_before_training_is_one_error_line_and_75(capsys):
+    lost = tf.errors.UnavailableError(None, None, "Socket closed\nAdditional GRPC error information")
+    assert train._fault_exit(lost) == Exit.TASK_LOST
+    assert capsys.readouterr().err.splitlines() == [
+        "error: a peer task became unreachable before training (UnavailableError: Socket closed); "
+        "relaunch to resume from the last checkpoint"]
+    assert train._fault_exit(tf.errors.InternalError(None, None, "a bug")) is None
+
+
 def test_the_ps_trainer_fetches_through_the_retrying_path(monkeypatch):
     """``PsTrainer._collect_one`` (the chief's fetch) survives one InternalError."""
     from training import ps_trainer
