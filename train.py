@@ -302,8 +302,9 @@ def _training_flags(train, d: TrainConfig) -> None:
     train.add_argument("--global-batch-size", type=int, default=None,
                        help="examples behind one update, split over the replicas in sync "
                             f"(default: {PER_REPLICA_BATCH} per replica x the replicas in sync, "
-                            "ctr 256, "
-                            "TensorFlow's convention; ps-sync: per gradient x K)")
+                            + "".join(f"{n} {t.per_replica_batch}, " for n, t in BUILTIN_TASKS.items()
+                                      if t.per_replica_batch)
+                            + "TensorFlow's convention; ps-sync: per gradient x K)")
     train.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
                        help="built-in tasks: the Keras optimizer (default adam); a task of yours "
                             "trains with the optimizer it compiled unless this, --learning-rate "

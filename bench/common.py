@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 import protocol
+from launcher import plan as plans
 from strategies import kinds as strategy_kinds
 
 # The checkout (or install) root: train.py and launch.py sit there.
@@ -74,6 +75,14 @@ def parse_only(text: str | None) -> tuple[str, ...]:
     if BASELINE not in kinds:
         raise BenchError(f"--only {text!r} leaves out 'none', the baseline every ratio needs")
     return kinds
+
+
+def hosts_for(kind, workers: int, ps: int) -> int:
+    """Simulated hosts for a run with ``--hosts``: one per computing task, one more
+    for the tasks that only coordinate or serve (as ``launcher.plan.place_tasks``)."""
+    names = plans.task_names(kind, workers, ps)
+    busy = [n for n in names if n.partition(":")[0] in kind.computing_roles]
+    return len(busy) + (1 if len(names) > len(busy) else 0)
 
 
 def group_by_config(runs: list) -> dict[str, list]:

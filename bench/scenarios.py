@@ -40,10 +40,9 @@ import time
 from dataclasses import dataclass, replace
 
 from bench import sparse
-from bench.common import (BASELINE, LAUNCH, TRAIN, BenchError, Run, group_by_config,
+from bench.common import (BASELINE, LAUNCH, TRAIN, BenchError, Run, group_by_config, hosts_for,
                           machine_description, parse_only, run_all, time_to_target)
 from bench.config import BenchConfig
-from launcher import plan as plans
 from strategies import kinds as strategy_kinds
 from strategies.kinds import StrategyKind
 
@@ -234,14 +233,6 @@ def parse_scenarios(text: str | None) -> list[Scenario]:
     return [SCENARIOS[n] for n in scenario_names(text) if n in SCENARIOS]
 
 
-def hosts_for(kind: StrategyKind, workers: int) -> int:
-    """Simulated hosts for a scenario with links: one per computing task, one more
-    for the tasks that only coordinate or serve (as ``launcher.plan.place_tasks``)."""
-    names = plans.task_names(kind, workers, kind.min_ps)
-    busy = [n for n in names if n.partition(":")[0] in kind.computing_roles]
-    return len(busy) + (1 if len(names) > len(busy) else 0)
-
-
 def launch_prefix(python: str, kind: StrategyKind, workers: int, scenario: Scenario,
                   timeout: float, program: str | None = None) -> list[str]:
     cmd = [python, LAUNCH, "--strategy", kind.name,
@@ -251,7 +242,7 @@ def launch_prefix(python: str, kind: StrategyKind, workers: int, scenario: Scena
     if scenario.slow:
         cmd += ["--slow", scenario.slow]
     if scenario.link_rate:
-        cmd += ["--hosts", str(hosts_for(kind, workers)), "--link-rate", scenario.link_rate]
+        cmd += ["--hosts", str(hosts_for(kind, workers, kind.min_ps)), "--link-rate", scenario.link_rate]
     if program:
         # A tutorial ps server never exits by itself: a short wait, then SIGTERM.
         cmd += ["--program", program, "--grace", "3"]

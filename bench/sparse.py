@@ -21,8 +21,7 @@ import sys
 from dataclasses import dataclass
 
 import protocol
-from bench.common import BASELINE, LAUNCH, TRAIN, Run, group_by_config
-from launcher import plan as plans
+from bench.common import BASELINE, LAUNCH, TRAIN, Run, group_by_config, hosts_for
 from strategies import kinds as strategy_kinds
 
 SPARSE = "sparse"
@@ -46,13 +45,6 @@ class SparseRun(Run):
         return os.path.join(self.model_dir, "launch", "outcome.json")
 
 
-def hosts_for(kind) -> int:
-    """One simulated host per computing task, one more for the chief and the ps."""
-    names = plans.task_names(kind, WORKERS, PS if kind.min_ps else 0)
-    busy = [n for n in names if n.partition(":")[0] in kind.computing_roles]
-    return len(busy) + (1 if len(names) > len(busy) else 0)
-
-
 def plan(args, python: str = sys.executable) -> list[SparseRun]:
     """The study's runs (pure): the baseline, then each multi-process kind once."""
     flags = ["--task", "ctr", "--steps", str(args.sparse_steps),
@@ -74,7 +66,7 @@ def plan(args, python: str = sys.executable) -> list[SparseRun]:
         if kind.single_process:
             continue
         cmd = [python, LAUNCH, "--strategy", name, "--workers", str(WORKERS),
-               "--timeout", str(args.run_timeout), "--hosts", str(hosts_for(kind))]
+               "--timeout", str(args.run_timeout), "--hosts", str(hosts_for(kind, WORKERS, PS if kind.min_ps else 0))]
         add(name, cmd + (["--ps", str(PS)] if kind.min_ps else []) + ["--"])
     return runs
 

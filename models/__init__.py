@@ -32,8 +32,9 @@ class BuiltinTask:
     # Whether --optimizer, --learning-rate and --lr-schedule (with their
     # defaults) replace the compiled optimizer, or only when given.
     flags_set_optimizer: bool = True
-    # The default batch per replica (--global-batch-size overrides it).
-    per_replica_batch: int = 64
+    # Its default batch per replica; None: the library's (--global-batch-size
+    # overrides either).
+    per_replica_batch: int | None = None
 
 
 BUILTIN_TASKS = {

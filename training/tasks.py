@@ -140,7 +140,7 @@ def flags_set_optimizer(spec: TaskSpec) -> bool:
 def per_replica_batch(spec: TaskSpec, default: int) -> int:
     """The default batch per replica: a built-in task's own, else ``default``."""
     entry = BUILTIN_TASKS.get(spec.builtin or "")
-    return entry.per_replica_batch if entry is not None else default
+    return (entry.per_replica_batch or default) if entry is not None else default
 
 
 def reads_tfds(spec: TaskSpec) -> bool:
