@@ -240,6 +240,13 @@ class Results:
     # pending: computed but not yet looked at by the ps when the run ended.
     gradients_per_worker: dict | None = None
     update_interval: dict | None = None  # seconds between applied updates, on the ps
+    # ps, ps-sync: workers found stuck (alive, answering nothing) for
+    # --stuck-timeout: [{"worker", "at_step", "waited_seconds",
+    # "rerouted_steps" (ps: the stuck call's steps rerun elsewhere),
+    # "came_back" (its stuck call ended before the run did), "steps_after"
+    # (steps it ran after being found stuck, the stuck call's included),
+    # "outcome": "rejoined" | "left out"}]; [] when none was.
+    stuck_workers: list | None = None
     # The task: its name, every compiled metric on the whole test split, the splits' sizes.
     task: str | None = None
     test_metrics: dict | None = None

@@ -152,6 +152,7 @@ def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None
                                "connect to every task and run the first step")
     # The strategy first: MultiWorkerMirroredStrategy configures collectives
     # before the runtime starts, and checking the task runs TensorFlow ops.
+    kind.detect_stuck_after(cfg, config.stuck_timeout)
     bundle = kind.build(cfg, all_reduce=config.all_reduce)
     checked = tasks.inspect(spec, task if task is not None else tasks.load(spec, config.data_dir),
                             steps_given=config.steps is not None)
@@ -268,6 +269,16 @@ def _cluster_flags(cluster, d: TrainConfig) -> None:
                          help="multiworker's collective implementation")
     cluster.add_argument("--startup-timeout", type=float, default=d.startup_timeout,
                          help="seconds to wait for the other tasks before giving up")
+    from training.config import STUCK_TIMEOUT_RANGE
+
+    cluster.add_argument("--stuck-timeout", type=float, default=d.stuck_timeout,
+                         metavar="SECONDS",
+                         help="seconds a live task may make no progress before the job treats "
+                              f"it as stuck ({STUCK_TIMEOUT_RANGE[0]:g} to "
+                              f"{STUCK_TIMEOUT_RANGE[1]:g}): multiworker's heartbeat timeout; "
+                              "ps, ps-sync: the chief's wait for a step (ps reruns a stuck "
+                              "worker's steps elsewhere, else the chief ends naming the stuck "
+                              "task, exit 75)")
     cluster.add_argument("--replicas-to-aggregate", type=int, default=d.replicas_to_aggregate,
                          help="ps-sync: gradients averaged into one update (unset: the number of "
                               "workers; fewer makes the N - K slowest backups whose late gradients "

@@ -112,6 +112,11 @@ class StrategyKind:
     def build(self, cfg: ClusterConfig, *, all_reduce: str = "auto") -> StrategyBundle:
         raise NotImplementedError
 
+    def detect_stuck_after(self, cfg: ClusterConfig, seconds: float) -> None:
+        """Called before ``build``: how long a live peer may make no progress
+        (``--stuck-timeout``) where TensorFlow itself watches for it. The
+        parameter-server trainers watch on the chief instead."""
+
 
     def __repr__(self) -> str:
         return f"<strategy kind {self.name}>"
@@ -212,6 +217,27 @@ class MultiWorker(StrategyKind):
         )
         return StrategyBundle(self, tf.distribute.MultiWorkerMirroredStrategy(
             cluster_resolver=_cluster_resolver(cfg), communication_options=options))
+
+    def detect_stuck_after(self, cfg, seconds):
+        """The coordination service's heartbeat timeout (TensorFlow's default,
+        10 s, otherwise). Configured as the strategy would (same leader, same
+        jobs), which it then leaves alone: it only configures the service
+        when nothing has (collective_all_reduce_strategy.py)."""
+        from tensorflow.core.protobuf import coordination_config_pb2
+        from tensorflow.python.distribute import multi_worker_util
+        from tensorflow.python.eager import context
+
+        if context.context().coordination_service is not None or cfg.is_local:
+            return
+        spec = _cluster_resolver(cfg).cluster_spec()
+        context.context().configure_coordination_service(
+            service_type="standalone",
+            service_leader=multi_worker_util.coordination_leader(spec),
+            coordinated_jobs=[
+                coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
+                for job in ("chief", "worker") if job in spec.jobs],
+            heartbeat_timeout_in_ms=int(seconds * 1000),
+        )
 
 
 class ParameterServer(StrategyKind):

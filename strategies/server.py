@@ -53,6 +53,69 @@ def unreachable_text(cfg: ClusterConfig) -> str:
     return f"unreachable tasks: {names}"
 
 
+# What a gRPC client sends first (HTTP/2's connection preface, then an empty
+# SETTINGS frame). A live gRPC server answers with its own SETTINGS at once;
+# a stopped process's kernel still completes the TCP handshake, but nothing
+# answers: that tells a stuck task from a slow one and from a gone one.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def answers(address: str, timeout: float = 1.5) -> str:
+    """"ok" (its gRPC server answered), "stuck" (a connection, then silence
+    for ``timeout`` s) or "unreachable" (no connection); never raises."""
+    host, _, port = address.rpartition(":")
+    try:
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+    except (OSError, ValueError, OverflowError):
+        return "unreachable"
+    with sock:
+        try:
+            sock.settimeout(timeout)
+            sock.sendall(_H2_PREFACE)
+            return "ok" if sock.recv(64) else "unreachable"
+        except socket.timeout:
+            return "stuck"
+        except OSError:
+            return "unreachable"
+
+
+def peer_states(cfg: ClusterConfig, timeout: float = 1.5) -> dict[str, str]:
+    """{"role:index (address)": answers(...)} for every peer, asked at once
+    (threads), so the whole probe takes at most ``timeout`` s, and a second
+    try for one found stuck (a busy host can be slow to answer once)."""
+    import threading
+
+    peers = {f"{role}:{i} ({addr})": addr for role, i, addr in cfg.tasks()
+             if (role, i) != (cfg.task_type, cfg.task_index) and role != "evaluator"}
+    states: dict[str, str] = {}
+
+    def ask(name, addr):
+        state = answers(addr, timeout)
+        states[name] = answers(addr, timeout) if state == "stuck" else state
+
+    threads = [threading.Thread(target=ask, args=item, daemon=True) for item in peers.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2 * timeout + 1)
+    return {name: states.get(name, "stuck") for name in peers}
+
+
+def stuck_text(cfg: ClusterConfig, timeout: float = 1.5) -> str:
+    """"stuck tasks: ...; unreachable tasks: ..." for the lines that end a
+    wait on a peer that is alive but makes no progress."""
+    states = peer_states(cfg, timeout)
+    stuck = [n for n, s in states.items() if s == "stuck"]
+    gone = [n for n, s in states.items() if s == "unreachable"]
+    parts = []
+    if stuck:
+        parts.append(f"stuck tasks (they accept connections but do not answer): "
+                     f"{', '.join(stuck)}")
+    if gone:
+        parts.append(f"unreachable tasks: {', '.join(gone)}")
+    return "; ".join(parts) or "every task answers (a peer is slow, not stuck)"
+
+
 def exit_now(code: int, message: str) -> None:
     """Print ``message`` and end the process at once.
 

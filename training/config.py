@@ -30,6 +30,11 @@ DEFAULT_OPTIMIZER, DEFAULT_LR_SCHEDULE = "adam", "cosine"
 MAX_SEED = 2**32 - 1
 # A run that asks for more steps is a typo (a billion steps is years here).
 MAX_STEPS = 10**9
+# --stuck-timeout: its default, and the range a run may ask for. Below the
+# minimum a busy but healthy task (a garbage collection, a slow host) would
+# be taken for a stuck one; TensorFlow's heartbeats go every half of it.
+DEFAULT_STUCK_TIMEOUT = 30.0
+STUCK_TIMEOUT_RANGE = (2.0, 86400.0)
 # Examples per replica when no --global-batch-size is given (TensorFlow's convention).
 PER_REPLICA_BATCH = 64
 # The flags that define what a run's checkpoints are: resuming with any of
@@ -60,6 +65,9 @@ class TrainConfig:
     checkpoint_every: int | None = None  # steps; epoch ends and the end always checkpoint
     all_reduce: str = "auto"
     startup_timeout: float = 120.0
+    # Seconds a live task may go without progress before the job treats it
+    # as stuck (docs/reliability.md: what each strategy does then).
+    stuck_timeout: float = DEFAULT_STUCK_TIMEOUT
     # ps-sync: gradients averaged into one update (None: one per worker).
     replicas_to_aggregate: int | None = None
     # What gradients cross the network as: cast before the all-reduce or the
@@ -113,6 +121,13 @@ class TrainConfig:
                 raise ConfigError(
                     f"--{name.replace('_', '-')}={value} is not allowed; it must be greater than 0"
                 )
+        low, high = STUCK_TIMEOUT_RANGE
+        if not low <= self.stuck_timeout <= high:  # False for nan too
+            raise ConfigError(
+                f"--stuck-timeout={self.stuck_timeout:g} is not allowed; use {low:g} to "
+                f"{high:g} seconds (how long a live task may make no progress before the job "
+                "treats it as stuck)"
+            )
         for name in ("learning_rate", "startup_timeout"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):

@@ -122,7 +122,8 @@ class Controller:
                                    learning_rate=self.plan.learning_rate_at(trainer.completed))
             self._check_finite(metrics)
         if trainer.is_chief and schedule.eval_due(before, after):
-            self.reporter.evaluate(after, trainer.state.model)
+            with trainer.paused():  # the chief's own work, not a stuck peer
+                self.reporter.evaluate(after, trainer.state.model)
         if schedule.checkpoint_due(after):
             self.checkpointer.save(after)
         if trainer.stop_requested():

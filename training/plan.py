@@ -146,6 +146,7 @@ class RunPlan:
             "variable_partitioner": self.sharding.partitioner,
             "shards_per_split_variable": self.sharding.num_shards,
             "total_steps": self.total_steps,
+            "stuck_timeout": self.config.stuck_timeout,
             "devices": {**self.devices, "cpu": True},
             "model_dir": self.config.model_dir,
         }

@@ -324,6 +324,7 @@ class PsSyncTrainer(CoordinatedTrainer):
             num_metrics))
         self._scheduled = 0
         self._finished_seen = 0
+        self._stuck_workers: list[dict] = []
         self._last_time: float | None = None
         self._intervals: list[float] = []
         # The first tokens: every worker may compute on the restored step.
@@ -418,6 +419,7 @@ class PsSyncTrainer(CoordinatedTrainer):
             "stale_gradients_applied": int(self._q.stale_applied.numpy()),
             "gradients_per_worker": counts,
             "update_interval": interval_stats(self._intervals),
+            "stuck_workers": self._stuck_workers,
         }
 
     def close(self, finished: bool) -> None:
@@ -446,5 +448,43 @@ class PsSyncTrainer(CoordinatedTrainer):
         waiting = max(0, self._scheduled - int(self._q.finished.numpy()))
         for token_queue in self._q.tokens:
             token_queue.enqueue_many([tf.fill([max(1, waiting)], tf.constant(STOP, tf.int64))])
-        if wait:
+        if wait and self._wait_for_closures():
             self.coordinator.join()
+
+    def _wait_for_closures(self, poll: float = 0.1) -> bool:
+        """Whether every closure ended; False once none has for --stuck-timeout.
+
+        A stuck worker (a backup, K < N: the others made every update
+        without it) holds its closure, and join() would wait for it forever.
+        It is left out; ``stuck_workers`` in the results says which.
+        """
+        last, since = -1, time.monotonic()
+        if self._stall is not None:
+            # This wait ends itself after --stuck-timeout, then probes the
+            # peers (up to 3 s): the watchdog stays the fallback.
+            self._stall.grace = 5.0
+        while True:
+            finished = int(self._q.finished.numpy())
+            if finished >= self._scheduled:
+                return True
+            if finished != last:
+                last, since = finished, time.monotonic()
+                if self._stall is not None:
+                    self._stall.progress()
+            elif time.monotonic() - since > self.patience:
+                break
+            time.sleep(poll)
+        _, stuck = self.stuck_peers()
+        names = [name.split(" ")[0] for name in stuck]
+        computed = self._counts()
+        for name in names:
+            self._stuck_workers.append({
+                "worker": name, "at_step": self.completed,
+                "waited_seconds": round(time.monotonic() - since, 1), "rerouted_steps": 0,
+                "came_back": False, "steps_after": None, "outcome": "left out"})
+        print(f"warning: {self.cfg.task_name}: {self._scheduled - last} closure(s) had not "
+              f"ended {self.patience:g}s (--stuck-timeout) after the last update; stuck: "
+              f"{', '.join(stuck) or 'none found'}; the run ends without waiting for them "
+              f"(gradients they computed: "
+              + ", ".join(f"{w}={computed[w]['computed']}" for w in names) + ")", flush=True)
+        return False

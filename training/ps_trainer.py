@@ -16,6 +16,7 @@ end with Preempted.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import signal
 import threading
 import time
@@ -29,11 +30,13 @@ from tensorflow.python.distribute.coordinator.cluster_coordinator import (
 )
 
 from training import data
+from strategies.server import exit_now, peer_states
 from training.recovery import StallWatchdog, condense_tf_logs, fetch
 from training.sharding import ps_variable_bytes
 from training.step import make_step_fn, make_train_fn, metric_dict
 from training.sync_trainer import PEER_ERRORS
 from training.trainer import Trainer
+from protocol import Exit
 
 # Besides gRPC errors, the coordinator wraps a lost task's errors in these.
 PS_PEER_ERRORS = PEER_ERRORS + (ClosureInputError, ClosureAbortedError)
@@ -115,6 +118,9 @@ class CoordinatedTrainer(Trainer):
     """
 
     peer_errors = PS_PEER_ERRORS
+    # Seconds past --stuck-timeout before the stall watchdog acts: a trainer
+    # that handles a stuck worker itself gets there first.
+    stall_grace = 0.0
 
     def __init__(self, plan, bundle, task, state, checkpointer, start_step, train_metrics):
         super().__init__(plan, bundle, task, state, checkpointer, start_step, train_metrics)
@@ -122,8 +128,8 @@ class CoordinatedTrainer(Trainer):
         self.workers = [f"{role}:{i}" for role, i, _ in self.cfg.tasks() if role == "worker"]
         condense_tf_logs()
         self.applied_before = int(self.state.global_step.numpy())
-        # How long a lost worker may hold the run up before the chief gives up.
-        self.patience = self.config.startup_timeout
+        # How long a lost or stuck task may hold the run up (--stuck-timeout).
+        self.patience = self.config.stuck_timeout
         self._last: dict[str, float] = {}
         self._stall: StallWatchdog | None = None
         self._sigterm: StopOnSigterm | None = None
@@ -136,7 +142,28 @@ class CoordinatedTrainer(Trainer):
     def on_started(self) -> None:
         # With too few workers left the coordinator (or ps:0) waits without
         # a timeout of its own: the watchdog ends the chief with one line.
-        self._stall = StallWatchdog(self.cfg, self.patience)
+        self._stall = StallWatchdog(self.cfg, self.patience, grace=self.stall_grace)
+
+    def stuck_peers(self) -> tuple[list[str], list[str]]:
+        """(stuck or unreachable ps tasks, stuck workers), each "role:i (address)"."""
+        states = peer_states(self.cfg)
+        ps = [n for n, st in states.items() if n.startswith("ps:") and st != "ok"]
+        workers = [n for n, st in states.items() if n.startswith("worker:") and st == "stuck"]
+        return ps, workers
+
+    def end_on_stuck_ps(self, ps: list[str], waited: float) -> None:
+        """Every step reads and writes the ps tasks: with one stuck nothing
+        moves, and any call of ours would wait on it (a hard exit, as the
+        watchdog's)."""
+        resume = (f"relaunch to resume from the checkpoint at step {self.checkpointer.saved_at}"
+                  if self.checkpointer.saved_at else "relaunch to start again")
+        exit_now(Exit.TASK_LOST, (
+            f"error: {self.cfg.task_name}: {', '.join(ps)} did not answer for {waited:.0f}s "
+            f"(--stuck-timeout={self.patience:g}) while training at step {self.completed}: "
+            f"a ps task that is stuck or cut off holds every step; {resume}"))
+
+    def paused(self):
+        return self._stall.paused() if self._stall is not None else super().paused()
 
     def stop_requested(self) -> bool:
         return self._sigterm is not None and self._sigterm.requested
@@ -163,7 +190,37 @@ class CoordinatedTrainer(Trainer):
         self.checkpointer.close()
 
 
+@dataclasses.dataclass
+class StuckWorker:
+    """A worker found stuck, and the call it held (``stuck_workers`` in results.json)."""
+
+    worker: str  # "worker:1"
+    at_step: int
+    waited_seconds: float
+    rerouted_steps: int
+    remote: object = dataclasses.field(repr=False)  # the stuck call's RemoteValue
+    count_at: int | None = None  # its steps_by_worker count when found stuck
+
+    def record(self, count_now: int | None) -> dict:
+        came_back = _is_ready(self.remote)
+        after = (count_now - self.count_at if count_now is not None and self.count_at is not None
+                 else None)
+        return {"worker": self.worker, "at_step": self.at_step,
+                "waited_seconds": round(self.waited_seconds, 1),
+                "rerouted_steps": self.rerouted_steps, "came_back": came_back,
+                "steps_after": after, "outcome": "rejoined" if came_back else "left out"}
+
+
+def _is_ready(remote) -> bool:
+    event = getattr(remote, "_status_available_event", None)
+    return bool(event is not None and event.is_set())
+
+
 class PsTrainer(CoordinatedTrainer):
+    # The main thread reroutes a stuck worker's call at --stuck-timeout
+    # (probing the peers takes up to 3 s); the watchdog is the fallback.
+    stall_grace = 5.0
+
     def __init__(self, plan, bundle, task, state, checkpointer, start_step, train_metrics):
         super().__init__(plan, bundle, task, state, checkpointer, start_step, train_metrics)
         strategy = bundle.strategy
@@ -192,6 +249,7 @@ class PsTrainer(CoordinatedTrainer):
         self.max_in_flight = 4 * max(1, len(self.workers))
         self._pending: collections.deque = collections.deque()
         self._staleness: list[np.ndarray] = []
+        self._stuck: list[StuckWorker] = []
         self.listen_for_sigterm()
 
     def train(self, num_steps: int) -> None:
@@ -204,16 +262,74 @@ class PsTrainer(CoordinatedTrainer):
     def drain(self) -> None:
         while self._pending:
             self._collect_one()
-        self.coordinator.join()
+        if any(not _is_ready(s.remote) for s in self._stuck):
+            # join() would wait for the stuck call too; every call we count
+            # was fetched above, so only errors are left to ask about.
+            self.coordinator.done()
+        else:
+            self.coordinator.join()
 
     def _collect_one(self) -> None:
-        remote, n = self._pending.popleft()
+        remote, n = self._pending[0]
+        remote = self._wait_or_reroute(remote, n)
         result = fetch(remote, time.monotonic() + self.patience, task=self.cfg.task_name)
+        self._pending.popleft()
         if self._stall is not None:
             self._stall.progress()
         self._staleness.append(result["staleness"])
         self._last = metric_dict(result["loss"], self.metric_names, result["metrics"])
         self.completed += n
+
+    def _wait_or_reroute(self, remote, n: int):
+        """The oldest call's RemoteValue once it is ready, or its replacement's.
+
+        A stopped worker fails no RPC, so the coordinator would wait on its
+        call forever (and so would we: results are read in order). Past
+        --stuck-timeout the peers are probed: a stuck worker's call is
+        scheduled again (a new closure for the same number of steps, taken
+        by a free worker: the stuck one's thread is blocked in its call), and
+        the stuck call's own result, should it ever come, is ignored. Its
+        steps, if it applies them, count as re-executed, as a lost worker's.
+        """
+        event = getattr(remote, "_status_available_event", None)
+        if event is None:  # not TensorFlow's RemoteValueImpl: wait as before
+            return remote
+        since = time.monotonic()
+        while not event.wait(0.25):
+            waited = time.monotonic() - since
+            if waited < self.patience:
+                continue
+            ps, stuck = self.stuck_peers()
+            if ps:
+                self.end_on_stuck_ps(ps, waited)
+            known = {s.worker for s in self._stuck if not _is_ready(s.remote)}
+            stuck = [name for name in stuck if name.split(" ")[0] not in known]
+            out = known | {name.split(" ")[0] for name in stuck}
+            # A worker already known stuck holds its one call: this one is elsewhere.
+            if not stuck or len(out) >= len(self.workers):
+                since = time.monotonic()  # nothing to route around: the watchdog decides
+                continue
+            remote = self._reroute(remote, n, stuck, waited)
+            event = remote._status_available_event  # pylint: disable=protected-access
+            since = time.monotonic()
+        return remote
+
+    def _reroute(self, remote, n: int, stuck: list[str], waited: float):
+        counts = read_counts(self.steps_by_worker)
+        names = [name.split(" ")[0] for name in stuck]
+        for name in names:
+            count = counts[self.workers.index(name)] if counts and name in self.workers else None
+            self._stuck.append(StuckWorker(name, self.completed, waited, n, remote, count))
+        print(f"warning: {self.cfg.task_name}: {', '.join(stuck)} accepts connections but has "
+              f"answered nothing for {waited:.0f}s (--stuck-timeout={self.patience:g}); "
+              f"rerunning its {n} step(s) from step {self.completed} on the other workers, "
+              "which get all further steps until it answers again", flush=True)
+        replacement = self.coordinator.schedule(
+            self._train_fn, args=(self._iterator, tf.constant(n)))
+        self._pending[0] = (replacement, n)
+        if self._stall is not None:
+            self._stall.progress()
+        return replacement
 
     def progress_fields(self) -> tuple[str, dict]:
         counts = read_counts(self.steps_by_worker)
@@ -248,6 +364,9 @@ class PsTrainer(CoordinatedTrainer):
             # that reran it); None if ps:0 did not answer.
             "steps_per_worker": dict(zip(self.workers, counts)) if counts else None,
             "staleness": staleness_stats(all_staleness),
+            "stuck_workers": [
+                stuck.record(counts[self.workers.index(stuck.worker)] if counts else None)
+                for stuck in self._stuck],
             "variables_per_ps": variables_per_ps(self.state.model),
             "ps_variable_bytes": self.ps_variable_bytes(),
         }

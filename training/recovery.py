@@ -13,6 +13,7 @@ What a fault looks like from inside a task, and what this module turns it into:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -20,7 +21,7 @@ import threading
 import time
 
 from protocol import Exit
-from strategies.server import exit_now, missing_tasks, unreachable_text
+from strategies.server import exit_now, missing_tasks, stuck_text
 
 
 class TaskLost(Exception):
@@ -210,15 +211,22 @@ def fetch(remote, deadline: float, retry_every: float = 0.2, *, task: str = "chi
 
 
 class StallWatchdog:
-    """Ends the chief with one line if no closure completes for ``timeout`` s.
+    """Ends the chief with one line if no step completes for ``timeout`` s
+    (``--stuck-timeout``), naming the stuck and the unreachable tasks.
 
-    With every worker gone, the coordinator waits up to an hour for one to
-    come back, inside calls that have no timeout of their own.
+    With every worker gone, or a worker or ps task alive but stopped, the
+    coordinator and ps:0 wait inside calls that have no timeout of their
+    own. ``grace`` more seconds leave a trainer that handles a stall itself
+    (ps: rerunning a stuck worker's steps elsewhere) the first move.
+    Paused while the chief does work of its own (``paused()``: evaluating).
     """
 
-    def __init__(self, cfg, timeout: float, exit_code: int = Exit.TASK_LOST):
+    def __init__(self, cfg, timeout: float, exit_code: int = Exit.TASK_LOST,
+                 grace: float = 0.0):
         self.cfg, self.timeout, self.exit_code = cfg, timeout, exit_code
+        self.grace = grace
         self._last = time.monotonic()
+        self._paused = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="StallWatchdog", daemon=True)
         self._thread.start()
@@ -229,14 +237,24 @@ class StallWatchdog:
     def stop(self) -> None:
         self._stop.set()
 
+    @contextlib.contextmanager
+    def paused(self):
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            self.progress()
+
     def _run(self) -> None:
-        while not self._stop.wait(1.0):
-            if time.monotonic() - self._last > self.timeout:
+        while not self._stop.wait(min(1.0, self.timeout / 4)):
+            if not self._paused and time.monotonic() - self._last > self.timeout + self.grace:
                 # The main thread is blocked inside TensorFlow: only a hard exit ends it.
                 exit_now(self.exit_code, (
                     f"error: {self.cfg.task_name}: no training step completed for "
-                    f"{self.timeout:g}s (--startup-timeout); {unreachable_text(self.cfg)}. "
-                    "Restart the lost tasks, or relaunch the job to resume from its checkpoint"
+                    f"{self.timeout:g}s (--stuck-timeout); {stuck_text(self.cfg)}. "
+                    "Restart or replace the stuck or lost tasks, or relaunch the job to "
+                    "resume from its checkpoint"
                 ))
 
 

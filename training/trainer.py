@@ -14,6 +14,7 @@ already restored to ``start_step``.
 from __future__ import annotations
 
 import abc
+import contextlib
 
 
 class Trainer(abc.ABC):
@@ -45,6 +46,11 @@ class Trainer(abc.ABC):
 
     def on_started(self) -> None:
         """The first call returned: every peer is connected."""
+
+    def paused(self):
+        """A context around the chief's own work (an evaluation): time spent
+        in it does not count towards ``--stuck-timeout``."""
+        return contextlib.nullcontext()
 
     def stop_requested(self) -> bool:
         """Whether a preemption asks the controller to drain, save and stop."""

@@ -206,7 +206,7 @@ def test_lost_worker_with_k_at_most_live_workers_training_goes_on(tmp_path, spaw
 def test_lost_worker_with_k_above_live_workers_is_one_line_and_exit_75(tmp_path, spawn):
     model_dir = str(tmp_path / "lost2")
     # K = N = 2 by default: one worker cannot make an update alone.
-    p = _kill_worker_1(spawn, model_dir, "--startup-timeout", "40")
+    p = _kill_worker_1(spawn, model_dir, "--stuck-timeout", "40")
     assert p.wait(390) == 75, p.output
     errors = [l for l in p.lines if l.startswith("[chief:0] error:")]
     assert len(errors) == 1, p.output
