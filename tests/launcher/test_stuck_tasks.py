@@ -186,33 +186,9 @@ def test_ps_worker_hung_then_continued_the_job_finishes_with_exact_step_accounti
     assert r["completed_steps"] == r["scheduled_steps"] == 1200
     # A stopped worker loses no closure: nothing is re-executed.
     assert r["global_steps"] == r["applied_steps"] == 1200 and r["reexecuted_steps"] == 0
+    # 15 s is under the default --stuck-timeout (30 s): a pause, not a stuck worker.
+    assert r["stuck_workers"] == []
     assert not any("Traceback" in l for l in p.lines)
-    assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
-
-
-@pytest.mark.long
-@pytest.mark.timeout(300)
-def test_ps_worker_hung_for_good_the_chief_ends_with_one_line_and_75(tmp_path, spawn):
-    # The coordinator does not route around a stopped worker (no RPC fails):
-    # the chief's stall watchdog ends it --startup-timeout after the last
-    # completed closure, naming no unreachable task (the peer is up but stuck).
-    model_dir = str(tmp_path / "pshung")
-    p = spawn(launch_cmd("ps", "--workers", "2", "--ps", "1", "--timeout", "240", "--grace", "3",
-                         "--hang", "worker:1@step=300",
-                         train_args=["--model", "logreg", "--log-every", "100", "--steps", "1200",
-                                     "--steps-per-execution", "5", "--startup-timeout", "20",
-                                     "--model-dir", model_dir]))
-    p.wait_for_line(r"^\[launch\] fault --hang worker:1@step=300: sent SIGSTOP", 200)
-    assert p.wait(120) == 75, p.output
-    chief = [l for l in p.lines if l.startswith("[chief:0] ")]
-    errors = [l for l in chief if l.startswith("[chief:0] error:")]
-    assert len(errors) == 1, "\n".join(chief[-20:])
-    assert "no training step completed for 20s (--startup-timeout)" in errors[0]
-    assert not any("Traceback" in l for l in chief)
-    assert any(re.match(r"^\[launch\] worker:1 \(pid \d+\) is still hung: SIGCONT", l)
-               for l in p.lines)
-    (record,) = _outcome(model_dir)["faults"]
-    assert record["lifted_by"] == "launcher cleanup"
     assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
 
 
@@ -220,16 +196,18 @@ def test_ps_worker_hung_for_good_the_chief_ends_with_one_line_and_75(tmp_path, s
 def test_multiworker_hung_worker_the_survivor_ends_with_one_line_naming_it_and_75(tmp_path,
                                                                                   spawn):
     # TensorFlow's coordination service (hosted by worker:0) misses worker:1's
-    # heartbeats and aborts the collectives: worker:0 stops waiting in the
-    # all-reduce and names the stuck task.
+    # heartbeats for --stuck-timeout and aborts the collectives: worker:0
+    # stops waiting in the all-reduce and names the stuck task.
     model_dir = str(tmp_path / "mwhung")
     p = spawn(launch_cmd("multiworker", "--workers", "2", "--timeout", "200", "--grace", "3",
                          "--hang", "worker:1@step=300",
                          train_args=["--model", "logreg", "--log-every", "100", "--steps", "1200",
-                                     "--model-dir", model_dir]))
-    p.wait_for_line(r"^\[launch\] fault --hang worker:1@step=300: sent SIGSTOP", 200)
-    p.wait_for_line(r"^\[launch\] worker:0 exited with code 75$", 90)
+                                     "--stuck-timeout", "5", "--model-dir", model_dir]))
+    hung = _seen(p, r"^\[launch\] fault --hang worker:1@step=300: sent SIGSTOP", 200)
+    error = _seen(p, r"^\[worker:0\] error:", 90)
+    p.wait_for_line(r"^\[launch\] worker:0 exited with code 75$", 30)
     assert p.wait(60) == 75, p.output
+    _report("multiworker, worker stopped, --stuck-timeout 5", hung, error)
     survivor = [l for l in p.lines if l.startswith("[worker:0] ")]
     errors = [l for l in survivor if l.startswith("[worker:0] error:")]
     assert len(errors) == 1, "\n".join(survivor[-20:])
@@ -237,4 +215,177 @@ def test_multiworker_hung_worker_the_survivor_ends_with_one_line_naming_it_and_7
     assert not any("Traceback" in l for l in survivor)
     (record,) = _outcome(model_dir)["faults"]
     assert record["kind"] == "hang" and record["lifted_by"] == "launcher cleanup"
+    assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
+
+
+# --- found stuck within --stuck-timeout (ps, ps-sync) ---------------------------------
+
+PS_TRAIN = ["--model", "logreg", "--log-every", "100", "--steps-per-execution", "5"]
+
+
+def _seen(p, pattern, timeout):
+    """The line matching ``pattern`` and when this test saw it (monotonic)."""
+    line = p.wait_for_line(pattern, timeout)
+    return line, time.monotonic()
+
+
+def _report(what, fault, detected):
+    """Print the time from the launcher's fault line to the detecting line."""
+    seconds = detected[1] - fault[1]
+    print(f"\n[detection] {what}: {seconds:.1f}s from the launcher's fault line to "
+          f"{detected[0][:110]!r}", flush=True)
+    return seconds
+
+
+def _one_error(p, task, *words):
+    own = [l for l in p.lines if l.startswith(f"[{task}] ")]
+    errors = [l for l in own if l.startswith(f"[{task}] error:")]
+    assert len(errors) == 1, "\n".join(own[-20:])
+    for word in words:
+        assert word in errors[0], errors[0]
+    assert not any("Traceback" in l for l in own), "\n".join(own[-40:])
+    return errors[0]
+
+
+def _all_exited(p, codes: dict[str, int]):
+    """Every task's own exit line says what it should (``None``: stopped by the launcher)."""
+    for task, code in codes.items():
+        pattern = rf"^\[launch\] {re.escape(task)} exited with code {code}$"
+        assert any(re.match(pattern, l) for l in p.lines), (task, code, p.output[-3000:])
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_ps_worker_hung_for_good_its_steps_are_rerun_on_the_other_and_the_job_finishes(
+        tmp_path, spawn):
+    model_dir = str(tmp_path / "psreroute")
+    p = spawn(launch_cmd("ps", "--workers", "2", "--ps", "1", "--timeout", "240", "--grace", "3",
+                         "--hang", "worker:1@step=300",
+                         train_args=[*PS_TRAIN, "--steps", "1200", "--stuck-timeout", "8",
+                                     "--model-dir", model_dir]))
+    hung = _seen(p, r"^\[launch\] fault --hang worker:1@step=300: sent SIGSTOP", 200)
+    warned = _seen(p, r"^\[chief:0\] warning: chief:0: worker:1 \(", 60)
+    assert "(--stuck-timeout=8); rerunning its 5 step(s)" in warned[0], warned[0]
+    assert p.wait(200) == 0, p.output
+    _report("ps, worker stopped for good, --stuck-timeout 8", hung, warned)
+    _all_exited(p, {"chief:0": 0})
+    r = read_results(model_dir)
+    assert r["completed_steps"] == r["scheduled_steps"] == 1200
+    # Exact accounting: the stuck call never finished, so nothing ran twice,
+    # unless it had applied some of its steps before the SIGSTOP.
+    assert r["global_steps"] == r["applied_steps"] == 1200 + r["reexecuted_steps"]
+    assert 0 <= r["reexecuted_steps"] <= 5
+    (stuck,) = r["stuck_workers"]
+    assert stuck["worker"] == "worker:1" and stuck["outcome"] == "left out"
+    assert stuck["came_back"] is False and stuck["rerouted_steps"] == 5
+    assert stuck["steps_after"] == 0
+    # worker:0 ran every step after the reroute.
+    assert r["steps_per_worker"]["worker:0"] >= 1200 - stuck["at_step"]
+    assert not any("Traceback" in l for l in p.lines)
+    (record,) = _outcome(model_dir)["faults"]
+    assert record["lifted_by"] == "launcher cleanup"
+    assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_ps_worker_hung_past_the_bound_then_continued_rejoins(tmp_path, spawn):
+    model_dir = str(tmp_path / "psrejoin")
+    p = spawn(launch_cmd("ps", "--workers", "2", "--ps", "1", "--timeout", "240", "--grace", "3",
+                         "--hang", "worker:1@step=300+20",
+                         train_args=[*PS_TRAIN, "--steps", "6000", "--stuck-timeout", "6",
+                                     "--model-dir", model_dir]))
+    hung = _seen(p, r"^\[launch\] fault --hang worker:1@step=300\+20s: sent SIGSTOP", 200)
+    warned = _seen(p, r"^\[chief:0\] warning: chief:0: worker:1 \(", 60)
+    p.wait_for_line(r"^\[launch\] fault --hang worker:1@step=300\+20s lifted", 60)
+    assert p.wait(200) == 0, p.output
+    _report("ps, worker stopped 20 s, --stuck-timeout 6", hung, warned)
+    r = read_results(model_dir)
+    assert r["completed_steps"] == r["scheduled_steps"] == 6000
+    # The stuck call ran to its end once continued: its steps were applied
+    # twice (once by the rerun), and counted so.
+    assert r["global_steps"] == r["applied_steps"] == 6000 + r["reexecuted_steps"]
+    (stuck,) = r["stuck_workers"]
+    assert stuck["worker"] == "worker:1" and stuck["outcome"] == "rejoined", stuck
+    assert stuck["came_back"] is True
+    # Back, it ran more calls than the stuck one.
+    assert stuck["steps_after"] > stuck["rerouted_steps"], stuck
+    assert r["reexecuted_steps"] == stuck["rerouted_steps"]
+    assert not any("Traceback" in l for l in p.lines)
+    assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["ps", "ps-sync"])
+def test_a_stuck_ps_task_ends_the_chief_with_one_line_naming_it_and_75(strategy, tmp_path,
+                                                                         spawn):
+    model_dir = str(tmp_path / "pshung")
+    p = spawn(launch_cmd(strategy, "--workers", "2", "--ps", "1", "--timeout", "240",
+                         "--grace", "3", "--hang", "ps:0@step=300",
+                         train_args=[*PS_TRAIN, "--steps", "1200", "--stuck-timeout", "8",
+                                     "--model-dir", model_dir]))
+    hung = _seen(p, r"^\[launch\] fault --hang ps:0@step=300: sent SIGSTOP", 200)
+    error = _seen(p, r"^\[chief:0\] error:", 60)
+    assert p.wait(60) == 75, p.output
+    _report(f"{strategy}, ps:0 stopped, --stuck-timeout 8", hung, error)
+    _one_error(p, "chief:0", "ps:0 (")
+    _all_exited(p, {"chief:0": 75})
+    (record,) = _outcome(model_dir)["faults"]
+    assert record["target"] == "ps:0" and record["lifted_by"] == "launcher cleanup"
+    assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.timeout(420)
+def test_ps_sync_k_equals_n_stuck_worker_is_named_75_and_the_relaunch_finishes(tmp_path,
+                                                                                 spawn):
+    model_dir = str(tmp_path / "syncstuck")
+    p = spawn(launch_cmd("ps-sync", "--workers", "2", "--ps", "1", "--timeout", "360",
+                         "--grace", "3", "--hang", "worker:1@step=300", "--max-restarts", "1",
+                         "--restart-delay", "1",
+                         train_args=["--model", "logreg", "--log-every", "100", "--steps", "600",
+                                     "--checkpoint-every", "100", "--stuck-timeout", "8",
+                                     "--model-dir", model_dir]))
+    hung = _seen(p, r"^\[launch\] fault --hang worker:1@step=300: sent SIGSTOP", 200)
+    error = _seen(p, r"^\[chief:0\] error:", 60)
+    assert "(--stuck-timeout); stuck tasks (they accept connections but do not answer): " \
+           "worker:1 (" in error[0], error[0]
+    assert "worker:0" not in error[0]
+    assert p.wait(300) == 0, p.output
+    _report("ps-sync K=N, worker stopped, --stuck-timeout 8", hung, error)
+    _one_error(p, "chief:0")
+    lines = p.lines
+    assert any(l == "[launch] chief:0 exited with code 75" for l in lines)
+    assert not any("Traceback" in l for l in lines), "\n".join(lines[-40:])
+    r = read_results(model_dir)
+    # Resumed from the newest checkpoint (every 100 steps) and finished exactly.
+    assert r["resumed_from_step"] >= 300 and r["resumed_from_step"] % 100 == 0
+    assert r["global_steps"] == 600 and r["applied_steps"] == 600 - r["resumed_from_step"]
+    assert r["aggregated_gradients"] == 2 * r["applied_steps"]
+    assert r["stuck_workers"] == []
+    assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_ps_sync_a_stuck_backup_worker_does_not_stop_the_job(tmp_path, spawn):
+    model_dir = str(tmp_path / "syncbackup")
+    p = spawn(launch_cmd("ps-sync", "--workers", "3", "--ps", "1", "--timeout", "240",
+                         "--grace", "3", "--hang", "worker:1@step=200",
+                         train_args=["--model", "logreg", "--log-every", "100", "--steps", "900",
+                                     "--replicas-to-aggregate", "2", "--stuck-timeout", "8",
+                                     "--model-dir", model_dir]))
+    p.wait_for_line(r"^\[launch\] fault --hang worker:1@step=200: sent SIGSTOP", 200)
+    assert p.wait(200) == 0, p.output
+    _all_exited(p, {"chief:0": 0})
+    r = read_results(model_dir)
+    # Every update averaged K = 2 fresh gradients, from worker:0 and worker:2.
+    assert r["global_steps"] == r["applied_steps"] == 900
+    assert r["aggregated_gradients"] == 2 * 900 and r["stale_gradients_applied"] == 0
+    counts = r["gradients_per_worker"]
+    assert counts["worker:1"]["accepted"] < 250
+    (stuck,) = r["stuck_workers"]
+    assert stuck["worker"] == "worker:1" and stuck["outcome"] == "left out"
+    assert not any("Traceback" in l for l in p.lines)
     assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
