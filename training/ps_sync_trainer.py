@@ -41,8 +41,8 @@ argument above).
 One token per worker per step means a worker contributes at most one
 gradient per update, so the N - K slowest workers are backups, and with
 fewer than K live workers no update can complete: the StallWatchdog ends
-the chief with one line naming the lost task (exit 75) after
-``--startup-timeout``, and a relaunch resumes from the checkpoint.
+the chief with one line naming the lost or stuck task (exit 75) after
+``--stuck-timeout``, and a relaunch resumes from the checkpoint.
 """
 
 from __future__ import annotations

@@ -7,10 +7,12 @@ until every scheduled step is applied (the controller asks for it before a
 checkpoint, an evaluation and the end).
 
 Faults: a lost worker's closures are rerun by the coordinator on the others
-(a closure may run twice: ``reexecuted_steps``); a lost ps task, or all
-workers gone for ``--startup-timeout``, ends the chief with one line; a
-SIGTERM asks the controller to finish what was scheduled, checkpoint and
-end with Preempted.
+(a closure may run twice: ``reexecuted_steps``); a stuck worker's (alive,
+answering nothing for ``--stuck-timeout``) is scheduled again by us, since
+no RPC of its fails (``stuck_workers`` in the results); a lost or stuck ps
+task, or no worker left for ``--stuck-timeout``, ends the chief with one
+line; a SIGTERM asks the controller to finish what was scheduled,
+checkpoint and end with Preempted.
 """
 
 from __future__ import annotations
