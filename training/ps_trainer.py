@@ -31,14 +31,14 @@ from tensorflow.python.distribute.coordinator.cluster_coordinator import (
     ClosureAbortedError, ClosureInputError,
 )
 
-from training import data
+from protocol import Exit
 from strategies.server import exit_now, peer_states
+from training import data
 from training.recovery import StallWatchdog, condense_tf_logs, fetch
 from training.sharding import ps_variable_bytes
 from training.step import make_step_fn, make_train_fn, metric_dict
 from training.sync_trainer import PEER_ERRORS
 from training.trainer import Trainer
-from protocol import Exit
 
 # Besides gRPC errors, the coordinator wraps a lost task's errors in these.
 PS_PEER_ERRORS = PEER_ERRORS + (ClosureInputError, ClosureAbortedError)

@@ -359,8 +359,9 @@ def test_ps_sync_k_equals_n_stuck_worker_is_named_75_and_the_relaunch_finishes(t
     assert any(l == "[launch] chief:0 exited with code 75" for l in lines)
     assert not any("Traceback" in l for l in lines), "\n".join(lines[-40:])
     r = read_results(model_dir)
-    # Resumed from the newest checkpoint (every 100 steps) and finished exactly.
-    assert r["resumed_from_step"] >= 300 and r["resumed_from_step"] % 100 == 0
+    # Resumed from the newest checkpoint (every 100 steps; the one at 300
+    # may or may not have been written before the stop) and finished exactly.
+    assert r["resumed_from_step"] in (200, 300), r["resumed_from_step"]
     assert r["global_steps"] == 600 and r["applied_steps"] == 600 - r["resumed_from_step"]
     assert r["aggregated_gradients"] == 2 * r["applied_steps"]
     assert r["stuck_workers"] == []
