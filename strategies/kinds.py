@@ -223,7 +223,7 @@ class MultiWorker(StrategyKind):
         10 s, otherwise). Configured as the strategy would (same leader, same
         jobs), which it then leaves alone: it only configures the service
         when nothing has (collective_all_reduce_strategy.py)."""
-        from tensorflow.core.protobuf import coordination_config_pb2
+        from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
         from tensorflow.python.distribute import multi_worker_util
         from tensorflow.python.eager import context
 

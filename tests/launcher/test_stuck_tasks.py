@@ -255,35 +255,38 @@ def _all_exited(p, codes: dict[str, int]):
 
 
 @pytest.mark.long
-@pytest.mark.timeout(300)
-def test_ps_worker_hung_for_good_its_steps_are_rerun_on_the_other_and_the_job_finishes(
+@pytest.mark.timeout(420)
+def test_ps_worker_hung_for_good_steps_go_on_elsewhere_until_a_checkpoint_then_75_and_relaunch(
         tmp_path, spawn):
+    # The chief reruns the stuck worker's call on worker:0 and training goes
+    # on; the next checkpoint cannot be written while a task of the cluster
+    # does not answer (TensorFlow blocks the chief's save on it: see
+    # docs/reliability.md), so the watchdog ends the attempt naming
+    # worker:1, and the relaunch resumes from the newest checkpoint.
     model_dir = str(tmp_path / "psreroute")
-    p = spawn(launch_cmd("ps", "--workers", "2", "--ps", "1", "--timeout", "240", "--grace", "3",
-                         "--hang", "worker:1@step=300",
+    p = spawn(launch_cmd("ps", "--workers", "2", "--ps", "1", "--timeout", "360", "--grace", "3",
+                         "--hang", "worker:1@step=300", "--max-restarts", "1",
+                         "--restart-delay", "1",
                          train_args=[*PS_TRAIN, "--steps", "1200", "--stuck-timeout", "8",
-                                     "--model-dir", model_dir]))
+                                     "--checkpoint-every", "200", "--model-dir", model_dir]))
     hung = _seen(p, r"^\[launch\] fault --hang worker:1@step=300: sent SIGSTOP", 200)
     warned = _seen(p, r"^\[chief:0\] warning: chief:0: worker:1 \(", 60)
     assert "(--stuck-timeout=8); rerunning its 5 step(s)" in warned[0], warned[0]
-    assert p.wait(200) == 0, p.output
-    _report("ps, worker stopped for good, --stuck-timeout 8", hung, warned)
-    _all_exited(p, {"chief:0": 0})
+    error = _seen(p, r"^\[chief:0\] error:", 60)
+    assert "stuck tasks (they accept connections but do not answer): worker:1 (" in error[0]
+    assert p.wait(300) == 0, p.output
+    _report("ps, worker stopped for good, --stuck-timeout 8 (rerouted)", hung, warned)
+    _report("ps, worker stopped for good, --stuck-timeout 8 (ended at the checkpoint)", hung,
+            error)
+    _one_error(p, "chief:0")
+    assert any(l == "[launch] chief:0 exited with code 75" for l in p.lines)
     r = read_results(model_dir)
-    assert r["completed_steps"] == r["scheduled_steps"] == 1200
-    # Exact accounting: the stuck call never finished, so nothing ran twice,
-    # unless it had applied some of its steps before the SIGSTOP.
-    assert r["global_steps"] == r["applied_steps"] == 1200 + r["reexecuted_steps"]
-    assert 0 <= r["reexecuted_steps"] <= 5
-    (stuck,) = r["stuck_workers"]
-    assert stuck["worker"] == "worker:1" and stuck["outcome"] == "left out"
-    assert stuck["came_back"] is False and stuck["rerouted_steps"] == 5
-    assert stuck["steps_after"] == 0
-    # worker:0 ran every step after the reroute.
-    assert r["steps_per_worker"]["worker:0"] >= 1200 - stuck["at_step"]
+    # The relaunch resumed from the checkpoint before the stop and finished exactly.
+    assert r["resumed_from_step"] == 200, r["resumed_from_step"]
+    assert r["completed_steps"] == 1200 and r["scheduled_steps"] == 1000
+    assert r["global_steps"] == 1200 + r["reexecuted_steps"] and r["reexecuted_steps"] >= 0
+    assert r["stuck_workers"] == []
     assert not any("Traceback" in l for l in p.lines)
-    (record,) = _outcome(model_dir)["faults"]
-    assert record["lifted_by"] == "launcher cleanup"
     assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
 
 
@@ -292,14 +295,14 @@ def test_ps_worker_hung_for_good_its_steps_are_rerun_on_the_other_and_the_job_fi
 def test_ps_worker_hung_past_the_bound_then_continued_rejoins(tmp_path, spawn):
     model_dir = str(tmp_path / "psrejoin")
     p = spawn(launch_cmd("ps", "--workers", "2", "--ps", "1", "--timeout", "240", "--grace", "3",
-                         "--hang", "worker:1@step=300+20",
-                         train_args=[*PS_TRAIN, "--steps", "6000", "--stuck-timeout", "6",
+                         "--hang", "worker:1@step=300+15",
+                         train_args=[*PS_TRAIN, "--steps", "6000", "--stuck-timeout", "8",
                                      "--model-dir", model_dir]))
-    hung = _seen(p, r"^\[launch\] fault --hang worker:1@step=300\+20s: sent SIGSTOP", 200)
+    hung = _seen(p, r"^\[launch\] fault --hang worker:1@step=300\+15s: sent SIGSTOP", 200)
     warned = _seen(p, r"^\[chief:0\] warning: chief:0: worker:1 \(", 60)
-    p.wait_for_line(r"^\[launch\] fault --hang worker:1@step=300\+20s lifted", 60)
+    p.wait_for_line(r"^\[launch\] fault --hang worker:1@step=300\+15s lifted", 60)
     assert p.wait(200) == 0, p.output
-    _report("ps, worker stopped 20 s, --stuck-timeout 6", hung, warned)
+    _report("ps, worker stopped 15 s, --stuck-timeout 8", hung, warned)
     r = read_results(model_dir)
     assert r["completed_steps"] == r["scheduled_steps"] == 6000
     # The stuck call ran to its end once continued: its steps were applied
@@ -369,24 +372,32 @@ def test_ps_sync_k_equals_n_stuck_worker_is_named_75_and_the_relaunch_finishes(t
 
 
 @pytest.mark.long
-@pytest.mark.timeout(300)
-def test_ps_sync_a_stuck_backup_worker_does_not_stop_the_job(tmp_path, spawn):
+@pytest.mark.timeout(420)
+def test_ps_sync_a_stuck_backup_worker_updates_go_on_until_a_checkpoint_then_75_and_relaunch(
+        tmp_path, spawn):
+    # K = 2 of 3: worker:0 and worker:2 make every update without worker:1;
+    # the next checkpoint blocks on the stuck task (as under ps), the
+    # watchdog ends the attempt naming it, the relaunch finishes exactly.
     model_dir = str(tmp_path / "syncbackup")
-    p = spawn(launch_cmd("ps-sync", "--workers", "3", "--ps", "1", "--timeout", "240",
-                         "--grace", "3", "--hang", "worker:1@step=200",
+    p = spawn(launch_cmd("ps-sync", "--workers", "3", "--ps", "1", "--timeout", "360",
+                         "--grace", "3", "--hang", "worker:1@step=200", "--max-restarts", "1",
+                         "--restart-delay", "1",
                          train_args=["--model", "logreg", "--log-every", "100", "--steps", "900",
                                      "--replicas-to-aggregate", "2", "--stuck-timeout", "8",
-                                     "--model-dir", model_dir]))
-    p.wait_for_line(r"^\[launch\] fault --hang worker:1@step=200: sent SIGSTOP", 200)
-    assert p.wait(200) == 0, p.output
-    _all_exited(p, {"chief:0": 0})
+                                     "--checkpoint-every", "300", "--model-dir", model_dir]))
+    hung = _seen(p, r"^\[launch\] fault --hang worker:1@step=200: sent SIGSTOP", 200)
+    # Updates went on without worker:1 (K = 2 live workers).
+    on = _seen(p, r"^\[chief:0\] step 300/900 ", 60)
+    error = _seen(p, r"^\[chief:0\] error:", 60)
+    assert "stuck tasks (they accept connections but do not answer): worker:1 (" in error[0]
+    assert p.wait(300) == 0, p.output
+    _report("ps-sync K=2 of 3, backup stopped, --stuck-timeout 8 (ended at the checkpoint)",
+            hung, error)
+    _one_error(p, "chief:0")
     r = read_results(model_dir)
-    # Every update averaged K = 2 fresh gradients, from worker:0 and worker:2.
-    assert r["global_steps"] == r["applied_steps"] == 900
-    assert r["aggregated_gradients"] == 2 * 900 and r["stale_gradients_applied"] == 0
-    counts = r["gradients_per_worker"]
-    assert counts["worker:1"]["accepted"] < 250
-    (stuck,) = r["stuck_workers"]
-    assert stuck["worker"] == "worker:1" and stuck["outcome"] == "left out"
+    assert r["resumed_from_step"] in (0, 300), r["resumed_from_step"]
+    assert r["global_steps"] == 900 and r["applied_steps"] == 900 - r["resumed_from_step"]
+    assert r["aggregated_gradients"] == 2 * r["applied_steps"]
+    assert r["stale_gradients_applied"] == 0
     assert not any("Traceback" in l for l in p.lines)
     assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
