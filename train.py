@@ -277,8 +277,9 @@ def _cluster_flags(cluster, d: TrainConfig) -> None:
                               f"it as stuck ({STUCK_TIMEOUT_RANGE[0]:g} to "
                               f"{STUCK_TIMEOUT_RANGE[1]:g}): multiworker's heartbeat timeout; "
                               "ps, ps-sync: the chief's wait for a step (ps reruns a stuck "
-                              "worker's steps elsewhere, else the chief ends naming the stuck "
-                              "task, exit 75)")
+                              "worker's steps on the others until a checkpoint must wait for "
+                              "it; then, or with nothing to route around, the chief ends "
+                              "naming the stuck task, exit 75)")
     cluster.add_argument("--replicas-to-aggregate", type=int, default=d.replicas_to_aggregate,
                          help="ps-sync: gradients averaged into one update (unset: the number of "
                               "workers; fewer makes the N - K slowest backups whose late gradients "
