@@ -2,9 +2,12 @@
 host's link down and up again, and nothing left stopped or down afterwards.
 
 The first three run a tiny ``--program`` (no TensorFlow) on every task, so
-they see the launcher's mechanics alone; the last runs a ps job through a
-hang. Every wait has a timeout; tests synchronise on the launcher's lines
-and on the processes' state in /proc, never on a sleep.
+they see the launcher's mechanics alone; the rest run real jobs through a
+hang and check that a stuck task is found within ``--stuck-timeout`` under
+every multi-process strategy, printing the time from the launcher's fault
+line to the line that reports it (``[detection] ...``, run with ``-s``).
+Every wait has a timeout; tests synchronise on the launcher's lines and on
+the processes' state in /proc, never on a sleep.
 """
 
 import json
