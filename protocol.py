@@ -250,6 +250,11 @@ class Results:
     # This process's (the chief's) peak resident memory in bytes; the launcher's
     # outcome.json has every task's (peak_rss_bytes there).
     peak_rss_bytes: int | None = None
+    # What crosses the network each step: the trainable parameters (their
+    # float32 weights are read) and the dtype gradients travel in
+    # (--gradient-dtype); the bench's traffic model starts from them.
+    trainable_params: int | None = None
+    gradient_dtype: str | None = None
     # A task's extra_results(), written at the top level beside the fields above.
     extra: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION

@@ -193,6 +193,8 @@ class Controller:
             keras_version=keras.__version__,
             # Linux reports ru_maxrss in KiB.
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            trainable_params=count_trainable(model),
+            gradient_dtype=config.gradient_dtype,
             extra=dict(info.extra_results),
             **specific,
         )
@@ -200,6 +202,11 @@ class Controller:
         results.write(os.path.join(config.model_dir, "results.json"))
         reporter.final(results.to_dict())
         return results.to_dict()
+
+
+def count_trainable(model) -> int:
+    """Trainable parameters: the elements of every trainable weight (a split one counted once)."""
+    return int(sum(math.prod(w.shape) for w in model.trainable_weights))
 
 
 def _rate(optimizer) -> float | None:
