@@ -861,7 +861,7 @@ def _plot_throughput(plt, srows, scen, keys, base, *, where, out, styles, legend
 
 def _plot_accuracy(plt, rows, results, srows, scen, *, where, out, styles, legend) -> str:
     acc_runs = {row["config"]: run["name"] for row in rows if not row["peer"]
-                for run in row["runs"] if run["phase"] == "accuracy"}
+                for run in row.get("runs", ()) if run["phase"] == "accuracy"}
     cols = 2
     nrows = (len(scen) + 1) // 2
     fig, axes = plt.subplots(nrows, cols, figsize=(10, 3.6 * nrows), squeeze=False)
@@ -982,6 +982,12 @@ def run(args: BenchConfig) -> int:
         print("[bench] tf_keras is not installed (pip install 'tf-keras==2.21.*', or the "
               "project's [bench] extra): the Keras 2 tutorial peers are left out", flush=True)
     results = run_all(runs, args.run_timeout + 60)
+    return report(args, runs, results, time.perf_counter() - started)
+
+
+def report(args: BenchConfig, runs: list[Run], results: dict[str, dict], seconds: float) -> int:
+    """The suite's rows, targets, scenarios.md, scenarios.json and plots from its runs'
+    records; the exit code (1 if a run failed)."""
     targets = {s: accuracy_length(args, SCENARIOS[s])[2] for s in SCENARIOS}
     studied = [r for r in runs if isinstance(r, sparse.SparseRun)]
     scaled = [r for r in runs if isinstance(r, scaling.ScalingRun)]
@@ -991,7 +997,6 @@ def run(args: BenchConfig) -> int:
     rows += sparse.summarize(results, outcomes, studied)
     rows += scaling.summarize(results, outcomes, scaled)
     checked = check_targets(rows)
-    seconds = time.perf_counter() - started
     machine = machine_description()
     uniform_len = f"{args.steps} steps" if args.steps else f"{args.epochs} epochs"
     settings = {
@@ -1009,11 +1014,12 @@ def run(args: BenchConfig) -> int:
     markdown = render_markdown(rows, checked, settings, machine, seconds)
     with open(os.path.join(args.out, "scenarios.md"), "w") as f:
         f.write(markdown)
-    paths = plot(rows, results, args.out, machine) if results else []
+    # The record first: --report-only draws the plots again from it.
     with open(os.path.join(args.out, "scenarios.json"), "w") as f:
         json.dump({"machine": machine, "settings": settings, "suite_seconds": round(seconds, 1),
                    "rows": rows, "targets": checked, "results": results},
                   f, indent=2, sort_keys=True)
+    paths = plot(rows, results, args.out, machine) if results else []
     print(markdown, flush=True)
     print(f"[bench] wrote {args.out}/scenarios.md, scenarios.json, "
           f"{', '.join(os.path.basename(p) for p in paths)}; the suite took "

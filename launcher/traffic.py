@@ -142,7 +142,16 @@ def measured_record(before: dict[int, dict[str, int]], after: dict[int, dict[str
             "tx_bytes_per_step": round(tx / steps) if steps else None,
             "rx_bytes_per_step": round(rx / steps) if steps else None,
         }
+        # Over the job, where read: TCP's segments and retransmissions, the
+        # shapers' drops (what keeps a busy link below its rate).
+        for key in LOSS_COUNTERS:
+            if key in after[h] and key in before[h]:
+                hosts[f"host{h}"][key] = after[h][key] - before[h][key]
     return {"steps": steps, "trainer": trainer, "worker_shares": shares, "hosts": hosts}
+
+
+LOSS_COUNTERS = ("tcp_segments_sent", "tcp_segments_retransmitted", "shaper_drops_tx",
+                 "shaper_drops_rx")
 
 
 def describe(record: dict) -> str:
@@ -157,7 +166,15 @@ def describe(record: dict) -> str:
             parts.append(f"{name} {h['tx_bytes'] / 1e6:.1f} / {h['rx_bytes'] / 1e6:.1f}")
     what = (f"MB sent / received per step over {steps} steps" if steps
             else "MB sent / received over the job (no step count: no results.json)")
-    return f"[launch] traffic: {what}: " + "; ".join(parts)
+    line = f"[launch] traffic: {what}: " + "; ".join(parts)
+    hosts = record["hosts"].values()
+    if all("tcp_segments_retransmitted" in h for h in hosts):
+        sent = sum(h["tcp_segments_sent"] for h in hosts)
+        again = sum(h["tcp_segments_retransmitted"] for h in hosts)
+        drops = sum(h.get("shaper_drops_tx", 0) + h.get("shaper_drops_rx", 0) for h in hosts)
+        line += (f"; TCP retransmitted {again:,} of {sent:,} segments"
+                 f" ({again / sent:.2%})" if sent else "") + f", shapers dropped {drops:,} packets"
+    return line
 
 
 def compare(record: dict, params: int, gradient_dtype: str = "float32",
