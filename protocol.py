@@ -318,7 +318,8 @@ class LaunchOutcome:
     faults: list | None = None
     # Under --hosts: each host's bytes sent and received over the job (its
     # veth's counters at start and end, headers included) and per step of
-    # the chief's final run (launcher.traffic.measured_record).
+    # the chief's final run, with its TCP retransmissions and its shapers'
+    # drops over the job (launcher.traffic.measured_record).
     traffic: dict | None = None
     # Each task's peak resident memory in bytes, the largest over its restarts
     # and the job's relaunches (launcher.memory: sampled at every poll).
