@@ -109,6 +109,7 @@ class Supervisor:
                 self.exits[name] = code
                 self.hung.pop(name, None)
                 if code == Exit.STORAGE:
+                    t.pump.join(timeout=2)  # its last lines (the error) may still be in the pipe
                     self.log(storage_line(name, t.lines, self.relaunches))
                     continue
                 how = f" (killed by {signal.Signals(-code).name})" if code < 0 else ""

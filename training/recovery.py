@@ -118,7 +118,7 @@ def storage_cause(err: BaseException | None) -> tuple[int, str | None] | None:
                 reason = os.strerror(code)
                 if reason not in text:
                     continue
-                named = re.search(r"(/[^\s;{}]*); " + re.escape(reason), text)
+                named = re.search(r"([^\s;{}]+); " + re.escape(reason), text)
                 return code, named.group(1) if named else None
         err = err.__cause__ or err.__context__
     return None

@@ -70,6 +70,8 @@ SUMMARY_FULL = ("{{function_node __wrapped__WriteSummary_device_/job:localhost/r
      "/m/checkpoints/ckpt-2_temp/part-00000-of-00001.data-00000-of-00001"
      ".tempstate15695432128797252810"),
     (("PermissionDeniedError", SAVE_RO), errno.EROFS, "/m/checkpoints/ckpt-2_temp"),
+    (("PermissionDeniedError", SAVE_RO.replace(" /m/", " runs/m/")), errno.EROFS,
+     "runs/m/checkpoints/ckpt-2_temp"),  # a relative --model-dir
     (("ResourceExhaustedError", SUMMARY_FULL), errno.ENOSPC,
      "/m/logs/events.out.tfevents.1795541043.vm.16932.0.v2"),
 ])
@@ -163,10 +165,11 @@ def test_the_restarter_leaves_a_task_that_exited_74_down():
     from launcher import faults
     from launcher.state import JobState, TaskView
 
-    now = [0.0]
-    restarter = faults.TaskRestarter(0.0, log=lambda _: None, clock=lambda: now[0])
-    state = JobState((TaskView("worker:1", 11, int(Exit.STORAGE), 1),), 0)
-    assert restarter(state) == [] and restarter(state) == []
+    restarter = faults.TaskRestarter(0.0, log=lambda _: None, clock=lambda: 0.0)
+    state = JobState((TaskView("worker:1", 11, int(Exit.STORAGE), 1),
+                      TaskView("worker:2", 12, int(Exit.FAILED), 1)), 0)
+    restarter(state)  # each failed task's restart is due after the delay: the next poll
+    assert [a.task for a in restarter(state)] == ["worker:2"]  # a crash is restarted, 74 not
 
 
 @pytest.mark.parametrize("said,relaunches,cause,verdict", [
@@ -473,3 +476,20 @@ def test_what_tensorflow_raises_is_classified(tmpfs, mode, raised, code):
     assert out[1] == f"{tmpfs}/checkpoints/ckpt-1"  # the failed save is not listed
     if mode == "ro":
         _run("mount", "-o", "remount,rw", str(tmpfs))
+
+
+@pytest.mark.timeout(180)
+def test_launch_on_a_full_disk_is_one_line_and_starts_nothing(tmpfs, spawn):
+    """The launcher's own first writes (each task's TF_CONFIG file) fail: one
+    line, exit 74, no task started, no traceback."""
+    model_dir = tmpfs / "run"
+    model_dir.mkdir()
+    fill(tmpfs)
+    p = spawn(_launch(model_dir, "--max-restarts", "2"))
+    code = p.wait(150)
+    errors = [l for l in p.lines if l.startswith("[launch] error:")]
+    assert code == Exit.STORAGE and len(errors) == 1, p.output[-3000:]
+    assert "could not write the launch files" in errors[0] and "No space left" in errors[0]
+    assert "nothing was started" in errors[0] and "Traceback" not in p.output
+    assert not any(l.startswith("[worker:") for l in p.lines), p.output[-3000:]
+    assert descendants_alive(str(model_dir)) == []
