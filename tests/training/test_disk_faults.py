@@ -323,6 +323,12 @@ def train_cmd(model_dir):
             "--model-dir", str(model_dir)]
 
 
+def keep(mnt, name, p):
+    """The run's output beside the mount (pytest keeps its last temporary directories)."""
+    with open(os.path.join(os.path.dirname(mnt), f"{name}.log"), "w") as f:
+        f.write(p.output + "\n")
+
+
 def errors_in(lines, prefix=""):
     return [l for l in lines if l.startswith(f"{prefix}error:")]
 
@@ -363,7 +369,9 @@ def test_none_full_disk_keeps_the_checkpoint_and_resumes(tmpfs, spawn):
     with _stop_at_first_checkpoint(p):
         assert listed_checkpoint(model_dir) == (f"ckpt-{EVERY}", EVERY)
         filler = fill(tmpfs)
-    line = assert_failed_cleanly(p, p.wait(180), protocol.NO_SPACE)
+    code = p.wait(180)
+    keep(tmpfs, "failed", p)
+    line = assert_failed_cleanly(p, code, protocol.NO_SPACE)
     assert "ResourceExhaustedError" in line and "Free space on that file system" in line
     # The half-written successor is not the listed one; the previous is whole.
     assert listed_checkpoint(model_dir) == (f"ckpt-{EVERY}", EVERY)
@@ -383,7 +391,9 @@ def test_none_read_only_mid_run_keeps_the_checkpoint_and_resumes(ext4, spawn):
         # would be: the journal abort below drops what is only in memory.
         os.sync()
         ext4.fail()
-    line = assert_failed_cleanly(p, p.wait(180), protocol.READ_ONLY)
+    code = p.wait(180)
+    keep(ext4.mnt, "failed", p)
+    line = assert_failed_cleanly(p, code, protocol.READ_ONLY)
     assert "PermissionDeniedError" in line and "remount it read-write" in line
     assert listed_checkpoint(model_dir) == (f"ckpt-{EVERY}", EVERY)
     ext4.repair()
@@ -398,7 +408,6 @@ def _launch(model_dir, *extra):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.long  # two clusters, one after the other
 @pytest.mark.timeout(480)
 def test_multiworker_full_disk_is_not_relaunched_and_resumes(tmpfs, spawn):
     """The chief (worker:0) writes into --model-dir, worker:1 into a private
@@ -413,6 +422,7 @@ def test_multiworker_full_disk_is_not_relaunched_and_resumes(tmpfs, spawn):
     assert listed_checkpoint(model_dir) == (f"ckpt-{EVERY}", EVERY), \
         "the next checkpoint was saved before the disk was full: the test proves nothing"
     code = p.wait(240)
+    keep(tmpfs, "failed", p)
     assert code == Exit.STORAGE, p.output[-5000:]
     assert_failed_cleanly(p, code, protocol.NO_SPACE, prefix="[worker:0] ")
     lines = p.lines
