@@ -334,7 +334,13 @@ def run_inside(config: LaunchConfig) -> int:
             link = build_hosts(config, hosts, log)
             if link is False:
                 return Exit.FAILED
-        processes.save_launch_files(launch_dir, cluster, command)
+        try:
+            processes.save_launch_files(launch_dir, cluster, command)
+        except OSError as err:
+            log(f"[launch] error: could not write the launch files into {launch_dir!r} "
+                f"({err.strerror or err}: {err.filename}); nothing was started. Free space or "
+                "make the directory writable, then run the same command again")
+            return Exit.STORAGE
         log(f"[launch] {config.kind.name}: {', '.join(cluster.names)}; TF_CONFIGs in {launch_dir}/")
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")

@@ -32,6 +32,7 @@ class Exit(IntEnum):
     BAD_INPUT = 2  # flags, TF_CONFIG, data or run directory: nothing was started
     PREEMPTED = 42  # SIGTERM: a checkpoint was saved at an agreed step (TF's own choice)
     DIVERGED = 65  # EX_DATAERR: the loss or weights became NaN/inf; the last good checkpoint is kept
+    STORAGE = 74  # EX_IOERR: a write into --model-dir failed, the disk full or read-only; not relaunched
     TASK_LOST = 75  # EX_TEMPFAIL: a peer was lost or never came, or RPCs kept failing
     TIMEOUT = 124  # the launcher stopped a job that ran past --timeout (as timeout(1))
     INTERRUPTED = 130  # Ctrl-C (SIGINT)
@@ -47,6 +48,8 @@ EXIT_MEANINGS = {
     Exit.BAD_INPUT: "bad input: one error line, nothing started or written",
     Exit.PREEMPTED: "preempted: checkpoint saved, relaunch to resume",
     Exit.DIVERGED: "training diverged (non-finite loss or weights): stopped, last good checkpoint kept",
+    Exit.STORAGE: "a write into --model-dir failed (disk full, read-only or not permitted): the "
+                  "previous checkpoint is kept; free space or make it writable, then relaunch",
     Exit.TASK_LOST: "a peer task was lost, never came, or its RPCs kept failing: relaunch to resume",
     Exit.TIMEOUT: "launcher: the job ran past --timeout and was stopped",
     Exit.INTERRUPTED: "interrupted (Ctrl-C)",
@@ -57,6 +60,14 @@ EXIT_MEANINGS = {
 def exit_epilog() -> str:
     """The exit-code table for ``--help``."""
     return "exit codes: " + "; ".join(f"{int(c)} {m}" for c, m in EXIT_MEANINGS.items())
+
+
+# Why a write into the run directory failed: ``train.py``'s ``error:`` line
+# (exit STORAGE) names one of these, and the launcher repeats it.
+NO_SPACE = "no space left on the device"
+READ_ONLY = "the file system is read-only"
+NOT_PERMITTED = "permission denied"
+STORAGE_CAUSES = (NO_SPACE, READ_ONLY, NOT_PERMITTED)
 
 
 # --- command lines -----------------------------------------------------------
@@ -290,9 +301,17 @@ def write_json_atomic(path: str, data: dict) -> None:
     """Readers see the old file or the new one, never half of one."""
     text = json.dumps(data, indent=2, sort_keys=True, allow_nan=False)  # raises before any write
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text + "\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        # A full disk: no half-written temporary file left beside the old one.
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 @dataclass(frozen=True)

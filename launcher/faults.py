@@ -208,10 +208,12 @@ def should_relaunch(code: int, attempt: int, max_restarts: int) -> bool:
     """Relaunch after this attempt's exit ``code``? (pure)
 
     Failures a relaunch can cure: a lost task, a preemption, a crash. Bad
-    input, a diverged run (it would diverge again), a timeout and success end
-    the job.
+    input, a diverged run (it would diverge again), a full or read-only run
+    directory (it stays so until someone frees space), a timeout and success
+    end the job.
     """
     return code not in (protocol.Exit.OK, protocol.Exit.BAD_INPUT, protocol.Exit.DIVERGED,
+                        protocol.Exit.STORAGE,
                         protocol.Exit.TIMEOUT, protocol.Exit.INTERRUPTED,
                         protocol.Exit.TERMINATED) \
         and attempt < max_restarts
@@ -384,8 +386,9 @@ class TaskRestarter:
     def __call__(self, state: JobState) -> list:
         now, actions = self.clock(), []
         for t in state.tasks:
-            # Exit 0 is a server that saw its chief finish: nothing to restart.
-            if t.exit_code in (None, 0) or not self.restartable(t.name):
+            # Exit 0 is a server that saw its chief finish: nothing to restart;
+            # a full or read-only disk would fail it again.
+            if t.exit_code in (None, 0, protocol.Exit.STORAGE) or not self.restartable(t.name):
                 continue
             if self.restarts.get(t.name, 0) >= self.limit:
                 continue

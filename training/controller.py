@@ -28,7 +28,7 @@ from training.evaluation import split_metrics, weights_sha256
 from training.lifetime import keep_alive_until_exit
 from training.ps_sync_trainer import PsSyncTrainer
 from training.ps_trainer import PsTrainer
-from training.recovery import Diverged, Preempted, task_lost
+from training.recovery import Diverged, Preempted, storage_fault, task_lost
 from training.reporting import Reporter, run_hparams
 from training.state import build_state
 from training.step import TrainMetrics
@@ -56,7 +56,23 @@ class Controller:
         self.steady_from = trainer.start_step
 
     def run(self) -> dict | None:
-        """Train to the end; the chief returns the results record's dict."""
+        """Train to the end; the chief returns the results record's dict.
+
+        A write into the run directory that fails for want of space or of
+        write access (TensorBoard logs, progress events, the results) ends
+        the run with one line (``StorageFault``); the checkpointer says the
+        same of its own saves.
+        """
+        try:
+            return self._run()
+        except Exception as err:  # pylint: disable=broad-except
+            fault = storage_fault(err, task=self.cfg.task_name,
+                                  checkpoint_step=self.checkpointer.saved_at)
+            if fault is None:
+                raise
+            raise fault from None
+
+    def _run(self) -> dict | None:
         trainer, finished, begun = self.trainer, False, False
         try:
             try:
@@ -198,7 +214,18 @@ class Controller:
             extra=dict(info.extra_results),
             **specific,
         )
-        model.save(os.path.join(config.model_dir, "model.keras"))
+        # Beside and renamed over: a full disk leaves the previous model.keras whole.
+        final = os.path.join(config.model_dir, "model.keras")
+        partial = os.path.join(config.model_dir, f"model.tmp{os.getpid()}.keras")
+        try:
+            model.save(partial)
+            os.replace(partial, final)
+        except OSError:
+            try:
+                os.unlink(partial)
+            except OSError:
+                pass
+            raise
         results.write(os.path.join(config.model_dir, "results.json"))
         reporter.final(results.to_dict())
         return results.to_dict()
