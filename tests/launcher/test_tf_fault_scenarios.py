@@ -332,7 +332,10 @@ def test_ps_killed_while_a_worker_restarts_the_relaunch_resumes(tmp_path, spawn)
     chief = [l for l in lines[:relaunch] if l.startswith("[chief:0] ")]
     errors = [l for l in chief if l.startswith("[chief:0] error:")]
     assert len(errors) == 1, "\n".join(chief[-30:])
-    assert "lost ps:0 (localhost:" in errors[0] and "relaunch" in errors[0]
+    # It names every peer it cannot reach: ps:0, and worker:1 if still down then.
+    assert re.search(r"chief:0 lost (worker:1 \(localhost:\d+\), )?ps:0 \(localhost:\d+\) "
+                     r"while training at step \d+", errors[0]), errors[0]
+    assert "relaunch the same command" in errors[0]
     assert "[launch] chief:0 exited with code 75" in lines[:relaunch]
     _no_traceback([l for l in lines if l.startswith("[chief:0]")])
     saved = _ints(r"^\[chief:0\] checkpoint saved at step (\d+)", lines[:relaunch])
