@@ -104,7 +104,8 @@ def parse_args(argv=None):
 
 def add_recovery_args(p) -> None:
     p.add_argument("--kill", action="append", metavar="ROLE:INDEX@WHEN",
-                   help=f"SIGKILL a task (repeatable); {FAULT_SPEC}")
+                   help=f"SIGKILL a task (repeatable; several of one task fire in order, "
+                        f"one per process of it, e.g. after each restart); {FAULT_SPEC}")
     p.add_argument("--preempt", action="append", metavar="ROLE:INDEX@WHEN",
                    help="SIGTERM a task, a polite preemption (repeatable); same WHEN")
     p.add_argument("--hang", action="append", metavar="ROLE:INDEX@WHEN[+SECONDS]",

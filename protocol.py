@@ -327,7 +327,9 @@ class LaunchOutcome:
     # task's {"steps", "share", "steps_per_sec"} from its progress events;
     # under --hosts each task's host; under --link-rate the measured link;
     # the --slow flags applied; each fault fired ({"kind", "target",
-    # "at_seconds", "at_step"}, and for a hang or partition "lift_after",
+    # "at_seconds", "at_step"; for a kill or preempt also the "attempt" and
+    # "pid" it hit and, once known, "target_ran": the steps that process had
+    # run; for a hang or partition "lift_after",
     # "lifted_at_seconds", "lifted_by": "schedule", "launcher cleanup" or
     # "task gone").
     per_task: dict | None = None
@@ -348,6 +350,8 @@ class LaunchOutcome:
     # ended (how many times).
     memory_limits: dict | None = None
     oom_killed: dict | None = None
+    # --restart-tasks: how many times each restarted task was restarted.
+    restarts_per_task: dict | None = None
 
     def write(self, path: str) -> None:
         write_json_atomic(path, dataclasses.asdict(self))

@@ -329,6 +329,9 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
     restarts = sum(restarter.restarts.values()) if restarter is not None else 0
     log(f"[launch] recovery: faults injected {len(injector.fired)}, task restarts {restarts}, "
         f"job relaunches {attempt}")
+    if injector.waiting:
+        log("[launch] never due (the job ended first): "
+            + ", ".join(str(f) for f in injector.waiting))
     if peaks.peaks:
         log(f"[launch] peak memory (resident): {peaks.describe()}")
     if limited:
@@ -358,6 +361,8 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
                 link=link, slowed=slowed or None, faults=list(injector.records) or None,
                 traffic=traffic, peak_rss_bytes=peaks.peaks or None,
                 memory_limits=limited or None, oom_killed=oom or None,
+                restarts_per_task=dict(restarter.restarts) if restarter is not None and
+                restarter.restarts else None,
             ).write(path)
         except OSError as err:
             # The run directory full or read-only (often why the job ended):
