@@ -576,7 +576,7 @@ def check_links(rows: list[dict], by: dict[str, dict]) -> list[dict]:
         low = [r for r in cells if r["link"]["fraction"] < LINK_FRACTION]
         text = ", ".join(
             f"{r['variant']} {r['link']['fraction']:.0%}"
-            + (f" (short by {LINK_FRACTION - r['link']['fraction']:.0%})"
+            + (f" ({(LINK_FRACTION - r['link']['fraction']) * 100:.0f} points short)"
                if r["link"]["fraction"] < LINK_FRACTION else "")
             + (f", {r['link']['serial_fraction']:.0%} of its serial limit"
                if "serial_fraction" in r["link"] else "")

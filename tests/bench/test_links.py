@@ -163,8 +163,8 @@ def test_network_targets_met_and_missed_by_how_much():
     by = {t["target"].split(" ")[1]: t for t in targets}
     fraction = next(t for t in targets if "link-bound limit" in t["target"])
     assert fraction["met"] is False
-    assert "ps 77% (short by 8%)" in fraction["text"]
-    assert "ps-sync 55% (short by 30%), 105% of its serial limit" in fraction["text"]
+    assert "ps 77% (8 points short)" in fraction["text"]
+    assert "ps-sync 55% (30 points short), 105% of its serial limit" in fraction["text"]
     half = next(t for t in targets if "bfloat16" in t["target"])
     assert half["ratio"] == pytest.approx(1.7) and half["met"] is False  # accuracy: 0.0026 lower
     assert "lower by 0.0026" in half["text"]
