@@ -101,11 +101,11 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 EVENTS_ENV = "SHOWCASE_EVENTS"
 
 # Event kinds, in the order a run emits them.
-STARTED = "started"  # the first step ran: every peer is connected
+STARTED = "started"  # the first step ran: every peer is connected; data: resumed_from, pid
 PROGRESS = "progress"  # a progress line was printed (step = steps completed)
 EVAL = "eval"
 CHECKPOINT = "checkpoint"  # a checkpoint holding ``step`` completed steps is on disk
-PREEMPTED = "preempted"
+PREEMPTED = "preempted"  # step: the checkpoint saved; data: resumed_from, pid (this process)
 LOST = "lost"
 DIVERGED = "diverged"  # a non-finite loss or weights stopped the run (nothing saved after)
 DONE = "done"  # this task finished its part (the chief: results written)

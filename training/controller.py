@@ -79,6 +79,13 @@ class Controller:
                 begun = self._first_call()
                 self._loop()
                 finished = True
+            except Preempted as err:
+                # One typed record of the saved step, however the preemption
+                # ended the run (the ps chief's drain below, the sync
+                # strategies' handler inside a call).
+                self.reporter.events.emit(protocol.PREEMPTED, err.step, pid=os.getpid(),
+                                          resumed_from=trainer.start_step)
+                raise
             except trainer.peer_errors as err:
                 if self.cfg.is_local:
                     raise
@@ -161,7 +168,6 @@ class Controller:
         self.trainer.drain()
         done = self.trainer.completed
         self.checkpointer.save(done)
-        self.reporter.events.emit(protocol.PREEMPTED, done)
         raise Preempted(done)
 
     def _finish(self, train_seconds: float, examples_per_sec: float) -> dict:
