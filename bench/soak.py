@@ -45,7 +45,7 @@ import protocol
 from bench.common import LAUNCH, ROOT
 from launcher import cgroups, policy
 from launcher.plan import place_tasks
-from launcher.processes import running_with
+from launcher.processes import live_processes
 from strategies import ConfigError, kinds
 from strategies.kinds import StrategyKind
 from strategies.tf_config import TRAINING_ROLES
@@ -301,22 +301,9 @@ def check_records(job: Job, steps: int, floor: float, outcome: protocol.LaunchOu
 def _marked(marker: str, model_dir: str) -> list[tuple[int, str]]:
     """Live processes carrying the job's marker in their environment or its
     model dir in their command line (this process left out)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state != "Z" and (f"{MARKER_ENV}={marker}".encode() in env or model_dir in cmd):
-            found.append((int(pid), cmd))
-    return found
+    tag = f"{MARKER_ENV}={marker}".encode()
+    return [(pid, cmd) for pid, cmd, env in live_processes(environ=True)
+            if tag in env or model_dir in cmd]
 
 
 def _netns(pid: int | str) -> str | None:
