@@ -68,15 +68,16 @@ def load_outcomes(runs: list[Run]) -> dict[str, dict]:
     return out
 
 
-def parse_workers(text: str) -> list[int]:
+def parse_workers(text: str, flag: str = "--workers") -> list[int]:
+    """Sorted distinct worker counts from ``flag``'s comma-separated value."""
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
         values = []
     if not values or any(v < 1 for v in values):
         raise BenchError(
-            f"--workers {text!r} is not a comma-separated list of positive integers; "
-            "e.g. --workers 2 or --workers 1,2,4"
+            f"{flag} {text!r} is not a comma-separated list of positive integers; "
+            f"e.g. {flag} 2 or {flag} 1,2,4"
         )
     return sorted(set(values))
 

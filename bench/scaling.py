@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 
 from bench import links
-from bench.common import Run, cluster_prefix, group_by_config, parse_only
+from bench.common import Run, cluster_prefix, group_by_config, parse_only, parse_workers
 from strategies import kinds as strategy_kinds
 
 SCALING = "scaling"
@@ -42,21 +42,10 @@ class ScalingRun(Run):
     shaped: bool = True
 
 
-def parse_workers(text: str) -> list[int]:
-    try:
-        counts = sorted({int(v) for v in text.split(",") if v.strip()})
-    except ValueError:
-        counts = []
-    if not counts or counts[0] < 1:
-        raise ValueError(f"--scaling-workers {text!r} is not a comma-separated list of "
-                         "positive worker counts, e.g. 1,2,3,4")
-    return counts
-
-
 def plan(args, python: str = sys.executable) -> list[ScalingRun]:
     """The study's runs (pure): each worker count, each kind, shaped; then the most
     workers unshaped."""
-    counts = parse_workers(args.scaling_workers)
+    counts = parse_workers(args.scaling_workers, "--scaling-workers")
     flags = ["--model", args.model, "--steps", str(args.scaling_steps),
              "--global-batch-size", str(GLOBAL_BATCH), "--seed", str(args.seed),
              "--steps-per-execution", str(args.steps_per_execution), "--eval-every", "0",
