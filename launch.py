@@ -104,7 +104,8 @@ def parse_args(argv=None):
 
 def add_recovery_args(p) -> None:
     p.add_argument("--kill", action="append", metavar="ROLE:INDEX@WHEN",
-                   help=f"SIGKILL a task (repeatable); {FAULT_SPEC}")
+                   help=f"SIGKILL a task (repeatable; several of one task fire in order, "
+                        f"one per process of it, e.g. after each restart); {FAULT_SPEC}")
     p.add_argument("--preempt", action="append", metavar="ROLE:INDEX@WHEN",
                    help="SIGTERM a task, a polite preemption (repeatable); same WHEN")
     p.add_argument("--hang", action="append", metavar="ROLE:INDEX@WHEN[+SECONDS]",
@@ -334,7 +335,13 @@ def run_inside(config: LaunchConfig) -> int:
             link = build_hosts(config, hosts, log)
             if link is False:
                 return Exit.FAILED
-        processes.save_launch_files(launch_dir, cluster, command)
+        try:
+            processes.save_launch_files(launch_dir, cluster, command)
+        except OSError as err:
+            log(f"[launch] error: could not write the launch files into {launch_dir!r} "
+                f"({err.strerror or err}: {err.filename}); nothing was started. Free space or "
+                "make the directory writable, then run the same command again")
+            return Exit.STORAGE
         log(f"[launch] {config.kind.name}: {', '.join(cluster.names)}; TF_CONFIGs in {launch_dir}/")
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")

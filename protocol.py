@@ -32,6 +32,7 @@ class Exit(IntEnum):
     BAD_INPUT = 2  # flags, TF_CONFIG, data or run directory: nothing was started
     PREEMPTED = 42  # SIGTERM: a checkpoint was saved at an agreed step (TF's own choice)
     DIVERGED = 65  # EX_DATAERR: the loss or weights became NaN/inf; the last good checkpoint is kept
+    STORAGE = 74  # EX_IOERR: a write into --model-dir failed, the disk full or read-only; not relaunched
     TASK_LOST = 75  # EX_TEMPFAIL: a peer was lost or never came, or RPCs kept failing
     TIMEOUT = 124  # the launcher stopped a job that ran past --timeout (as timeout(1))
     INTERRUPTED = 130  # Ctrl-C (SIGINT)
@@ -47,6 +48,8 @@ EXIT_MEANINGS = {
     Exit.BAD_INPUT: "bad input: one error line, nothing started or written",
     Exit.PREEMPTED: "preempted: checkpoint saved, relaunch to resume",
     Exit.DIVERGED: "training diverged (non-finite loss or weights): stopped, last good checkpoint kept",
+    Exit.STORAGE: "a write into --model-dir failed (disk full, read-only or not permitted): the "
+                  "previous checkpoint is kept; free space or make it writable, then relaunch",
     Exit.TASK_LOST: "a peer task was lost, never came, or its RPCs kept failing: relaunch to resume",
     Exit.TIMEOUT: "launcher: the job ran past --timeout and was stopped",
     Exit.INTERRUPTED: "interrupted (Ctrl-C)",
@@ -57,6 +60,14 @@ EXIT_MEANINGS = {
 def exit_epilog() -> str:
     """The exit-code table for ``--help``."""
     return "exit codes: " + "; ".join(f"{int(c)} {m}" for c, m in EXIT_MEANINGS.items())
+
+
+# Why a write into the run directory failed: ``train.py``'s ``error:`` line
+# (exit STORAGE) names one of these, and the launcher repeats it.
+NO_SPACE = "no space left on the device"
+READ_ONLY = "the file system is read-only"
+NOT_PERMITTED = "permission denied"
+STORAGE_CAUSES = (NO_SPACE, READ_ONLY, NOT_PERMITTED)
 
 
 # --- command lines -----------------------------------------------------------
@@ -90,11 +101,11 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 EVENTS_ENV = "SHOWCASE_EVENTS"
 
 # Event kinds, in the order a run emits them.
-STARTED = "started"  # the first step ran: every peer is connected
+STARTED = "started"  # the first step ran: every peer is connected; data: resumed_from, pid
 PROGRESS = "progress"  # a progress line was printed (step = steps completed)
 EVAL = "eval"
 CHECKPOINT = "checkpoint"  # a checkpoint holding ``step`` completed steps is on disk
-PREEMPTED = "preempted"
+PREEMPTED = "preempted"  # step: the checkpoint saved; data: resumed_from, pid (this process)
 LOST = "lost"
 DIVERGED = "diverged"  # a non-finite loss or weights stopped the run (nothing saved after)
 DONE = "done"  # this task finished its part (the chief: results written)
@@ -257,6 +268,11 @@ class Results:
     # This process's (the chief's) peak resident memory in bytes; the launcher's
     # outcome.json has every task's (peak_rss_bytes there).
     peak_rss_bytes: int | None = None
+    # What crosses the network each step: the trainable parameters (their
+    # float32 weights are read) and the dtype gradients travel in
+    # (--gradient-dtype); the bench's traffic model starts from them.
+    trainable_params: int | None = None
+    gradient_dtype: str | None = None
     # A task's extra_results(), written at the top level beside the fields above.
     extra: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
@@ -292,9 +308,17 @@ def write_json_atomic(path: str, data: dict) -> None:
     """Readers see the old file or the new one, never half of one."""
     text = json.dumps(data, indent=2, sort_keys=True, allow_nan=False)  # raises before any write
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text + "\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        # A full disk: no half-written temporary file left beside the old one.
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 @dataclass(frozen=True)
@@ -310,7 +334,9 @@ class LaunchOutcome:
     # task's {"steps", "share", "steps_per_sec"} from its progress events;
     # under --hosts each task's host; under --link-rate the measured link;
     # the --slow flags applied; each fault fired ({"kind", "target",
-    # "at_seconds", "at_step"}, and for a hang or partition "lift_after",
+    # "at_seconds", "at_step"; for a kill or preempt also the "attempt" and
+    # "pid" it hit and, once known, "target_ran": the steps that process had
+    # run; for a hang or partition "lift_after",
     # "lifted_at_seconds", "lifted_by": "schedule", "launcher cleanup" or
     # "task gone").
     per_task: dict | None = None
@@ -320,7 +346,8 @@ class LaunchOutcome:
     faults: list | None = None
     # Under --hosts: each host's bytes sent and received over the job (its
     # veth's counters at start and end, headers included) and per step of
-    # the chief's final run (launcher.traffic.measured_record).
+    # the chief's final run, with its TCP retransmissions and its shapers'
+    # drops over the job (launcher.traffic.measured_record).
     traffic: dict | None = None
     # Each task's peak resident memory in bytes, the largest over its restarts
     # and the job's relaunches (launcher.memory: sampled at every poll).
@@ -330,6 +357,8 @@ class LaunchOutcome:
     # ended (how many times).
     memory_limits: dict | None = None
     oom_killed: dict | None = None
+    # --restart-tasks: how many times each restarted task was restarted.
+    restarts_per_task: dict | None = None
 
     def write(self, path: str) -> None:
         write_json_atomic(path, dataclasses.asdict(self))

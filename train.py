@@ -29,7 +29,9 @@ Bad input ends with one ``error:`` line on stderr and exit code 2; a lost
 peer task with one ``error:`` line and exit code 75 (relaunch to resume); a
 preemption (SIGTERM) with a checkpoint at an agreed step and exit code 42; a
 NaN or infinite loss with one ``error:`` line and exit code 65, the last good
-checkpoint kept. The chief holds ``<model-dir>/.lock`` while it runs.
+checkpoint kept; a write into ``--model-dir`` that fails because its disk is
+full or read-only with one ``error:`` line and exit code 74 (the previous
+checkpoint kept: free space or remount, then relaunch). The chief holds ``<model-dir>/.lock`` while it runs.
 """
 
 from __future__ import annotations
@@ -418,7 +420,8 @@ def main(argv=None) -> int:
 
 def _fault_exit(err: Exception) -> int | None:
     """The exit code and line for a survived fault; None for anything else."""
-    from training.recovery import Diverged, Preempted, TaskLost, cluster_disagreement
+    from training.recovery import (Diverged, Preempted, StorageFault, TaskLost,
+                                   cluster_disagreement, storage_fault)
 
     disagreement = cluster_disagreement(err)
     if disagreement is not None:
@@ -434,6 +437,12 @@ def _fault_exit(err: Exception) -> int | None:
         print(f"preempted: checkpoint saved at step {err.step}; exiting with code "
               f"{int(Exit.PREEMPTED)} so the job is relaunched and resumes there", flush=True)
         return Exit.PREEMPTED
+    # A write into --model-dir outside the training loop (the first TensorBoard
+    # file, a progress event, the lock) on a full or read-only disk, too.
+    storage = err if isinstance(err, StorageFault) else storage_fault(err)
+    if storage is not None:
+        print(f"error: {storage}", file=sys.stderr, flush=True)
+        return Exit.STORAGE
     tf = sys.modules.get("tensorflow")
     if tf is not None and isinstance(err, tf.errors.UnavailableError):
         # A peer lost before the training loop's own handling starts, e.g. a ps

@@ -44,8 +44,9 @@ def parse_args(argv=None) -> BenchConfig:
                         "when (slow worker, slow links, more workers, tutorial peers, staleness)")
     s = p.add_argument_group("--suite scenarios (the flags above set the uniform accuracy runs)")
     s.add_argument("--scenarios", default=None,
-                   help="subset of uniform,slow,links,more and the study sparse (the ctr task "
-                        "under each strategy, bench/sparse.py); default: all")
+                   help="subset of uniform,slow,links,more and the studies sparse (the ctr task "
+                        "under each strategy, bench/sparse.py) and scaling (1-4 workers on "
+                        "100 Mbit/s links, bench/scaling.py); default: all")
     s.add_argument("--short-steps", type=int, default=200,
                    help="steps of each throughput run (0: no throughput pass)")
     s.add_argument("--short-scenarios", default="uniform,slow,links,more",
@@ -68,6 +69,10 @@ def parse_args(argv=None) -> BenchConfig:
     s.add_argument("--sparse-steps", type=int, default=400, help="steps of each sparse study run")
     s.add_argument("--sparse-global-batch", type=int, default=512,
                    help="global batch of the sparse study (the same under every strategy)")
+    s.add_argument("--scaling-workers", default="1,2,3,4",
+                   help="worker counts of the scaling study (bench/scaling.py)")
+    s.add_argument("--scaling-steps", type=int, default=200,
+                   help="steps of each scaling study run")
     s.add_argument("--report-only", action="store_true",
                    help="run nothing: write scenarios.md and the plots again from "
                         "<out>/scenarios.json (a finished suite's figures)")

@@ -51,16 +51,33 @@ class Run:
         # Through a typed record: a file of another schema fails here, loudly.
         return protocol.Results.load(path).to_dict()
 
+    @property
+    def outcome_file(self) -> str:
+        """What ``launch.py`` did (bytes per host, peak memory); none for a single process."""
+        return os.path.join(self.model_dir, "launch", "outcome.json")
 
-def parse_workers(text: str) -> list[int]:
+
+def load_outcomes(runs: list[Run]) -> dict[str, dict]:
+    """Each cluster run's launch outcome that could be read: {run name: record}."""
+    out = {}
+    for run in runs:
+        try:
+            out[run.name] = protocol.LaunchOutcome.load(run.outcome_file).__dict__
+        except (OSError, ValueError, TypeError):
+            continue
+    return out
+
+
+def parse_workers(text: str, flag: str = "--workers") -> list[int]:
+    """Sorted distinct worker counts from ``flag``'s comma-separated value."""
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
         values = []
     if not values or any(v < 1 for v in values):
         raise BenchError(
-            f"--workers {text!r} is not a comma-separated list of positive integers; "
-            "e.g. --workers 2 or --workers 1,2,4"
+            f"{flag} {text!r} is not a comma-separated list of positive integers; "
+            f"e.g. {flag} 2 or {flag} 1,2,4"
         )
     return sorted(set(values))
 
@@ -83,6 +100,26 @@ def hosts_for(kind, workers: int, ps: int) -> int:
     names = plans.task_names(kind, workers, ps)
     busy = [n for n in names if n.partition(":")[0] in kind.computing_roles]
     return len(busy) + (1 if len(names) > len(busy) else 0)
+
+
+def cluster_prefix(python: str, kind, workers: int, timeout: float, slow: str | None = None,
+                   link_rate: str | None = None, program: str | None = None) -> list[str]:
+    """``launch.py`` and its flags for a cluster of ``kind`` (up to the ``--``): ``slow``
+    a ``--slow`` spec; ``link_rate``: simulated hosts with links shaped to it."""
+    cmd = [python, LAUNCH, "--strategy", kind.name, "--workers", str(workers),
+           "--timeout", str(timeout)]
+    if kind.min_ps:
+        cmd += ["--ps", str(kind.min_ps)]
+    if slow:
+        cmd += ["--slow", slow]
+    hosts = hosts_for(kind, workers, kind.min_ps)
+    # One computing task alone (multiworker, 1 worker) sends nothing: no link to shape.
+    if link_rate and hosts > 1:
+        cmd += ["--hosts", str(hosts), "--link-rate", link_rate]
+    if program:
+        # A tutorial ps server never exits by itself: a short wait, then SIGTERM.
+        cmd += ["--program", program, "--grace", "3"]
+    return [*cmd, "--"]
 
 
 def group_by_config(runs: list) -> dict[str, list]:

@@ -38,4 +38,6 @@ class BenchConfig:
     staleness_steps: int = 300
     sparse_steps: int = 400
     sparse_global_batch: int = 512
+    scaling_workers: str = "1,2,3,4"
+    scaling_steps: int = 200
     report_only: bool = False

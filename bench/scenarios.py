@@ -39,9 +39,10 @@ import textwrap
 import time
 from dataclasses import dataclass, replace
 
-from bench import sparse
-from bench.common import (BASELINE, LAUNCH, TRAIN, BenchError, Run, group_by_config, hosts_for,
-                          machine_description, parse_only, run_all, time_to_target)
+from bench import links, scaling, sparse
+from bench.common import (BASELINE, TRAIN, BenchError, Run, cluster_prefix, group_by_config,
+                          load_outcomes, machine_description, parse_only, run_all,
+                          time_to_target)
 from bench.config import BenchConfig
 from strategies import kinds as strategy_kinds
 from strategies.kinds import StrategyKind
@@ -117,6 +118,8 @@ class Scenario:
     global_batch: int | None = None  # None: --global-batch-size
     log_every: int | None = None  # None: --log-every
     short: str = ""  # the plots' axis label
+    # Kinds that also run with gradients in 16 bits (--gradient-dtype), as a row of their own.
+    half: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -124,14 +127,17 @@ class Scenario:
 
 
 SCENARIOS = {s.name: s for s in (
-    Scenario(UNIFORM, "uniform: 2 workers, nothing slowed", 2, short="uniform"),
+    # 16-bit gradients: their accuracy over the uniform run's 3 epochs, their
+    # speed where the bytes are the bound.
+    Scenario(UNIFORM, "uniform: 2 workers, nothing slowed", 2, short="uniform",
+             half=("multiworker",)),
     # Slowed once the job has run its first call (step 10, reported by a
     # progress event every call), not from its start: a worker slowed from
     # its start can spend a short run still starting up, and never join.
     Scenario("slow", "one worker slowed: worker:1 at 0.3 of its speed (a CPU quota) from step 10",
              2, slow="worker:1=0.3@step=10", log_every=10, short="worker:1 at 0.3"),
     Scenario("links", "slow links: simulated hosts, 100 Mbit/s each way per host", 2,
-             link_rate="100mbit", short="100 Mbit/s links"),
+             link_rate="100mbit", short="100 Mbit/s links", half=("multiworker", "ps", "ps-sync")),
     # 120 splits into 4 and into 3 equal gradients (K = N and K = N - 1).
     Scenario("more", "4 workers (oversubscribed: 2 per core on 2 cores)", 4, global_batch=120,
              short="4 workers on 2 cores"),
@@ -147,8 +153,12 @@ class Variant:
     generic: str = ""  # the label whatever N (plot legends across scenarios)
 
 
-def variants(workers: int) -> list[Variant]:
-    """The multi-process kinds, a kind that aggregates K gradients twice (K = N, N - 1)."""
+HALF = "bfloat16"  # the 16-bit gradient dtype the suite measures (float16 is refused)
+
+
+def variants(workers: int, half: tuple[str, ...] = ()) -> list[Variant]:
+    """The multi-process kinds, a kind that aggregates K gradients twice (K = N, N - 1);
+    then each kind in ``half`` again (K = N) with gradients in 16 bits."""
     out = []
     for name, kind in strategy_kinds.all_kinds().items():
         if kind.single_process:
@@ -162,6 +172,9 @@ def variants(workers: int) -> list[Variant]:
             out.append(Variant(f"{name}-backup", name, f"{name} K={workers - 1} (1 backup)",
                                ("--replicas-to-aggregate", str(workers - 1)),
                                f"{name} K=N-1 (1 backup)"))
+    for v in [v for v in out if v.key in half]:
+        out.append(Variant(f"{v.key}-bf16", v.kind, f"{v.label}, {HALF} gradients",
+                           (*v.train_flags, "--gradient-dtype", HALF), f"{v.generic}, {HALF}"))
     return out
 
 
@@ -202,6 +215,13 @@ RATIO_TARGETS = (
 )
 
 
+# Against the network's limit (``bench/links.py``), in the scenarios with shaped links.
+LINK_FRACTION = 0.85  # every float32 multi-process cell reaches this fraction of its limit
+HALF_SPEEDUP = 1.6  # multiworker with 16-bit gradients over float32, on shaped links ...
+HALF_ACCURACY_SLACK = 0.002  # ... at a uniform test accuracy within this of float32's
+MODEL_TOLERANCE = 0.10  # the traffic model within this of the measured bytes per step
+
+
 def parse_list(text: str, cast, flag: str) -> list:
     try:
         values = [cast(v) for v in text.split(",") if v.strip()]
@@ -213,7 +233,7 @@ def parse_list(text: str, cast, flag: str) -> list:
 
 
 # Studies chosen by --scenarios beside the scenarios: a task of their own.
-STUDIES = (sparse.SPARSE,)
+STUDIES = (sparse.SPARSE, scaling.SCALING)
 
 
 def scenario_names(text: str | None) -> list[str]:
@@ -235,18 +255,8 @@ def parse_scenarios(text: str | None) -> list[Scenario]:
 
 def launch_prefix(python: str, kind: StrategyKind, workers: int, scenario: Scenario,
                   timeout: float, program: str | None = None) -> list[str]:
-    cmd = [python, LAUNCH, "--strategy", kind.name,
-           "--workers", str(workers), "--timeout", str(timeout)]
-    if kind.min_ps:
-        cmd += ["--ps", str(kind.min_ps)]
-    if scenario.slow:
-        cmd += ["--slow", scenario.slow]
-    if scenario.link_rate:
-        cmd += ["--hosts", str(hosts_for(kind, workers, kind.min_ps)), "--link-rate", scenario.link_rate]
-    if program:
-        # A tutorial ps server never exits by itself: a short wait, then SIGTERM.
-        cmd += ["--program", program, "--grace", "3"]
-    return [*cmd, "--"]
+    return cluster_prefix(python, kind, workers, timeout, slow=scenario.slow,
+                          link_rate=scenario.link_rate, program=program)
 
 
 def accuracy_length(args, scenario: Scenario) -> tuple[list[str], int, float]:
@@ -328,7 +338,7 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
             else:
                 length, every, _ = accuracy_length(args, scenario)
                 flags = common(scenario, length, every)
-            for v in (v for v in variants(scenario.workers) if v.kind in only):
+            for v in (v for v in variants(scenario.workers, scenario.half) if v.kind in only):
                 prefix = launch_prefix(python, strategy_kinds.get(v.kind), scenario.workers,
                                        scenario, args.run_timeout)
                 add(phase, scenario, v.key, v.kind, scenario.workers, prefix,
@@ -339,6 +349,8 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
     runs += plan_staleness(args, python)
     if sparse.SPARSE in scenario_names(args.scenarios):
         runs += sparse.plan(args, python)
+    if scaling.SCALING in scenario_names(args.scenarios):
+        runs += scaling.plan(args, python)
     return runs
 
 
@@ -415,14 +427,18 @@ def rate_from(result: dict, from_step: int) -> tuple[float, int] | None:
     return steps * result["global_batch_size"] / (end["seconds"] - start["seconds"]), start["step"]
 
 
-def summarize(results: dict[str, dict], runs: list[ScenarioRun], targets: dict[str, float]) -> list[dict]:
+def summarize(results: dict[str, dict], runs: list[ScenarioRun], targets: dict[str, float],
+              outcomes: dict[str, dict] | None = None) -> list[dict]:
     """One row per configuration (scenario and variant, peer, staleness point); pure.
 
     examples/s is the best of the configuration's runs, every run's figure
     kept; accuracy, time to the scenario's target, staleness and dropped
-    gradients come from its accuracy run (the longer, evaluated one).
+    gradients come from its accuracy run (the longer, evaluated one); on
+    shaped links (``outcomes``: the runs' launch records), the bytes and the
+    link's limit from the run whose examples/s the row shows.
     """
     rows = []
+    outcomes = outcomes or {}
     for config, group in group_by_config(runs).items():
         first = group[0]
         row = {"config": config, "scenario": first.scenario, "variant": first.variant,
@@ -434,8 +450,10 @@ def summarize(results: dict[str, dict], runs: list[ScenarioRun], targets: dict[s
         row["ok"] = not row["failed"]
         done = [(r, results[r.name]) for r in group if r.name in results]
         if done:
-            row["examples_per_sec"] = max(res["examples_per_sec"] for _, res in done)
+            best_run, best = max(done, key=lambda d: d[1]["examples_per_sec"])
+            row["examples_per_sec"] = best["examples_per_sec"]
             row["examples_per_sec_each"] = [res["examples_per_sec"] for _, res in done]
+            row["link"] = links.figures(best, outcomes.get(best_run.name))
             # The accuracy run, else (throughput only, the staleness study) the last.
             acc = next((res for r, res in done if r.phase != "throughput"), done[-1][1])
             row["test_accuracy"] = acc.get("test_accuracy")
@@ -525,6 +543,7 @@ def check_targets(rows: list[dict]) -> list[dict]:
         out.append({"target": label, "met": ratio >= need, "ratio": ratio,
                     "text": f"{ratio:.2f}×" if ratio >= need else _short(ratio, need)})
     out += sparse.check(rows)
+    out += check_links(rows, by)
     uniform = [r for r in rows if r["scenario"] == UNIFORM and not r["peer"]]
     if uniform:
         uniform += [r for r in rows if r["config"] == BASELINE]
@@ -536,6 +555,73 @@ def check_targets(rows: list[dict]) -> list[dict]:
                                        for r in low))
         out.append({"target": f"uniform: every strategy ≥ {UNIFORM_ACCURACY} test accuracy "
                               "in its accuracy run", "met": not low, "text": text})
+    return out
+
+
+def check_links(rows: list[dict], by: dict[str, dict]) -> list[dict]:
+    """The network targets (pure): fraction of the link limit, 16-bit speed-up and
+    accuracy, the traffic model's error; [] without a shaped-link run."""
+    linked = [r for r in rows if r.get("link") and not r["peer"]]
+    if not linked:
+        return []
+    out = []
+    shaped = [s.name for s in SCENARIOS.values() if s.link_rate]
+    for name in shaped:
+        cells = [r for r in linked if r["scenario"] == name and not r["variant"].endswith("-bf16")]
+        if not cells:
+            continue
+        low = [r for r in cells if r["link"]["fraction"] < LINK_FRACTION]
+        text = ", ".join(
+            f"{r['variant']} {r['link']['fraction']:.0%}"
+            + (f" ({(LINK_FRACTION - r['link']['fraction']) * 100:.0f} points short)"
+               if r["link"]["fraction"] < LINK_FRACTION else "")
+            + (f", {r['link']['serial_fraction']:.0%} of its serial limit"
+               if "serial_fraction" in r["link"] else "")
+            for r in cells)
+        out.append({"target": f"{name}: every multi-process strategy (float32) ≥ "
+                              f"{LINK_FRACTION:.0%} of its link-bound limit",
+                    "met": not low, "text": text})
+        half, full = by.get(f"{name}/multiworker-bf16"), by.get(f"{name}/multiworker")
+        label = (f"{name}: multiworker with {HALF} gradients ≥ {HALF_SPEEDUP:g}× float32's "
+                 f"examples/s, uniform accuracy within {HALF_ACCURACY_SLACK}")
+        if half is None and full is None:
+            continue
+        u_half, u_full = by.get(f"{UNIFORM}/multiworker-bf16"), by.get(f"{UNIFORM}/multiworker")
+        if not (half and full and "examples_per_sec" in half and "examples_per_sec" in full):
+            out.append({"target": label, "met": None, "text": "not measured (a run failed)"})
+            continue
+        ratio = half["examples_per_sec"] / full["examples_per_sec"]
+        parts = [f"{ratio:.2f}×" if ratio >= HALF_SPEEDUP else _short(ratio, HALF_SPEEDUP)]
+        acc_ok = None
+        if u_half and u_full and u_half.get("test_accuracy") is not None \
+                and u_full.get("test_accuracy") is not None:
+            gap = u_full["test_accuracy"] - u_half["test_accuracy"]
+            acc_ok = gap <= HALF_ACCURACY_SLACK
+            parts.append(f"uniform accuracy {u_half['test_accuracy']:.4f} vs "
+                         f"{u_full['test_accuracy']:.4f}"
+                         + ("" if acc_ok else f" (lower by {gap:.4f}, more than "
+                                              f"{HALF_ACCURACY_SLACK})"))
+        else:
+            parts.append("uniform accuracy not measured (run the uniform scenario too)")
+        out.append({"target": label, "met": (ratio >= HALF_SPEEDUP and acc_ok)
+                    if acc_ok is not None else None, "ratio": ratio, "text": "; ".join(parts)})
+    modelled = [r for r in linked + [r for r in rows if r["scenario"] == scaling.SCALING
+                                     and r.get("link")]
+                if r["link"].get("model_worst")]
+    if modelled:
+        off = [r for r in modelled
+               if abs((r["link"]["model_worst"]["ratio"] or 0) - 1) > MODEL_TOLERANCE]
+        worst = max(modelled, key=lambda r: abs((r["link"]["model_worst"]["ratio"] or 0) - 1))
+        w = worst["link"]["model_worst"]
+        text = (f"worst {worst['config']}: {w['host']} {w['direction']} measured ÷ model "
+                f"{w['ratio']:.2f}" + (f"; {len(off)} of {len(modelled)} cells off by more "
+                                       f"than {MODEL_TOLERANCE:.0%}: "
+                                       + ", ".join(f"{r['config']} {r['link']['model_worst']['ratio']:.2f}"
+                                                   for r in off) if off else
+                                       f"; all {len(modelled)} cells within {MODEL_TOLERANCE:.0%}"))
+        out.append({"target": f"the traffic model predicts every host's bytes per step within "
+                              f"{MODEL_TOLERANCE:.0%} (each cell on shaped links)",
+                    "met": not off, "text": text})
     return out
 
 
@@ -551,7 +637,8 @@ def _label(row: dict) -> str:
     if row["peer"]:
         return next(p.label for p in PEERS if p.key == row["peer"]) + " — *peer*"
     scenario = SCENARIOS.get(row["scenario"])
-    for v in variants(scenario.workers if scenario else row["workers"]):
+    for v in variants(scenario.workers if scenario else row["workers"],
+                      scenario.half if scenario else ()):
         if v.key == row["variant"]:
             return v.label
     return row["variant"]
@@ -635,12 +722,49 @@ def render_markdown(rows: list[dict], targets: list[dict], settings: dict, machi
                          f"| {_fmt(st.get('max'), 'g')} | {row['test_accuracy']:.4f} "
                          f"| {row['examples_per_sec']:,.0f} |")
         lines.append("")
+    lines += render_links(rows)
+    lines += scaling.render(rows)
     lines += sparse.render(rows)
     lines += ["## Targets (ratios measured in this run)", ""]
     for t in targets:
         mark = {True: "met", False: "**missed**", None: "not measured"}[t["met"]]
         lines.append(f"- {t['target']}: {mark}: {t['text']}")
     return "\n".join(lines) + "\n"
+
+
+def render_links(rows: list[dict]) -> list[str]:
+    """The section on the network's limit (pure): every scenario cell on shaped links."""
+    linked = [r for r in rows if r.get("link") and not r["peer"] and r["scenario"] in SCENARIOS]
+    if not linked:
+        return []
+    lines = ["## Against the network's limit (cells on shaped links)", "",
+             "Bytes: each simulated host's interface counters over the run whose examples/s "
+             "the row shows, per step (headers included). *Busiest link*: the host and "
+             "direction that moved the most; the traffic model's figure for it beside "
+             "(`docs/performance.md`); *worst host*: the host and direction where the model "
+             "is furthest off. *Link limit*: the examples/s at which the busiest link would "
+             "be busy all the time (its set rate over its bytes per step, times the global "
+             "batch); *fraction*: of it reached. ps-sync's update reads the weights only "
+             "after the gradients came in, so its *serial limit* adds both directions.", "",
+             "| strategy | examples/s | busiest link | MB per step | model | measured ÷ model "
+             "| worst host, measured ÷ model | link limit, examples/s | fraction "
+             "| serial limit, fraction |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in linked:
+        link = row["link"]
+        worst = link.get("model_worst") or {}
+        serial = (f"{link['serial_limit_examples_per_sec']:,.0f}, {link['serial_fraction']:.0%}"
+                  if "serial_fraction" in link else "")
+        lines.append(
+            f"| {_label(row)} | {row['examples_per_sec']:,.0f} "
+            f"| {link['host']} {link['direction']} ({', '.join(link['tasks'])}) "
+            f"| {link['bytes_per_step'] / 1e6:.3f} "
+            f"| {_fmt((link.get('model_bytes_per_step') or 0) / 1e6 or None, '.3f')} "
+            f"| {_fmt(link.get('model_ratio'), '.2f')} "
+            f"| {worst.get('host', '–')} {worst.get('direction', '')} "
+            f"{_fmt(worst.get('ratio'), '.2f')} "
+            f"| {link['limit_examples_per_sec']:,.0f} | {link['fraction']:.0%} | {serial} |")
+    return lines + [""]
 
 
 def _table_row(row: dict) -> str:
@@ -684,7 +808,7 @@ def plot(rows: list[dict], results: dict[str, dict], out: str, machine: str) -> 
     scen = [s for s in SCENARIOS if any(r["scenario"] == s for r in srows)]
     keys = list(dict.fromkeys(r["variant"] for r in srows))
     # One colour, marker and line per strategy in every plot and panel.
-    legend = {v.key: v.generic for v in variants(2)}
+    legend = {v.key: v.generic for v in variants(2, tuple(strategy_kinds.all_kinds()))}
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     styles = {BASELINE: dict(color="black", marker="*", linestyle=":")}
     for i, key in enumerate(keys):
@@ -698,7 +822,8 @@ def plot(rows: list[dict], results: dict[str, dict], out: str, machine: str) -> 
     st = [r for r in rows if r["scenario"] == "staleness" and "examples_per_sec" in r]
     if st:
         paths.append(_plot_staleness(plt, st, where, out))
-    return paths
+    scaled = scaling.plot(plt, rows, where, out, save)
+    return paths + ([scaled] if scaled else [])
 
 
 def _plot_throughput(plt, srows, scen, keys, base, *, where, out, styles, legend) -> str:
@@ -733,7 +858,7 @@ def _plot_throughput(plt, srows, scen, keys, base, *, where, out, styles, legend
 
 def _plot_accuracy(plt, rows, results, srows, scen, *, where, out, styles, legend) -> str:
     acc_runs = {row["config"]: run["name"] for row in rows if not row["peer"]
-                for run in row["runs"] if run["phase"] == "accuracy"}
+                for run in row.get("runs", ()) if run["phase"] == "accuracy"}
     cols = 2
     nrows = (len(scen) + 1) // 2
     fig, axes = plt.subplots(nrows, cols, figsize=(10, 3.6 * nrows), squeeze=False)
@@ -807,7 +932,7 @@ def have_tf_keras() -> bool:
 
 
 SETTINGS_ORDER = ("model", "global batch", "seed", "steps per call", "throughput runs",
-                  "accuracy runs", "staleness study", "sparse study")
+                  "accuracy runs", "staleness study", "sparse study", "scaling study")
 
 
 def report_only(out: str) -> int:
@@ -854,12 +979,21 @@ def run(args: BenchConfig) -> int:
         print("[bench] tf_keras is not installed (pip install 'tf-keras==2.21.*', or the "
               "project's [bench] extra): the Keras 2 tutorial peers are left out", flush=True)
     results = run_all(runs, args.run_timeout + 60)
+    return report(args, runs, results, time.perf_counter() - started)
+
+
+def report(args: BenchConfig, runs: list[Run], results: dict[str, dict], seconds: float) -> int:
+    """The suite's rows, targets, scenarios.md, scenarios.json and plots from its runs'
+    records; the exit code (1 if a run failed)."""
     targets = {s: accuracy_length(args, SCENARIOS[s])[2] for s in SCENARIOS}
     studied = [r for r in runs if isinstance(r, sparse.SparseRun)]
-    rows = summarize(results, [r for r in runs if r not in studied], targets)
-    rows += sparse.summarize(results, sparse.load_outcomes(studied), studied)
+    scaled = [r for r in runs if isinstance(r, scaling.ScalingRun)]
+    outcomes = load_outcomes(runs)
+    rows = summarize(results, [r for r in runs if r not in studied and r not in scaled], targets,
+                     outcomes)
+    rows += sparse.summarize(results, outcomes, studied)
+    rows += scaling.summarize(results, outcomes, scaled)
     checked = check_targets(rows)
-    seconds = time.perf_counter() - started
     machine = machine_description()
     uniform_len = f"{args.steps} steps" if args.steps else f"{args.epochs} epochs"
     settings = {
@@ -871,16 +1005,18 @@ def run(args: BenchConfig) -> int:
                          f"{args.accuracy_eval_every}, target {args.scenario_target})",
         "staleness study": f"{args.staleness_steps} steps per run",
         "sparse study": f"ctr, {args.sparse_steps} steps at global batch {args.sparse_global_batch}",
+        "scaling study": f"{args.scaling_steps} steps, workers {args.scaling_workers}",
     }
     assert tuple(settings) == SETTINGS_ORDER
     markdown = render_markdown(rows, checked, settings, machine, seconds)
     with open(os.path.join(args.out, "scenarios.md"), "w") as f:
         f.write(markdown)
-    paths = plot(rows, results, args.out, machine) if results else []
+    # The record first: --report-only draws the plots again from it.
     with open(os.path.join(args.out, "scenarios.json"), "w") as f:
         json.dump({"machine": machine, "settings": settings, "suite_seconds": round(seconds, 1),
                    "rows": rows, "targets": checked, "results": results},
                   f, indent=2, sort_keys=True)
+    paths = plot(rows, results, args.out, machine) if results else []
     print(markdown, flush=True)
     print(f"[bench] wrote {args.out}/scenarios.md, scenarios.json, "
           f"{', '.join(os.path.basename(p) for p in paths)}; the suite took "

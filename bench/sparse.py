@@ -20,7 +20,6 @@ import os
 import sys
 from dataclasses import dataclass
 
-import protocol
 from bench.common import BASELINE, LAUNCH, TRAIN, Run, group_by_config, hosts_for
 from strategies import kinds as strategy_kinds
 
@@ -39,10 +38,6 @@ class SparseRun(Run):
     phase: str = SPARSE
     variant: str = ""
     peer: str = ""  # as a scenarios run's: no tutorial peer runs this study
-
-    @property
-    def outcome_file(self) -> str:
-        return os.path.join(self.model_dir, "launch", "outcome.json")
 
 
 def plan(args, python: str = sys.executable) -> list[SparseRun]:
@@ -69,17 +64,6 @@ def plan(args, python: str = sys.executable) -> list[SparseRun]:
                "--timeout", str(args.run_timeout), "--hosts", str(hosts_for(kind, WORKERS, PS if kind.min_ps else 0))]
         add(name, cmd + (["--ps", str(PS)] if kind.min_ps else []) + ["--"])
     return runs
-
-
-def load_outcomes(runs: list[SparseRun]) -> dict[str, dict]:
-    """Each cluster run's launch outcome that could be read: {run name: record}."""
-    out = {}
-    for run in runs:
-        try:
-            out[run.name] = protocol.LaunchOutcome.load(run.outcome_file).__dict__
-        except (OSError, ValueError, TypeError):
-            continue
-    return out
 
 
 def busiest_host(traffic: dict | None) -> tuple[str, float] | None:

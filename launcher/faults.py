@@ -32,7 +32,9 @@ FAULT_ACTIONS = {"kill": signal.SIGKILL, "preempt": signal.SIGTERM, "hang": sign
                  "partition": None}
 # Faults that last: lifted after +SECONDS if given, and always when the launcher ends.
 LASTING = ("hang", "partition")
-FAULT_SPEC = "ROLE:INDEX@WHEN, WHEN being seconds (@20, @2.5s) or a step reached (@step=150)"
+FAULT_SPEC = ("ROLE:INDEX@WHEN, WHEN being seconds (@20, @2.5s), a step reached (@step=150), "
+              "steps the task's current process has run (@ran=40) or another task down "
+              "(@down=worker:1)")
 LASTING_SPEC = {
     "hang": "ROLE:INDEX@WHEN[+SECONDS], e.g. worker:1@step=150+20 (stopped for 20 s; "
             "without +SECONDS until the launcher ends)",
@@ -49,7 +51,10 @@ class Fault:
     reached; ``--partition``: take host ``task`` (``host1``) off its link then.
 
     ``lift_after``: a hang or partition is lifted that many seconds later
-    (``None``: only when the launcher ends).
+    (``None``: only when the launcher ends). A kill or preempt may instead
+    wait for ``ran`` steps run by the task's current process (a restarted or
+    relaunched one counts from its own start), or for task ``down`` to be
+    down (exited; a restart may be pending).
     """
 
     action: str
@@ -57,14 +62,23 @@ class Fault:
     seconds: float | None = None
     step: int | None = None
     lift_after: float | None = None
+    ran: int | None = None
+    down: str | None = None
 
     @property
     def host(self) -> int | None:
         """The simulated host's index, for a partition."""
         return int(self.task[len("host"):]) if self.action == "partition" else None
 
+    @property
+    def ends_process(self) -> bool:
+        """A kill or preempt: several on one task fire one per process of it."""
+        return self.action in ("kill", "preempt")
+
     def __str__(self) -> str:
-        when = f"step={self.step}" if self.step is not None else f"{self.seconds:g}s"
+        when = (f"step={self.step}" if self.step is not None else
+                f"ran={self.ran}" if self.ran is not None else
+                f"down={self.down}" if self.down is not None else f"{self.seconds:g}s")
         lift = f"+{self.lift_after:g}s" if self.lift_after is not None else ""
         return f"--{self.action} {self.task}@{when}{lift}"
 
@@ -90,7 +104,7 @@ class Slow:
 
 _TASK = r"(chief|worker|ps|local):(\d+)"
 _WHEN = r"(?:step=(\d+)|(\d+(?:\.\d+)?)s?)"
-_FAULT_RX = re.compile(rf"^{_TASK}@{_WHEN}$")
+_FAULT_RX = re.compile(rf"^{_TASK}@(?:{_WHEN}|ran=(\d+)|down={_TASK})$")
 _LIFT = r"(?:\+(\d+(?:\.\d+)?)s?)?"
 _HANG_RX = re.compile(rf"^{_TASK}@{_WHEN}{_LIFT}$")
 _PARTITION_RX = re.compile(rf"^host(\d+)@{_WHEN}{_LIFT}$")
@@ -110,10 +124,18 @@ def parse_fault(action: str, spec: str) -> Fault:
             f"--{action} {spec!r} is not a fault spec; expected {FAULT_SPEC}, "
             f"e.g. --{action} worker:1@step=150"
         )
-    role, index, step, seconds = m.groups()
+    role, index, step, seconds, ran, down_role, down_index = m.groups()
     task = f"{role}:{int(index)}"
     if step is not None:
         return Fault(action, task, step=int(step))
+    if ran is not None:
+        return Fault(action, task, ran=int(ran))
+    if down_role is not None:
+        down = f"{down_role}:{int(down_index)}"
+        if down == task:
+            raise LaunchError(f"--{action} {spec!r} waits for {task} itself to be down; "
+                              f"@down= names another task, e.g. --{action} ps:0@down=worker:1")
+        return Fault(action, task, down=down)
     return Fault(action, task, seconds=float(seconds))
 
 
@@ -182,10 +204,11 @@ def plan_recovery(kind: StrategyKind, tasks, *, kill=(), preempt=(), slow=(), ha
     for item in (*faults, *slowed):
         if isinstance(item, Fault) and item.action == "partition":
             continue
-        if item.task not in names:
-            raise LaunchError(
-                f"{item} names a task this cluster does not have; tasks: {', '.join(names)}"
-            )
+        for task in (item.task, getattr(item, "down", None)):
+            if task is not None and task not in names:
+                raise LaunchError(
+                    f"{item} names a task this cluster does not have; tasks: {', '.join(names)}"
+                )
     tasks_slowed = [s.task for s in slowed]
     if len(set(tasks_slowed)) != len(tasks_slowed):
         raise LaunchError(f"--slow names {max(tasks_slowed, key=tasks_slowed.count)} twice; "
@@ -208,10 +231,12 @@ def should_relaunch(code: int, attempt: int, max_restarts: int) -> bool:
     """Relaunch after this attempt's exit ``code``? (pure)
 
     Failures a relaunch can cure: a lost task, a preemption, a crash. Bad
-    input, a diverged run (it would diverge again), a timeout and success end
-    the job.
+    input, a diverged run (it would diverge again), a full or read-only run
+    directory (it stays so until someone frees space), a timeout and success
+    end the job.
     """
     return code not in (protocol.Exit.OK, protocol.Exit.BAD_INPUT, protocol.Exit.DIVERGED,
+                        protocol.Exit.STORAGE,
                         protocol.Exit.TIMEOUT, protocol.Exit.INTERRUPTED,
                         protocol.Exit.TERMINATED) \
         and attempt < max_restarts
@@ -227,7 +252,15 @@ class FaultInjector:
 
     Steps come from every task's progress events (``protocol``: the files
     ``event_paths`` name, read at each poll); times count from the launcher's
-    start.
+    start. ``@ran=N`` counts the steps the target's current process has run:
+    its own events since its ``started`` event, or for a ps worker (which
+    emits none) its local steps in the chief's ``steps_per_worker`` since the
+    first report after it (re)started. ``@down=TASK`` is due while that task
+    has exited in the current attempt.
+
+    Several kills or preemptions of one task fire in the order given, one per
+    process of it: each waits until the one before has fired and a new
+    process of the task (a restart or a relaunch) runs, then for its own WHEN.
     """
 
     def __init__(self, faults, log=print, clock=time.monotonic, grace: float | None = None,
@@ -245,31 +278,96 @@ class FaultInjector:
         self.started = clock()
         self.step = -1
         self._terminating: list[tuple[str, int, float]] = []  # task, pid, SIGKILL deadline
+        # For @ran= and the one-per-process rule: each task's current pid, the
+        # pid the last kill or preempt of it hit, [first, latest] step of its
+        # current process's own events, and a ps worker's local steps (base, now).
+        self._pids: dict[str, int] = {}
+        self._hit: dict[str, int] = {}
+        self._own: dict[str, list[int]] = {}
+        self._local: dict[str, list[int]] = {}
 
     def on_event(self, event: protocol.Event) -> None:
         if event.kind in STEP_EVENTS and isinstance(event.step, int):
             self.step = max(self.step, event.step)
+            if event.task in self._own:
+                own = self._own[event.task]
+                own[1] = max(own[1], event.step)
+        if event.kind == protocol.STARTED and isinstance(event.step, int):
+            self._own[event.task] = [event.step, event.step]
+        per_worker = event.data.get("steps_per_worker") if event.kind == protocol.PROGRESS \
+            else None
+        if isinstance(per_worker, dict):
+            for worker, count in per_worker.items():
+                if not isinstance(count, int):
+                    continue
+                local = self._local.get(worker)
+                # A relaunch starts the count again (a new ps:0): a new base.
+                if local is None or count < local[0]:
+                    self._local[worker] = [count, count]
+                else:
+                    local[1] = count
 
-    def due(self) -> list:
+    def ran(self, task: str) -> int | None:
+        """Steps the task's current process has run, once known."""
+        if task in self._own:
+            first, latest = self._own[task]
+            return latest - first
+        if task in self._local:
+            base, now = self._local[task]
+            return now - base
+        return None
+
+    def _track(self, state: JobState) -> None:
+        """A task with a new process counts @ran= from its own start."""
+        for view in state.tasks:
+            if self._pids.get(view.name) != view.pid:
+                self._pids[view.name] = view.pid
+                self._own.pop(view.name, None)
+                self._local.pop(view.name, None)
+
+    def _reached(self, fault, state: JobState | None, elapsed: float) -> bool:
+        if fault.step is not None:
+            return self.step >= fault.step
+        if fault.seconds is not None:
+            return elapsed >= fault.seconds
+        if getattr(fault, "ran", None) is not None:
+            ran = self.ran(fault.task)
+            return ran is not None and ran >= fault.ran
+        if getattr(fault, "down", None) is not None and state is not None:
+            view = state.task(fault.down)
+            return view is not None and not view.running
+        return False
+
+    def due(self, state: JobState | None = None) -> list:
+        if state is not None:
+            self._track(state)
         for reader in self.readers:
             for event in reader.read():
                 self.on_event(event)
-        elapsed, step = self.clock() - self.started, self.step
-        ready = [
-            f for f in self.waiting
-            if (f.step is not None and step >= f.step)
-            or (f.seconds is not None and elapsed >= f.seconds)
-        ]
-        self.waiting = [f for f in self.waiting if f not in ready]
+        elapsed = self.clock() - self.started
+        ready, queued = [], set()
+        for fault in self.waiting:
+            if isinstance(fault, Fault) and fault.ends_process:
+                if fault.task in queued:
+                    continue  # an earlier kill or preempt of this task comes first
+                queued.add(fault.task)
+                if fault.task in self._hit:
+                    # Only on a newer process of the task than the last one hit.
+                    view = state.task(fault.task) if state is not None else None
+                    if view is None or not view.running or view.pid == self._hit[fault.task]:
+                        continue
+            if self._reached(fault, state, elapsed):
+                ready.append(fault)
+        self.waiting = [f for f in self.waiting if not any(f is r for r in ready)]
         return ready
 
     def __call__(self, state: JobState) -> list:
         actions = self._enforce_grace(state) + self._lift_due(state)
-        for fault in self.due():
+        for fault in self.due(state):
             at = f"at {self.clock() - self.started:.1f}s, step {max(self.step, 0)}"
             if isinstance(fault, Fault) and fault.action == "partition":
                 actions.append(SetLink(fault.host, up=False))
-                self._fired(fault, None)
+                self._fired(fault, None, state.attempt)
                 self.log(f"[launch] fault {fault}: {fault.task}'s link is down {at}"
                          + (f"; back up in {fault.lift_after:g}s" if fault.lift_after else
                             "; until the launcher ends"))
@@ -293,7 +391,9 @@ class FaultInjector:
                                       pid=task.pid))
             if fault.action == "preempt" and self.grace is not None:
                 self._terminating.append((fault.task, task.pid, self.clock() + self.grace))
-            self._fired(fault, task.pid)
+            if fault.ends_process:
+                self._hit[fault.task] = task.pid
+            self._fired(fault, task.pid, state.attempt)
             lasts = ("" if fault.action != "hang" else
                      f"; SIGCONT in {fault.lift_after:g}s" if fault.lift_after else
                      "; stopped until the launcher ends")
@@ -301,11 +401,16 @@ class FaultInjector:
                      f"(pid {task.pid}) {at}{lasts}")
         return actions
 
-    def _fired(self, fault: Fault, pid: int | None) -> None:
+    def _fired(self, fault: Fault, pid: int | None, attempt: int = 0) -> None:
         self.fired.append(str(fault))
         record = {"kind": fault.action, "target": fault.task,
                   "at_seconds": round(self.clock() - self.started, 2),
                   "at_step": max(self.step, 0)}
+        if fault.ends_process:
+            # Which attempt and process it hit, and the steps that process had run.
+            record.update(attempt=attempt, pid=pid)
+            if (ran := self.ran(fault.task)) is not None:
+                record["target_ran"] = ran
         if fault.action in LASTING:
             record.update(lift_after=fault.lift_after, lifted_at_seconds=None, lifted_by=None)
             self._lasting.append((fault, pid, record))
@@ -384,8 +489,9 @@ class TaskRestarter:
     def __call__(self, state: JobState) -> list:
         now, actions = self.clock(), []
         for t in state.tasks:
-            # Exit 0 is a server that saw its chief finish: nothing to restart.
-            if t.exit_code in (None, 0) or not self.restartable(t.name):
+            # Exit 0 is a server that saw its chief finish: nothing to restart;
+            # a full or read-only disk would fail it again.
+            if t.exit_code in (None, 0, protocol.Exit.STORAGE) or not self.restartable(t.name):
                 continue
             if self.restarts.get(t.name, 0) >= self.limit:
                 continue

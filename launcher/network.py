@@ -241,11 +241,16 @@ def _unshare_net():  # runs in the holder between fork and exec
 
 
 def _run(cmd: list[str], netns: str | None = None, timeout: float = 20.0) -> None:
+    _output(cmd, netns, timeout)
+
+
+def _output(cmd: list[str], netns: str | None = None, timeout: float = 20.0) -> str:
     out = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
                          timeout=timeout,
                          preexec_fn=(lambda: enter_netns(netns)) if netns else None)
     if out.returncode != 0:
         raise RuntimeError(f"`{' '.join(cmd)}` failed: {out.stderr.strip() or out.returncode}")
+    return out.stdout
 
 
 def parse_net_dev(text: str) -> dict[str, tuple[int, int]]:
@@ -271,6 +276,22 @@ def host_counters(devices: dict[str, tuple[int, int]], hosts: int) -> dict[int, 
         rx, tx = devices[f"vh{i}"]
         out[i] = {"tx_bytes": rx, "rx_bytes": tx}
     return out
+
+
+def parse_snmp_tcp(text: str) -> dict[str, int]:
+    """``/proc/net/snmp`` -> its ``Tcp:`` counters, e.g. ``OutSegs``, ``RetransSegs`` (pure)."""
+    rows = [line.split()[1:] for line in text.splitlines() if line.startswith("Tcp:")]
+    if len(rows) < 2:
+        raise ValueError("no Tcp: counters")
+    return {k: int(v) for k, v in zip(rows[0], rows[1])}
+
+
+_DROPPED_RX = re.compile(r"\(dropped (\d+),")
+
+
+def parse_qdisc_drops(text: str) -> int:
+    """``tc -s qdisc show dev D`` -> the packets its qdiscs dropped (pure)."""
+    return sum(int(n) for n in _DROPPED_RX.findall(text))
 
 
 class SimulatedHosts:
@@ -331,7 +352,21 @@ class SimulatedHosts:
         that mounted sysfs, not this one.
         """
         with open("/proc/net/dev") as f:
-            return host_counters(parse_net_dev(f.read()), self.count)
+            out = host_counters(parse_net_dev(f.read()), self.count)
+        # Why a link runs below its rate: TCP segments sent and sent again
+        # (the host's own namespace) and packets its shapers dropped, the
+        # uplink's (eth0, in the host) and the downlink's (its bridge end).
+        for i, counts in out.items():
+            with open(f"/proc/{self.holders[i].pid}/net/snmp") as f:
+                tcp = parse_snmp_tcp(f.read())
+            counts["tcp_segments_sent"] = tcp["OutSegs"]
+            counts["tcp_segments_retransmitted"] = tcp["RetransSegs"]
+            if self.rate_bits:
+                counts["shaper_drops_tx"] = parse_qdisc_drops(
+                    _output(["tc", "-s", "qdisc", "show", "dev", "eth0"], self.netns(i)))
+                counts["shaper_drops_rx"] = parse_qdisc_drops(
+                    _output(["tc", "-s", "qdisc", "show", "dev", f"vh{i}"]))
+        return out
 
     def measure(self, src: int = 0, dst: int = 1, timeout: float = 30.0) -> LinkCheck:
         """One TCP transfer from host ``src`` to host ``dst``, timed by the receiver."""

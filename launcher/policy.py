@@ -62,24 +62,59 @@ def decides(kind: StrategyKind, task: str) -> bool:
     return task.partition(":")[0] not in kind.serving_roles
 
 
-def survivable_faults(kind: StrategyKind) -> tuple[tuple[str, str], ...]:
-    """The (action, task) faults a two-worker job of ``kind`` survives with the
-    launcher's recovery flags on (``--restart-tasks`` where workers may rejoin,
-    ``--max-restarts``); the soak draws from them.
+# How long a drawn --hang or --partition lasts (its +SECONDS), drawn uniformly.
+# A hang stays below the 10 s heartbeat timeout of TensorFlow's coordination
+# service, past which multiworker declares a silent worker lost
+# (docs/reliability.md); shorter, every kind just waits for the task.
+HANG_SECONDS = (3, 7)
+# docs/reliability.md measured a worker's host cut off for 10 s under ps.
+PARTITION_SECONDS = (4, 10)
+LASTING_SECONDS = {"hang": HANG_SECONDS, "partition": PARTITION_SECONDS}
+
+
+def soak_tasks(kind: StrategyKind) -> list[str]:
+    """The tasks of the job the soak runs: two workers (one process for a
+    single-process kind) and the kind's fewest ps tasks."""
+    counts = layout(kind, 1 if kind.single_process else 2, kind.min_ps)
+    return [f"{r}:{i}" for r, n in counts.items() for i in range(n)] or ["local:0"]
+
+
+def survivable_faults(kind: StrategyKind, hosts: bool = False) -> tuple[tuple[str, str], ...]:
+    """The (action, task) faults the soak's job of ``kind`` (``soak_tasks``)
+    survives with the launcher's recovery flags on (``--restart-tasks`` where
+    workers may rejoin, ``--max-restarts``); the soak draws from them.
+
+    Actions: ``kill``, ``preempt``, ``hang`` (lifted after ``HANG_SECONDS``)
+    and, with ``hosts`` (each worker alone on a simulated host),
+    ``partition``, whose task names the worker whose host is cut off for
+    ``PARTITION_SECONDS``. Only what docs/reliability.md shows the kind
+    survives is listed.
     """
+    computing = [t for t in soak_tasks(kind)
+                 if kind.single_process or t.partition(":")[0] in kind.computing_roles]
+    # A bounded hang: the task's peers wait for it, then training goes on.
+    hangs = tuple(("hang", t) for t in computing)
+    # A lost ps task cannot rejoin (its variables are gone): the chief exits
+    # 75 and the relaunch resumes from the checkpoint.
+    ps_loss = (("kill", "ps:0"),) if kind.min_ps else ()
     if kind.single_process:
-        return ()
+        # One process: killed, the relaunch resumes from the checkpoint;
+        # preempted, it saves where it stopped and the relaunch resumes there.
+        return (("kill", "local:0"), ("preempt", "local:0"), *hangs)
     if kind.asynchronous:
         # A lost worker's steps go to the others and it is restarted; a lost
-        # ps or chief ends the attempt, and the relaunch resumes.
+        # ps or chief ends the attempt, and the relaunch resumes. A worker's
+        # host cut off: the worker quits and its closures run elsewhere
+        # (measured under ps only, so only drawn for asynchronous kinds).
+        cut = (("partition", "worker:1"),) if hosts else ()
         return (("kill", "worker:0"), ("kill", "worker:1"), ("preempt", "worker:1"),
-                ("kill", "ps:0"), ("kill", "chief:0"), ("preempt", "chief:0"))
+                *ps_loss, ("kill", "chief:0"), ("preempt", "chief:0"), *hangs, *cut)
     if kind.aggregates_gradients:
         # With the default K = N a lost worker stalls every update until it
         # is back (--restart-tasks) or the chief gives up (exit 75) and a
         # relaunch resumes: the two recoveries shown to hold for this kind.
-        return (("kill", "worker:1"), ("preempt", "chief:0"))
+        return (("kill", "worker:1"), ("preempt", "chief:0"), *ps_loss, *hangs)
     # All-reduce: any lost or preempted worker ends the attempt; the
     # relaunch resumes from the checkpoint.
     return (("kill", "worker:0"), ("kill", "worker:1"),
-            ("preempt", "worker:0"), ("preempt", "worker:1"))
+            ("preempt", "worker:0"), ("preempt", "worker:1"), *hangs)

@@ -370,11 +370,10 @@ def has_flag(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
-def running_with(marker: str) -> list[str]:
-    """Live processes (zombies left out) whose command line contains ``marker``
-    (e.g. a model dir), as ``"pid: command"``: what a finished job left behind.
-    The soak and the tests ask it; this process is never counted."""
-    found = []
+def live_processes(environ: bool = False):
+    """``(pid, command line, environment entries or None)`` of every live process
+    (zombies and this one left out): the one ``/proc`` scan the soak and the
+    tests ask."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
@@ -383,11 +382,21 @@ def running_with(marker: str) -> list[str]:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
             with open(f"/proc/{pid}/stat") as f:
                 state = f.read().rsplit(")", 1)[1].split()[0]
+            env = None
+            if environ:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
         except (OSError, IndexError):
             continue
-        if marker in cmd and state != "Z":
-            found.append(f"{pid}: {cmd}")
-    return found
+        if state != "Z":
+            yield int(pid), cmd, env
+
+
+def running_with(marker: str) -> list[str]:
+    """Live processes (zombies left out) whose command line contains ``marker``
+    (e.g. a model dir), as ``"pid: command"``: what a finished job left behind.
+    The soak and the tests ask it; this process is never counted."""
+    return [f"{pid}: {cmd}" for pid, cmd, _ in live_processes() if marker in cmd]
 
 
 def quote(command: list[str]) -> str:

@@ -48,13 +48,32 @@ def decide(kind: StrategyKind, exits: dict[str, int | None]) -> int | None:
     return None
 
 
+def storage_line(name: str, lines: list[str], relaunches: bool = False) -> str:
+    """The launcher's one line for a task that ended with ``Exit.STORAGE`` (pure).
+
+    The cause is read from the task's own ``error:`` line (``protocol``'s
+    words); ``relaunches``: whether ``--max-restarts`` would have relaunched
+    another failure.
+    """
+    said = next((line for line in reversed(lines) if line.startswith("error:")), "")
+    cause = next((c for c in protocol.STORAGE_CAUSES if c in said),
+                 "the disk is full or read-only")
+    why = ("not relaunched under --max-restarts" if relaunches else "not relaunched") + \
+        ": it would fail again until that is fixed"
+    return (f"[launch] {name} exited with code {int(Exit.STORAGE)}: a write into --model-dir "
+            f"failed, {cause} (its error line above names the file); {why}. Free space or make "
+            "the directory writable, then run the same launch.py command to resume from the "
+            "previous checkpoint")
+
+
 class Supervisor:
     """One attempt of the job: its processes, their exits, the hooks' actions."""
 
     def __init__(self, kind: StrategyKind, starter: Callable[[str], Task], log=print,
                  grace: float = 5.0, poll: float = 0.1, slowdown=None, attempt: int = 0,
-                 network=None):
+                 network=None, relaunches: bool = False):
         self.kind, self.starter, self.log = kind, starter, log
+        self.relaunches = relaunches  # --max-restarts has relaunches left
         self.grace, self.poll, self.slowdown, self.attempt = grace, poll, slowdown, attempt
         self.network = network  # SimulatedHosts, for --partition
         self.tasks: dict[str, Task] = {}
@@ -89,6 +108,10 @@ class Supervisor:
             if self.exits[name] is None and (code := t.proc.poll()) is not None:
                 self.exits[name] = code
                 self.hung.pop(name, None)
+                if code == Exit.STORAGE:
+                    t.pump.join(timeout=2)  # its last lines (the error) may still be in the pipe
+                    self.log(storage_line(name, t.lines, self.relaunches))
+                    continue
                 how = f" (killed by {signal.Signals(-code).name})" if code < 0 else ""
                 self.log(f"[launch] {name} exited with code {code}{how}")
 
@@ -306,6 +329,9 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
     restarts = sum(restarter.restarts.values()) if restarter is not None else 0
     log(f"[launch] recovery: faults injected {len(injector.fired)}, task restarts {restarts}, "
         f"job relaunches {attempt}")
+    if injector.waiting:
+        log("[launch] never due (the job ended first): "
+            + ", ".join(str(f) for f in injector.waiting))
     if peaks.peaks:
         log(f"[launch] peak memory (resident): {peaks.describe()}")
     if limited:
@@ -327,13 +353,22 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
         log(trafficlib.describe(traffic))
     if launch_dir is not None and os.path.isdir(launch_dir):
         plan, slowed = config.cluster, [str(s) for s in recovery.slow]
-        protocol.LaunchOutcome(
-            int(code), list(injector.fired), restarts, attempt, per_task=rates or None,
-            hosts={n: plan.where(n) for n in names} if plan.hosts else None,
-            link=link, slowed=slowed or None, faults=list(injector.records) or None,
-            traffic=traffic, peak_rss_bytes=peaks.peaks or None,
-            memory_limits=limited or None, oom_killed=oom or None,
-        ).write(os.path.join(launch_dir, "outcome.json"))
+        path = os.path.join(launch_dir, "outcome.json")
+        try:
+            protocol.LaunchOutcome(
+                int(code), list(injector.fired), restarts, attempt, per_task=rates or None,
+                hosts={n: plan.where(n) for n in names} if plan.hosts else None,
+                link=link, slowed=slowed or None, faults=list(injector.records) or None,
+                traffic=traffic, peak_rss_bytes=peaks.peaks or None,
+                memory_limits=limited or None, oom_killed=oom or None,
+                restarts_per_task=dict(restarter.restarts) if restarter is not None and
+                restarter.restarts else None,
+            ).write(path)
+        except OSError as err:
+            # The run directory full or read-only (often why the job ended):
+            # the job's exit code says what happened all the same.
+            log(f"[launch] warning: could not write {path} ({err.strerror or err}); the "
+                f"job's exit code is {int(code)} all the same")
     return code
 
 
@@ -392,7 +427,8 @@ def _attempts(config: LaunchConfig, starter, hooks, restarter, slowdown, holder,
         if restarter is not None:
             restarter.new_attempt()
         sup = Supervisor(config.kind, starter, log=log, grace=config.grace,
-                         slowdown=slowdown, attempt=attempt, network=network)
+                         slowdown=slowdown, attempt=attempt, network=network,
+                         relaunches=attempt < recovery.max_restarts)
         holder[:] = [sup]
         sup.start(config.names)
         try:

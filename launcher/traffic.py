@@ -19,6 +19,12 @@ from collections import defaultdict
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
+# What the interface counters add to a payload: a full-size TCP segment on a
+# 1,500-byte MTU carries 1,448 bytes (timestamps on) in a 1,514-byte frame
+# (Ethernet 14, IP 20, TCP 32). The counters (and tc) count frames; the
+# model's payload times this is what they should read.
+FRAME_OVERHEAD = 1514 / 1448
+
 
 def task_flows(trainer: str, names: list[str], params: int, gradient_dtype: str = "float32",
                shares: dict[str, float] | None = None) -> dict[tuple[str, str], float]:
@@ -83,6 +89,18 @@ def _sync_ps_flows(flows, workers, ps, weights, grads, shares) -> None:
 # The traffic model of each training loop (StrategyKind.trainer).
 _FLOWS = {"sync": _ring_flows, "ps": _async_ps_flows, "ps-sync": _sync_ps_flows}
 
+# Loops whose step moves its bytes in two phases that cannot overlap on a
+# host's link: a synchronous ps update's weights go out only after every
+# gradient of the update before came in. The others keep both directions
+# busy at once: the ring sends and receives in every round, and async ps
+# workers read while others push.
+_SERIAL = frozenset({"ps-sync"})
+
+
+def serial(trainer: str | None) -> bool:
+    """Whether ``trainer``'s bytes in and out of a host cross its link one after the other."""
+    return trainer in _SERIAL
+
 
 def host_bytes_per_step(flows: dict[tuple[str, str], float],
                         host_of: dict[str, int]) -> dict[int, dict[str, float]]:
@@ -124,7 +142,16 @@ def measured_record(before: dict[int, dict[str, int]], after: dict[int, dict[str
             "tx_bytes_per_step": round(tx / steps) if steps else None,
             "rx_bytes_per_step": round(rx / steps) if steps else None,
         }
+        # Over the job, where read: TCP's segments and retransmissions, the
+        # shapers' drops (what keeps a busy link below its rate).
+        for key in LOSS_COUNTERS:
+            if key in after[h] and key in before[h]:
+                hosts[f"host{h}"][key] = after[h][key] - before[h][key]
     return {"steps": steps, "trainer": trainer, "worker_shares": shares, "hosts": hosts}
+
+
+LOSS_COUNTERS = ("tcp_segments_sent", "tcp_segments_retransmitted", "shaper_drops_tx",
+                 "shaper_drops_rx")
 
 
 def describe(record: dict) -> str:
@@ -139,17 +166,27 @@ def describe(record: dict) -> str:
             parts.append(f"{name} {h['tx_bytes'] / 1e6:.1f} / {h['rx_bytes'] / 1e6:.1f}")
     what = (f"MB sent / received per step over {steps} steps" if steps
             else "MB sent / received over the job (no step count: no results.json)")
-    return f"[launch] traffic: {what}: " + "; ".join(parts)
+    line = f"[launch] traffic: {what}: " + "; ".join(parts)
+    hosts = record["hosts"].values()
+    if all("tcp_segments_retransmitted" in h for h in hosts):
+        sent = sum(h["tcp_segments_sent"] for h in hosts)
+        again = sum(h["tcp_segments_retransmitted"] for h in hosts)
+        drops = sum(h.get("shaper_drops_tx", 0) + h.get("shaper_drops_rx", 0) for h in hosts)
+        line += (f"; TCP retransmitted {again:,} of {sent:,} segments"
+                 f" ({again / sent:.2%})" if sent else "") + f", shapers dropped {drops:,} packets"
+    return line
 
 
-def compare(record: dict, params: int, gradient_dtype: str = "float32") -> dict[str, dict]:
-    """Measured against predicted per step, per host: ``{host: {tx, rx, tx_model, rx_model}}``."""
+def compare(record: dict, params: int, gradient_dtype: str = "float32",
+            overhead: float = FRAME_OVERHEAD) -> dict[str, dict]:
+    """Measured against predicted per step, per host: ``{host: {tx, rx, tx_model, rx_model}}``;
+    the model's payload in frames (``overhead``), as the counters count it."""
     host_of = {t: int(name[4:]) for name, h in record["hosts"].items() for t in h["tasks"]}
     model = predict(record["trainer"], host_of, params, gradient_dtype,
                     record.get("worker_shares"))
     return {name: {"tx": h["tx_bytes_per_step"], "rx": h["rx_bytes_per_step"],
-                   "tx_model": round(model[int(name[4:])]["tx"]),
-                   "rx_model": round(model[int(name[4:])]["rx"])}
+                   "tx_model": round(model[int(name[4:])]["tx"] * overhead),
+                   "rx_model": round(model[int(name[4:])]["rx"] * overhead)}
             for name, h in record["hosts"].items()}
 
 

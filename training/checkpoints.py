@@ -25,7 +25,7 @@ import tempfile
 import protocol
 from protocol import ConfigError
 from training.config import DEFINING_FLAGS
-from training.recovery import Diverged, first_line
+from training.recovery import Diverged, first_line, storage_fault
 
 # Checkpoints kept in a run directory (the newest, and two to fall back to).
 KEEP = 3
@@ -44,6 +44,7 @@ class Checkpointer:
 
         self.state = state
         self.model_dir = model_dir
+        self.task = task
         # The defining flags (RunPlan.defining_flags): the chief writes run.json
         # before its first save.
         self.run_record = run_record
@@ -75,12 +76,24 @@ class Checkpointer:
         if bad:
             raise Diverged(f"{bad} holds NaN or infinite values", step, self.saved_at,
                            self.model_dir)
-        if not self.private and self.run_record is not None and not self._recorded:
-            protocol.write_json_atomic(os.path.join(self.model_dir, RUN_RECORD),
-                                       {"schema_version": 1, **self.run_record})
-            self._recorded = True
-        self.state.completed_steps.assign(step)
-        path = self.manager.save(checkpoint_number=step)
+        try:
+            if not self.private and self.run_record is not None and not self._recorded:
+                protocol.write_json_atomic(os.path.join(self.model_dir, RUN_RECORD),
+                                           {"schema_version": 1, **self.run_record})
+                self._recorded = True
+            self.state.completed_steps.assign(step)
+            path = self.manager.save(checkpoint_number=step)
+        except Exception as err:  # pylint: disable=broad-except
+            # A full or read-only disk: TensorFlow lists a checkpoint in the
+            # index only once its files are complete, so the previous one
+            # (saved_at) is still the newest listed; its half-written
+            # successor (ckpt-N_temp) is never read, and a later save of the
+            # same step writes over it.
+            fault = storage_fault(err, f"save the checkpoint at step {step} in {self.dir!r}",
+                                  self.task, self.saved_at)
+            if fault is None:
+                raise
+            raise fault from None
         self.saved_at = step
         if self.on_saved is not None and not self.private:
             self.on_saved(step, path)

@@ -28,7 +28,7 @@ from training.evaluation import split_metrics, weights_sha256
 from training.lifetime import keep_alive_until_exit
 from training.ps_sync_trainer import PsSyncTrainer
 from training.ps_trainer import PsTrainer
-from training.recovery import Diverged, Preempted, task_lost
+from training.recovery import Diverged, Preempted, storage_fault, task_lost
 from training.reporting import Reporter, run_hparams
 from training.state import build_state
 from training.step import TrainMetrics
@@ -56,13 +56,36 @@ class Controller:
         self.steady_from = trainer.start_step
 
     def run(self) -> dict | None:
-        """Train to the end; the chief returns the results record's dict."""
+        """Train to the end; the chief returns the results record's dict.
+
+        A write into the run directory that fails for want of space or of
+        write access (TensorBoard logs, progress events, the results) ends
+        the run with one line (``StorageFault``); the checkpointer says the
+        same of its own saves.
+        """
+        try:
+            return self._run()
+        except Exception as err:  # pylint: disable=broad-except
+            fault = storage_fault(err, task=self.cfg.task_name,
+                                  checkpoint_step=self.checkpointer.saved_at)
+            if fault is None:
+                raise
+            raise fault from None
+
+    def _run(self) -> dict | None:
         trainer, finished, begun = self.trainer, False, False
         try:
             try:
                 begun = self._first_call()
                 self._loop()
                 finished = True
+            except Preempted as err:
+                # One typed record of the saved step, however the preemption
+                # ended the run (the ps chief's drain below, the sync
+                # strategies' handler inside a call).
+                self.reporter.events.emit(protocol.PREEMPTED, err.step, pid=os.getpid(),
+                                          resumed_from=trainer.start_step)
+                raise
             except trainer.peer_errors as err:
                 if self.cfg.is_local:
                     raise
@@ -146,7 +169,6 @@ class Controller:
         self.trainer.drain()
         done = self.trainer.completed
         self.checkpointer.save(done)
-        self.reporter.events.emit(protocol.PREEMPTED, done)
         raise Preempted(done)
 
     def _finish(self, train_seconds: float, examples_per_sec: float) -> dict:
@@ -194,13 +216,31 @@ class Controller:
             keras_version=keras.__version__,
             # Linux reports ru_maxrss in KiB.
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            trainable_params=count_trainable(model),
+            gradient_dtype=config.gradient_dtype,
             extra=dict(info.extra_results),
             **specific,
         )
-        model.save(os.path.join(config.model_dir, "model.keras"))
+        # Beside and renamed over: a full disk leaves the previous model.keras whole.
+        final = os.path.join(config.model_dir, "model.keras")
+        partial = os.path.join(config.model_dir, f"model.tmp{os.getpid()}.keras")
+        try:
+            model.save(partial)
+            os.replace(partial, final)
+        except OSError:
+            try:
+                os.unlink(partial)
+            except OSError:
+                pass
+            raise
         results.write(os.path.join(config.model_dir, "results.json"))
         reporter.final(results.to_dict())
         return results.to_dict()
+
+
+def count_trainable(model) -> int:
+    """Trainable parameters: the elements of every trainable weight (a split one counted once)."""
+    return int(sum(math.prod(w.shape) for w in model.trainable_weights))
 
 
 def _rate(optimizer) -> float | None:

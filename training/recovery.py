@@ -8,18 +8,25 @@ What a fault looks like from inside a task, and what this module turns it into:
   ``train.py`` exits with ``Exit.TASK_LOST`` so a cluster manager relaunches;
 - this task (or a peer, multi-worker) gets SIGTERM: ``PreemptionCheckpointHandler``
   agrees a step with every worker, each saves there, and ``Preempted`` ends
-  the run with ``Exit.PREEMPTED``.
+  the run with ``Exit.PREEMPTED``;
+- a write into the run directory fails because its disk is full or it became
+  read-only: ``storage_fault`` turns the OSError (or TensorFlow's OpError
+  around one) into a ``StorageFault``, one line, and ``train.py`` exits with
+  ``Exit.STORAGE``: a relaunch cannot help until someone frees space.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
+import sys
 import threading
 import time
 
+import protocol
 from protocol import Exit
 from strategies.server import exit_now, missing_tasks, stuck_text
 
@@ -57,6 +64,116 @@ def first_line(err: BaseException, limit: int = 160) -> str:
     text = str(err).strip()
     first = text.splitlines()[0] if text else type(err).__name__
     return first if len(first) <= limit else first[: limit - 3] + "..."
+
+
+# --- a full or read-only run directory -------------------------------------------------
+
+class StorageFault(Exception):
+    """A write into the run directory failed for want of space or of write access.
+
+    ``str(err)`` is the one line shown to the user (``Exit.STORAGE``). The
+    checkpoint being written when it happened is never listed in the
+    ``checkpoint`` index (TensorFlow writes the index last), so the previous
+    one stays the newest a relaunch resumes from.
+    """
+
+
+# errno -> (the cause, in protocol's words; what the user does about it)
+_STORAGE_ERRNOS = {
+    errno.ENOSPC: (protocol.NO_SPACE, "free space on that file system"),
+    errno.EDQUOT: (protocol.NO_SPACE, "free space under your disk quota (or raise it)"),
+    errno.EROFS: (protocol.READ_ONLY, "make it writable again (remount it read-write; if the "
+                                      "kernel made it read-only after an I/O error, fsck it "
+                                      "first)"),
+    errno.EACCES: (protocol.NOT_PERMITTED, "give this task write permission there"),
+}
+
+
+def _is_op_error(err: BaseException) -> bool:
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(err, tf.errors.OpError)
+
+
+def storage_cause(err: BaseException | None) -> tuple[int, str | None] | None:
+    """``(errno, path)`` when ``err`` is a write refused for want of space or of
+    write access (``path`` None if the error names none), else None.
+
+    Python raises ``OSError``. TensorFlow's file writes (checkpoints, the
+    ``checkpoint`` index, TensorBoard events) raise an ``OpError`` whose
+    message is ``<path>; <strerror>``; observed with TensorFlow 2.21 on a full
+    tmpfs (``ResourceExhaustedError``: "…/ckpt-2_temp/part-….tempstate…; No
+    space left on device [Op:SaveV2]") and on a read-only one
+    (``PermissionDeniedError``: "…/ckpt-2_temp; Read-only file system").
+    The class alone says nothing (``ResourceExhaustedError`` is also an
+    out-of-memory tensor), so the C library's text decides. A wrapped error
+    (``__cause__``/``__context__``) counts too.
+    """
+    for _ in range(5):
+        if err is None or isinstance(err, StorageFault):
+            return None
+        if isinstance(err, OSError) and err.errno in _STORAGE_ERRNOS:
+            return err.errno, (os.fsdecode(err.filename) if err.filename is not None else None)
+        if _is_op_error(err):
+            text = str(err)
+            for code in _STORAGE_ERRNOS:
+                reason = os.strerror(code)
+                if reason not in text:
+                    continue
+                named = re.search(r"([^\s;{}]+); " + re.escape(reason), text)
+                return code, named.group(1) if named else None
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _written(path: str | None) -> str:
+    """What the run was writing, from the path TensorFlow or Python named."""
+    if path is None:
+        return "write into the run directory"
+    name, parts = os.path.basename(path), path.split(os.sep)
+    if name.startswith("results.json"):
+        return f"write the results record {path!r}"
+    if ".keras" in name:
+        return f"write the trained model {path!r}"
+    if name.startswith("run.json"):
+        return f"write the run record {path!r}"
+    if "logs" in parts:
+        return f"write TensorBoard logs ({path!r})"
+    if "events" in parts:
+        return f"append a progress event to {path!r}"
+    if "checkpoints" in parts or name.startswith("checkpoint") or name.startswith("ckpt-"):
+        return f"save a checkpoint ({path!r})"
+    return f"write {path!r}"
+
+
+def storage_fault(err: BaseException, what: str | None = None, task: str | None = None,
+                  checkpoint_step: int | None = -1) -> StorageFault | None:
+    """The ``StorageFault`` for ``err``, else None (not a full or read-only disk).
+
+    ``what``: what was being written (default: told from the path in the
+    error); ``checkpoint_step``: the newest checkpoint saved before it
+    (0 or None: none yet; -1: unknown here).
+    """
+    cause = storage_cause(err)
+    if cause is None:
+        return None
+    code, path = cause
+    why, fix = _STORAGE_ERRNOS[code]
+    what = what or _written(path)
+    who = f"{task} " if task else ""
+    where = f" on {path!r}" if path and path not in what else ""
+    if checkpoint_step == -1:
+        kept = "the newest checkpoint listed in the run directory's checkpoint index is intact"
+        resume = "resume from it"
+    elif checkpoint_step:
+        kept = f"the checkpoint at step {checkpoint_step} is intact"
+        resume = f"resume from step {checkpoint_step}"
+    else:
+        kept, resume = "no checkpoint was saved yet", "start again"
+    return StorageFault(
+        f"{who}could not {what}: {why} ({type(err).__name__}{where}); {kept}. {fix[0].upper()}"
+        f"{fix[1:]}, then relaunch with the same --model-dir to {resume} (exit "
+        f"{int(Exit.STORAGE)}: a relaunch alone would fail again)"
+    )
 
 
 # --- tasks that disagree on the cluster -------------------------------------------

@@ -125,7 +125,9 @@ class Reporter:
     def steady_from(self, step: int) -> None:
         """Rates count from here: the first call (tracing, connecting) is startup."""
         self.throughput = Throughput(self.plan.global_batch_size, step)
-        self.events.emit(protocol.STARTED, step)
+        # resumed_from: the checkpoint's step this process started at (0: a fresh
+        # run) and this process; the soak checks each relaunch against them (bench/soak.py).
+        self.events.emit(protocol.STARTED, step, resumed_from=self._start_step, pid=os.getpid())
 
     def progress(self, step: int, scalars: dict, extra: str = "", fields: dict | None = None,
                  learning_rate: float | None = None) -> None:

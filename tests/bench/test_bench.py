@@ -131,10 +131,12 @@ def test_scenarios_plan_every_cell_twice_interleaved_with_peers_after_their_run(
                                         "--scenarios", "uniform,slow,links,more",
                                         "--short-scenarios", "uniform,slow,links,more"), python="py")
     names = [r.name for r in runs]
+    half = {"uniform": ("multiworker-bf16",),
+            "links": ("multiworker-bf16", "ps-bf16", "ps-sync-bf16")}
     cells = [f"{s}-{v}" for s in ("uniform", "slow", "links", "more")
-             for v in ("multiworker", "ps", "ps-sync", "ps-sync-backup")]
+             for v in ("multiworker", "ps", "ps-sync", "ps-sync-backup", *half.get(s, ()))]
     # Pass 1: the baseline and every cell's short run; pass 2: the accuracy runs.
-    assert names[:17] == ["thr-none"] + [f"thr-{c}" for c in cells]
+    assert names[:21] == ["thr-none"] + [f"thr-{c}" for c in cells]
     accuracy = [r.name for r in runs if r.phase == "accuracy"]
     assert [n for n in accuracy if "peer" not in n] == ["acc-none"] + [f"acc-{c}" for c in cells]
     # Each peer runs right after the run it is compared with; each pair again
@@ -161,6 +163,12 @@ def test_scenarios_plan_every_cell_twice_interleaved_with_peers_after_their_run(
     for name, hosts in [("acc-links-multiworker", "2"), ("acc-links-ps", "3")]:
         assert cmd[name][cmd[name].index("--hosts") + 1] == hosts
         assert cmd[name][cmd[name].index("--link-rate") + 1] == "100mbit"
+    # 16-bit gradients: the same cell's flags and the dtype; ps-sync still K = N.
+    for name in ("acc-uniform-multiworker-bf16", "thr-links-ps-bf16", "thr-links-ps-sync-bf16"):
+        assert cmd[name][cmd[name].index("--gradient-dtype") + 1] == "bfloat16"
+    assert "--gradient-dtype" not in cmd["thr-links-ps"]
+    bf16 = cmd["thr-links-ps-sync-bf16"]
+    assert bf16[bf16.index("--replicas-to-aggregate") + 1] == "2"
     more = cmd["thr-more-ps-sync-backup"]
     assert more[more.index("--workers") + 1] == "4"
     assert more[more.index("--replicas-to-aggregate") + 1] == "3"

@@ -38,21 +38,38 @@ def test_only_non_serving_tasks_decide():
 
 
 def test_survivable_faults_per_kind():
-    assert policy.survivable_faults(kinds.get("none")) == ()
-    assert policy.survivable_faults(kinds.get("mirrored")) == ()
+    mirrored = policy.survivable_faults(kinds.get("mirrored"))
+    assert set(mirrored) == {("kill", "local:0"), ("preempt", "local:0"), ("hang", "local:0")}
     assert ("kill", "ps:0") in policy.survivable_faults(PS)
-    assert set(policy.survivable_faults(SYNC_PS)) == {("kill", "worker:1"), ("preempt", "chief:0")}
+    assert set(policy.survivable_faults(SYNC_PS)) == {
+        ("kill", "worker:1"), ("preempt", "chief:0"), ("kill", "ps:0"),
+        ("hang", "worker:0"), ("hang", "worker:1")}
     assert ("preempt", "worker:0") in policy.survivable_faults(MW)
     assert all(task.partition(":")[0] == "worker" for _, task in policy.survivable_faults(MW))
 
 
-def test_every_named_task_exists_in_a_two_worker_layout():
-    # The soak runs --workers 2 --ps min_ps: each fault must name one of its tasks.
+def test_hangs_for_every_computing_task_partitions_only_where_measured():
+    for kind in (PS, SYNC_PS, MW):
+        hung = {t for a, t in policy.survivable_faults(kind) if a == "hang"}
+        assert hung == {"worker:0", "worker:1"}, kind
+    # A partition needs simulated hosts, and is drawn only for the asynchronous
+    # kind (the one docs/reliability.md measured surviving it).
+    assert ("partition", "worker:1") in policy.survivable_faults(PS, hosts=True)
+    assert not any(a == "partition" for a, _ in policy.survivable_faults(PS))
+    for kind in (SYNC_PS, MW, kinds.get("mirrored")):
+        assert not any(a == "partition" for a, _ in policy.survivable_faults(kind, hosts=True))
+    # Bounded, and below the coordination service's 10 s heartbeat timeout.
+    assert 0 < policy.HANG_SECONDS[0] <= policy.HANG_SECONDS[1] < 10
+    assert set(policy.LASTING_SECONDS) == {"hang", "partition"}
+
+
+def test_every_named_task_exists_in_the_soak_layout():
+    # The soak runs --workers 2 --ps min_ps (one process when single): each
+    # fault must name one of its tasks.
     for kind in kinds.all_kinds().values():
-        counts = policy.layout(kind, 1 if kind.single_process else 2, kind.min_ps)
-        tasks = {f"{r}:{i}" for r, n in counts.items() for i in range(n)}
-        for action, task in policy.survivable_faults(kind):
-            assert action in ("kill", "preempt") and task in tasks, (kind, task)
+        tasks = set(policy.soak_tasks(kind))
+        for action, task in policy.survivable_faults(kind, hosts=True):
+            assert action in ("kill", "preempt", "hang", "partition") and task in tasks, (kind, task)
 
 
 def test_a_new_kind_gets_its_policy_from_its_facts():
