@@ -246,6 +246,9 @@ class Results:
     # Accepted gradients whose worker saw the step move while computing
     # them: measured, and 0 by construction.
     stale_gradients_applied: int | None = None
+    # Times the chief gave a worker the current step's token again after
+    # an update waited REISSUE_AFTER seconds (ps-sync; 0 in a healthy run).
+    tokens_reissued: int | None = None
     # {worker: {"accepted", "dropped", "skipped", "computed", "pending"}};
     # skipped: tokens already stale when taken (no gradient computed);
     # pending: computed but not yet looked at by the ps when the run ended.

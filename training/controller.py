@@ -148,6 +148,7 @@ class Controller:
             with trainer.paused():  # the chief's own work, not a stuck peer
                 self.reporter.evaluate(after, trainer.state.model)
         if schedule.checkpoint_due(after):
+            trainer.before_save()
             self.checkpointer.save(after)
         if trainer.stop_requested():
             self._preempt()
@@ -168,6 +169,7 @@ class Controller:
     def _preempt(self) -> None:
         self.trainer.drain()
         done = self.trainer.completed
+        self.trainer.before_save()
         self.checkpointer.save(done)
         raise Preempted(done)
 

@@ -67,6 +67,14 @@ CLOSURES_PER_WORKER = 2
 STOP = -1
 # Seconds an update may take before the chief re-counts finished closures.
 TOP_UP_AFTER = 0.1
+# Seconds without an update before the chief gives the current step's
+# token again to every worker whose token queue is empty, and again after
+# as long. Why: a worker killed while its closure waited for a token
+# leaves that dequeue pending on ps:0 (nothing cancels it), and it takes
+# the next token meant for the worker's restarted process; with K = N no
+# update could then complete. Far above an update's time on the slowest
+# link measured (docs/ps-sync.md), so a healthy run never re-issues.
+REISSUE_AFTER = 10.0
 PS0 = "/job:ps/replica:0/task:0/device:CPU:0"
 
 
@@ -190,8 +198,15 @@ def make_work_fn(strategy, model, train_metrics, q: SyncQueues, global_step, wor
     def newest_token(queue):
         # Only this worker takes from its queue, so all it holds can be
         # taken at once: the newest token wins, the older ones are steps
-        # it was too slow for. Blocks while the queue is empty.
-        return lambda: queue.dequeue_many(tf.maximum(queue.size(), 1))[-1]
+        # it was too slow for. Blocks while the queue is empty. The newest
+        # is the largest, not the last: the chief may re-issue the current
+        # step's token (see PsSyncTrainer._reissue_tokens) just after the
+        # aggregator queued the next one.
+        def take():
+            tokens = queue.dequeue_many(tf.maximum(queue.size(), 1))
+            return tf.where(tf.reduce_any(tf.equal(tokens, STOP)),
+                            tf.constant(STOP, tf.int64), tf.reduce_max(tokens))
+        return take
 
     @tf.function
     def work(iterator, num_tokens):
@@ -249,11 +264,13 @@ def make_aggregate_fn(q: SyncQueues, optimizer, variables, global_step, k: int, 
         def fresh_needed(fresh, *_):
             return fresh < k
 
-        def take(fresh, acc, loss_acc, metrics_acc):
+        def take(fresh, seen, acc, loss_acc, metrics_acc):
             token, worker, after, flat, loss, values = q.gradients.dequeue()
             flat = tf.cast(flat, tf.float32)  # on ps:0: averaged and applied in float32
-            ok = tf.equal(token, step)
             hot = tf.one_hot(worker, workers, dtype=tf.int64)
+            # At most one gradient per worker per update: a re-issued token
+            # can make a worker compute twice on the same step.
+            ok = tf.logical_and(tf.equal(token, step), tf.equal(tf.reduce_sum(seen * hot), 0))
             ok64 = tf.cast(ok, tf.int64)
             counted = [
                 q.accepted.assign_add(hot * ok64),
@@ -262,11 +279,12 @@ def make_aggregate_fn(q: SyncQueues, optimizer, variables, global_step, k: int, 
             ]
             okf = tf.cast(ok, tf.float32)
             with tf.control_dependencies(counted):
-                return (fresh + tf.cast(ok, tf.int32), acc + okf * flat,
+                return (fresh + tf.cast(ok, tf.int32), seen + hot * ok64, acc + okf * flat,
                         loss_acc + okf * loss, metrics_acc + okf * values)
 
         return tf.while_loop(fresh_needed, take, [
-            tf.constant(0), tf.zeros([total]), tf.constant(0.0), tf.zeros([num_metrics])])
+            tf.constant(0), tf.zeros([workers], tf.int64), tf.zeros([total]), tf.constant(0.0),
+            tf.zeros([num_metrics])])
 
     @tf.function
     def aggregate(num_updates):
@@ -277,7 +295,7 @@ def make_aggregate_fn(q: SyncQueues, optimizer, variables, global_step, k: int, 
             loss_sum = tf.constant(0.0)
             metrics_sum = tf.zeros([num_metrics])
             for i in tf.range(num_updates):
-                _, acc, loss_k, metrics_k = take_fresh(global_step.read_value())
+                _, _, acc, loss_k, metrics_k = take_fresh(global_step.read_value())
                 mean = acc / k_float
                 grads = [tf.reshape(part, shape)
                          for part, shape in zip(tf.split(mean, sizes), shapes)]
@@ -325,6 +343,8 @@ class PsSyncTrainer(CoordinatedTrainer):
         self._scheduled = 0
         self._finished_seen = 0
         self._stuck_workers: list[dict] = []
+        self._reissued = 0
+        self._quiet_since = time.monotonic()
         self._last_time: float | None = None
         self._intervals: list[float] = []
         # The first tokens: every worker may compute on the restored step.
@@ -343,13 +363,18 @@ class PsSyncTrainer(CoordinatedTrainer):
         def check():
             # coordinator.done() raises the error of any failed closure.
             self.coordinator.done()
-            if time.monotonic() - waiting_since > TOP_UP_AFTER:
+            now = time.monotonic()
+            if now - waiting_since > TOP_UP_AFTER:
                 # The count returned by the last call lags closures that ended
                 # just after it: a worker could be left with no closure.
                 self._finished_seen = int(self._q.finished.numpy())
                 self._top_up(n)
+            if now - self._quiet_since > REISSUE_AFTER:
+                self._reissue_tokens()
+                self._quiet_since = now
 
         out = self._aggregate(n, check=check)
+        self._quiet_since = time.monotonic()
         if self._stall is not None:
             self._stall.progress()
         self._finished_seen = max(self._finished_seen, int(out["finished"]))
@@ -372,6 +397,20 @@ class PsSyncTrainer(CoordinatedTrainer):
         while self._scheduled - self._finished_seen < target:
             self.coordinator.schedule(self._work, args=(self._iterator, n))
             self._scheduled += 1
+
+    def _reissue_tokens(self) -> None:
+        """Give the current step's token to every worker that has none queued.
+
+        Safe at any time: a worker takes the largest token it holds, and the
+        aggregator accepts one gradient per worker per update, so a token
+        for a step already over is skipped and a second gradient for the
+        same step is dropped.
+        """
+        step = self.state.global_step.read_value()
+        for token_queue in self._q.tokens:
+            if int(token_queue.size().numpy()) == 0:
+                token_queue.enqueue(step)
+                self._reissued += 1
 
     def drain(self) -> None:
         """Updates are applied inside ``train``; nothing is pending.
@@ -417,6 +456,7 @@ class PsSyncTrainer(CoordinatedTrainer):
             "aggregated_gradients": sum(c["accepted"] for c in counts.values()),
             "stale_gradients_dropped": sum(c["dropped"] for c in counts.values()),
             "stale_gradients_applied": int(self._q.stale_applied.numpy()),
+            "tokens_reissued": self._reissued,
             "gradients_per_worker": counts,
             "update_interval": interval_stats(self._intervals),
             "stuck_workers": self._stuck_workers,

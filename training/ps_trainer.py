@@ -164,6 +164,40 @@ class CoordinatedTrainer(Trainer):
             f"(--stuck-timeout={self.patience:g}) while training at step {self.completed}: "
             f"a ps task that is stuck or cut off holds every step; {resume}"))
 
+    def before_save(self) -> None:
+        """Wait up to --stuck-timeout for every stuck peer to answer, then save or end.
+
+        TensorFlow traces a new function for each save of a checkpoint spread
+        over several tasks (``functional_saver.MultiDeviceSaver.save``) and
+        registers it with every task of the cluster: a task that is alive but
+        stuck never answers, and the chief then blocks inside that call,
+        holding the GIL, so not even the stall watchdog's thread could end
+        it. A dead task refuses the connection and does not block the save;
+        a stuck one is found by the probe (a few milliseconds when all answer).
+        """
+        since = time.monotonic()
+        while True:
+            states = peer_states(self.cfg)
+            stuck = [name for name, state in states.items() if state == "stuck"]
+            if not stuck:
+                return
+            waited = time.monotonic() - since
+            if waited >= self.patience:
+                break
+            if self._stall is not None:
+                self._stall.progress()  # this wait ends itself
+            time.sleep(1.0)
+        ps = [name for name in stuck if name.startswith("ps:")]
+        if ps:
+            self.end_on_stuck_ps(ps, waited)
+        resume = (f"relaunch to resume from the checkpoint at step {self.checkpointer.saved_at}"
+                  if self.checkpointer.saved_at else "relaunch to start again")
+        exit_now(Exit.TASK_LOST, (
+            f"error: {self.cfg.task_name}: {', '.join(stuck)} accepts connections but has "
+            f"answered nothing for {waited:.0f}s (--stuck-timeout={self.patience:g}); the "
+            f"checkpoint at step {self.completed} would wait for it (TensorFlow registers "
+            f"each save with every task); {resume}"))
+
     def paused(self):
         return self._stall.paused() if self._stall is not None else super().paused()
 

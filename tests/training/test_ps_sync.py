@@ -174,10 +174,10 @@ def test_k1_of_2_the_slowed_worker_is_the_backup_and_its_late_gradients_drop(tmp
     assert descendants_alive(model_dir) == []
 
 
-def _kill_worker_1(spawn, model_dir, *train_args):
+def _kill_worker_1(spawn, model_dir, *train_args, launch_args=()):
     """Two workers, one ps; worker:1 is SIGKILLed at step 100 of 400."""
     return spawn(launch_cmd("ps-sync", "--workers", "2", "--ps", "1", "--timeout", "360",
-                            "--grace", "3", "--kill", "worker:1@step=100",
+                            "--grace", "3", "--kill", "worker:1@step=100", *launch_args,
                             train_args=["--model", "logreg", "--log-every", "50", "--steps",
                                         "400", "--model-dir", model_dir, *train_args]))
 
@@ -212,6 +212,27 @@ def test_lost_worker_with_k_above_live_workers_is_one_line_and_exit_75(tmp_path,
     assert len(errors) == 1, p.output
     assert "no training step completed for 40s" in errors[0] and "worker:1" in errors[0]
     assert "worker:0" not in errors[0]
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_a_restarted_worker_brings_the_updates_back_with_k_equal_to_n(tmp_path, spawn):
+    """K = N = 2, worker:1 killed and restarted. Its dead closure's token
+    dequeue stays pending on ps:0 and may take the token meant for its new
+    process (it did in one run of two before the chief re-issued tokens):
+    the updates must still come back, each from both workers."""
+    model_dir = str(tmp_path / "restarted")
+    p = _kill_worker_1(spawn, model_dir, "--startup-timeout", "40", launch_args=["--restart-tasks"])
+    assert p.wait(390) == 0, p.output
+    assert any(l.startswith("[launch] restarted worker:1") for l in p.lines), p.output
+    r = read_results(model_dir)
+    assert r["global_steps"] == 400 and r["aggregated_gradients"] == 800
+    assert r["stale_gradients_applied"] == 0
+    # One gradient per worker per update, re-issued tokens or not.
+    assert all(c["accepted"] == 400 for c in r["gradients_per_worker"].values()), r
+    assert r["test_accuracy"] >= 0.88
+    assert descendants_alive(model_dir) == []
 
 
 @pytest.mark.long
