@@ -104,7 +104,11 @@ def peer_states(cfg: ClusterConfig, timeout: float = 1.5) -> dict[str, str]:
 def stuck_text(cfg: ClusterConfig, timeout: float = 1.5) -> str:
     """"stuck tasks: ...; unreachable tasks: ..." for the lines that end a
     wait on a peer that is alive but makes no progress."""
-    states = peer_states(cfg, timeout)
+    return states_text(peer_states(cfg, timeout))
+
+
+def states_text(states: dict[str, str]) -> str:
+    """The text of ``stuck_text`` for states already probed (``peer_states``)."""
     stuck = [n for n, s in states.items() if s == "stuck"]
     gone = [n for n, s in states.items() if s == "unreachable"]
     parts = []

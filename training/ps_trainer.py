@@ -32,7 +32,7 @@ from tensorflow.python.distribute.coordinator.cluster_coordinator import (
 )
 
 from protocol import Exit
-from strategies.server import exit_now, peer_states
+from strategies.server import exit_now, peer_states, states_text
 from training import data
 from training.recovery import StallWatchdog, condense_tf_logs, fetch
 from training.sharding import ps_variable_bytes
@@ -193,10 +193,10 @@ class CoordinatedTrainer(Trainer):
         resume = (f"relaunch to resume from the checkpoint at step {self.checkpointer.saved_at}"
                   if self.checkpointer.saved_at else "relaunch to start again")
         exit_now(Exit.TASK_LOST, (
-            f"error: {self.cfg.task_name}: {', '.join(stuck)} accepts connections but has "
-            f"answered nothing for {waited:.0f}s (--stuck-timeout={self.patience:g}); the "
-            f"checkpoint at step {self.completed} would wait for it (TensorFlow registers "
-            f"each save with every task); {resume}"))
+            f"error: {self.cfg.task_name}: the checkpoint at step {self.completed} would wait "
+            f"on a stuck task (TensorFlow registers each save with every task), and it did "
+            f"not answer within {waited:.0f}s (--stuck-timeout={self.patience:g}); "
+            f"{states_text(states)}; {resume}"))
 
     def paused(self):
         return self._stall.paused() if self._stall is not None else super().paused()

@@ -263,9 +263,10 @@ def test_ps_worker_hung_for_good_steps_go_on_elsewhere_until_a_checkpoint_then_7
         tmp_path, spawn):
     # The chief reruns the stuck worker's call on worker:0 and training goes
     # on; the next checkpoint cannot be written while a task of the cluster
-    # does not answer (TensorFlow blocks the chief's save on it: see
-    # docs/reliability.md), so the watchdog ends the attempt naming
-    # worker:1, and the relaunch resumes from the newest checkpoint.
+    # does not answer (TensorFlow would block the chief's save on it: see
+    # docs/reliability.md), so the chief, probing before the save, ends the
+    # attempt naming worker:1, and the relaunch resumes from the newest
+    # checkpoint.
     model_dir = str(tmp_path / "psreroute")
     p = spawn(launch_cmd("ps", "--workers", "2", "--ps", "1", "--timeout", "360", "--grace", "3",
                          "--hang", "worker:1@step=300", "--max-restarts", "1",
@@ -276,6 +277,7 @@ def test_ps_worker_hung_for_good_steps_go_on_elsewhere_until_a_checkpoint_then_7
     warned = _seen(p, r"^\[chief:0\] warning: chief:0: worker:1 \(", 60)
     assert "(--stuck-timeout=8); rerunning its 5 step(s)" in warned[0], warned[0]
     error = _seen(p, r"^\[chief:0\] error:", 60)
+    assert "the checkpoint at step " in error[0], error[0]
     assert "stuck tasks (they accept connections but do not answer): worker:1 (" in error[0]
     assert p.wait(300) == 0, p.output
     _report("ps, worker stopped for good, --stuck-timeout 8 (rerouted)", hung, warned)
@@ -285,10 +287,7 @@ def test_ps_worker_hung_for_good_steps_go_on_elsewhere_until_a_checkpoint_then_7
     assert any(l == "[launch] chief:0 exited with code 75" for l in p.lines)
     r = read_results(model_dir)
     # The first checkpoint (the epoch's end, step 937) is the one that
-    # blocked: the relaunch starts again from step 0 and finishes exactly.
-    # (With a checkpoint due right as the worker stopped, the chief once
-    # blocked in that save and the watchdog did not end it: not understood
-    # yet, see docs/reliability.md.)
+    # was refused: the relaunch starts again from step 0 and finishes exactly.
     assert r["resumed_from_step"] == 0, r["resumed_from_step"]
     assert r["completed_steps"] == r["scheduled_steps"] == 1200
     assert r["global_steps"] == 1200 + r["reexecuted_steps"] and r["reexecuted_steps"] >= 0
@@ -383,8 +382,8 @@ def test_ps_sync_k_equals_n_stuck_worker_is_named_75_and_the_relaunch_finishes(t
 def test_ps_sync_a_stuck_backup_worker_updates_go_on_until_a_checkpoint_then_75_and_relaunch(
         tmp_path, spawn):
     # K = 2 of 3: worker:0 and worker:2 make every update without worker:1;
-    # the next checkpoint blocks on the stuck task (as under ps), the
-    # watchdog ends the attempt naming it, the relaunch finishes exactly.
+    # the next checkpoint would block on the stuck task (as under ps): the
+    # chief ends the attempt naming it, the relaunch finishes exactly.
     model_dir = str(tmp_path / "syncbackup")
     p = spawn(launch_cmd("ps-sync", "--workers", "3", "--ps", "1", "--timeout", "360",
                          "--grace", "3", "--hang", "worker:1@step=200", "--max-restarts", "1",
@@ -396,6 +395,7 @@ def test_ps_sync_a_stuck_backup_worker_updates_go_on_until_a_checkpoint_then_75_
     # Updates went on without worker:1 (K = 2 live workers).
     on = _seen(p, r"^\[chief:0\] step 300/900 ", 60)
     error = _seen(p, r"^\[chief:0\] error:", 60)
+    assert "the checkpoint at step 300 " in error[0], error[0]
     assert "stuck tasks (they accept connections but do not answer): worker:1 (" in error[0]
     assert p.wait(300) == 0, p.output
     _report("ps-sync K=2 of 3, backup stopped, --stuck-timeout 8 (ended at the checkpoint)",
