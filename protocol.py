@@ -261,6 +261,9 @@ class Results:
     # (steps it ran after being found stuck, the stuck call's included),
     # "outcome": "rejoined" | "left out"}]; [] when none was.
     stuck_workers: list | None = None
+    # ps: steps applied by calls whose results (loss, metrics, staleness) a
+    # worker that stopped right after the call held; counted, not reported.
+    unfetched_steps: int | None = None
     # The task: its name, every compiled metric on the whole test split, the splits' sizes.
     task: str | None = None
     test_metrics: dict | None = None

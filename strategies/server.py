@@ -179,6 +179,91 @@ def _watch(tf_config: str, timeout: float, what: str, parent: int) -> None:
     os.kill(parent, signal.SIGKILL)
 
 
+class CallGuard:
+    """Ends this process with one line if a guarded call blocks on a stuck peer.
+
+    For calls that TensorFlow may block inside while holding the GIL (a
+    checkpoint save registers a new function with every task, and a stopped
+    task never answers): no thread of ours could run then, so the guard is a
+    small child process, as ``StartupWatchdog`` is. ``guarded(what, then)``
+    arms it; past ``timeout`` it probes the peers, waits again if every one
+    answers (a slow save, not a blocked one) and otherwise prints the line
+    and kills us with SIGKILL, the only end a blocked process still takes.
+    """
+
+    def __init__(self, cfg: ClusterConfig, timeout: float):
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "strategies.server", "--guard", cfg.to_json(), str(timeout),
+             str(os.getpid())],
+            stdin=subprocess.PIPE, stderr=sys.stderr,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        )
+
+    def _send(self, line: str) -> None:
+        try:
+            self._proc.stdin.write(line.replace("\n", " ").encode() + b"\n")
+            self._proc.stdin.flush()
+        except (OSError, ValueError):  # the guard is gone: the call goes unguarded
+            pass
+
+    def guarded(self, what: str, then: str):
+        import contextlib
+
+        @contextlib.contextmanager
+        def armed():
+            self._send(f"arm {what}\t{then}")
+            try:
+                yield
+            finally:
+                self._send("disarm")
+
+        return armed()
+
+    def close(self) -> None:
+        try:
+            self._proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def _guard(tf_config: str, timeout: float, parent: int) -> None:
+    import select
+
+    from strategies.tf_config import parse_tf_config
+
+    cfg = parse_tf_config(tf_config)
+    armed, since, pending = None, 0.0, b""
+    while True:
+        wait = None if armed is None else max(0.0, since + timeout - time.monotonic())
+        ready, _, _ = select.select([0], [], [], wait)
+        if ready:
+            chunk = os.read(0, 65536)
+            if not chunk:  # the parent closed the pipe, or died
+                return
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                cmd, _, text = line.decode(errors="replace").partition(" ")
+                armed, since = (text.split("\t", 1) if cmd == "arm" else None), time.monotonic()
+            continue
+        states = peer_states(cfg)
+        if "stuck" not in states.values():
+            since = time.monotonic()  # slow, not blocked: wait again
+            continue
+        what, then = armed
+        print(f"error: {cfg.task_name}: {what} has waited over {timeout:g}s "
+              f"(--stuck-timeout) on a task that does not answer; {states_text(states)}; "
+              f"TensorFlow holds this task inside that call, so it is ended (SIGKILL); {then}",
+              file=sys.stderr, flush=True)
+        os.kill(parent, signal.SIGKILL)
+        return
+
+
 def serve(cfg: ClusterConfig, *, startup_timeout: float, poll: float = 0.5,
           chief_grace: float = 2.0) -> int:
     """Run this task's ``tf.distribute.Server`` until the chief is gone.
@@ -219,4 +304,7 @@ def serve(cfg: ClusterConfig, *, startup_timeout: float, poll: float = 0.5,
 
 
 if __name__ == "__main__":
-    _watch(sys.argv[1], float(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
+    if sys.argv[1] == "--guard":
+        _guard(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]))
+    else:
+        _watch(sys.argv[1], float(sys.argv[2]), sys.argv[3], int(sys.argv[4]))

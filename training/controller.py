@@ -148,8 +148,8 @@ class Controller:
             with trainer.paused():  # the chief's own work, not a stuck peer
                 self.reporter.evaluate(after, trainer.state.model)
         if schedule.checkpoint_due(after):
-            trainer.before_save()
-            self.checkpointer.save(after)
+            with trainer.saving(after):
+                self.checkpointer.save(after)
         if trainer.stop_requested():
             self._preempt()
 
@@ -169,8 +169,8 @@ class Controller:
     def _preempt(self) -> None:
         self.trainer.drain()
         done = self.trainer.completed
-        self.trainer.before_save()
-        self.checkpointer.save(done)
+        with self.trainer.saving(done):
+            self.checkpointer.save(done)
         raise Preempted(done)
 
     def _finish(self, train_seconds: float, examples_per_sec: float) -> dict:

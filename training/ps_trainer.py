@@ -18,7 +18,9 @@ checkpoint and end with Preempted.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import queue
 import signal
 import threading
 import time
@@ -32,7 +34,7 @@ from tensorflow.python.distribute.coordinator.cluster_coordinator import (
 )
 
 from protocol import Exit
-from strategies.server import exit_now, peer_states, states_text
+from strategies.server import CallGuard, exit_now, peer_states, states_text
 from training import data
 from training.recovery import StallWatchdog, condense_tf_logs, fetch
 from training.sharding import ps_variable_bytes
@@ -134,6 +136,7 @@ class CoordinatedTrainer(Trainer):
         self.patience = self.config.stuck_timeout
         self._last: dict[str, float] = {}
         self._stall: StallWatchdog | None = None
+        self._guard: CallGuard | None = None
         self._sigterm: StopOnSigterm | None = None
 
     def listen_for_sigterm(self) -> None:
@@ -145,6 +148,7 @@ class CoordinatedTrainer(Trainer):
         # With too few workers left the coordinator (or ps:0) waits without
         # a timeout of its own: the watchdog ends the chief with one line.
         self._stall = StallWatchdog(self.cfg, self.patience, grace=self.stall_grace)
+        self._guard = CallGuard(self.cfg, self.patience)
 
     def stuck_peers(self) -> tuple[list[str], list[str]]:
         """(stuck or unreachable ps tasks, stuck workers), each "role:i (address)"."""
@@ -157,46 +161,54 @@ class CoordinatedTrainer(Trainer):
         """Every step reads and writes the ps tasks: with one stuck nothing
         moves, and any call of ours would wait on it (a hard exit, as the
         watchdog's)."""
-        resume = (f"relaunch to resume from the checkpoint at step {self.checkpointer.saved_at}"
-                  if self.checkpointer.saved_at else "relaunch to start again")
         exit_now(Exit.TASK_LOST, (
             f"error: {self.cfg.task_name}: {', '.join(ps)} did not answer for {waited:.0f}s "
             f"(--stuck-timeout={self.patience:g}) while training at step {self.completed}: "
-            f"a ps task that is stuck or cut off holds every step; {resume}"))
+            f"a ps task that is stuck or cut off holds every step; {self._resume_text()}"))
 
-    def before_save(self) -> None:
-        """Wait up to --stuck-timeout for every stuck peer to answer, then save or end.
+    def saving(self, step: int):
+        """Wait up to --stuck-timeout for every stuck peer to answer; then save,
+        guarded, or end with one line.
 
         TensorFlow traces a new function for each save of a checkpoint spread
         over several tasks (``functional_saver.MultiDeviceSaver.save``) and
         registers it with every task of the cluster: a task that is alive but
         stuck never answers, and the chief then blocks inside that call,
         holding the GIL, so not even the stall watchdog's thread could end
-        it. A dead task refuses the connection and does not block the save;
-        a stuck one is found by the probe (a few milliseconds when all answer).
+        it. So the peers are probed first (a few milliseconds when all
+        answer; a dead task refuses the connection and does not hold a save
+        up), and a task that stops during the save itself is left to the
+        guard, a child process that ends the chief with one line.
         """
         since = time.monotonic()
         while True:
             states = peer_states(self.cfg)
             stuck = [name for name, state in states.items() if state == "stuck"]
             if not stuck:
-                return
+                break
             waited = time.monotonic() - since
             if waited >= self.patience:
-                break
+                self._end_before_save(step, stuck, states, waited)
             if self._stall is not None:
                 self._stall.progress()  # this wait ends itself
             time.sleep(1.0)
+        if self._guard is None:
+            return contextlib.nullcontext()
+        return self._guard.guarded(f"the checkpoint save at step {step}", self._resume_text())
+
+    def _resume_text(self) -> str:
+        return (f"relaunch to resume from the checkpoint at step {self.checkpointer.saved_at}"
+                if self.checkpointer.saved_at else "relaunch to start again")
+
+    def _end_before_save(self, step, stuck, states, waited) -> None:
         ps = [name for name in stuck if name.startswith("ps:")]
         if ps:
             self.end_on_stuck_ps(ps, waited)
-        resume = (f"relaunch to resume from the checkpoint at step {self.checkpointer.saved_at}"
-                  if self.checkpointer.saved_at else "relaunch to start again")
         exit_now(Exit.TASK_LOST, (
-            f"error: {self.cfg.task_name}: the checkpoint at step {self.completed} would wait "
+            f"error: {self.cfg.task_name}: the checkpoint at step {step} would wait "
             f"on a stuck task (TensorFlow registers each save with every task), and it did "
             f"not answer within {waited:.0f}s (--stuck-timeout={self.patience:g}); "
-            f"{states_text(states)}; {resume}"))
+            f"{states_text(states)}; {self._resume_text()}"))
 
     def paused(self):
         return self._stall.paused() if self._stall is not None else super().paused()
@@ -219,11 +231,51 @@ class CoordinatedTrainer(Trainer):
         """Servers stop on their own once the chief is gone (strategies.server)."""
 
     def close(self, finished: bool) -> None:
+        if self._guard is not None:
+            self._guard.close()
+            self._guard = None
         if self._stall is not None:
             self._stall.stop()
         if self._sigterm is not None:
             self._sigterm.restore()
         self.checkpointer.close()
+
+
+class Fetcher:
+    """Runs fetches on a thread of its own, so the chief can stop waiting for
+    results a stuck worker holds; the blocked thread is then abandoned (a
+    daemon) and the next fetch gets a fresh one."""
+
+    def __init__(self):
+        self._start()
+
+    def _start(self) -> None:
+        requests: queue.Queue = queue.Queue()
+        results: queue.Queue = queue.Queue()
+        self._requests, self._results = requests, results
+
+        def run():
+            while True:
+                fn = requests.get()
+                try:
+                    results.put((True, fn()))
+                except BaseException as err:  # pylint: disable=broad-except
+                    results.put((False, err))
+
+        threading.Thread(target=run, name="ps-fetch", daemon=True).start()
+
+    def submit(self, fn) -> None:
+        self._requests.put(fn)
+
+    def result(self, timeout: float):
+        """The value (or the error) of the last ``submit``; ``queue.Empty`` past ``timeout``."""
+        ok, value = self._results.get(timeout=timeout)
+        if not ok:
+            raise value
+        return value
+
+    def abandon(self) -> None:
+        self._start()
 
 
 @dataclasses.dataclass
@@ -253,9 +305,10 @@ def _is_ready(remote) -> bool:
 
 
 class PsTrainer(CoordinatedTrainer):
-    # The main thread reroutes a stuck worker's call at --stuck-timeout
-    # (probing the peers takes up to 3 s); the watchdog is the fallback.
-    stall_grace = 5.0
+    # The main thread reroutes a stuck worker's call, or gives up its
+    # results, at --stuck-timeout, and probing the peers takes up to 4 s
+    # more on a busy host; the watchdog is the fallback.
+    stall_grace = 10.0
 
     def __init__(self, plan, bundle, task, state, checkpointer, start_step, train_metrics):
         super().__init__(plan, bundle, task, state, checkpointer, start_step, train_metrics)
@@ -286,6 +339,8 @@ class PsTrainer(CoordinatedTrainer):
         self._pending: collections.deque = collections.deque()
         self._staleness: list[np.ndarray] = []
         self._stuck: list[StuckWorker] = []
+        self._fetcher = Fetcher()
+        self.unfetched_steps = 0
         self.listen_for_sigterm()
 
     def train(self, num_steps: int) -> None:
@@ -308,13 +363,47 @@ class PsTrainer(CoordinatedTrainer):
     def _collect_one(self) -> None:
         remote, n = self._pending[0]
         remote = self._wait_or_reroute(remote, n)
-        result = fetch(remote, time.monotonic() + self.patience, task=self.cfg.task_name)
+        result = self._fetch(remote, n)
         self._pending.popleft()
         if self._stall is not None:
             self._stall.progress()
+        if result is None:  # applied, but its results stay on a stuck worker
+            self.unfetched_steps += n
+            self.completed += n
+            return
         self._staleness.append(result["staleness"])
         self._last = metric_dict(result["loss"], self.metric_names, result["metrics"])
         self.completed += n
+
+    def _fetch(self, remote, n: int):
+        """The finished call's results, or None if a stuck worker holds them.
+
+        A call is finished once its function returned on the worker (its
+        updates are on the ps), but its outputs stay there until fetched: a
+        worker stopped in between would hold the fetch, without a deadline,
+        so it runs on a thread of its own. Past --stuck-timeout the peers are
+        probed; with a worker stuck, the thread is left to it and the steps
+        count as applied, without their loss and metrics.
+        """
+        deadline = time.monotonic() + self.patience
+        self._fetcher.submit(lambda: fetch(remote, deadline, task=self.cfg.task_name))
+        since = time.monotonic()
+        while True:
+            try:
+                return self._fetcher.result(self.patience)
+            except queue.Empty:
+                pass
+            waited = time.monotonic() - since
+            ps, stuck = self.stuck_peers()
+            if ps:
+                self.end_on_stuck_ps(ps, waited)
+            if stuck:
+                self._fetcher.abandon()
+                print(f"warning: {self.cfg.task_name}: a finished call's results are held by "
+                      f"{', '.join(stuck)}, which accepts connections but has answered nothing "
+                      f"for {waited:.0f}s (--stuck-timeout={self.patience:g}); its {n} step(s) "
+                      "are applied, their loss and metrics not counted", flush=True)
+                return None
 
     def _wait_or_reroute(self, remote, n: int):
         """The oldest call's RemoteValue once it is ready, or its replacement's.
@@ -403,6 +492,7 @@ class PsTrainer(CoordinatedTrainer):
             "stuck_workers": [
                 stuck.record(counts[self.workers.index(stuck.worker)] if counts else None)
                 for stuck in self._stuck],
+            "unfetched_steps": self.unfetched_steps,
             "variables_per_ps": variables_per_ps(self.state.model),
             "ps_variable_bytes": self.ps_variable_bytes(),
         }

@@ -52,9 +52,10 @@ class Trainer(abc.ABC):
         in it does not count towards ``--stuck-timeout``."""
         return contextlib.nullcontext()
 
-    def before_save(self) -> None:
-        """Called before every checkpoint save: end the task here, with one
-        line, rather than let the save block where nothing could end it."""
+    def saving(self, step: int):
+        """A context around every checkpoint save (``step``: the one saved): a
+        trainer whose save can block on a stuck peer bounds that wait here."""
+        return contextlib.nullcontext()
 
     def stop_requested(self) -> bool:
         """Whether a preemption asks the controller to drain, save and stop."""

@@ -349,14 +349,16 @@ def test_a_stuck_ps_task_ends_the_chief_with_one_line_naming_it_and_75(strategy,
 @pytest.mark.timeout(420)
 def test_ps_sync_k_equals_n_stuck_worker_is_named_75_and_the_relaunch_finishes(tmp_path,
                                                                                  spawn):
+    # Stopped between checkpoints (every 100): no update completes, and the
+    # stall watchdog names it (a stop as a checkpoint is due: the next test).
     model_dir = str(tmp_path / "syncstuck")
     p = spawn(launch_cmd("ps-sync", "--workers", "2", "--ps", "1", "--timeout", "360",
-                         "--grace", "3", "--hang", "worker:1@step=300", "--max-restarts", "1",
+                         "--grace", "3", "--hang", "worker:1@step=250", "--max-restarts", "1",
                          "--restart-delay", "1",
                          train_args=["--model", "logreg", "--log-every", "100", "--steps", "600",
                                      "--checkpoint-every", "100", "--stuck-timeout", "8",
                                      "--model-dir", model_dir]))
-    hung = _seen(p, r"^\[launch\] fault --hang worker:1@step=300: sent SIGSTOP", 200)
+    hung = _seen(p, r"^\[launch\] fault --hang worker:1@step=250: sent SIGSTOP", 200)
     error = _seen(p, r"^\[chief:0\] error:", 60)
     assert "(--stuck-timeout); stuck tasks (they accept connections but do not answer): " \
            "worker:1 (" in error[0], error[0]
@@ -368,12 +370,51 @@ def test_ps_sync_k_equals_n_stuck_worker_is_named_75_and_the_relaunch_finishes(t
     assert any(l == "[launch] chief:0 exited with code 75" for l in lines)
     assert not any("Traceback" in l for l in lines), "\n".join(lines[-40:])
     r = read_results(model_dir)
-    # Resumed from the newest checkpoint (every 100 steps; the one at 300
-    # may or may not have been written before the stop) and finished exactly.
+    # Resumed from the newest checkpoint (every 100 steps; the launcher
+    # sees step 250 from progress events, so the stop may land after 300).
     assert r["resumed_from_step"] in (200, 300), r["resumed_from_step"]
     assert r["global_steps"] == 600 and r["applied_steps"] == 600 - r["resumed_from_step"]
     assert r["aggregated_gradients"] == 2 * r["applied_steps"]
     assert r["stuck_workers"] == []
+    assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.timeout(420)
+def test_a_worker_stopped_as_a_checkpoint_is_due_ends_the_chief_in_one_line_and_the_relaunch_finishes(
+        tmp_path, spawn):
+    """The launcher stops worker:1 when it sees step 300, the step the chief
+    checkpoints at: the stop lands before the save (the chief's probe finds
+    it: exit 75) or inside it (TensorFlow blocks the save holding the GIL;
+    the chief's guard process ends it: SIGKILL). One line either way."""
+    model_dir = str(tmp_path / "savestuck")
+    p = spawn(launch_cmd("ps-sync", "--workers", "2", "--ps", "1", "--timeout", "360",
+                         "--grace", "3", "--hang", "worker:1@step=300", "--max-restarts", "1",
+                         "--restart-delay", "1",
+                         train_args=["--model", "logreg", "--log-every", "100", "--steps", "600",
+                                     "--checkpoint-every", "100", "--stuck-timeout", "8",
+                                     "--model-dir", model_dir]))
+    hung = _seen(p, r"^\[launch\] fault --hang worker:1@step=300: sent SIGSTOP", 200)
+    error = _seen(p, r"^\[chief:0\] error:", 60)
+    assert "stuck tasks (they accept connections but do not answer): worker:1 (" in error[0], \
+        error[0]
+    assert "worker:0" not in error[0]
+    assert p.wait(300) == 0, p.output
+    _report("ps-sync K=N, worker stopped as a checkpoint is due, --stuck-timeout 8", hung, error)
+    _one_error(p, "chief:0")
+    lines = p.lines
+    ended = [l for l in lines if l.startswith("[launch] chief:0 exited with code ")]
+    assert ended[0] in ("[launch] chief:0 exited with code 75",
+                        "[launch] chief:0 exited with code -9 (killed by SIGKILL)"), ended
+    if ended[0].endswith("75"):
+        assert "the checkpoint at step 300 would wait" in error[0] \
+            or "no training step completed" in error[0], error[0]
+    else:
+        assert "the checkpoint save at step 300 has waited over 8s" in error[0], error[0]
+    r = read_results(model_dir)
+    assert r["resumed_from_step"] in (200, 300), r["resumed_from_step"]
+    assert r["global_steps"] == 600 and r["applied_steps"] == 600 - r["resumed_from_step"]
+    assert r["aggregated_gradients"] == 2 * r["applied_steps"]
     assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
 
 

@@ -154,3 +154,84 @@ def test_stuck_text_names_stuck_and_unreachable_peers():
         ok.close()
         for conn in held:
             conn.close()
+
+
+# --- the call guard: a child process that ends a task blocked on a stuck peer ---------
+
+OK_REPLY = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def _guard_for(victim_pid: int, worker_addr: str, timeout: str = "1"):
+    """The guard's child process, as ``CallGuard`` starts it, guarding ``victim_pid``."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from strategies.tf_config import parse_tf_config
+
+    cfg = parse_tf_config(json.dumps({
+        "cluster": {"chief": ["127.0.0.1:1"], "worker": [worker_addr]},
+        "task": {"type": "chief", "index": 0}}))
+    return subprocess.Popen([sys.executable, "-m", "strategies.server", "--guard", cfg.to_json(),
+                             timeout, str(victim_pid)], cwd=REPO, stdin=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+@pytest.mark.timeout(60)
+def test_the_guard_ends_a_call_blocked_on_a_stuck_peer_with_one_line():
+    import subprocess
+
+    silent, held, address = _server(None)
+    victim = subprocess.Popen(["sleep", "60"])
+    guard = _guard_for(victim.pid, address)
+    try:
+        guard.stdin.write(b"arm the checkpoint save at step 300\trelaunch to resume from 200\n")
+        guard.stdin.flush()
+        # Past 1 s armed, the probe (2 x 1.5 s) finds worker:0 stuck.
+        assert victim.wait(timeout=30) == -9
+        err = guard.communicate(timeout=10)[1].decode()
+        lines = [l for l in err.splitlines() if l.strip()]
+        assert len(lines) == 1, err
+        assert lines[0].startswith("error: chief:0: the checkpoint save at step 300 has waited "
+                                   "over 1s (--stuck-timeout)"), lines[0]
+        assert f"stuck tasks (they accept connections but do not answer): worker:0 " \
+               f"({address})" in lines[0] and lines[0].endswith("relaunch to resume from 200")
+    finally:
+        victim.kill()
+        victim.wait()
+        guard.kill()
+        guard.wait()
+        silent.close()
+        for conn in held:
+            conn.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_guard_leaves_a_slow_call_whose_peers_answer_and_ends_with_the_pipe():
+    import subprocess
+    import time
+
+    ok, held, address = _server(OK_REPLY)
+    victim = subprocess.Popen(["sleep", "60"])
+    guard = _guard_for(victim.pid, address, timeout="0.5")
+    try:
+        guard.stdin.write(b"arm a slow save\tnothing\n")
+        guard.stdin.flush()
+        # Several rounds of 0.5 s and a probe: every peer answers, so it waits on.
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:
+            assert victim.poll() is None and guard.poll() is None
+            time.sleep(0.2)
+        guard.stdin.write(b"disarm\n")
+        guard.stdin.close()  # the task's close(): the guard ends
+        assert guard.wait(timeout=10) == 0
+        assert victim.poll() is None
+        assert guard.stderr.read() == b""
+    finally:
+        victim.kill()
+        victim.wait()
+        guard.kill()
+        guard.wait()
+        ok.close()
+        for conn in held:
+            conn.close()
