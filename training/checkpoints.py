@@ -64,6 +64,13 @@ class Checkpointer:
         self.saved_at = step
         return step
 
+    @property
+    def resume_step(self) -> int | None:
+        """Where a relaunch would resume, as far as this task knows: the
+        chief's saves decide it; a task saving into a private directory
+        (a multiworker worker) does not know the chief's newest (-1)."""
+        return -1 if self.private else self.saved_at
+
     def save(self, step: int) -> str | None:
         """Save at ``step`` requested steps done (once per step); never non-finite weights.
 
@@ -90,7 +97,7 @@ class Checkpointer:
             # successor (ckpt-N_temp) is never read, and a later save of the
             # same step writes over it.
             fault = storage_fault(err, f"save the checkpoint at step {step} in {self.dir!r}",
-                                  self.task, self.saved_at)
+                                  self.task, self.resume_step)
             if fault is None:
                 raise
             raise fault from None

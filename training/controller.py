@@ -67,7 +67,7 @@ class Controller:
             return self._run()
         except Exception as err:  # pylint: disable=broad-except
             fault = storage_fault(err, task=self.cfg.task_name,
-                                  checkpoint_step=self.checkpointer.saved_at)
+                                  checkpoint_step=self.checkpointer.resume_step)
             if fault is None:
                 raise
             raise fault from None
