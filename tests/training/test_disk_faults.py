@@ -137,6 +137,28 @@ def test_the_write_is_told_from_its_path(path, what):
     assert "the newest checkpoint listed" in line  # the step is not known there
 
 
+def test_a_worker_saving_privately_does_not_claim_its_own_save_as_the_resume_point(tmp_path):
+    """Under multiworker, worker:1's saves go to a private directory: its
+    step is not where a relaunch resumes (the chief's newest is)."""
+    import types
+
+    import tensorflow as tf
+
+    from training.checkpoints import Checkpointer
+
+    state = types.SimpleNamespace(checkpoint=tf.train.Checkpoint(v=tf.Variable(1.0)))
+    chief = Checkpointer(state, str(tmp_path), True, "worker:0")
+    worker = Checkpointer(state, str(tmp_path), False, "worker:1")
+    try:
+        chief.saved_at = worker.saved_at = 400
+        assert chief.resume_step == 400 and worker.resume_step == -1
+        err = OSError(errno.ENOSPC, "No space left on device", "/m/checkpoints/ckpt-600")
+        line = str(storage_fault(err, task="worker:1", checkpoint_step=worker.resume_step))
+        assert "step 400" not in line and "resume from it" in line, line
+    finally:
+        worker.close()
+
+
 def test_no_checkpoint_yet_says_start_again():
     line = str(storage_fault(OSError(errno.ENOSPC, "x", "/m/run.json"), checkpoint_step=0))
     assert "no checkpoint was saved yet" in line and "to start again" in line
@@ -502,4 +524,95 @@ def test_launch_on_a_full_disk_is_one_line_and_starts_nothing(tmpfs, spawn):
     assert "could not write the launch files" in errors[0] and "No space left" in errors[0]
     assert "nothing was started" in errors[0] and "Traceback" not in p.output
     assert not any(l.startswith("[worker:") for l in p.lines), p.output[-3000:]
+    assert descendants_alive(str(model_dir)) == []
+
+
+# --- parameter servers, and read-only under the launcher --------------------------------
+
+def _launch_kind(kind, model_dir, *extra):
+    cluster = ["--workers", "2", *(["--ps", "1"] if kind in ("ps", "ps-sync") else [])]
+    return launch_cmd(kind, *cluster, "--timeout", "200", "--grace", "3", *extra,
+                      train_args=[*TRAIN, "--model-dir", str(model_dir)])
+
+
+def _chief_pid(model_dir) -> int:
+    """The chief's process, told from the workers' by its TF_CONFIG."""
+    from launcher.processes import live_processes
+
+    for pid, cmd, env in live_processes(environ=True):
+        if str(model_dir) in cmd and "train.py" in cmd and env and any(
+                e.startswith(b"TF_CONFIG=") and b'"type": "chief"' in e for e in env):
+            return pid
+    raise AssertionError(f"no chief process runs with {model_dir}")
+
+
+@contextlib.contextmanager
+def chief_stopped(model_dir):
+    """The chief alone stopped while the fault is set up: under ps its steps
+    are a few milliseconds, so the next checkpoint could otherwise be saved
+    before the fault is in place; the ps and workers just wait for it."""
+    pid = _chief_pid(model_dir)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def assert_not_relaunched(p, code, cause):
+    assert code == Exit.STORAGE, p.output[-5000:]
+    assert_failed_cleanly(p, code, cause, prefix="[chief:0] ")
+    lines = p.lines
+    said = [l for l in lines if l.startswith("[launch] chief:0 exited with code 74")]
+    assert len(said) == 1, p.output[-5000:]
+    assert cause in said[0] and "not relaunched under --max-restarts" in said[0], said[0]
+    assert not any("relaunching the job" in l for l in lines), p.output[-5000:]
+    assert "[launch] done: exit code 74" in lines, p.output[-5000:]
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("kind", ["ps", "ps-sync"])
+def test_parameter_server_full_disk_is_not_relaunched_and_resumes(kind, tmpfs, spawn):
+    """The chief saves, the ps task writes its shard: both on the full disk."""
+    model_dir = tmpfs / "run"
+    p = spawn(_launch_kind(kind, model_dir, "--max-restarts", "2"))
+    p.wait_for_line(rf"^\[chief:0\] checkpoint saved at step {EVERY}:", 240)
+    with chief_stopped(model_dir):
+        assert listed_checkpoint(model_dir) == (f"ckpt-{EVERY}", EVERY)
+        filler = fill(tmpfs)
+    code = p.wait(240)
+    keep(tmpfs, f"failed-{kind}", p)
+    assert_not_relaunched(p, code, protocol.NO_SPACE)
+    assert listed_checkpoint(model_dir) == (f"ckpt-{EVERY}", EVERY)
+    assert descendants_alive(str(model_dir)) == []
+
+    os.unlink(filler)
+    again = spawn(_launch_kind(kind, model_dir))
+    assert_resumed(again, model_dir, prefix="[chief:0] ")
+    assert descendants_alive(str(model_dir)) == []
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.timeout(480)
+def test_launched_ps_read_only_mid_run_is_not_relaunched_and_resumes(ext4, spawn):
+    model_dir = ext4.mnt / "run"
+    p = spawn(_launch_kind("ps", model_dir, "--max-restarts", "2"))
+    p.wait_for_line(rf"^\[chief:0\] checkpoint saved at step {EVERY}:", 240)
+    with chief_stopped(model_dir):
+        assert listed_checkpoint(model_dir) == (f"ckpt-{EVERY}", EVERY)
+        os.sync()  # the checkpoint on disk before the journal is aborted
+        ext4.fail()
+    code = p.wait(240)
+    keep(ext4.mnt, "failed-ps-ro", p)
+    assert_not_relaunched(p, code, protocol.READ_ONLY)
+    assert listed_checkpoint(model_dir) == (f"ckpt-{EVERY}", EVERY)
+    assert descendants_alive(str(model_dir)) == []
+
+    ext4.repair()
+    assert listed_checkpoint(model_dir) == (f"ckpt-{EVERY}", EVERY)
+    again = spawn(_launch_kind("ps", model_dir))
+    assert_resumed(again, model_dir, prefix="[chief:0] ")
     assert descendants_alive(str(model_dir)) == []
