@@ -350,6 +350,18 @@ def test_a_stuck_ps_task_ends_the_chief_with_one_line_naming_it_and_75(strategy,
     assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
 
 
+def _ps_sync_worker_1_stopped(spawn, model_dir, at_step, log_every):
+    """ps-sync, K = N = 2, checkpoints every 100 of 600 steps; worker:1
+    stopped for good when the launcher sees ``at_step`` (progress every
+    ``log_every``); one relaunch allowed."""
+    return spawn(launch_cmd("ps-sync", "--workers", "2", "--ps", "1", "--timeout", "360",
+                            "--grace", "3", "--hang", f"worker:1@step={at_step}",
+                            "--max-restarts", "1", "--restart-delay", "1",
+                            train_args=["--model", "logreg", "--log-every", str(log_every),
+                                        "--steps", "600", "--checkpoint-every", "100",
+                                        "--stuck-timeout", "8", "--model-dir", model_dir]))
+
+
 @pytest.mark.long
 @pytest.mark.timeout(420)
 def test_ps_sync_k_equals_n_stuck_worker_is_named_75_and_the_relaunch_finishes(tmp_path,
@@ -357,12 +369,7 @@ def test_ps_sync_k_equals_n_stuck_worker_is_named_75_and_the_relaunch_finishes(t
     # Stopped between checkpoints (every 100): no update completes, and the
     # stall watchdog names it (a stop as a checkpoint is due: the next test).
     model_dir = str(tmp_path / "syncstuck")
-    p = spawn(launch_cmd("ps-sync", "--workers", "2", "--ps", "1", "--timeout", "360",
-                         "--grace", "3", "--hang", "worker:1@step=250", "--max-restarts", "1",
-                         "--restart-delay", "1",
-                         train_args=["--model", "logreg", "--log-every", "50", "--steps", "600",
-                                     "--checkpoint-every", "100", "--stuck-timeout", "8",
-                                     "--model-dir", model_dir]))
+    p = _ps_sync_worker_1_stopped(spawn, model_dir, at_step=250, log_every=50)
     hung = _seen(p, r"^\[launch\] fault --hang worker:1@step=250: sent SIGSTOP", 200)
     error = _seen(p, r"^\[chief:0\] error:", 60)
     assert "(--stuck-timeout); stuck tasks (they accept connections but do not answer): " \
@@ -392,12 +399,7 @@ def test_a_worker_stopped_as_a_checkpoint_is_due_ends_the_chief_in_one_line_and_
     it: exit 75) or inside it (TensorFlow blocks the save holding the GIL;
     the chief's guard process ends it: SIGKILL). One line either way."""
     model_dir = str(tmp_path / "savestuck")
-    p = spawn(launch_cmd("ps-sync", "--workers", "2", "--ps", "1", "--timeout", "360",
-                         "--grace", "3", "--hang", "worker:1@step=300", "--max-restarts", "1",
-                         "--restart-delay", "1",
-                         train_args=["--model", "logreg", "--log-every", "100", "--steps", "600",
-                                     "--checkpoint-every", "100", "--stuck-timeout", "8",
-                                     "--model-dir", model_dir]))
+    p = _ps_sync_worker_1_stopped(spawn, model_dir, at_step=300, log_every=100)
     hung = _seen(p, r"^\[launch\] fault --hang worker:1@step=300: sent SIGSTOP", 200)
     error = _seen(p, r"^\[chief:0\] error:", 60)
     assert "stuck tasks (they accept connections but do not answer): worker:1 (" in error[0], \
