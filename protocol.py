@@ -50,7 +50,8 @@ EXIT_MEANINGS = {
     Exit.DIVERGED: "training diverged (non-finite loss or weights): stopped, last good checkpoint kept",
     Exit.STORAGE: "a write into --model-dir failed (disk full, read-only or not permitted): the "
                   "previous checkpoint is kept; free space or make it writable, then relaunch",
-    Exit.TASK_LOST: "a peer task was lost, never came, or its RPCs kept failing: relaunch to resume",
+    Exit.TASK_LOST: ("a peer task was lost, stuck (alive, answering nothing) past "
+                     "`--stuck-timeout`, never came, or its RPCs kept failing: relaunch to resume"),
     Exit.TIMEOUT: "launcher: the job ran past --timeout and was stopped",
     Exit.INTERRUPTED: "interrupted (Ctrl-C)",
     Exit.TERMINATED: "launcher: SIGTERM; every task was stopped",
@@ -109,7 +110,10 @@ PREEMPTED = "preempted"  # step: the checkpoint saved; data: resumed_from, pid (
 LOST = "lost"
 DIVERGED = "diverged"  # a non-finite loss or weights stopped the run (nothing saved after)
 DONE = "done"  # this task finished its part (the chief: results written)
-EVENT_KINDS = (STARTED, PROGRESS, EVAL, CHECKPOINT, PREEMPTED, LOST, DIVERGED, DONE)
+# A peer found alive but answering nothing for --stuck-timeout (data: peer,
+# "worker:1"); a cluster manager (launch.py --restart-tasks) may restart it.
+STUCK = "stuck"
+EVENT_KINDS = (STARTED, PROGRESS, EVAL, CHECKPOINT, PREEMPTED, LOST, DIVERGED, DONE, STUCK)
 
 
 @dataclass(frozen=True)

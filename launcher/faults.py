@@ -474,10 +474,16 @@ class TaskRestarter:
     """
 
     def __init__(self, delay: float, log=print, limit: int = MAX_TASK_RESTARTS,
-                 clock=time.monotonic, roles: tuple[str, ...] = ("worker",)):
+                 clock=time.monotonic, roles: tuple[str, ...] = ("worker",), event_paths=()):
         self.delay, self.log, self.limit, self.clock, self.roles = delay, log, limit, clock, roles
         self.restarts: dict[str, int] = {}
         self._due: dict[str, float] = {}
+        # Tasks the chief reported stuck (protocol.STUCK), and the processes
+        # already killed for it: a stuck task is ended, then restarted as a
+        # dead one, as a cluster manager's liveness check would.
+        self.readers = [protocol.EventReader(p) for p in event_paths]
+        self._stuck: dict[str, str] = {}  # task -> who reported it
+        self._killed: set[int] = set()
 
     def new_attempt(self) -> None:
         """A relaunched job starts with no restart pending (counts are kept)."""
@@ -486,8 +492,28 @@ class TaskRestarter:
     def restartable(self, name: str) -> bool:
         return name.partition(":")[0] in self.roles
 
+    def _stuck_kills(self, state: JobState) -> list:
+        for reader in self.readers:
+            for event in reader.read():
+                peer = event.data.get("peer") if event.kind == protocol.STUCK else None
+                if isinstance(peer, str):
+                    self._stuck[peer] = event.task
+        actions = []
+        for name, by in list(self._stuck.items()):
+            view = state.task(name)
+            del self._stuck[name]
+            if view is None or not view.running or view.pid in self._killed \
+                    or not self.restartable(name) or self.restarts.get(name, 0) >= self.limit:
+                continue
+            self._killed.add(view.pid)
+            self.log(f"[launch] {name} (pid {view.pid}) is stuck ({by} found it answering "
+                     "nothing for --stuck-timeout): killing it to restart it, as a cluster "
+                     "manager's liveness check would")
+            actions.append(SignalTask(name, signal.SIGKILL, group=True, pid=view.pid))
+        return actions
+
     def __call__(self, state: JobState) -> list:
-        now, actions = self.clock(), []
+        now, actions = self.clock(), self._stuck_kills(state)
         for t in state.tasks:
             # Exit 0 is a server that saw its chief finish: nothing to restart;
             # a full or read-only disk would fail it again.

@@ -415,6 +415,7 @@ def _hooks(config: LaunchConfig, slowdown, event_paths: list[str], log):
         log=log, grace=config.grace, event_paths=event_paths)
     restarter = faultlib.TaskRestarter(
         recovery.restart_delay, log=log, roles=config.kind.restartable_roles,
+        event_paths=event_paths,
     ) if recovery.restart_tasks else None
     return injector, restarter
 

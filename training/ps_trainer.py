@@ -33,6 +33,7 @@ from tensorflow.python.distribute.coordinator.cluster_coordinator import (
     ClosureAbortedError, ClosureInputError,
 )
 
+import protocol
 from protocol import Exit
 from strategies.server import CallGuard, exit_now, peer_states, states_text
 from training import data
@@ -296,7 +297,11 @@ class StuckWorker:
         return {"worker": self.worker, "at_step": self.at_step,
                 "waited_seconds": round(self.waited_seconds, 1),
                 "rerouted_steps": self.rerouted_steps, "came_back": came_back,
-                "steps_after": after, "outcome": "rejoined" if came_back else "left out"}
+                "steps_after": after,
+                # Its call ended (it answered again, or it was restarted and
+                # the call rerun) and it ran steps after being found stuck.
+                "outcome": "rejoined" if came_back and (after is None or after > 0)
+                else "left out"}
 
 
 def _is_ready(remote) -> bool:
@@ -341,6 +346,7 @@ class PsTrainer(CoordinatedTrainer):
         self._stuck: list[StuckWorker] = []
         self._fetcher = Fetcher()
         self.unfetched_steps = 0
+        self._events = protocol.EventLog(self.cfg.task_name)
         self.listen_for_sigterm()
 
     def train(self, num_steps: int) -> None:
@@ -399,6 +405,7 @@ class PsTrainer(CoordinatedTrainer):
                 self.end_on_stuck_ps(ps, waited)
             if stuck:
                 self._fetcher.abandon()
+                self.report_stuck([name.split(" ")[0] for name in stuck])
                 print(f"warning: {self.cfg.task_name}: a finished call's results are held by "
                       f"{', '.join(stuck)}, which accepts connections but has answered nothing "
                       f"for {waited:.0f}s (--stuck-timeout={self.patience:g}); its {n} step(s) "
@@ -439,9 +446,18 @@ class PsTrainer(CoordinatedTrainer):
             since = time.monotonic()
         return remote
 
+    def report_stuck(self, names: list[str]) -> None:
+        """A typed record for whoever manages the cluster (``launch.py
+        --restart-tasks`` restarts the task, as a liveness check would):
+        TensorFlow's dispatch can stall once a worker is stuck (docs/reliability.md),
+        and a restarted worker is one it knows how to recover from."""
+        for name in names:
+            self._events.emit(protocol.STUCK, self.completed, peer=name)
+
     def _reroute(self, remote, n: int, stuck: list[str], waited: float):
         counts = read_counts(self.steps_by_worker)
         names = [name.split(" ")[0] for name in stuck]
+        self.report_stuck(names)
         for name in names:
             count = counts[self.workers.index(name)] if counts and name in self.workers else None
             self._stuck.append(StuckWorker(name, self.completed, waited, n, remote, count))

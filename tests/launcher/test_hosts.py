@@ -202,6 +202,28 @@ def test_restarter_asks_for_a_restart_after_the_delay_and_at_most_limit_times():
     assert restarter(dead) == [] and restarter(dead) == []  # limit reached
 
 
+def test_restarter_kills_a_worker_the_chief_reports_stuck_once_then_restarts_it(tmp_path):
+    events = str(tmp_path / "chief-0.jsonl")
+    logs = []
+    now = [0.0]
+    restarter = faults.TaskRestarter(1.0, log=logs.append, limit=3, clock=lambda: now[0],
+                                     event_paths=[events])
+    running = JobState((TaskView("chief:0", 11), TaskView("worker:1", 12), TaskView("ps:0", 13)))
+    assert restarter(running) == []
+    log = protocol.EventLog("chief:0", events)
+    log.emit(protocol.STUCK, 370, peer="worker:1")
+    log.emit(protocol.STUCK, 370, peer="ps:0")  # not a role it restarts: left to the chief
+    assert restarter(running) == [SignalTask("worker:1", signal.SIGKILL, group=True, pid=12)]
+    assert "worker:1 (pid 12) is stuck (chief:0 found it" in logs[-1]
+    log.emit(protocol.STUCK, 375, peer="worker:1")  # the same process again: killed once
+    assert restarter(running) == []
+    dead = JobState((TaskView("chief:0", 11), TaskView("worker:1", 12, exit_code=-9),
+                     TaskView("ps:0", 13)))
+    assert restarter(dead) == []  # the delay starts, as for any dead worker
+    now[0] = 1.5
+    assert restarter(dead) == [RestartTask("worker:1", "restart 1 of at most 3")]
+
+
 def test_preempt_grace_kills_only_the_same_process():
     now = [0.0]
     injector = faults.FaultInjector([faults.Fault("preempt", "worker:0", seconds=0)],

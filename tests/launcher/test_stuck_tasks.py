@@ -303,6 +303,37 @@ def test_ps_worker_hung_for_good_steps_go_on_elsewhere_until_a_checkpoint_then_7
 
 @pytest.mark.long
 @pytest.mark.timeout(300)
+def test_ps_worker_hung_for_good_under_restart_tasks_is_replaced_and_the_job_finishes(
+        tmp_path, spawn):
+    # The chief reports the stuck worker (a typed event); the launcher, as a
+    # cluster manager's liveness check would, kills it and restarts it; the
+    # coordinator recovers from a dead worker as it always does, and the job
+    # finishes in one attempt with exact accounting.
+    model_dir = str(tmp_path / "psreplace")
+    p = spawn(launch_cmd("ps", "--workers", "2", "--ps", "1", "--timeout", "240", "--grace", "3",
+                         "--hang", "worker:1@step=300", "--restart-tasks", "--restart-delay", "1",
+                         train_args=[*PS_TRAIN, "--steps", "1200", "--stuck-timeout", "8",
+                                     "--model-dir", model_dir]))
+    hung = _seen(p, r"^\[launch\] fault --hang worker:1@step=300: sent SIGSTOP", 200)
+    killed = _seen(p, r"^\[launch\] worker:1 \(pid \d+\) is stuck \(chief:0 found it", 60)
+    p.wait_for_line(r"^\[launch\] restarted worker:1 ", 60)
+    assert p.wait(200) == 0, p.output
+    _report("ps, worker stopped for good, --restart-tasks, --stuck-timeout 8 (killed)", hung,
+            killed)
+    r = read_results(model_dir)
+    assert r["completed_steps"] == r["scheduled_steps"] == 1200
+    assert r["global_steps"] == r["applied_steps"] == 1200 + r["reexecuted_steps"]
+    assert r["reexecuted_steps"] >= 0
+    assert [s["worker"] for s in r["stuck_workers"]] in ([], ["worker:1"]), r["stuck_workers"]
+    assert not any(l.startswith("[chief:0] error:") for l in p.lines), p.output[-3000:]
+    assert not any("Traceback" in l for l in p.lines)
+    (record,) = _outcome(model_dir)["faults"]
+    assert record["kind"] == "hang" and record["lifted_by"] == "task gone", record
+    assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
 def test_ps_worker_hung_past_the_bound_then_continued_rejoins(tmp_path, spawn):
     model_dir = str(tmp_path / "psrejoin")
     p = spawn(launch_cmd("ps", "--workers", "2", "--ps", "1", "--timeout", "240", "--grace", "3",
