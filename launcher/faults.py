@@ -420,6 +420,13 @@ class FaultInjector:
         """Hangs and partitions whose +SECONDS are over: SIGCONT, link up."""
         now, keep, actions = self.clock() - self.started, [], []
         for fault, pid, record in self._lasting:
+            if fault.action == "hang" and fault.lift_after is None:
+                # Stopped for good, until its process ends (killed as stuck,
+                # say, and restarted): then the hang is over with it.
+                task = state.task(fault.task)
+                if task is None or task.pid != pid or not task.running:
+                    record.update(lifted_at_seconds=round(now, 2), lifted_by="task gone")
+                    continue
             if fault.lift_after is None or now < record["at_seconds"] + fault.lift_after:
                 keep.append((fault, pid, record))
                 continue

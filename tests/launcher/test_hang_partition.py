@@ -133,6 +133,22 @@ def test_a_hung_task_that_is_gone_is_not_continued():
     assert injector.records[0]["lifted_by"] == "task gone"
 
 
+def test_a_task_hung_for_good_that_is_replaced_ends_the_hang_with_its_process():
+    now = [0.0]
+    injector = faults.FaultInjector([faults.Fault("hang", "worker:1", seconds=0.0)],
+                                    log=lambda m: None, clock=lambda: now[0])
+    assert injector(_state(pid=101))
+    now[0] = 5.0
+    assert injector(_state(pid=101)) == []  # still the hung process: nothing to do
+    assert injector.records[0]["lifted_by"] is None
+    now[0] = 9.0
+    assert injector(_state(pid=202)) == []  # killed as stuck and restarted
+    assert injector.records[0]["lifted_by"] == "task gone"
+    assert injector.records[0]["lifted_at_seconds"] == 9.0
+    injector.end_attempt()  # the cleanup leaves the record as it is
+    assert injector.records[0]["lifted_by"] == "task gone"
+
+
 def _stopped(pid: int) -> bool:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
