@@ -138,6 +138,7 @@ class CoordinatedTrainer(Trainer):
         self._last: dict[str, float] = {}
         self._stall: StallWatchdog | None = None
         self._guard: CallGuard | None = None
+        self._events = protocol.EventLog(self.cfg.task_name)
         self._sigterm: StopOnSigterm | None = None
 
     def listen_for_sigterm(self) -> None:
@@ -181,13 +182,18 @@ class CoordinatedTrainer(Trainer):
         up), and a task that stops during the save itself is left to the
         guard, a child process that ends the chief with one line.
         """
-        since = time.monotonic()
+        since, reported = time.monotonic(), False
         while True:
             states = peer_states(self.cfg)
             stuck = [name for name, state in states.items() if state == "stuck"]
             if not stuck:
                 break
             waited = time.monotonic() - since
+            if not reported:
+                # A worker restarted meanwhile (launch.py --restart-tasks)
+                # refuses connections while it starts: the save goes ahead.
+                self.report_stuck([n.split(" ")[0] for n in stuck if n.startswith("worker:")])
+                reported = True
             if waited >= self.patience:
                 self._end_before_save(step, stuck, states, waited)
             if self._stall is not None:
@@ -196,6 +202,14 @@ class CoordinatedTrainer(Trainer):
         if self._guard is None:
             return contextlib.nullcontext()
         return self._guard.guarded(f"the checkpoint save at step {step}", self._resume_text())
+
+    def report_stuck(self, names: list[str]) -> None:
+        """A typed record for whoever manages the cluster (``launch.py
+        --restart-tasks`` restarts the task, as a liveness check would):
+        TensorFlow's dispatch can stall once a worker is stuck (docs/reliability.md),
+        and a restarted worker is one it knows how to recover from."""
+        for name in names:
+            self._events.emit(protocol.STUCK, self.completed, peer=name)
 
     def _resume_text(self) -> str:
         return (f"relaunch to resume from the checkpoint at step {self.checkpointer.saved_at}"
@@ -346,7 +360,6 @@ class PsTrainer(CoordinatedTrainer):
         self._stuck: list[StuckWorker] = []
         self._fetcher = Fetcher()
         self.unfetched_steps = 0
-        self._events = protocol.EventLog(self.cfg.task_name)
         self.listen_for_sigterm()
 
     def train(self, num_steps: int) -> None:
@@ -445,14 +458,6 @@ class PsTrainer(CoordinatedTrainer):
             event = remote._status_available_event  # pylint: disable=protected-access
             since = time.monotonic()
         return remote
-
-    def report_stuck(self, names: list[str]) -> None:
-        """A typed record for whoever manages the cluster (``launch.py
-        --restart-tasks`` restarts the task, as a liveness check would):
-        TensorFlow's dispatch can stall once a worker is stuck (docs/reliability.md),
-        and a restarted worker is one it knows how to recover from."""
-        for name in names:
-            self._events.emit(protocol.STUCK, self.completed, peer=name)
 
     def _reroute(self, remote, n: int, stuck: list[str], waited: float):
         counts = read_counts(self.steps_by_worker)

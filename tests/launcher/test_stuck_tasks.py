@@ -486,3 +486,34 @@ def test_ps_sync_a_stuck_backup_worker_updates_go_on_until_a_checkpoint_then_75_
     assert r["stale_gradients_applied"] == 0
     assert not any("Traceback" in l for l in p.lines)
     assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.timeout(420)
+def test_ps_sync_a_stuck_backup_under_restart_tasks_is_replaced_at_the_checkpoint_and_the_job_finishes(
+        tmp_path, spawn):
+    # K = 2 of 3: updates go on without worker:1; at the checkpoint the
+    # chief's probe finds it stuck and reports it; the launcher kills and
+    # restarts it (a restarting task refuses connections and does not hold
+    # a save), so the save goes ahead and the job ends in one attempt.
+    model_dir = str(tmp_path / "syncreplace")
+    p = spawn(launch_cmd("ps-sync", "--workers", "3", "--ps", "1", "--timeout", "360",
+                         "--grace", "3", "--hang", "worker:1@step=200", "--restart-tasks",
+                         "--restart-delay", "1",
+                         train_args=["--model", "logreg", "--log-every", "100", "--steps", "900",
+                                     "--replicas-to-aggregate", "2", "--stuck-timeout", "8",
+                                     "--checkpoint-every", "300", "--model-dir", model_dir]))
+    hung = _seen(p, r"^\[launch\] fault --hang worker:1@step=200: sent SIGSTOP", 200)
+    killed = _seen(p, r"^\[launch\] worker:1 \(pid \d+\) is stuck \(chief:0 found it", 90)
+    p.wait_for_line(r"^\[chief:0\] checkpoint saved at step 300:", 90)
+    assert p.wait(300) == 0, p.output
+    _report("ps-sync K=2 of 3, backup stopped, --restart-tasks, --stuck-timeout 8 (killed at the "
+            "checkpoint)", hung, killed)
+    r = read_results(model_dir)
+    assert r["resumed_from_step"] == 0 and r["global_steps"] == r["applied_steps"] == 900
+    assert r["aggregated_gradients"] == 2 * 900 and r["stale_gradients_applied"] == 0
+    assert not any(l.startswith("[chief:0] error:") for l in p.lines), p.output[-3000:]
+    assert not any("Traceback" in l for l in p.lines)
+    (record,) = _outcome(model_dir)["faults"]
+    assert record["lifted_by"] == "task gone", record
+    assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
