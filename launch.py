@@ -125,8 +125,9 @@ def add_recovery_args(p) -> None:
                         "1.5G): past it the kernel ends the task, as a container's limit "
                         "would; repeatable; root on Linux (cgroup v1)")
     p.add_argument("--restart-tasks", action="store_true",
-                   help=f"ps: restart a dead worker with its TF_CONFIG (at most "
-                        f"{MAX_TASK_RESTARTS} times each), as a cluster manager would")
+                   help=f"ps, ps-sync: restart a dead worker with its TF_CONFIG (at most "
+                        f"{MAX_TASK_RESTARTS} times each), and kill and restart one the chief "
+                        "reports stuck, as a cluster manager's liveness check would")
     p.add_argument("--restart-delay", type=float, default=2.0,
                    help="seconds before a task or job is restarted")
     p.add_argument("--max-restarts", type=int, default=0,
