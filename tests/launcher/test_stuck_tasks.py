@@ -301,6 +301,16 @@ def test_ps_worker_hung_for_good_steps_go_on_elsewhere_until_a_checkpoint_then_7
     assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
 
 
+def _replaced_in_one_attempt(p, model_dir):
+    """worker:1, killed as stuck and restarted: no error line, no traceback,
+    the hang over with its process, nothing left behind."""
+    assert not any(l.startswith("[chief:0] error:") for l in p.lines), p.output[-3000:]
+    assert not any("Traceback" in l for l in p.lines)
+    (record,) = _outcome(model_dir)["faults"]
+    assert record["kind"] == "hang" and record["lifted_by"] == "task gone", record
+    assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
+
+
 @pytest.mark.long
 @pytest.mark.timeout(300)
 def test_ps_worker_hung_for_good_under_restart_tasks_is_replaced_and_the_job_finishes(
@@ -325,11 +335,7 @@ def test_ps_worker_hung_for_good_under_restart_tasks_is_replaced_and_the_job_fin
     assert r["global_steps"] == r["applied_steps"] == 1200 + r["reexecuted_steps"]
     assert r["reexecuted_steps"] >= 0
     assert [s["worker"] for s in r["stuck_workers"]] in ([], ["worker:1"]), r["stuck_workers"]
-    assert not any(l.startswith("[chief:0] error:") for l in p.lines), p.output[-3000:]
-    assert not any("Traceback" in l for l in p.lines)
-    (record,) = _outcome(model_dir)["faults"]
-    assert record["kind"] == "hang" and record["lifted_by"] == "task gone", record
-    assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
+    _replaced_in_one_attempt(p, model_dir)
 
 
 @pytest.mark.long
@@ -512,8 +518,4 @@ def test_ps_sync_a_stuck_backup_under_restart_tasks_is_replaced_at_the_checkpoin
     r = read_results(model_dir)
     assert r["resumed_from_step"] == 0 and r["global_steps"] == r["applied_steps"] == 900
     assert r["aggregated_gradients"] == 2 * 900 and r["stale_gradients_applied"] == 0
-    assert not any(l.startswith("[chief:0] error:") for l in p.lines), p.output[-3000:]
-    assert not any("Traceback" in l for l in p.lines)
-    (record,) = _outcome(model_dir)["faults"]
-    assert record["lifted_by"] == "task gone", record
-    assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
+    _replaced_in_one_attempt(p, model_dir)
