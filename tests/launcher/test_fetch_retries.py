@@ -130,10 +130,14 @@ def test_the_ps_trainer_fetches_through_the_retrying_path(monkeypatch):
     fake = types.SimpleNamespace(
         _pending=collections.deque([(remote, 5)]), patience=10.0, _stall=None,
         cfg=types.SimpleNamespace(task_name="chief:0"), _staleness=[], metric_names=[],
-        completed=0)
+        completed=0, unfetched_steps=0, _fetcher=ps_trainer.Fetcher())
+    # The trainer's own waiting and fetching (on the fetcher's thread), not stand-ins.
+    for name in ("_wait_or_reroute", "_fetch"):
+        setattr(fake, name, types.MethodType(getattr(ps_trainer.PsTrainer, name), fake))
     monkeypatch.setattr(ps_trainer, "metric_dict", lambda loss, names, values: {"loss": loss})
     ps_trainer.PsTrainer._collect_one(fake)
     assert remote.calls == 2 and fake.completed == 5 and fake._last == {"loss": 0.25}
+    assert fake.unfetched_steps == 0
 
 
 def _died(fn):
