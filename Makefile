@@ -29,7 +29,7 @@ test-image: venv
 	$(PY) -m pytest -q -m image tests/image
 
 # The long multiprocess suites: every fault and task feature under every cluster
-# strategy, several launches each (about 15 minutes); `make test` runs one of each kind.
+# strategy, several launches each (about 25 minutes); `make test` runs one of each kind.
 test-long: venv
 	$(PY) -m pytest -q -m long
 
