@@ -280,20 +280,24 @@ def test_ps_worker_hung_for_good_steps_go_on_elsewhere_until_a_checkpoint_then_7
     model_dir = str(tmp_path / "psreroute")
     p = _ps_worker_1_stopped_for_good(spawn, model_dir, "--max-restarts", "1")
     hung = _seen(p, r"^\[launch\] fault --hang worker:1@step=300: sent SIGSTOP", 200)
-    warned = _seen(p, r"^\[chief:0\] warning: chief:0: worker:1 \(", 60)
-    assert "(--stuck-timeout=8); rerunning its 5 step(s)" in warned[0], warned[0]
-    error = _seen(p, r"^\[chief:0\] error:", 60)
-    # Ended at the checkpoint (the chief's probe before the save), or
-    # earlier by the stall watchdog when TensorFlow's dispatch stalled after
-    # the reroute (4 runs of 6; docs/reliability.md): one line naming
-    # worker:1 either way.
-    assert "the checkpoint at step " in error[0] or "no training step completed" in error[0], \
-        error[0]
+    error = _seen(p, r"^\[chief:0\] error:", 90)
+    warned = [l for l in p.lines if l.startswith("[chief:0] warning: chief:0: worker:1 (")]
+    if warned:
+        assert "(--stuck-timeout=8); rerunning its 5 step(s)" in warned[0], warned[0]
+        # Ended at the checkpoint (the chief's probe before the save), or by
+        # the stall watchdog when TensorFlow's dispatch stalled after the
+        # reroute (docs/reliability.md).
+        assert ("the checkpoint at step " in error[0]
+                or "no training step completed" in error[0]), error[0]
+    else:
+        # TensorFlow's dispatch stalled before the chief's main thread got
+        # back to its wait (seen once, docs/reliability.md): only the
+        # stall watchdog can end it.
+        assert "no training step completed" in error[0], error[0]
+    # One line naming worker:1 whichever way.
     assert "stuck tasks (they accept connections but do not answer): worker:1 (" in error[0]
     assert p.wait(300) == 0, p.output
-    _report("ps, worker stopped for good, --stuck-timeout 8 (rerouted)", hung, warned)
-    _report("ps, worker stopped for good, --stuck-timeout 8 (ended at the checkpoint)", hung,
-            error)
+    _report("ps, worker stopped for good, --stuck-timeout 8 (ended)", hung, error)
     _one_error(p, "chief:0")
     assert any(l == "[launch] chief:0 exited with code 75" for l in p.lines)
     r = read_results(model_dir)
