@@ -12,8 +12,8 @@ themselves however the launcher ends. No address outside that namespace is
 used, and no packet leaves the machine.
 
 ``--link-rate`` shapes both ends of every host's veth with a token bucket
-(``tc qdisc ... tbf``): each host has RATE up and RATE down. ``netem`` is
-not available here, so there is no latency emulation.
+(``tc qdisc ... tbf``): each host has RATE up and RATE down. Latency would need
+``netem``, a kernel module many hosts lack: there is no latency emulation.
 
     python -m launcher.network --hosts 2 --link-rate 100mbit   # build, measure, tear down
 """

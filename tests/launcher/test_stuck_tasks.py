@@ -257,10 +257,11 @@ def _all_exited(p, codes: dict[str, int]):
         assert any(re.match(pattern, l) for l in p.lines), (task, code, p.output[-3000:])
 
 
-def _ps_worker_1_stopped_for_good(spawn, model_dir, *recovery):
+def _ps_worker_1_stopped_for_good(spawn, model_dir, timeout, *recovery):
     """ps, 2 workers, 1,200 steps, --stuck-timeout 8; worker:1 stopped for
-    good at step 300; ``recovery``: the launcher's relaunch or restart flags."""
-    return spawn(launch_cmd("ps", "--workers", "2", "--ps", "1", "--timeout", "360",
+    good at step 300; ``timeout``: the job's time limit; ``recovery``: the
+    launcher's relaunch or restart flags."""
+    return spawn(launch_cmd("ps", "--workers", "2", "--ps", "1", "--timeout", str(timeout),
                             "--grace", "3", "--hang", "worker:1@step=300", *recovery,
                             "--restart-delay", "1",
                             train_args=[*PS_TRAIN, "--steps", "1200", "--stuck-timeout", "8",
@@ -278,7 +279,7 @@ def test_ps_worker_hung_for_good_steps_go_on_elsewhere_until_a_checkpoint_then_7
     # attempt naming worker:1, and the relaunch resumes from the newest
     # checkpoint.
     model_dir = str(tmp_path / "psreroute")
-    p = _ps_worker_1_stopped_for_good(spawn, model_dir, "--max-restarts", "1")
+    p = _ps_worker_1_stopped_for_good(spawn, model_dir, 360, "--max-restarts", "1")
     hung = _seen(p, r"^\[launch\] fault --hang worker:1@step=300: sent SIGSTOP", 200)
     error = _seen(p, r"^\[chief:0\] error:", 90)
     warned = [l for l in p.lines if l.startswith("[chief:0] warning: chief:0: worker:1 (")]
@@ -330,7 +331,7 @@ def test_ps_worker_hung_for_good_under_restart_tasks_is_replaced_and_the_job_fin
     # coordinator recovers from a dead worker as it always does, and the job
     # finishes in one attempt with exact accounting.
     model_dir = str(tmp_path / "psreplace")
-    p = _ps_worker_1_stopped_for_good(spawn, model_dir, "--restart-tasks")
+    p = _ps_worker_1_stopped_for_good(spawn, model_dir, 240, "--restart-tasks")
     hung = _seen(p, r"^\[launch\] fault --hang worker:1@step=300: sent SIGSTOP", 200)
     killed = _seen(p, r"^\[launch\] worker:1 \(pid \d+\) is stuck \(chief:0 found it", 60)
     p.wait_for_line(r"^\[launch\] restarted worker:1 ", 60)
