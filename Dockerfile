@@ -48,11 +48,9 @@ COPY ${REQUIREMENTS} requirements.lock
 RUN pip install --require-hashes --no-deps -r requirements.lock
 
 COPY pyproject.toml README.md LICENSE ./
+COPY tfdist/ tfdist/
 COPY strategies/ strategies/
 COPY models/ models/
-COPY training/ training/
-COPY launcher/ launcher/
-COPY bench/ bench/
 COPY *.py ./
 # The package only: its dependencies are in the layer above, and the build
 # backend (setuptools) comes from the lock too, not from the internet.

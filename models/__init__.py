@@ -39,15 +39,15 @@ class BuiltinTask:
 
 BUILTIN_TASKS = {
     "mnist-cnn": BuiltinTask(
-        "mnist-cnn", "models.mnist:CNN",
+        "mnist-cnn", "tfdist.models.mnist:CNN",
         "MNIST, two conv blocks and a dense head (~99 % in 2-3 epochs)",
         train_examples=60_000, test_examples=10_000, reads_tfds=True),
     "mnist-logreg": BuiltinTask(
-        "mnist-logreg", "models.mnist:LOGREG",
+        "mnist-logreg", "tfdist.models.mnist:LOGREG",
         "MNIST, 784 -> 10 softmax regression (the classic parameter-server example)",
         train_examples=60_000, test_examples=10_000, reads_tfds=True),
     "ctr": BuiltinTask(
-        "ctr", "models.ctr:TASK",
+        "ctr", "tfdist.models.ctr:TASK",
         "click-through prediction: a 2M x 16 embedding table over hashed categorical features "
         "(synthetic, planted logistic model; AUC and its ceiling)",
         # Click logs train on large batches: each row is seen rarely, and a

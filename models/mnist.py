@@ -60,13 +60,13 @@ class MnistTask:
 
     def dataset(self, split: str):
         """MNIST ``split`` as unbatched (uint8 image, int64 label) pairs."""
-        from models import tfds_data
+        from tfdist.models import tfds_data
 
         return tfds_data.load("mnist", split, self.data_dir)
 
     def check_data(self) -> None:
         """Both splits present and undamaged, read without starting TensorFlow."""
-        from models import tfds_data
+        from tfdist.models import tfds_data
 
         tfds_data.ensure_available("mnist", self.data_dir)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from protocol import ConfigError
+from tfdist.protocol import ConfigError
 
 # What the error lines call a dataset, and the tfds version a copy must hold.
 KNOWN = {"mnist": ("MNIST", "mnist/3.0.1")}

@@ -1,9 +1,9 @@
 """Strategy selection: read the cluster once (TF_CONFIG, Slurm or JobSet), ask its kind."""
 
-from strategies.cluster import CLUSTER_RESOLVERS, cluster_from_environ
-from strategies.factory import check_batch_size, make_strategy
-from strategies.kinds import ALL_REDUCE, StrategyBundle, StrategyKind
-from strategies.tf_config import ROLES, ClusterConfig, ConfigError, from_environ, parse_tf_config
+from tfdist.strategies.cluster import CLUSTER_RESOLVERS, cluster_from_environ
+from tfdist.strategies.factory import check_batch_size, make_strategy
+from tfdist.strategies.kinds import ALL_REDUCE, StrategyBundle, StrategyKind
+from tfdist.strategies.tf_config import ROLES, ClusterConfig, ConfigError, from_environ, parse_tf_config
 
 __all__ = [
     "ALL_REDUCE",

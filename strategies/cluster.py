@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from strategies.tf_config import ClusterConfig, ConfigError, from_environ
+from tfdist.strategies.tf_config import ClusterConfig, ConfigError, from_environ
 
 CLUSTER_RESOLVERS = ("tf_config", "slurm", "jobset")
 
@@ -35,10 +35,10 @@ def cluster_from_environ(
     if resolver == "tf_config":
         return from_environ(environ)
     if resolver == "jobset":
-        from strategies.jobset import from_jobset
+        from tfdist.strategies.jobset import from_jobset
 
         return from_jobset(environ)
-    from strategies.slurm import DEFAULT_PORT, from_slurm
+    from tfdist.strategies.slurm import DEFAULT_PORT, from_slurm
 
     return from_slurm(
         environ,

@@ -7,7 +7,7 @@ all grabbing GPU 0.
 
 from __future__ import annotations
 
-from strategies.tf_config import TRAINING_ROLES, ClusterConfig
+from tfdist.strategies.tf_config import TRAINING_ROLES, ClusterConfig
 
 
 def _host(address: str) -> str:

@@ -6,9 +6,9 @@ the single entry point that turns a name and a cluster into a built strategy.
 
 from __future__ import annotations
 
-from strategies import kinds
-from strategies.kinds import StrategyBundle
-from strategies.tf_config import ClusterConfig, ConfigError
+from tfdist.strategies import kinds
+from tfdist.strategies.kinds import StrategyBundle
+from tfdist.strategies.tf_config import ClusterConfig, ConfigError
 
 
 def make_strategy(name: str, cfg: ClusterConfig, *, all_reduce: str = "auto") -> StrategyBundle:

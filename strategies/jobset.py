@@ -32,7 +32,7 @@ import json
 import re
 from typing import Mapping
 
-from strategies.tf_config import ROLES, ConfigError, parse_tf_config, require_source
+from tfdist.strategies.tf_config import ROLES, ConfigError, parse_tf_config, require_source
 
 PORT = 2222  # the containerPort of every manifest in k8s/, EXPOSEd by the Dockerfile
 POD_VARS = ("JOBSET_NAME", "REPLICATED_JOB_NAME", "JOB_INDEX", "JOB_COMPLETION_INDEX", "TF_JOBSET_SHAPE")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from strategies.tf_config import TRAINING_ROLES, ClusterConfig, ConfigError
+from tfdist.strategies.tf_config import TRAINING_ROLES, ClusterConfig, ConfigError
 
 AUTO = "auto"
 ALL_REDUCE = ("auto", "ring", "nccl")

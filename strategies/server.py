@@ -15,8 +15,8 @@ import subprocess
 import sys
 import time
 
-from protocol import Exit
-from strategies.tf_config import ClusterConfig
+from tfdist.protocol import Exit
+from tfdist.strategies.tf_config import ClusterConfig
 
 
 def reachable(address: str, timeout: float = 0.5) -> bool:
@@ -146,9 +146,9 @@ class StartupWatchdog:
         if cfg.is_local:
             return
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "strategies.server", cfg.to_json(), str(timeout),
+            [sys.executable, "-m", "tfdist.strategies.server", cfg.to_json(), str(timeout),
              what, str(os.getpid())],
-            stdin=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            stdin=subprocess.PIPE,
             # Its error line must not depend on this process (which it kills)
             # forwarding it: straight to our stderr, filtered or not.
             stderr=sys.stderr,
@@ -164,7 +164,7 @@ class StartupWatchdog:
 def _watch(tf_config: str, timeout: float, what: str, parent: int) -> None:
     import select
 
-    from strategies.tf_config import parse_tf_config
+    from tfdist.strategies.tf_config import parse_tf_config
 
     ready, _, _ = select.select([sys.stdin], [], [], timeout)
     if ready:  # the parent said done, or died: either way, nothing to do
@@ -193,10 +193,9 @@ class CallGuard:
 
     def __init__(self, cfg: ClusterConfig, timeout: float):
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "strategies.server", "--guard", cfg.to_json(), str(timeout),
+            [sys.executable, "-m", "tfdist.strategies.server", "--guard", cfg.to_json(), str(timeout),
              str(os.getpid())],
             stdin=subprocess.PIPE, stderr=sys.stderr,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         )
 
     def _send(self, line: str) -> None:
@@ -234,7 +233,7 @@ class CallGuard:
 def _guard(tf_config: str, timeout: float, parent: int) -> None:
     import select
 
-    from strategies.tf_config import parse_tf_config
+    from tfdist.strategies.tf_config import parse_tf_config
 
     cfg = parse_tf_config(tf_config)
     armed, since, pending = None, 0.0, b""

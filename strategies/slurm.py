@@ -19,7 +19,7 @@ import json
 import re
 from typing import Mapping
 
-from strategies.tf_config import ConfigError, parse_tf_config, require_source
+from tfdist.strategies.tf_config import ConfigError, parse_tf_config, require_source
 
 DEFAULT_PORT = 2222
 # What srun sets for every task of a step. SLURMD_NODENAME, set by slurmd

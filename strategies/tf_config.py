@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-from protocol import ConfigError  # re-exported: ``from strategies.tf_config import ConfigError``
+from tfdist.protocol import ConfigError  # re-exported: ``from strategies.tf_config import ConfigError``
 
 ROLES = ("chief", "worker", "ps", "evaluator")
 # Tasks that run training steps (ps only holds variables, evaluator only reads).

@@ -13,10 +13,12 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("strategies", "training", "launcher", "models", "bench")
+# Folder -> the dotted package it installs as: the tfdist package, and the two
+# top-level folders setuptools maps into it (pyproject.toml's package-dir).
+PACKAGES = {"tfdist": "tfdist", "strategies": "tfdist.strategies", "models": "tfdist.models"}
 # Not modules of the project: the tutorials' programs (run by path, they
 # import each other by bare name) and the tests.
-NOT_MODULES = ("bench/peers/",)
+NOT_MODULES = ("tfdist/bench/peers/",)
 
 # Edges still in the graph that a change under way removes; each one is
 # allowed here and nowhere else (tests/strategies/ reads this list too).
@@ -26,15 +28,15 @@ KNOWN_EDGES: set[tuple[str, str]] = set()  # none: every import points one way
 def project_modules() -> dict[str, Path]:
     """Every module of the project: dotted name -> file."""
     found = {p.stem: p for p in REPO.glob("*.py")}
-    for package in PACKAGES:
-        for path in (REPO / package).rglob("*.py"):
+    for folder, package in PACKAGES.items():
+        for path in (REPO / folder).rglob("*.py"):
             rel = path.relative_to(REPO).as_posix()
             if any(rel.startswith(prefix) for prefix in NOT_MODULES):
                 continue
-            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            parts = list(path.relative_to(REPO / folder).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
-            found[".".join(parts)] = path
+            found[".".join([package, *parts])] = path
     return found
 
 
@@ -141,13 +143,20 @@ def test_no_import_cycle_among_the_projects_modules():
 
 
 # docs/architecture.md's order: a module imports only from layers after its own.
-LAYERS = (("train", "launch"), ("bench",), ("launcher",), ("training",), ("models",),
-          ("strategies",), ("protocol",))
+LAYERS = (("train", "launch", "bench"), ("tfdist.cli",), ("tfdist", "tfdist.api"),
+          ("tfdist.bench",), ("tfdist.launcher",), ("tfdist.training",), ("tfdist.models",),
+          ("tfdist.strategies",), ("tfdist.protocol",))
 
 
 def layer(module: str) -> int:
-    top = module.partition(".")[0]
-    return next(i for i, names in enumerate(LAYERS) if top in names)
+    """The layer of the longest package prefix of ``module`` named in LAYERS."""
+    best = None
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and (
+                    best is None or len(name) > len(best[1])):
+                best = (i, name)
+    return best[0]
 
 
 def test_imports_point_down_the_layers():
@@ -181,7 +190,10 @@ def test_the_graph_sees_static_local_and_importlib_imports(tmp_path):
 
 def test_the_graph_covers_the_project():
     graph = import_graph()
-    assert {"train", "launch", "protocol", "bench.cli", "launcher.config", "strategies.kinds",
-            "training.controller", "models"} <= set(graph)
-    assert not any(m.startswith(("tests", "bench.peers")) for m in graph)
-    assert "launcher.config" in graph["launch"] and "protocol" in graph["strategies.tf_config"]
+    assert {"train", "launch", "bench", "tfdist", "tfdist.api", "tfdist.protocol",
+            "tfdist.cli.bench", "tfdist.launcher.config", "tfdist.strategies.kinds",
+            "tfdist.training.controller", "tfdist.models"} <= set(graph)
+    assert not any(m.startswith(("tests", "tfdist.bench.peers")) for m in graph)
+    assert "tfdist.launcher.config" in graph["tfdist.cli.launch"]
+    assert "tfdist.protocol" in graph["tfdist.strategies.tf_config"]
+    assert layer("tfdist.cli.train") < layer("tfdist.api") < layer("tfdist.training.plan")

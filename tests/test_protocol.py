@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-import protocol
-from protocol import Exit
+from tfdist import protocol
+from tfdist.protocol import Exit
 
 
 def test_exit_codes_are_defined_once_and_relaunch_only_on_recoverable_ones():

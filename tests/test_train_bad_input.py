@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-import train
+from tfdist.cli import train
 from conftest import REPO, child_env
 
 
@@ -439,7 +439,7 @@ LAUNCH_BAD = [
 @pytest.mark.parametrize("argv,word", [r[1:] for r in LAUNCH_BAD], ids=[r[0] for r in LAUNCH_BAD])
 def test_bad_launch_input_is_one_line_exit_2_nothing_written(argv, word, tmp_path, monkeypatch,
                                                              capfd):
-    import launch
+    from tfdist.cli import launch
 
     monkeypatch.chdir(tmp_path)
     if "--strategy" not in argv[:argv.index("--") if "--" in argv else len(argv)]:
@@ -456,7 +456,7 @@ def test_bad_launch_input_is_one_line_exit_2_nothing_written(argv, word, tmp_pat
 
 
 def test_tasks_that_disagree_on_the_cluster_get_tensorflows_reason_in_one_line():
-    from training.recovery import cluster_disagreement
+    from tfdist.training.recovery import cluster_disagreement
 
     # The text TensorFlow 2.21 raised when worker:0 saw 2 workers and worker:1 saw 3.
     tf_text = ("{{function_node __wrapped__CollectiveBcastSend_device_/job:worker/replica:0/task:0"

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from bench import cli, common, suite
-from bench import scenarios as scen
+from tfdist.bench import common, suite
+from tfdist.cli import bench as cli
+from tfdist.bench import scenarios as scen
 from conftest import REPO, child_env, descendants_alive
 
 

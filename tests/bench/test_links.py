@@ -3,8 +3,9 @@ plan, rows and report, and the network targets."""
 
 import pytest
 
-from bench import cli, links, scaling
-from bench import scenarios as scen
+from tfdist.bench import links, scaling
+from tfdist.cli import bench as cli
+from tfdist.bench import scenarios as scen
 
 CNN = 225_034
 MBIT100 = 100_000_000

@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-import protocol
-from bench import soak
+from tfdist import protocol
+from tfdist.bench import soak
 from conftest import REPO, child_env
-from launcher import policy
-from launcher.processes import running_with
-from strategies import kinds
+from tfdist.launcher import policy
+from tfdist.launcher.processes import running_with
+from tfdist.strategies import kinds
 
 CLUSTER = ("ps", "ps-sync", "multiworker")
 
@@ -286,7 +286,7 @@ def test_left_behind_counts_a_marked_process_and_the_namespace_it_holds(spawn, t
 @pytest.mark.timeout(420)
 def test_a_three_job_soak_is_correct_and_leaves_nothing(spawn, tmp_path):
     out = tmp_path / "soak"
-    proc = spawn([sys.executable, "-m", "bench.soak", "--jobs", "3", "--steps", "600",
+    proc = spawn([sys.executable, "-m", "tfdist.bench.soak", "--jobs", "3", "--steps", "600",
                   "--strategies", ",".join(["multiworker", "ps", "ps-sync"]),
                   "--job-timeout", "240", "--out", str(out)])
     code = proc.wait(timeout=400)

@@ -2,8 +2,9 @@
 
 import pytest
 
-from bench import cli, scenarios, sparse
-from bench.common import BenchError
+from tfdist.bench import scenarios, sparse
+from tfdist.cli import bench as cli
+from tfdist.bench.common import BenchError
 
 
 def _plan(*flags):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from strategies.slurm import DEFAULT_PORT
+from tfdist.strategies.slurm import DEFAULT_PORT
 
 tomllib = pytest.importorskip("tomllib", reason="Python 3.11+")
 
@@ -136,9 +136,11 @@ def test_every_copied_file_exists_and_survives_dockerignore():
 def test_the_image_gets_everything_pyproject_installs():
     copied = {f for sources, _ in dockerfile_copies() for s in sources for f in context_files(s)}
     setuptools = PYPROJECT["tool"]["setuptools"]
+    folders = setuptools.get("package-dir", {})
     for package in setuptools["packages"]:
-        assert f"{package}/__init__.py" in copied, package
-    for module in setuptools["py-modules"]:
+        folder = folders.get(package, package.replace(".", "/"))
+        assert f"{folder}/__init__.py" in copied, package
+    for module in setuptools.get("py-modules", []):
         if (ROOT / f"{module}.py").exists():  # listed modules may not exist yet
             assert f"{module}.py" in copied, module
     assert {"pyproject.toml", PYPROJECT["project"]["readme"], "requirements.lock"} <= copied
@@ -244,7 +246,7 @@ def test_gpu_driver_capabilities_and_a_writable_default_model_dir():
     assert re.search(r"NVIDIA_DRIVER_CAPABILITIES=compute,utility\b", env)
     # train.py's default --model-dir is relative to the final WORKDIR, which
     # must belong to the user the image runs as.
-    from training.config import TrainConfig
+    from tfdist.training.config import TrainConfig
 
     assert not TrainConfig().model_dir.startswith("/")
     final_dir = _all("WORKDIR")[-1]
@@ -285,5 +287,5 @@ def test_the_build_context_builds_the_package(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     (wheel,) = (tmp_path / "wheel").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"train.py", "launch.py", "strategies/slurm.py", "training/controller.py", "protocol.py",
-            "models/__init__.py"} <= names
+    assert {"tfdist/cli/train.py", "tfdist/cli/launch.py", "tfdist/strategies/slurm.py",
+            "tfdist/training/controller.py", "tfdist/protocol.py", "tfdist/models/__init__.py"} <= names

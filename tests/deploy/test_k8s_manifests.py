@@ -17,7 +17,7 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
-import train  # noqa: E402
+from tfdist.cli import train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"

@@ -29,7 +29,7 @@ tomllib = pytest.importorskip("tomllib", reason="Python 3.11+")
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 PROJECT = PYPROJECT["project"]
 SCRIPTS = {"tfdist-train": "train:main", "tfdist-launch": "launch:main",
-           "tfdist-bench": "bench.cli:main"}
+           "tfdist-bench": "tfdist.bench.cli:main"}
 # The canonical text (https://www.apache.org/licenses/LICENSE-2.0.txt), by its SHA-256.
 APACHE_2_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
 NOT_COPIED = shutil.ignore_patterns(
@@ -59,7 +59,7 @@ def test_the_container_image_gets_the_license():
 
 
 BAD_ARGV = {"train:main": ["--epochs=0", "--dry-run"], "launch:main": ["--strategy", "horovod"],
-            "bench.cli:main": ["--steps", "0"]}
+            "tfdist.bench.cli:main": ["--steps", "0"]}
 
 
 @pytest.mark.parametrize("target", sorted(SCRIPTS.values()))

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from launcher import processes
+from tfdist.launcher import processes
 from conftest import REPO, child_env, descendants_alive, launch_cmd, read_results
 
 pytestmark = pytest.mark.multiprocess

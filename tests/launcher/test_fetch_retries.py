@@ -8,9 +8,9 @@ import types
 import pytest
 import tensorflow as tf
 
-import train
-from protocol import Exit
-from training import recovery
+from tfdist.cli import train
+from tfdist.protocol import Exit
+from tfdist.training import recovery
 
 
 def parse_error():
@@ -104,7 +104,7 @@ def test_a_lost_worker_is_still_waited_for_until_the_deadline():
 
 
 def test_train_py_ends_an_rpc_failure_with_one_error_line_and_75(capsys):
-    code = train._fault_exit(recovery.RpcFailed("chief:0: fetching ... failed 4 times"))
+    code = train.fault_exit(recovery.RpcFailed("chief:0: fetching ... failed 4 times"))
     assert code == Exit.TASK_LOST == 75
     err = capsys.readouterr().err
     assert err.splitlines() == ["error: chief:0: fetching ... failed 4 times"]
@@ -112,16 +112,16 @@ def test_train_py_ends_an_rpc_failure_with_one_error_line_and_75(capsys):
 
 def test_a_peer_lost_before_training_is_one_error_line_and_75(capsys):
     lost = tf.errors.UnavailableError(None, None, "Socket closed\nAdditional GRPC error information")
-    assert train._fault_exit(lost) == Exit.TASK_LOST
+    assert train.fault_exit(lost) == Exit.TASK_LOST
     assert capsys.readouterr().err.splitlines() == [
         "error: a peer task became unreachable before training (UnavailableError: Socket closed); "
         "relaunch to resume from the last checkpoint"]
-    assert train._fault_exit(tf.errors.InternalError(None, None, "a bug")) is None
+    assert train.fault_exit(tf.errors.InternalError(None, None, "a bug")) is None
 
 
 def test_the_ps_trainer_fetches_through_the_retrying_path(monkeypatch):
     """``PsTrainer._collect_one`` (the chief's fetch) survives one InternalError."""
-    from training import ps_trainer
+    from tfdist.training import ps_trainer
 
     monkeypatch.setattr(recovery.time, "sleep", lambda s: None)
     monkeypatch.setattr(recovery, "is_worker_failure", lambda err: False)

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-import protocol
-from launcher import faults, processes
-from launcher import plan as plans
-from launcher.state import JobState, SetLink, SignalTask, TaskView
-from launcher.supervisor import Supervisor
-from strategies import kinds
+from tfdist import protocol
+from tfdist.launcher import faults, processes
+from tfdist.launcher import plan as plans
+from tfdist.launcher.state import JobState, SetLink, SignalTask, TaskView
+from tfdist.launcher.supervisor import Supervisor
+from tfdist.strategies import kinds
 
 PS_TASKS = ["chief:0", "worker:0", "worker:1", "ps:0"]
 

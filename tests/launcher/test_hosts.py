@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-import protocol
-from launcher import cgroups, faults, network, processes, supervisor
-from launcher import plan as plans
-from launcher.config import LaunchConfig
-from launcher.state import JobState, RestartTask, SignalTask, SlowTask, TaskView
-from strategies import kinds, parse_tf_config
+from tfdist import protocol
+from tfdist.launcher import cgroups, faults, network, processes, supervisor
+from tfdist.launcher import plan as plans
+from tfdist.launcher.config import LaunchConfig
+from tfdist.launcher.state import JobState, RestartTask, SignalTask, SlowTask, TaskView
+from tfdist.strategies import kinds, parse_tf_config
 
 
 # --- the host plan (pure) ------------------------------------------------------------------
@@ -351,16 +351,16 @@ needs_hosts = pytest.mark.skipif(HOSTS_PROBLEM is not None,
 @needs_hosts
 @pytest.mark.timeout(60)
 def test_shaped_link_measures_within_a_quarter_of_the_set_rate():
-    proc = subprocess.run([sys.executable, "-m", "launcher.network", "--hosts", "2",
-                           "--link-rate", "50mbit"], cwd=processes.HERE, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "tfdist.launcher.network", "--hosts", "2",
+                           "--link-rate", "50mbit"], capture_output=True,
                           text=True, timeout=50)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["set_bits_per_sec"] == 50 * 10**6
     assert 0.75 <= result["measured_bits_per_sec"] / result["set_bits_per_sec"] <= 1.25, result
     # The control: unshaped, the same transfer runs far faster than the set rate.
-    proc = subprocess.run([sys.executable, "-m", "launcher.network", "--hosts", "2"],
-                          cwd=processes.HERE, capture_output=True, text=True, timeout=50)
+    proc = subprocess.run([sys.executable, "-m", "tfdist.launcher.network", "--hosts", "2"],
+                          capture_output=True, text=True, timeout=50)
     assert json.loads(proc.stdout.strip().splitlines()[-1])["measured_bits_per_sec"] > 4 * 50 * 10**6
 
 

@@ -5,18 +5,18 @@ import dataclasses
 
 import pytest
 
-import launch
+from tfdist.cli import launch
 from conftest import REPO
-from launcher import faults
-from launcher.config import LaunchConfig
-from strategies import kinds
+from tfdist.launcher import faults, job
+from tfdist.launcher.config import LaunchConfig
+from tfdist.strategies import kinds
 
-LAUNCHER = REPO / "launcher"
+LAUNCHER = REPO / "tfdist" / "launcher"
 
 
 def _config(*argv):
     args, train_args = launch.parse_args(list(argv))
-    return launch.build_config(args, train_args)
+    return job.build_config(launch.request_from_args(args, train_args))
 
 
 def test_flags_become_one_frozen_config_with_the_kind_object():
@@ -64,7 +64,7 @@ def test_only_the_cgroups_module_joins_a_cgroup():
 def test_run_job_takes_the_config():
     import inspect
 
-    from launcher import supervisor
+    from tfdist.launcher import supervisor
 
     first = next(iter(inspect.signature(supervisor.run_job).parameters.values()))
     assert first.name == "config" and first.annotation in (LaunchConfig, "LaunchConfig")
@@ -73,12 +73,12 @@ def test_run_job_takes_the_config():
 def test_a_relative_task_file_is_the_one_beside_the_launcher(tmp_path, monkeypatch):
     """Every task starts in the project's directory; --task's relative file
     path is made absolute from the launcher's own, so all tasks load that file."""
-    import launch
+    from tfdist.cli import launch
 
     monkeypatch.chdir(tmp_path)
-    assert launch.with_task_path(["--task", "mine/task.py", "--epochs", "1"]) == [
+    assert job.with_task_path(["--task", "mine/task.py", "--epochs", "1"]) == [
         "--task", str(tmp_path / "mine" / "task.py"), "--epochs", "1"]
-    assert launch.with_task_path(["--task=t.py:OBJ"]) == [f"--task={tmp_path / 't.py'}:OBJ"]
+    assert job.with_task_path(["--task=t.py:OBJ"]) == [f"--task={tmp_path / 't.py'}:OBJ"]
     # Built-in names and import paths are not files.
     for spec in ("mnist-cnn", "pkg.mod:NAME"):
-        assert launch.with_task_path(["--task", spec]) == ["--task", spec]
+        assert job.with_task_path(["--task", spec]) == ["--task", spec]

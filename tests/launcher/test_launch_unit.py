@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-import launch
-import protocol
-from launcher import faults, network, processes, supervisor
-from launcher import plan as plans
-from strategies import ConfigError, kinds, parse_tf_config
+from tfdist.cli import launch
+from tfdist import protocol
+from tfdist.launcher import faults, job, network, processes, supervisor
+from tfdist.launcher import plan as plans
+from tfdist.strategies import ConfigError, kinds, parse_tf_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -127,9 +127,9 @@ def test_netns_on_without_namespaces_is_an_error_naming_the_cause():
 def test_netns_command_reruns_this_launcher_inside_and_keeps_the_train_args():
     cmd = network.netns_command(["--strategy", "ps", "--ps", "1"], ["--epochs", "1"], python="py")
     assert cmd[:4] == ["unshare", "--user", "--map-root-user", "--net"]
-    assert cmd[4:6] == ["py", launch.__file__]  # the command users run, re-run inside
-    assert cmd[6:] == ["--strategy", "ps", "--ps", "1", network.INSIDE_FLAG, "--", "--epochs", "1"]
-    args, train_args = launch.parse_args(cmd[6:])
+    assert cmd[4:7] == ["py", "-m", launch.__name__]  # the command users run, re-run inside
+    assert cmd[7:] == ["--strategy", "ps", "--ps", "1", network.INSIDE_FLAG, "--", "--epochs", "1"]
+    args, train_args = launch.parse_args(cmd[7:])
     assert args.netns_inside and train_args == ["--epochs", "1"]
 
 
@@ -140,7 +140,7 @@ def test_inner_launcher_does_not_decide_again(monkeypatch, tmp_path):
     monkeypatch.setattr(supervisor, "run_job", lambda *a, **k: 0)
     monkeypatch.setattr(network, "loopback_up", lambda: None)
     monkeypatch.setattr(network, "run_in_netns", lambda *a: pytest.fail("re-entered"))
-    monkeypatch.setattr(launch.signal, "signal", lambda *a: None)  # keep pytest's handlers
+    monkeypatch.setattr(job.signal, "signal", lambda *a: None)  # keep pytest's handlers
     assert launch.main(["--strategy", "multiworker", network.INSIDE_FLAG, "--", "--steps", "1",
                         "--model-dir", str(tmp_path / "run")]) == 0
     assert (tmp_path / "run" / "launch" / "worker-1.tf_config.json").exists()
@@ -148,15 +148,15 @@ def test_inner_launcher_does_not_decide_again(monkeypatch, tmp_path):
 
 def test_mnist_is_prepared_by_a_module_entry_point_not_a_code_string():
     cmd = processes.prepare_data_command("/data", python="py")
-    assert cmd == ["py", "-m", "training.prepare_data", "--data-dir", "/data"]
-    assert processes.prepare_data_command("", python="py") == ["py", "-m", "training.prepare_data"]
+    assert cmd == ["py", "-m", "tfdist.training.prepare_data", "--data-dir", "/data"]
+    assert processes.prepare_data_command("", python="py") == ["py", "-m", "tfdist.training.prepare_data"]
 
 
 def test_prepare_data_module_reports_missing_data_in_one_line(tmp_path):
     import subprocess
 
-    proc = subprocess.run([sys.executable, "-m", "training.prepare_data", "--data-dir",
-                           str(tmp_path)], cwd=processes.HERE, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "tfdist.training.prepare_data", "--data-dir",
+                           str(tmp_path)], capture_output=True, text=True,
                           timeout=120)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and lines[-1].startswith("error: MNIST could not be loaded"), \
@@ -345,16 +345,21 @@ def test_bad_launcher_flags_exit_2_with_one_line_and_touch_nothing(tmp_path, fla
     assert proc.stdout == ""
 
 
-def test_program_replaces_train_py_with_the_same_arguments(tmp_path):
+def test_program_replaces_train_py_with_the_same_arguments(tmp_path, monkeypatch):
     # --program: another trainer (a tutorial peer) on the same cluster and flags.
     plain = processes.task_command(kinds.get("ps"), ["--steps", "5"], python="py")
     peer = processes.task_command(kinds.get("ps"), ["--steps", "5"], python="py", program="/p/peer.py")
-    assert plain[1] == processes.TRAIN and peer[1] == "/p/peer.py"
-    assert plain[2:] == peer[2:] == ["--strategy=ps", "--steps", "5"]
-    import launch
+    assert tuple(plain[1:3]) == processes.TRAIN == ("-m", "tfdist.cli.train")
+    assert peer[1] == "/p/peer.py"
+    assert plain[3:] == peer[2:] == ["--strategy=ps", "--steps", "5"]
+    from tfdist.cli import launch
+    from tfdist.launcher import job
 
-    args, _ = launch.parse_args(["--strategy", "ps", "--program", "bench/peers/x.py", "--"])
-    assert os.path.isabs(args.program) and args.program.endswith("bench/peers/x.py")
+    monkeypatch.chdir(REPO)
+    args, rest = launch.parse_args(["--strategy", "ps", "--ps", "1", "--program",
+                                    "tfdist/bench/peers/keras3_fit.py", "--"])
+    program = job.build_config(launch.request_from_args(args, rest)).program
+    assert os.path.isabs(program) and program.endswith("tfdist/bench/peers/keras3_fit.py")
 
 
 def test_train_args_are_read_by_exact_flag_not_prefix():

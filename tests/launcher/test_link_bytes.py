@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from launcher import network, traffic
+from tfdist.launcher import network, traffic
 
 CNN = 225_034
 LOGREG = 7_850  # 784 x 10 + 10

@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from launcher import cgroups
-from launcher.memory import (MIN_LIMIT, MemoryLimitError, MemoryLimits, PeakMemory, parse_limits,
+from tfdist.launcher import cgroups
+from tfdist.launcher.memory import (MIN_LIMIT, MemoryLimitError, MemoryLimits, PeakMemory, parse_limits,
                              parse_size, vm_hwm_bytes)
-from launcher.processes import Placement, child_setup
-from launcher.state import JobState, TaskView
+from tfdist.launcher.processes import Placement, child_setup
+from tfdist.launcher.state import JobState, TaskView
 
 
 def test_vm_hwm_reads_this_process_and_none_for_a_gone_one(tmp_path):

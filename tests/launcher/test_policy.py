@@ -2,9 +2,9 @@
 
 import pytest
 
-from launcher import policy
-from strategies import ConfigError, kinds
-from strategies.kinds import StrategyKind
+from tfdist.launcher import policy
+from tfdist.strategies import ConfigError, kinds
+from tfdist.strategies.kinds import StrategyKind
 
 PS, SYNC_PS, MW = kinds.get("ps"), kinds.get("ps-sync"), kinds.get("multiworker")
 

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from conftest import descendants_alive, launch_cmd, read_results
-from launcher import cgroups, network
+from tfdist.launcher import cgroups, network
 
 pytestmark = pytest.mark.multiprocess
 

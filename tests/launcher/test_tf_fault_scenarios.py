@@ -35,11 +35,11 @@ import sys
 
 import pytest
 
-import protocol
+from tfdist import protocol
 from conftest import REPO, child_env, descendants_alive, launch_cmd, read_results
-from launcher import faults, plan as plans
-from launcher.state import JobState, SignalTask, TaskView
-from strategies import kinds
+from tfdist.launcher import faults, plan as plans
+from tfdist.launcher.state import JobState, SignalTask, TaskView
+from tfdist.strategies import kinds
 
 LOGREG_BAR = 0.90  # softmax regression on MNIST tops out near 0.92-0.93
 CNN_BAR = 0.90

@@ -18,9 +18,9 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
-import train  # noqa: E402
-from strategies import ConfigError  # noqa: E402
-from strategies.jobset import from_jobset, parse_shape, pod_host  # noqa: E402
+from tfdist.cli import train  # noqa: E402
+from tfdist.strategies import ConfigError  # noqa: E402
+from tfdist.strategies.jobset import from_jobset, parse_shape, pod_host  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 JOBSETS = {doc["metadata"]["name"]: doc for path in sorted((ROOT / "k8s").glob("*.yaml"))

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher import plan as launch_plan
-import train
-from strategies import ConfigError, kinds, make_strategy, parse_tf_config
-from strategies.kinds import StrategyBundle, StrategyKind
+from tfdist.launcher import plan as launch_plan
+from tfdist.cli import train
+from tfdist.strategies import ConfigError, kinds, make_strategy, parse_tf_config
+from tfdist.strategies.kinds import StrategyBundle, StrategyKind
 
 REPO = Path(__file__).resolve().parents[2]
 W2 = {"worker": ["a:1", "b:1"]}
@@ -111,7 +111,7 @@ def test_no_strategy_name_is_compared_outside_strategies():
 def test_the_name_check_sees_project_files():
     # It must be able to fail: the walk finds the modules that ask the kinds.
     found = {path.relative_to(REPO).as_posix() for path in _project_modules()}
-    assert {"train.py", "launch.py", "bench.py", "launcher/plan.py"} <= found
+    assert {"train.py", "launch.py", "bench.py", "tfdist/launcher/plan.py"} <= found
     assert not any(name.startswith(".venv/") for name in found)
 
 
@@ -131,8 +131,8 @@ def test_no_module_imports_another_modules_private_name():
 
 @pytest.mark.parametrize("name", kinds.names(include_auto=False))
 def test_every_kinds_loop_has_a_trainer_that_implements_the_contract(name):
-    from training.controller import TRAINERS
-    from training.trainer import Trainer
+    from tfdist.training.controller import TRAINERS
+    from tfdist.training.trainer import Trainer
 
     kind = kinds.get(name)
     assert kind.trainer in kinds.LOOPS

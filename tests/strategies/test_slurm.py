@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-import train
-from strategies import ConfigError
-from strategies.slurm import expand_hostlist, expand_tasks_per_node, from_slurm, slurm_jobs
+from tfdist.cli import train
+from tfdist.strategies import ConfigError
+from tfdist.strategies.slurm import expand_hostlist, expand_tasks_per_node, from_slurm, slurm_jobs
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = sorted((ROOT / "slurm").glob("*.sbatch"))

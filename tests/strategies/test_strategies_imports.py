@@ -8,8 +8,8 @@ from conftest import REPO
 from test_dependencies import KNOWN_EDGES
 
 STRATEGIES = REPO / "strategies"
-# A string that names a module of training/ ("training.sync_trainer").
-TRAINING_MODULE = re.compile(r"^training(\.\w+)+$")
+# A string that names a module of training/ ("tfdist.training.sync_trainer").
+TRAINING_MODULE = re.compile(r"^(tfdist\.)?training(\.\w+)+$")
 
 
 def training_strings(path: Path) -> list[str]:
@@ -34,12 +34,13 @@ def test_strategies_import_nothing_from_training():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             imported += [f"{path.relative_to(REPO)}: {n}" for n in names
-                         if n == "training" or n.startswith("training.")]
+                         if n.removeprefix("tfdist.") == "training"
+                         or n.removeprefix("tfdist.").startswith("training.")]
     assert imported == []
 
 
 def test_the_string_check_can_fail(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text('TRAINERS = {"sync": ("training.sync_trainer", "SyncTrainer")}\n'
+    bad.write_text('TRAINERS = {"sync": ("tfdist.training.sync_trainer", "SyncTrainer")}\n'
                    'NOTE = "training. is fine in prose"\n')
-    assert training_strings(bad) == ["training.sync_trainer"]
+    assert training_strings(bad) == ["tfdist.training.sync_trainer"]

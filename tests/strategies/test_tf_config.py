@@ -13,10 +13,10 @@ import socket
 
 import pytest
 
-from strategies import ClusterConfig, ConfigError, kinds, parse_tf_config
-from strategies.devices import local_rank, plan_devices
-from strategies.server import missing_tasks, reachable
-from strategies.tf_config import ROLES
+from tfdist.strategies import ClusterConfig, ConfigError, kinds, parse_tf_config
+from tfdist.strategies.devices import local_rank, plan_devices
+from tfdist.strategies.server import missing_tasks, reachable
+from tfdist.strategies.tf_config import ROLES
 
 
 def tfc(cluster, task_type="worker", index=0, **extra):

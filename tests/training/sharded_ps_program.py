@@ -42,8 +42,8 @@ def chief(spec, model_dir, steps, restore):
     import tensorflow as tf
     import keras
 
-    from models import ctr
-    from training import sharding
+    from tfdist.models import ctr
+    from tfdist.training import sharding
 
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(spec), task_type="chief", task_id=0, rpc_layer="grpc")

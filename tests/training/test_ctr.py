@@ -1,9 +1,9 @@
-"""models.ctr: deterministic planted data, option checks, the AUC ceiling."""
+"""tfdist.models.ctr: deterministic planted data, option checks, the AUC ceiling."""
 
 import numpy as np
 import pytest
 
-from models import ctr
+from tfdist.models import ctr
 
 SMALL = {"rows": "20000", "features": "8", "train_size": "5000", "test_size": "4000"}
 

@@ -25,10 +25,10 @@ import sys
 
 import pytest
 
-import protocol
+from tfdist import protocol
 from conftest import REPO, child_env, descendants_alive, launch_cmd, read_results
-from protocol import Exit
-from training.recovery import StorageFault, storage_cause, storage_fault
+from tfdist.protocol import Exit
+from tfdist.training.recovery import StorageFault, storage_cause, storage_fault
 
 DATA = os.environ.get("TFDS_DATA_DIR")
 STEPS, EVERY = 600, 200
@@ -144,7 +144,7 @@ def test_a_worker_saving_privately_does_not_claim_its_own_save_as_the_resume_poi
 
     import tensorflow as tf
 
-    from training.checkpoints import Checkpointer
+    from tfdist.training.checkpoints import Checkpointer
 
     state = types.SimpleNamespace(checkpoint=tf.train.Checkpoint(v=tf.Variable(1.0)))
     chief = Checkpointer(state, str(tmp_path), True, "worker:0")
@@ -165,7 +165,7 @@ def test_no_checkpoint_yet_says_start_again():
 
 
 def test_the_exit_code_is_documented_and_never_relaunched():
-    from launcher import faults
+    from tfdist.launcher import faults
 
     assert Exit.STORAGE == 74 and Exit.STORAGE not in protocol.RELAUNCH
     assert Exit.STORAGE not in (Exit.PREEMPTED, Exit.TASK_LOST)
@@ -174,18 +174,18 @@ def test_the_exit_code_is_documented_and_never_relaunched():
 
 
 def test_fault_exit_prints_one_line_and_returns_74(capsys):
-    import train
+    from tfdist.cli import train
 
-    code = train._fault_exit(_op_error("ResourceExhaustedError", SUMMARY_FULL))
+    code = train.fault_exit(_op_error("ResourceExhaustedError", SUMMARY_FULL))
     err = capsys.readouterr().err
     assert code == Exit.STORAGE and err.count("\n") == 1 and err.startswith("error: could not "
                                                                              "write TensorBoard")
-    assert train._fault_exit(ValueError("a bug")) is None
+    assert train.fault_exit(ValueError("a bug")) is None
 
 
 def test_the_restarter_leaves_a_task_that_exited_74_down():
-    from launcher import faults
-    from launcher.state import JobState, TaskView
+    from tfdist.launcher import faults
+    from tfdist.launcher.state import JobState, TaskView
 
     restarter = faults.TaskRestarter(0.0, log=lambda _: None, clock=lambda: 0.0)
     state = JobState((TaskView("worker:1", 11, int(Exit.STORAGE), 1),
@@ -203,7 +203,7 @@ def test_the_restarter_leaves_a_task_that_exited_74_down():
     ("", False, "the disk is full or read-only", "not relaunched:"),
 ])
 def test_the_launcher_line_names_task_and_cause(said, relaunches, cause, verdict):
-    from launcher.supervisor import storage_line
+    from tfdist.launcher.supervisor import storage_line
 
     line = storage_line("worker:0", ["step 1", said, "more"], relaunches)
     assert line.startswith("[launch] worker:0 exited with code 74: a write into --model-dir "
@@ -471,7 +471,7 @@ SAVE_PROBE = """
 import os, subprocess, sys
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 import tensorflow as tf
-from training.recovery import storage_cause
+from tfdist.training.recovery import storage_cause
 d, mode = sys.argv[1], sys.argv[2]
 ckpt = tf.train.Checkpoint(v=tf.Variable(tf.zeros([300, 300])))
 manager = tf.train.CheckpointManager(ckpt, os.path.join(d, "checkpoints"), max_to_keep=3)
@@ -537,7 +537,7 @@ def _launch_kind(kind, model_dir, *extra):
 
 def _chief_pid(model_dir) -> int:
     """The chief's process, told from the workers' by its TF_CONFIG."""
-    from launcher.processes import live_processes
+    from tfdist.launcher.processes import live_processes
 
     for pid, cmd, env in live_processes(environ=True):
         if str(model_dir) in cmd and "train.py" in cmd and env and any(

@@ -12,10 +12,10 @@ import os
 import numpy as np
 import pytest
 
-import train
+from tfdist.cli import train
 from conftest import descendants_alive, launch_cmd, read_results
-from protocol import ConfigError
-from training.config import GRADIENT_DTYPES, TrainConfig
+from tfdist.protocol import ConfigError
+from tfdist.training.config import GRADIENT_DTYPES, TrainConfig
 
 
 # --- the flag -------------------------------------------------------------------------------------
@@ -50,7 +50,7 @@ def test_refused_dtypes_are_one_line_exit_2_nothing_written(dtype, words, tmp_pa
 
 def test_to_wire_casts_and_keeps_none_float32_untouched():
     import tensorflow as tf
-    from training.step import from_wire, to_wire
+    from tfdist.training.step import from_wire, to_wire
 
     g = [tf.constant([1.0, 1 / 3, 1e-30, -2.5e5]), None]
     same = to_wire(g, "float32")
@@ -97,7 +97,7 @@ def test_multiworker_bfloat16_trains_logreg_as_well_as_float32_on_half_the_bytes
     """Two workers on two simulated hosts where this machine can make them:
     the launcher's byte counters then show the all-reduce carrying 16 bits
     (and not a second, float32 one)."""
-    from launcher import network
+    from tfdist.launcher import network
 
     hosts = ["--hosts", "2"] if network.hosts_problem() is None else []
     accuracy, sent = {}, {}

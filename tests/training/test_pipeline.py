@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from models import BUILTIN_TASKS, MODEL_ALIASES, MODEL_NAMES
-from training import data, tasks
+from tfdist.models import BUILTIN_TASKS, MODEL_ALIASES, MODEL_NAMES
+from tfdist.training import data, tasks
 
 
 def builtin(name):

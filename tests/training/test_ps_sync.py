@@ -66,9 +66,9 @@ def test_replicas_to_aggregate_belongs_to_ps_sync_only():
 
 
 def test_default_k_is_the_number_of_workers_and_sets_the_gradient_batch():
-    from strategies.tf_config import parse_tf_config
-    from training.config import TrainConfig
-    from training.plan import resolve
+    from tfdist.strategies.tf_config import parse_tf_config
+    from tfdist.training.config import TrainConfig
+    from tfdist.training.plan import resolve
 
     cfg = parse_tf_config(json.dumps({"cluster": {**CLUSTER, "worker": ["a:1", "b:1", "c:1", "d:1"]},
                                       "task": {"type": "chief", "index": 0}}))
@@ -86,18 +86,18 @@ def test_default_k_is_the_number_of_workers_and_sets_the_gradient_batch():
 
 
 def test_the_kind_names_its_trainer_and_is_never_auto():
-    from strategies import kinds
+    from tfdist.strategies import kinds
 
     kind = kinds.get("ps-sync")
-    from training.controller import TRAINERS
+    from tfdist.training.controller import TRAINERS
 
     assert TRAINERS[kind.trainer].__name__ == "PsSyncTrainer"
     assert TRAINERS[kinds.get("ps").trainer].__name__ == "PsTrainer"
     assert not kind.asynchronous and kind.min_ps == 1
-    from launcher import policy
+    from tfdist.launcher import policy
 
     assert policy.layout(kind, 2, 1) == {"chief": 1, "worker": 2, "ps": 1}
-    from strategies.tf_config import parse_tf_config
+    from tfdist.strategies.tf_config import parse_tf_config
 
     cfg = parse_tf_config(json.dumps({"cluster": CLUSTER, "task": {"type": "chief", "index": 0}}))
     assert kinds.resolve("auto", cfg).name == "ps"

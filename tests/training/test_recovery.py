@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import train
-from strategies import parse_tf_config
-from training.config import TrainConfig
+from tfdist.cli import train
+from tfdist.strategies import parse_tf_config
+from tfdist.training.config import TrainConfig
 
 DATA = os.environ.get("TFDS_DATA_DIR")
 
@@ -144,8 +144,8 @@ def test_foreign_checkpoint_is_refused_and_the_run_dir_left_alone(trained, capsy
 
 
 def test_task_lost_names_the_unreachable_task_in_one_line():
-    from launcher import processes
-    from training.recovery import task_lost
+    from tfdist.launcher import processes
+    from tfdist.training.recovery import task_lost
 
     port0, port1 = processes.free_ports(2)
     cfg = parse_tf_config(

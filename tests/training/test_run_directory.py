@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from launcher.processes import free_ports
-import train
+from tfdist.launcher.processes import free_ports
+from tfdist.cli import train
 from conftest import REPO, child_env
-from protocol import Exit
+from tfdist.protocol import Exit
 
 DATA = os.environ.get("TFDS_DATA_DIR")
 LOGREG = ("--strategy=none", "--model=logreg", "--optimizer=sgd", "--lr-schedule=constant",
@@ -176,7 +176,7 @@ def test_a_second_job_on_the_run_dir_is_refused_naming_the_holder(run_dir, capfd
 
 
 def test_the_lock_of_a_dead_process_is_taken_over_and_released(tmp_path, capfd):
-    from training.checkpoints import RunLock
+    from tfdist.training.checkpoints import RunLock
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()

@@ -2,8 +2,8 @@
 
 import pytest
 
-from strategies import ConfigError
-from training.schedule import Schedule
+from tfdist.strategies import ConfigError
+from tfdist.training.schedule import Schedule
 
 
 def sched(**kw):

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO, child_env
-from launcher.processes import free_ports
-from training import sharding
+from tfdist.launcher.processes import free_ports
+from tfdist.training import sharding
 
 PROGRAM = REPO / "tests" / "training" / "sharded_ps_program.py"
 

@@ -14,10 +14,10 @@ import threading
 
 import pytest
 
-import train
-from protocol import ConfigError, Exit
-from strategies import server
-from training.config import DEFAULT_STUCK_TIMEOUT, STUCK_TIMEOUT_RANGE, TrainConfig
+from tfdist.cli import train
+from tfdist.protocol import ConfigError, Exit
+from tfdist.strategies import server
+from tfdist.training.config import DEFAULT_STUCK_TIMEOUT, STUCK_TIMEOUT_RANGE, TrainConfig
 
 
 def _main(argv, capsys, monkeypatch, tmp_path):
@@ -130,7 +130,7 @@ def test_a_closed_port_is_unreachable():
 
 
 def test_stuck_text_names_stuck_and_unreachable_peers():
-    from strategies.tf_config import parse_tf_config
+    from tfdist.strategies.tf_config import parse_tf_config
 
     silent, held, silent_addr = _server(None)
     ok, _, ok_addr = _server(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
@@ -167,12 +167,12 @@ def _guard_for(victim_pid: int, worker_addr: str, timeout: str = "1"):
     import sys
 
     from conftest import REPO
-    from strategies.tf_config import parse_tf_config
+    from tfdist.strategies.tf_config import parse_tf_config
 
     cfg = parse_tf_config(json.dumps({
         "cluster": {"chief": ["127.0.0.1:1"], "worker": [worker_addr]},
         "task": {"type": "chief", "index": 0}}))
-    return subprocess.Popen([sys.executable, "-m", "strategies.server", "--guard", cfg.to_json(),
+    return subprocess.Popen([sys.executable, "-m", "tfdist.strategies.server", "--guard", cfg.to_json(),
                              timeout, str(victim_pid)], cwd=REPO, stdin=subprocess.PIPE,
                             stderr=subprocess.PIPE)
 

@@ -24,7 +24,7 @@ MAE_BOUND = 0.3
 
 
 def _load_example():
-    from training import tasks
+    from tfdist.training import tasks
 
     spec = tasks.parse_spec(EXAMPLE)
     return tasks.load(spec), spec
@@ -37,7 +37,7 @@ def test_the_example_states_what_the_tests_check():
 
 
 def test_embedding_gradients_stay_sparse_and_dropout_is_training_only():
-    from training.step import forward
+    from tfdist.training.step import forward
 
     task, _ = _load_example()
     model = task.build_model()
@@ -66,7 +66,7 @@ def _check_example(results, model_dir):
     assert not np.allclose(bn.moving_variance.numpy(), 1.0)
     # The test split measured exactly once: Keras's own evaluate of the saved
     # model on it gives the recorded figures (dropout off, BN in inference).
-    from training import tasks
+    from tfdist.training import tasks
 
     task = tasks.load(tasks.parse_spec(EXAMPLE))
     again = model.evaluate(task.dataset("test").batch(999), verbose=0, return_dict=True)
@@ -82,7 +82,7 @@ def _check_regression(results):
 
 @pytest.mark.parametrize("strategy", ["none", "mirrored"])
 def test_one_process_strategies_train_the_example_and_the_regression(tmp_path, strategy):
-    import train
+    from tfdist.cli import train
 
     r = train.run(_config(strategy, EXAMPLE, tmp_path / "example", epochs=1))
     _check_example(r, tmp_path / "example")
@@ -91,21 +91,22 @@ def test_one_process_strategies_train_the_example_and_the_regression(tmp_path, s
 
 
 def _config(strategy, task, model_dir, **kw):
-    from training.config import TrainConfig
+    from tfdist.training.config import TrainConfig
 
     return TrainConfig(strategy=strategy, task=task, model_dir=str(model_dir),
                        **{"log_every": 100, **kw})
 
 
-def test_train_task_runs_a_task_object_in_process(tmp_path):
-    import train
+def test_fit_runs_a_task_object_in_process(tmp_path):
+    import tfdist
     from tests.training.sample_tasks import Regression
 
-    r = train.train_task(Regression(), strategy="none", steps=300, model_dir=str(tmp_path / "r"))
-    _check_regression(r)
-    assert r["task"] == "Regression"
-    with pytest.raises(Exception, match="needs a cluster"):
-        train.train_task(Regression(), strategy="multiworker", steps=1)
+    r = tfdist.fit(Regression(), strategy="none", steps=300, model_dir=str(tmp_path / "r"))
+    _check_regression(r.record)
+    assert r.record["task"] == "Regression" and r.global_step == 300
+    with pytest.raises(tfdist.TfdistError, match="needs a cluster") as refused:
+        tfdist.fit(Regression(), strategy="multiworker", steps=1)
+    assert refused.value.exit_code == 2
 
 
 CLUSTERS = {
@@ -139,7 +140,7 @@ def test_cluster_strategies_train_the_example_and_the_regression(tmp_path, spawn
 
 def test_a_users_optimizer_is_kept_unless_a_flag_overrides_it_with_a_line(tmp_path, capsys):
     """And every compiled metric reaches the progress lines, events and TensorBoard."""
-    import train
+    from tfdist.cli import train
 
     own = train.run(_config("none", REGRESSION, tmp_path / "own", steps=120, eval_every=60,
                             log_every=60))

@@ -92,7 +92,7 @@ def _spec(tmp_path, name, body, spec):
 
 @pytest.mark.parametrize("name,body,spec,says", CASES, ids=[c[0] for c in CASES])
 def test_a_bad_task_is_one_line_and_exit_2(tmp_path, capsys, name, body, spec, says):
-    import train
+    from tfdist.cli import train
 
     run_dir = tmp_path / "run"
     extra = ["--task-option", "k=v"] if spec == "+opt" else []
@@ -129,7 +129,7 @@ def test_task_mistakes_stop_the_command_and_the_launcher(tmp_path):
 def test_a_good_user_task_plans_from_its_split_size(tmp_path, capsys):
     import json
 
-    import train
+    from tfdist.cli import train
 
     path = tmp_path / "good_task.py"
     path.write_text(HEAD + GOOD_MODEL + "def dataset(split):\n    return _pairs(1000)\n")

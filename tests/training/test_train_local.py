@@ -5,10 +5,10 @@ import os
 
 import pytest
 
-import train
+from tfdist.cli import train
 from conftest import tensorboard_tags, read_results
-from strategies import parse_tf_config
-from training.config import TrainConfig
+from tfdist.strategies import parse_tf_config
+from tfdist.training.config import TrainConfig
 
 REQUIRED = {
     "strategy", "model", "num_workers", "num_ps", "replicas_in_sync", "global_batch_size",
@@ -18,7 +18,7 @@ REQUIRED = {
 
 
 def test_flat_scalars_turn_per_worker_fields_into_paths():
-    from training.reporting import flat_scalars
+    from tfdist.training.reporting import flat_scalars
 
     fields = {"worker:0": {"accepted": 3, "dropped": 1}, "worker:1": None, "note": "x"}
     assert flat_scalars("train/gradients_per_worker", fields) == {
@@ -139,7 +139,7 @@ def test_tensorflow_start_up_noise_is_hidden_unless_verbose(tmp_path):
 
 
 def test_noise_filter_keeps_real_errors():
-    from training.noise import is_noise
+    from tfdist.training.noise import is_noise
 
     assert is_noise("WARNING: All log messages before absl::InitializeLog() is called are "
                     "written to STDERR")
@@ -153,7 +153,7 @@ def test_noise_filter_keeps_real_errors():
 
 
 def test_noise_filter_drops_a_dropped_records_continuation_lines_only():
-    from training.noise import NoiseFilter
+    from tfdist.training.noise import NoiseFilter
 
     lines = [
         "I0000 00:00:1795480062.677044   23916 coordination_service.cc:502] Waiting for 1/2 tasks to connect.",

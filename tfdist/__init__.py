@@ -1,0 +1,43 @@
+"""tfdist: train any Keras 3 model under every TensorFlow 2 tf.distribute strategy.
+
+The public API is small and lives here; everything else is an implementation
+detail behind it::
+
+    import tfdist
+
+    result = tfdist.fit("mnist-logreg", strategy="none", steps=200, model_dir="runs/a")
+    result = tfdist.fit("path/to/task.py", workers=2, ps=1, steps=200, model_dir="runs/b")
+    print(result.metrics["accuracy"], result.global_step)
+
+``fit`` runs one process (``none``, ``mirrored``) or, with ``workers=N``, a
+local cluster of real processes as ``tfdist-launch`` starts it; ``launch``
+takes the launcher's options (simulated hosts, links, faults). Both return a
+:class:`Result` and raise :class:`TfdistError` (one line and an exit code).
+Importing this package imports neither TensorFlow nor Keras.
+"""
+
+from __future__ import annotations
+
+import os as _os
+
+# From a source checkout the package's two top-level folders, strategies/ and
+# models/ (where the project's layout keeps them), are found beside this one;
+# installed, setuptools maps them into tfdist/ and this finds nothing to add.
+_here = _os.path.dirname(_os.path.abspath(__file__))
+_root = _os.path.dirname(_here)
+if not _os.path.isdir(_os.path.join(_here, "strategies")) and _os.path.isfile(
+        _os.path.join(_root, "strategies", "kinds.py")):
+    __path__.append(_root)  # noqa: F821 (a package's own __path__)
+
+__version__ = "0.2.0"
+__all__ = ["fit", "launch", "Result", "TaskOutcome", "TfdistError", "__version__"]
+
+
+def __getattr__(name):
+    # Lazy: `import tfdist` stays cheap and TensorFlow-free (the launcher,
+    # the benchmark and every ps task import it before TensorFlow, if ever).
+    if name in ("fit", "launch", "Result", "TaskOutcome", "TfdistError"):
+        from tfdist import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'tfdist' has no attribute {name!r}")

@@ -1,0 +1,277 @@
+"""A launch request run as a job: checked, planned, every task's own check, then run.
+
+The library behind ``tfdist-launch`` (``tfdist.cli.launch`` reads the
+flags) and ``tfdist.launch``/``tfdist.fit(workers=N)``: a typed
+:class:`LaunchRequest` becomes one frozen ``LaunchConfig`` (``build_config``),
+every task checks its own flags (``preflight``), and the job runs in a
+private network namespace (the same command re-run inside it) or on the host
+network (``run_inside``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+
+from tfdist.protocol import Exit
+from tfdist.launcher import memory, network, processes, supervisor
+from tfdist.launcher import plan as plans
+from tfdist.launcher.config import LaunchConfig, LaunchRequest
+from tfdist.launcher.faults import plan_recovery
+from tfdist.launcher.plan import LaunchError
+from tfdist.strategies import kinds
+from tfdist.strategies.kinds import StrategyKind
+
+
+class TaskCheckFailed(LaunchError):
+    """A task's own check refused the job: its line (as the task printed it) and exit code."""
+
+    def __init__(self, line: str, code: int):
+        super().__init__(line.removeprefix("error: "))
+        self.line, self.code = line, code
+
+
+def run_request(request: LaunchRequest) -> int:
+    """Run the whole job; its exit code. Raises LaunchError (one line) for bad input,
+    before anything is written or started."""
+    config = build_config(request)
+    use_netns, warning = decide_network(config)
+    if not config.netns_inside and config.program is None:
+        # The inner launcher in the namespace was checked by the outer one.
+        code = preflight(config)
+        if code is not None:
+            return code
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    if use_netns:
+        code = processes.prepare_data(list(config.train_args), dict(os.environ))
+        if code != 0:
+            return code
+        print("[launch] private network namespace: only the cluster's own tasks can reach "
+              "its ports", flush=True)
+        return network.run_in_netns(
+            network.netns_command(list(config.launch_argv), list(config.train_args)),
+            config.grace)
+    return run_inside(config)
+
+
+def check_times(request: LaunchRequest) -> None:
+    """--timeout and --grace: finite seconds (nan compares false and would never fire)."""
+    if not 0 < request.timeout < math.inf:
+        raise LaunchError(f"--timeout={request.timeout:g} is not allowed; use a positive, finite "
+                          "number of seconds")
+    if not 0 <= request.grace < math.inf:
+        raise LaunchError(f"--grace={request.grace:g} is not allowed; use 0 or more (finite) "
+                          "seconds")
+
+
+def plan_cluster(request: LaunchRequest, kind: StrategyKind) -> plans.ClusterPlan:
+    if request.hosts and request.host != "localhost":
+        raise LaunchError(f"--host {request.host} names the one address of a loopback cluster; "
+                          "--hosts gives each simulated host its own: use one of the two")
+    if request.hosts:
+        return plans.build_host_cluster(kind, request.workers, request.ps, request.chief, request.hosts)
+    n = plans.task_count(kind, request.workers, request.ps, request.chief)
+    return plans.loopback_plan(kind, request.workers, request.ps, request.chief,
+                               processes.free_ports(n), request.host)
+
+
+def with_model_dir(kind: StrategyKind, train_args: list[str]) -> tuple[list[str], str]:
+    """``train_args`` with ``--model-dir`` (default ``runs/<strategy>``), and that directory."""
+    model_dir = processes.train_arg(train_args, "--model-dir", f"runs/{kind.name}")
+    if not processes.has_flag(train_args, "--model-dir"):
+        train_args = [*train_args, "--model-dir", model_dir]
+    return train_args, model_dir
+
+
+def with_task_path(train_args: list[str]) -> list[str]:
+    """``--task path/to/task.py[:NAME]`` made absolute from here: every task
+    starts in the project's directory, and the user's relative path means
+    the file beside them, the same one on every task."""
+    out = list(train_args)
+    for i, arg in enumerate(out):
+        if arg == "--task" and i + 1 < len(out):
+            at, prefix, value = i + 1, "", out[i + 1]
+        elif arg.startswith("--task="):
+            at, prefix, value = i, "--task=", arg[len("--task="):]
+        else:
+            continue
+        path, colon, name = value.partition(":")
+        if path.endswith(".py") or os.sep in path:
+            out[at] = prefix + os.path.abspath(path) + colon + name
+    return out
+
+
+def build_config(request: LaunchRequest) -> LaunchConfig:
+    """The request, checked, as one frozen config (LaunchError: one line, nothing written)."""
+    train_args = list(request.train_args)
+    program = os.path.abspath(request.program) if request.program is not None else None
+    kind = kinds.get(request.strategy)  # argparse's choices: always known
+    train_args, model_dir = with_model_dir(kind, with_task_path(train_args))
+    check_times(request)
+    if program is not None and request.dry_run:
+        raise LaunchError("--dry-run shows train.py's own plan for each task; it does not "
+                          "apply with --program: drop one of the two")
+    if program is not None and not os.path.isfile(program):
+        raise LaunchError(f"--program {program!r} is not a file; pass the path of "
+                          "a Python program that takes train.py's arguments")
+    cluster = plan_cluster(request, kind)
+    recovery = plan_recovery(kind, cluster.tf_configs, kill=list(request.kill) or None,
+                             preempt=list(request.preempt) or None, hang=list(request.hang) or None,
+                             partition=list(request.partition) or None, hosts=request.hosts,
+                             slow=list(request.slow) or None, restart_tasks=request.restart_tasks,
+                             restart_delay=request.restart_delay, max_restarts=request.max_restarts)
+    rate = network.parse_rate(request.link_rate) if request.link_rate is not None else None
+    roles: dict[str, list[str]] = {}
+    for name in cluster.names:
+        roles.setdefault(name.partition(":")[0], []).append(name)
+    try:
+        limits = memory.parse_limits(list(request.memory_limit) or None, roles)
+    except memory.MemoryLimitError as err:
+        raise LaunchError(str(err)) from None
+    problem = memory.limits_problem() if limits else None
+    if problem is not None:
+        raise LaunchError(f"--memory-limit needs a memory cgroup: {problem}; run as root on "
+                          "Linux with cgroup v1, or drop the flag")
+    return LaunchConfig(
+        kind=kind, cluster=cluster, recovery=recovery,
+        cores=processes.share_cores(kind, cluster.names, os.cpu_count() or 1),
+        train_args=tuple(train_args), model_dir=model_dir, program=program,
+        timeout=request.timeout, grace=request.grace, dry_run=request.dry_run, netns=request.netns,
+        netns_inside=request.netns_inside, link_rate=request.link_rate, rate_bits=rate,
+        launch_argv=tuple(request.to_argv()), memory_limits=limits)
+
+
+def decide_network(config: LaunchConfig) -> tuple[bool, str | None]:
+    """Whether the cluster runs in a private namespace, and the warning if it cannot."""
+    if config.netns_inside:
+        return False, None
+    network.check_hosts_mode(config.cluster.hosts, config.netns, config.link_rate,
+                             network.hosts_problem)
+    use_netns, warning = (True, None) if config.cluster.hosts else network.decide_netns(
+        config.netns, config.kind, network.netns_problem)
+    processes.check_launch_dir(config.launch_dir)
+    return use_netns, warning
+
+
+def show_plan(cluster: plans.ClusterPlan, checks: list[processes.TaskCheck]) -> None:
+    """``--dry-run``: each task's address and duty, then the job's figures."""
+    width = max(len(c.task) for c in checks)
+    for c in checks:
+        if c.plan is None:
+            print(f"{c.task:<{width}}  {c.error}")
+            continue
+        address = ""
+        if c.plan.get("cluster"):
+            role, _, index = c.task.partition(":")
+            address = c.plan["cluster"][role][int(index)]
+        host = f" on {cluster.where(c.task)}" if cluster.hosts else ""
+        print(f"{c.task:<{width}}  {address}{host}: {c.plan['action']}")
+    chief = next((c.plan for c in checks if c.plan and c.plan.get("is_chief")), None)
+    if chief is not None:
+        k = chief.get("gradients_per_update", 1)
+        split = (f"{chief['global_batch_size'] // k} per gradient x K={k} gradients per update"
+                 if k > 1 else f"{chief['per_replica_batch_size']} per replica x "
+                               f"{chief['replicas_in_sync']} in sync")
+        print(f"global batch {chief['global_batch_size']} ({split}), {chief['total_steps']} "
+              f"steps, model dir {chief['model_dir']}")
+
+
+def preflight(config: LaunchConfig) -> int | None:
+    """Every task checks its own flags and TF_CONFIG before anything is written or
+    started: the exit code to end with (``--dry-run`` done), else None; a failed check
+    raises TaskCheckFailed.
+
+    One task per role is enough to check flags (the others differ only by
+    index); ``--dry-run`` shows them all.
+    """
+    cluster = config.cluster
+    roles: dict[str, str] = {}
+    for name in cluster.names:
+        roles.setdefault(name.partition(":")[0], name)
+    checked = cluster.names if config.dry_run else list(roles.values())
+    checks = processes.check_tasks({n: cluster.tf_configs[n] for n in checked},
+                                   processes.task_command(config.kind, list(config.train_args)),
+                                   dict(os.environ), full=config.dry_run)
+    if config.dry_run:
+        show_plan(cluster, checks)
+    failed = [c for c in checks if c.code != 0]
+    if failed:
+        if not config.dry_run:
+            same = all(c.error == failed[0].error for c in failed)
+            raise TaskCheckFailed(failed[0].error if same
+                                  else f"{failed[0].task}: {failed[0].error}", failed[0].code)
+        return failed[0].code
+    return Exit.OK if config.dry_run else None
+
+
+def run_inside(config: LaunchConfig) -> int:
+    """The launcher in its namespace (or on the host network): build, run, tear down."""
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    if config.netns_inside:
+        network.loopback_up()
+    cluster, launch_dir = config.cluster, config.launch_dir
+    command = processes.task_command(config.kind, list(config.train_args), program=config.program)
+
+    received: list[int] = []
+    holder: list = []
+
+    def on_signal(signum, _frame):
+        received.append(signum)
+        raise KeyboardInterrupt(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    hosts = None
+    try:
+        link = None
+        if cluster.hosts:
+            hosts = network.SimulatedHosts(cluster.hosts, config.rate_bits)
+            link = build_hosts(config, hosts, log)
+            if link is False:
+                return Exit.FAILED
+        try:
+            processes.save_launch_files(launch_dir, cluster, command)
+        except OSError as err:
+            log(f"[launch] error: could not write the launch files into {launch_dir!r} "
+                f"({err.strerror or err}: {err.filename}); nothing was started. Free space or "
+                "make the directory writable, then run the same command again")
+            return Exit.STORAGE
+        log(f"[launch] {config.kind.name}: {', '.join(cluster.names)}; TF_CONFIGs in {launch_dir}/")
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        code = supervisor.run_job(config, command, env, holder, log=log,
+                                  launch_dir=launch_dir, network=hosts, link=link)
+    except KeyboardInterrupt:
+        log("[launch] interrupted; stopping every task")
+        return supervisor.interrupted(holder, received)
+    finally:
+        if hosts is not None:
+            hosts.close()
+    log(f"[launch] done: exit code {code}")
+    return code
+
+
+def build_hosts(config: LaunchConfig, hosts, log):
+    """Bring the simulated hosts up and measure a shaped link: the link record
+    (``None`` unshaped), or ``False`` if the machine cannot (exit 1, not 2:
+    the outer launcher's probe passed, so it is the machine, not the flags)."""
+    cluster = config.cluster
+    try:
+        hosts.up()
+        check = hosts.measure() if config.rate_bits else None
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as err:
+        log(f"[launch] error: could not build or measure {cluster.hosts} simulated "
+            f"hosts: {err}")
+        return False
+    log("[launch] hosts: " + ", ".join(
+        f"host{i} {plans.host_address(i)} ("
+        f"{', '.join(n for n, h in cluster.host_of.items() if h == i)})"
+        for i in range(cluster.hosts)) + f" on bridge {network.BRIDGE} "
+        f"({plans.BRIDGE_ADDRESS}/{plans.PREFIX}), private to this launcher")
+    if check is None:
+        return None
+    log(f"[launch] links: {check.describe(config.link_rate)}")
+    return {"rate": config.link_rate, **check.to_dict()}

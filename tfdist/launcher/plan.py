@@ -1,0 +1,193 @@
+"""The cluster as data (pure): tasks, their hosts, addresses and ports.
+
+Everything here comes from the strategy kind (``computing_roles``) and the
+launcher's policy on it (``policy.layout``);
+nothing compares strategy names, opens a socket or touches a file.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from tfdist.launcher import policy
+from tfdist.protocol import ConfigError
+from tfdist.strategies.kinds import StrategyKind
+
+
+class LaunchError(ConfigError):
+    """Bad launcher input: one ``error:`` line, exit 2, nothing written."""
+
+
+def role_counts(kind: StrategyKind, workers: int, ps: int = 0,
+                chief: bool = False) -> dict[str, int]:
+    """Tasks per role (``{}``: one process without TF_CONFIG), from the kind."""
+    try:
+        counts = policy.layout(kind, workers, ps, bool(chief))
+    except ConfigError as err:
+        raise LaunchError(str(err)) from None
+    return {role: n for role, n in counts.items() if n}
+
+
+def task_names(kind: StrategyKind, workers: int, ps: int = 0, chief: bool = False) -> list[str]:
+    counts = role_counts(kind, workers, ps, chief)
+    if not counts:
+        return ["local:0"]
+    return [f"{role}:{i}" for role, n in counts.items() for i in range(n)]
+
+
+def task_count(kind: StrategyKind, workers: int, ps: int, chief: bool) -> int:
+    return len(task_names(kind, workers, ps, chief))
+
+
+def _tf_configs(cluster: dict[str, list[str]]) -> dict[str, dict]:
+    return {
+        f"{role}:{i}": {"cluster": cluster, "task": {"type": role, "index": i}}
+        for role, addrs in cluster.items()
+        for i in range(len(addrs))
+    }
+
+
+def build_cluster(kind: StrategyKind, workers: int, ps: int = 0, ports: list[int] | None = None,
+                  host: str = "localhost", chief: bool | None = None) -> dict[str, dict | None]:
+    """TF_CONFIG for every task on one host, keyed ``role:index`` (``None``: no TF_CONFIG)."""
+    counts = role_counts(kind, workers, ps, bool(chief))
+    if not counts:
+        return {"local:0": None}
+    needed = sum(counts.values())
+    if ports is None or len(ports) < needed:
+        raise LaunchError(f"{needed} ports are needed, received {ports!r}")
+    it = iter(ports)
+    return _tf_configs({role: [f"{host}:{next(it)}" for _ in range(n)]
+                        for role, n in counts.items()})
+
+
+# --- simulated hosts ------------------------------------------------------------
+
+# A private range, used only inside the launcher's own network namespace.
+SUBNET = "10.77.0"
+PREFIX = 24
+BRIDGE_ADDRESS = f"{SUBNET}.1"
+FIRST_HOST = 11  # host i is 10.77.0.(11 + i): host0 .11, host1 .12, ...
+MAX_HOSTS = 64
+# The port TensorFlow's examples use; the k-th task on a host takes 2222 + k.
+BASE_PORT = 2222
+
+
+def host_address(index: int) -> str:
+    if not 0 <= index < MAX_HOSTS:
+        raise LaunchError(f"host {index} is outside 0..{MAX_HOSTS - 1}")
+    return f"{SUBNET}.{FIRST_HOST + index}"
+
+
+def place_tasks(kind: StrategyKind, names: list[str], hosts: int) -> dict[str, int]:
+    """Which host (index) each task runs on (pure).
+
+    The tasks that compute (the kind's ``computing_roles``) are spread one per
+    host, round-robin. Tasks that only coordinate or serve (the ps chief, ps
+    tasks) go round-robin over the hosts the computing tasks leave free, or
+    all on host 0 when they leave none; the computing tasks then take hosts
+    1..N-1. So ``ps --workers 2 --ps 1 --hosts 3`` is chief and ps on host 0,
+    worker:0 on host 1, worker:1 on host 2; ``multiworker --workers 2
+    --hosts 2`` is one worker per host.
+    """
+    if hosts < 1:
+        raise LaunchError(f"--hosts={hosts}; use 1 or more")
+    if hosts > len(names):
+        raise LaunchError(
+            f"--hosts={hosts}, but this cluster has {len(names)} task(s) ({', '.join(names)}); "
+            "a host without a task adds nothing: use at most one host per task"
+        )
+    if hosts > MAX_HOSTS:
+        raise LaunchError(f"--hosts={hosts}; at most {MAX_HOSTS}")
+    computing = kind.computing_roles
+    busy = [n for n in names if n.partition(":")[0] in computing]
+    quiet = [n for n in names if n not in busy]
+    if not quiet or hosts == 1:
+        return {n: i % hosts for i, n in enumerate(names)}
+    free = hosts - len(busy)
+    if free >= 1:
+        quiet_hosts, busy_hosts = list(range(free)), list(range(free, hosts))
+    else:
+        quiet_hosts, busy_hosts = [0], list(range(1, hosts))
+    placed = {n: quiet_hosts[i % len(quiet_hosts)] for i, n in enumerate(quiet)}
+    placed.update({n: busy_hosts[i % len(busy_hosts)] for i, n in enumerate(busy)})
+    return {n: placed[n] for n in names}
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """The whole simulated cluster: one TF_CONFIG per task and, with hosts, where it runs."""
+
+    tf_configs: dict[str, dict | None]
+    hosts: int = 0  # 0: every task on this host's loopback (no simulated hosts)
+    host_of: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.tf_configs)
+
+    def address_of_host(self, index: int) -> str:
+        return host_address(index)
+
+    def where(self, task: str) -> str | None:
+        """``host1 (10.77.0.12)`` for a task on a simulated host, else ``None``."""
+        if task not in self.host_of:
+            return None
+        i = self.host_of[task]
+        return f"host{i} ({host_address(i)})"
+
+
+def build_host_cluster(kind: StrategyKind, workers: int, ps: int = 0, chief: bool = False,
+                       hosts: int = 2, base_port: int = BASE_PORT) -> ClusterPlan:
+    """TF_CONFIGs naming host addresses, as on a real cluster (pure).
+
+    Each task listens on its host's address; the k-th task on a host uses
+    ``base_port + k``, so tasks on different hosts share port 2222.
+    """
+    if kind.single_process:
+        raise LaunchError(
+            f"--hosts places the tasks of a multi-process strategy on simulated hosts; "
+            f"--strategy {kind.name} is one process: drop --hosts"
+        )
+    names = task_names(kind, workers, ps, chief)
+    host_of = place_tasks(kind, names, hosts)
+    used: dict[int, int] = {}
+    addresses: dict[str, str] = {}
+    for name in names:
+        h = host_of[name]
+        addresses[name] = f"{host_address(h)}:{base_port + used.get(h, 0)}"
+        used[h] = used.get(h, 0) + 1
+    cluster: dict[str, list[str]] = {}
+    for name in names:
+        cluster.setdefault(name.partition(":")[0], []).append(addresses[name])
+    return ClusterPlan(_tf_configs(cluster), hosts, host_of)
+
+
+def loopback_plan(kind: StrategyKind, workers: int, ps: int, chief: bool,
+                  ports: list[int] | None, host: str = "localhost") -> ClusterPlan:
+    return ClusterPlan(build_cluster(kind, workers, ps, ports, host, chief))
+
+
+# --- the saved plan ----------------------------------------------------------------
+
+def tf_config_file(task: str) -> str:
+    return f"{task.replace(':', '-')}.tf_config.json"
+
+
+def commands_script(plan: ClusterPlan, command: list[str], launch_dir: str) -> str:
+    """``commands.sh``: the line that replays each task, and where it ran (pure)."""
+    lines = ["#!/usr/bin/env bash", "# Replay any task by hand: run its line in its own terminal"
+             + (", on the host named after it." if plan.hosts else ".")]
+    if plan.hosts:
+        lines.append(f"# Simulated hosts: {', '.join(f'host{i} {host_address(i)}' for i in range(plan.hosts))} "
+                     f"(a private bridge inside the launcher's network namespace)")
+    for name, tf_config in plan.tf_configs.items():
+        if tf_config is None:
+            lines.append(shlex.join(command))
+            continue
+        path = f"{launch_dir.rstrip('/')}/{tf_config_file(name)}"
+        where = plan.where(name)
+        lines.append(f"TF_CONFIG=\"$(cat {shlex.quote(path)})\" {shlex.join(command)}  # {name}"
+                     + (f" on {where}" if where else ""))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,455 @@
+"""Supervision: the job's typed state, the poll loop, relaunches, and the outcome.
+
+The ``Supervisor`` owns the task processes. Each poll it reaps exits, shows
+the hooks (fault injection, task restarts) a ``JobState`` snapshot, applies
+the actions they return, and asks the strategy kind whether the job's
+outcome is known (``decide``). ``run_job`` relaunches a failed job under
+``--max-restarts`` and writes ``launch/outcome.json`` with each worker's
+rate, read from the tasks' progress events.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Callable
+
+from tfdist import protocol
+from tfdist.launcher import faults as faultlib
+from tfdist.launcher import policy, processes
+from tfdist.launcher import traffic as trafficlib
+from tfdist.launcher.config import LaunchConfig
+from tfdist.launcher.memory import MemoryLimits, PeakMemory
+from tfdist.launcher.processes import Placement, Task
+from tfdist.launcher.state import JobState, RestartTask, SetLink, SignalTask, SlowTask, TaskView
+from tfdist.protocol import Exit
+from tfdist.strategies.kinds import StrategyKind
+
+
+def decide(kind: StrategyKind, exits: dict[str, int | None]) -> int | None:
+    """The job's exit code once it is known, else ``None`` (pure).
+
+    Only the tasks whose exits the strategy kind says decide count (every
+    task of a sync job; the chief under ps, whose servers stop when it is
+    gone): the first failure among them decides, else their success.
+    """
+    # A deciding task ended by a signal (a kill, the OOM killer, its own
+    # watchdog giving up on a peer) is, to the job, a lost task: the code
+    # its survivors report, and a relaunch resumes from the checkpoint.
+    deciding = [Exit.TASK_LOST if code is not None and code < 0 else code
+                for name, code in exits.items() if policy.decides(kind, name)]
+    failed = [code for code in deciding if code not in (None, 0)]
+    if failed:
+        return failed[0]
+    if deciding and all(code == 0 for code in deciding):
+        return 0
+    return None
+
+
+def storage_line(name: str, lines: list[str], relaunches: bool = False) -> str:
+    """The launcher's one line for a task that ended with ``Exit.STORAGE`` (pure).
+
+    The cause is read from the task's own ``error:`` line (``protocol``'s
+    words); ``relaunches``: whether ``--max-restarts`` would have relaunched
+    another failure.
+    """
+    said = next((line for line in reversed(lines) if line.startswith("error:")), "")
+    cause = next((c for c in protocol.STORAGE_CAUSES if c in said),
+                 "the disk is full or read-only")
+    why = ("not relaunched under --max-restarts" if relaunches else "not relaunched") + \
+        ": it would fail again until that is fixed"
+    return (f"[launch] {name} exited with code {int(Exit.STORAGE)}: a write into --model-dir "
+            f"failed, {cause} (its error line above names the file); {why}. Free space or make "
+            "the directory writable, then run the same launch.py command to resume from the "
+            "previous checkpoint")
+
+
+class Supervisor:
+    """One attempt of the job: its processes, their exits, the hooks' actions."""
+
+    def __init__(self, kind: StrategyKind, starter: Callable[[str], Task], log=print,
+                 grace: float = 5.0, poll: float = 0.1, slowdown=None, attempt: int = 0,
+                 network=None, relaunches: bool = False):
+        self.kind, self.starter, self.log = kind, starter, log
+        self.relaunches = relaunches  # --max-restarts has relaunches left
+        self.grace, self.poll, self.slowdown, self.attempt = grace, poll, slowdown, attempt
+        self.network = network  # SimulatedHosts, for --partition
+        self.tasks: dict[str, Task] = {}
+        self.exits: dict[str, int | None] = {}
+        self.starts: dict[str, int] = {}
+        # What stop() must undo whatever happens: tasks hung by SIGSTOP (their
+        # pid), hosts whose link is down.
+        self.hung: dict[str, int] = {}
+        self.links_down: set[int] = set()
+
+    # --- processes ---------------------------------------------------------------
+
+    def start(self, names) -> None:
+        for name in names:
+            self._start(name)
+
+    def _start(self, name: str) -> Task:
+        task = self.starter(name)
+        self.tasks[name] = task
+        self.exits[name] = None
+        self.starts[name] = self.starts.get(name, 0) + 1
+        if self.slowdown is not None:
+            self.slowdown.attach(name, task.proc.pid)
+        return task
+
+    def state(self) -> JobState:
+        return JobState(tuple(TaskView(n, t.proc.pid, self.exits[n], self.starts[n])
+                              for n, t in self.tasks.items()), self.attempt)
+
+    def reap(self) -> None:
+        for name, t in self.tasks.items():
+            if self.exits[name] is None and (code := t.proc.poll()) is not None:
+                self.exits[name] = code
+                self.hung.pop(name, None)
+                if code == Exit.STORAGE:
+                    t.pump.join(timeout=2)  # its last lines (the error) may still be in the pipe
+                    self.log(storage_line(name, t.lines, self.relaunches))
+                    continue
+                how = f" (killed by {signal.Signals(-code).name})" if code < 0 else ""
+                self.log(f"[launch] {name} exited with code {code}{how}")
+
+    def apply(self, action) -> None:
+        if isinstance(action, SetLink):
+            if self.network is None:
+                raise RuntimeError(f"{action} without simulated hosts")
+            self.network.set_link(action.host, action.up)
+            (self.links_down.discard if action.up else self.links_down.add)(action.host)
+            return
+        task = self.tasks.get(action.task)
+        if task is None:
+            return
+        if isinstance(action, SignalTask):
+            if task.proc.poll() is not None or (action.pid is not None and action.pid != task.proc.pid):
+                return  # gone, or already replaced by a restart
+            if action.sig == signal.SIGSTOP:
+                self.hung[action.task] = task.proc.pid
+                if self.slowdown is not None:
+                    self.slowdown.hold(action.task, task.proc.pid, held=True)
+            if action.group:
+                processes.signal_group(task.proc, action.sig)
+            else:
+                task.proc.send_signal(action.sig)
+            if action.sig == signal.SIGCONT and self.hung.pop(action.task, None) is not None \
+                    and self.slowdown is not None:
+                self.slowdown.hold(action.task, task.proc.pid, held=False)
+        elif isinstance(action, RestartTask):
+            task.pump.join(timeout=5)
+            new = self._start(action.task)
+            self.log(f"[launch] restarted {action.task} (pid {new.proc.pid}), same TF_CONFIG"
+                     + (f"; {action.note}" if action.note else ""))
+        elif isinstance(action, SlowTask):
+            if self.slowdown is None:
+                raise RuntimeError(f"{action} without a Slowdown")
+            self.slowdown.activate(action.task, action.fraction)
+            if task.proc.poll() is None:
+                self.slowdown.attach(action.task, task.proc.pid)
+        else:
+            raise TypeError(f"unknown action {action!r}")
+
+    def stop(self) -> None:
+        """Every task stopped: SIGTERM, then SIGKILL after ``grace``; before
+        that, every hung task continued and every downed link brought up."""
+        self.lift_all()
+        if self.slowdown is not None:
+            self.slowdown.resume()  # a stopped process cannot act on SIGTERM
+        processes.stop_tasks(list(self.tasks.values()), grace=self.grace)
+
+    def lift_all(self) -> None:
+        """Undo every hang and partition still on: a stopped process cannot
+        act on SIGTERM, and a relaunch needs its links."""
+        for name, pid in list(self.hung.items()):
+            self.log(f"[launch] {name} (pid {pid}) is still hung: SIGCONT before stopping it")
+            try:
+                os.killpg(pid, signal.SIGCONT)
+            except (ProcessLookupError, PermissionError):
+                pass
+            del self.hung[name]
+        for host in sorted(self.links_down):
+            self.log(f"[launch] host{host}'s link is still down: bringing it up")
+            try:
+                self.network.set_link(host, True)
+            except (OSError, RuntimeError, ValueError) as err:  # the namespaces go with the holders
+                self.log(f"[launch] warning: could not bring host{host}'s link up: {err}")
+        self.links_down.clear()
+
+    # --- the poll loop -------------------------------------------------------------
+
+    def run(self, timeout: float, hooks=()) -> int:
+        """Wait for the job's outcome; stop every task whatever it is."""
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                self.reap()
+                for hook in hooks:
+                    for action in hook(self.state()):
+                        self.apply(action)
+                code = decide(self.kind, self.exits)
+                if code is not None:
+                    # The outcome is known: a task still hung or cut off
+                    # could not checkpoint or see its chief gone.
+                    self.lift_all()
+                    if code == Exit.PREEMPTED:
+                        # Every worker saves at the agreed step and exits by
+                        # itself; a SIGTERM now would be read as another notice.
+                        self.log("[launch] job preempted: waiting for every task to checkpoint "
+                                 "and exit")
+                        processes.wait_all(list(self.tasks.values()), self.grace)
+                        self.reap()
+                    elif code != 0:
+                        self.log(f"[launch] job failed (exit {code}); stopping the other tasks")
+                    else:
+                        # Servers notice the chief is gone and exit on their own.
+                        processes.wait_all(list(self.tasks.values()), self.grace)
+                    return code
+                if time.monotonic() > deadline:
+                    self.log(f"[launch] error: job still running after --timeout={timeout:g}s; "
+                             "stopping it")
+                    return Exit.TIMEOUT
+                time.sleep(self.poll)
+        finally:
+            self.stop()
+
+
+# --- each worker's rate, from the progress events -------------------------------------------
+
+def worker_rates(kind: StrategyKind, event_paths: dict[str, str]) -> dict[str, dict]:
+    """Each computing task's steps, share and steps/s, from its progress events.
+
+    A task whose progress events carry ``steps_per_worker`` (the ps chief)
+    speaks for every worker: local steps, their share of all steps, and a
+    rate over the reports since that worker last (re)started. Otherwise
+    each computing task reports its own steps and steps/s (synchronous
+    workers all run every step: no share).
+    """
+    events = {n: [e for e in protocol.read_all_events(p)
+                  if e.kind in (protocol.STARTED, protocol.PROGRESS)]
+              for n, p in event_paths.items()}
+    reports = sorted((e.time, e.data["steps_per_worker"]) for evs in events.values() for e in evs
+                     if e.kind == protocol.PROGRESS
+                     and isinstance(e.data.get("steps_per_worker"), dict))
+    rates: dict[str, dict] = {}
+    if reports:
+        t_last, last = reports[-1]
+        total = sum(v for v in last.values() if isinstance(v, int))
+        for worker, steps in last.items():
+            first = len(reports) - 1
+            while first > 0 and reports[first - 1][1].get(worker, -1) <= reports[first][1].get(worker, -1):
+                first -= 1
+            t0, n0 = reports[first][0], reports[first][1].get(worker, 0)
+            rates[worker] = {"steps": steps, "share": round(steps / total, 4) if total else None,
+                             "steps_per_sec": round((steps - n0) / (t_last - t0), 2)
+                             if t_last > t0 else None}
+        return rates
+    for name, evs in events.items():
+        if name.partition(":")[0] not in kind.computing_roles and not kind.single_process:
+            continue
+        # This process's last start (a relaunch appends to the same file):
+        # from its first step on, start-up left out.
+        starts = [i for i, e in enumerate(evs) if e.kind == protocol.STARTED]
+        evs = evs[starts[-1]:] if starts else evs
+        if not evs or evs[-1].kind != protocol.PROGRESS:
+            continue
+        first, last = evs[0], evs[-1]
+        if last.time > first.time and last.step > first.step:
+            rate = (last.step - first.step) / (last.time - first.time)
+        else:
+            rate = last.data.get("steps_per_sec")
+        rates[name] = {"steps": last.step, "share": None,
+                       "steps_per_sec": round(rate, 2) if isinstance(rate, (int, float)) else None}
+    return rates
+
+
+def describe_rates(rates: dict[str, dict]) -> str:
+    parts = []
+    for name, r in rates.items():
+        rate = f"{r['steps_per_sec']:.1f} steps/s" if r.get("steps_per_sec") is not None else "? steps/s"
+        if r.get("share") is not None:
+            parts.append(f"{name} {r['steps']} local steps ({r['share']:.0%}), {rate}")
+        else:
+            parts.append(f"{name} step {r['steps']}, {rate}")
+    return "; ".join(parts)
+
+
+# --- the job, with recovery ----------------------------------------------------------------
+
+def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holder: list,
+            log=print, launch_dir: str | None = None, network=None, link=None) -> int:
+    """Start, supervise and, under ``--max-restarts``, relaunch the job.
+
+    ``holder`` gets the live Supervisor so the caller can stop it on an
+    interrupt. A relaunch reuses every TF_CONFIG (same addresses, like a
+    Kubernetes pod restarted under the same service names) and the same
+    ``--model-dir``, so the tasks resume from the latest checkpoint.
+    ``network`` (``SimulatedHosts``) puts each task in its host's namespace.
+    """
+    names, recovery = config.names, config.recovery
+    cores = config.cores or processes.share_cores(config.kind, names, os.cpu_count() or 1)
+    task_envs = {n: dict(cores[n].env) for n in names}
+    paths: dict[str, str] = {}
+    if launch_dir is not None:
+        for name in names:
+            paths[name] = protocol.events_path(launch_dir, name)
+            task_envs[name][protocol.EVENTS_ENV] = paths[name]
+    slowdown, limits = None, None
+    if recovery.slow:
+        total = os.cpu_count() or 1
+        slowdown = faultlib.Slowdown({n: cores[n].cores(total) for n in names}, log=log)
+    try:
+        limits = MemoryLimits(dict(config.memory_limits), log=log)
+        injector, restarter = _hooks(config, slowdown, list(paths.values()), log)
+        peaks = PeakMemory()
+
+        def starter(name: str) -> Task:
+            place = Placement(
+                netns=network.netns(config.cluster.host_of[name]) if network is not None else None,
+                cgroup=slowdown.cgroup_for(name) if slowdown is not None else None,
+                memory_cgroup=limits.cgroup_for(name), cpus=cores[name].cpus)
+            return processes.start_task(name, config.cluster.tf_configs[name], command, env,
+                                        task_env=task_envs[name], place=place)
+
+        # After the link probe (build_hosts), so only the job's bytes count.
+        before = _counters(network, log)
+        code, attempt = _attempts(config, starter, [injector, *filter(None, [restarter]), peaks],
+                                  restarter, slowdown, holder, log, network=network,
+                                  injector=injector)
+        after = _counters(network, log) if before is not None else None
+        oom, limited = limits.oom_killed(), limits.record()
+    finally:
+        if slowdown is not None:
+            slowdown.close()
+        if limits is not None:
+            limits.close()
+    restarts = sum(restarter.restarts.values()) if restarter is not None else 0
+    log(f"[launch] recovery: faults injected {len(injector.fired)}, task restarts {restarts}, "
+        f"job relaunches {attempt}")
+    if injector.waiting:
+        log("[launch] never due (the job ended first): "
+            + ", ".join(str(f) for f in injector.waiting))
+    if peaks.peaks:
+        log(f"[launch] peak memory (resident): {peaks.describe()}")
+    if limited:
+        log("[launch] most memory charged, of its --memory-limit: " + ", ".join(
+            f"{n} {r['max_usage_bytes'] / 2**20:.0f} of {r['limit_bytes'] / 2**20:.0f} MiB"
+            for n, r in limited.items() if r["max_usage_bytes"] is not None))
+    for name, count in oom.items():
+        log(f"[launch] {name} was ended by the kernel's OOM killer {count} time(s): its "
+            f"--memory-limit of {config.memory_limits[name] / 2**20:.0f} MiB is too small "
+            "for what it holds (more ps tasks split the variables further)")
+    rates = worker_rates(config.kind, paths) if paths else {}
+    if rates:
+        log(f"[launch] per worker: {describe_rates(rates)}")
+    traffic = None
+    if after is not None:
+        steps, shares = _chief_steps(config.model_dir)
+        traffic = trafficlib.measured_record(before, after, steps, dict(config.cluster.host_of),
+                                             config.kind.trainer, shares)
+        log(trafficlib.describe(traffic))
+    if launch_dir is not None and os.path.isdir(launch_dir):
+        plan, slowed = config.cluster, [str(s) for s in recovery.slow]
+        path = os.path.join(launch_dir, "outcome.json")
+        try:
+            protocol.LaunchOutcome(
+                int(code), list(injector.fired), restarts, attempt, per_task=rates or None,
+                hosts={n: plan.where(n) for n in names} if plan.hosts else None,
+                link=link, slowed=slowed or None, faults=list(injector.records) or None,
+                traffic=traffic, peak_rss_bytes=peaks.peaks or None,
+                memory_limits=limited or None, oom_killed=oom or None,
+                restarts_per_task=dict(restarter.restarts) if restarter is not None and
+                restarter.restarts else None,
+            ).write(path)
+        except OSError as err:
+            # The run directory full or read-only (often why the job ended):
+            # the job's exit code says what happened all the same.
+            log(f"[launch] warning: could not write {path} ({err.strerror or err}); the "
+                f"job's exit code is {int(code)} all the same")
+    return code
+
+
+def _counters(network, log) -> dict | None:
+    """Every simulated host's byte counters, or ``None`` (no hosts, or unreadable:
+    the job's outcome is written all the same, without ``traffic``)."""
+    if network is None:
+        return None
+    try:
+        return network.counters()
+    except (OSError, KeyError, ValueError) as err:
+        log(f"[launch] warning: could not read the hosts' byte counters ({err!r}); "
+            "outcome.json will have no traffic")
+        return None
+
+
+def _chief_steps(model_dir: str) -> tuple[int | None, dict | None]:
+    """The steps the chief's final run made and, under ps, each worker's share
+    of them (``results.json``); ``None`` for what it does not say."""
+    try:
+        with open(os.path.join(model_dir, "results.json")) as f:
+            results = json.load(f)
+    except (OSError, ValueError):
+        return None, None
+    steps, per_worker = results.get("steps_this_run"), results.get("steps_per_worker")
+    steps = steps if isinstance(steps, int) and steps > 0 else None
+    shares = None
+    if isinstance(per_worker, dict) and per_worker:
+        total = sum(v for v in per_worker.values() if isinstance(v, int))
+        if total > 0:
+            shares = {w: round(v / total, 4) for w, v in per_worker.items() if isinstance(v, int)}
+    return steps, shares
+
+
+def _hooks(config: LaunchConfig, slowdown, event_paths: list[str], log):
+    """The fault injector (slow-downs from the start are applied here) and the task restarter."""
+    recovery = config.recovery
+    for slow in recovery.slow:
+        if slow.from_start:
+            slowdown.activate(slow.task, slow.fraction)
+            log(f"[launch] slow: {slowdown.describe(slow.task)}")
+    injector = faultlib.FaultInjector(
+        [*recovery.faults, *(s for s in recovery.slow if not s.from_start)],
+        log=log, grace=config.grace, event_paths=event_paths)
+    restarter = faultlib.TaskRestarter(
+        recovery.restart_delay, log=log, roles=config.kind.restartable_roles,
+        event_paths=event_paths,
+    ) if recovery.restart_tasks else None
+    return injector, restarter
+
+
+def _attempts(config: LaunchConfig, starter, hooks, restarter, slowdown, holder,
+              log, network=None, injector=None) -> tuple[int, int]:
+    """Run the job, relaunching it under ``--max-restarts``: its last code and the relaunches."""
+    recovery, attempt = config.recovery, 0
+    while True:
+        if restarter is not None:
+            restarter.new_attempt()
+        sup = Supervisor(config.kind, starter, log=log, grace=config.grace,
+                         slowdown=slowdown, attempt=attempt, network=network,
+                         relaunches=attempt < recovery.max_restarts)
+        holder[:] = [sup]
+        sup.start(config.names)
+        try:
+            code = sup.run(config.timeout, hooks)
+        finally:
+            if injector is not None:
+                injector.end_attempt()  # sup.run's stop() lifted what was still on
+        if not faultlib.should_relaunch(code, attempt, recovery.max_restarts):
+            return code, attempt
+        attempt += 1
+        log(f"[launch] relaunching the job ({attempt} of --max-restarts="
+            f"{recovery.max_restarts}) after exit {code}, in {recovery.restart_delay:g}s; "
+            "it resumes from its checkpoint")
+        time.sleep(recovery.restart_delay)
+
+
+def interrupted(holder: list, received: list) -> int:
+    """Stop every task after a signal to the launcher; the exit code a shell would report."""
+    for sup in holder:
+        sup.stop()
+    # As a shell reports a process ended by that signal: 143 for SIGTERM.
+    return 128 + received[0] if received else Exit.INTERRUPTED
+

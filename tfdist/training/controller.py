@@ -1,0 +1,321 @@
+"""The one outer loop: every cadence of a run, for every strategy.
+
+Orbit's split: the controller owns the loop and decides, through the pure
+``Schedule``, when to log, evaluate, checkpoint, stop for a preemption and
+end; a trainer (``training.trainer.Trainer``: ``SyncTrainer``, ``PsTrainer``,
+``PsSyncTrainer``) owns how ``n`` steps run (``train(n)``) and how
+everything scheduled gets applied (``drain()``).
+
+``train_and_evaluate`` builds the ready-made objects (state, checkpointer,
+trainer, reporter) and hands them to the ``Controller``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+
+import keras
+import tensorflow as tf
+
+from tfdist import protocol
+from tfdist.protocol import ConfigError
+from tfdist.training.checkpoints import Checkpointer
+from tfdist.training.evaluation import split_metrics, weights_sha256
+from tfdist.training.lifetime import keep_alive_until_exit
+from tfdist.training.ps_sync_trainer import PsSyncTrainer
+from tfdist.training.ps_trainer import PsTrainer
+from tfdist.training.recovery import Diverged, Preempted, storage_fault, task_lost
+from tfdist.training.reporting import Reporter, run_hparams
+from tfdist.training.state import build_state
+from tfdist.training.step import TrainMetrics
+from tfdist.training.sync_trainer import SyncTrainer
+from tfdist.training.trainer import Trainer
+
+# Each strategy kind names its loop (StrategyKind.trainer); the classes live here,
+# on the training side, so strategies/ never names a training module.
+TRAINERS: dict[str, type[Trainer]] = {"sync": SyncTrainer, "ps": PsTrainer,
+                                      "ps-sync": PsSyncTrainer}
+
+
+class Controller:
+    def __init__(self, plan, trainer: Trainer, checkpointer: Checkpointer, reporter: Reporter,
+                 started: float, started_ok=lambda: None):
+        self.plan, self.config, self.trainer = plan, plan.config, trainer
+        self.kind, self.replicas, self.cfg = plan.kind, plan.replicas, plan.cluster
+        self.checkpointer, self.reporter = checkpointer, reporter
+        self.started = started
+        self.started_ok = started_ok
+        self.schedule = plan.schedule(trainer.start_step)
+        checkpointer.on_saved = reporter.checkpoint
+        reporter.hparams(run_hparams(plan))
+        self.startup_seconds = 0.0
+        self.steady_from = trainer.start_step
+
+    def run(self) -> dict | None:
+        """Train to the end; the chief returns the results record's dict.
+
+        A write into the run directory that fails for want of space or of
+        write access (TensorBoard logs, progress events, the results) ends
+        the run with one line (``StorageFault``); the checkpointer says the
+        same of its own saves.
+        """
+        try:
+            return self._run()
+        except Exception as err:  # pylint: disable=broad-except
+            fault = storage_fault(err, task=self.cfg.task_name,
+                                  checkpoint_step=self.checkpointer.resume_step)
+            if fault is None:
+                raise
+            raise fault from None
+
+    def _run(self) -> dict | None:
+        trainer, finished, begun = self.trainer, False, False
+        try:
+            try:
+                begun = self._first_call()
+                self._loop()
+                finished = True
+            except Preempted as err:
+                # One typed record of the saved step, however the preemption
+                # ended the run (the ps chief's drain below, the sync
+                # strategies' handler inside a call).
+                self.reporter.events.emit(protocol.PREEMPTED, err.step, pid=os.getpid(),
+                                          resumed_from=trainer.start_step)
+                raise
+            except trainer.peer_errors as err:
+                if self.cfg.is_local:
+                    raise
+                raise task_lost(err, self.cfg, "training" if begun else "starting",
+                                trainer.completed, self.checkpointer.saved_at) from None
+        finally:
+            trainer.close(finished)
+        train_seconds, examples_per_sec = self.reporter.throughput.overall(trainer.completed)
+        if not trainer.is_chief:
+            trainer.finish_worker()
+            trainer.end_of_job()
+            return None
+        results = self._finish(train_seconds, examples_per_sec)
+        trainer.end_of_job()
+        return results
+
+    def _first_call(self) -> bool:
+        """The first call traces and connects: the last point where a missing
+        peer can leave us waiting, and startup time rather than throughput."""
+        step = self.trainer.completed
+        if step < self.schedule.total_steps:
+            self._call(step)
+            self.trainer.drain()
+        self.started_ok()
+        self.trainer.on_started()
+        self.startup_seconds = time.perf_counter() - self.started
+        self.steady_from = self.trainer.completed
+        self.reporter.steady_from(self.steady_from)
+        if step < self.schedule.total_steps:
+            self._after_call(step, step + self.schedule.call_size(step))
+        return True
+
+    def _loop(self) -> None:
+        trainer, schedule = self.trainer, self.schedule
+        step = trainer.completed
+        while step < schedule.total_steps:
+            if trainer.stop_requested():
+                self._preempt()
+            before = step
+            step = self._call(step)
+            if schedule.drain_due(before, step) or trainer.stop_requested():
+                trainer.drain()
+            self._after_call(before, step)
+        trainer.drain()
+
+    def _call(self, step: int) -> int:
+        n = self.schedule.call_size(step)
+        self.trainer.train(n)
+        return step + n
+
+    def _after_call(self, before: int, after: int) -> None:
+        schedule, trainer = self.schedule, self.trainer
+        if schedule.log_due(before, after):
+            text, fields = trainer.progress_fields()
+            metrics = trainer.metrics()
+            self.reporter.progress(trainer.completed, metrics, text, fields,
+                                   learning_rate=self.plan.learning_rate_at(trainer.completed))
+            self._check_finite(metrics)
+        if trainer.is_chief and schedule.eval_due(before, after):
+            with trainer.paused():  # the chief's own work, not a stuck peer
+                self.reporter.evaluate(after, trainer.state.model)
+        if schedule.checkpoint_due(after):
+            with trainer.saving(after):
+                self.checkpointer.save(after)
+        if trainer.stop_requested():
+            self._preempt()
+
+    def _check_finite(self, metrics: dict) -> None:
+        """Stop on a NaN or infinite loss: the one the progress line just read.
+
+        Free (the value is already on the host), so checked at every progress
+        line; the checkpointer checks the weights themselves before each save.
+        """
+        loss = metrics.get("loss")
+        if loss is not None and not math.isfinite(loss):
+            step = self.trainer.completed
+            self.reporter.events.emit(protocol.DIVERGED, step, loss=loss)
+            raise Diverged(f"the loss is {loss}", step, self.checkpointer.saved_at,
+                           self.config.model_dir)
+
+    def _preempt(self) -> None:
+        self.trainer.drain()
+        done = self.trainer.completed
+        with self.trainer.saving(done):
+            self.checkpointer.save(done)
+        raise Preempted(done)
+
+    def _finish(self, train_seconds: float, examples_per_sec: float) -> dict:
+        """Evaluate a local copy of the weights; write the chief's outputs."""
+        plan, config, trainer, reporter = self.plan, self.config, self.trainer, self.reporter
+        seconds = reporter.clock()
+        values = reporter.evaluator()(trainer.state.model)
+        model = reporter.evaluator().local
+        loss, test_metrics = split_metrics(values)
+        ran = trainer.completed - trainer.start_step
+        specific = trainer.result_fields(ran)
+        reporter.add_point(specific["global_steps"], test_metrics, seconds)
+        info = trainer.task.info
+        opt = plan.optimizer
+        results = protocol.Results(
+            strategy=self.kind.name,
+            model=plan.task.name,
+            task=plan.task.name,
+            optimizer=opt.name if opt.library else type(trainer.state.optimizer).__name__.lower(),
+            learning_rate=opt.learning_rate if opt.library else _rate(trainer.state.optimizer),
+            lr_schedule=opt.schedule if opt.library else "task's own",
+            num_workers=len(self.kind.training_tasks(self.cfg)),
+            num_ps=self.cfg.num_ps,
+            replicas_in_sync=self.replicas,
+            global_batch_size=plan.global_batch_size,
+            steps_per_execution=config.steps_per_execution,
+            seed=config.seed,
+            completed_steps=trainer.completed,
+            steps_this_run=ran,
+            resumed_from_step=trainer.start_step,
+            startup_seconds=round(self.startup_seconds, 3),
+            train_seconds=round(train_seconds, 3),
+            steady_steps=trainer.completed - self.steady_from,
+            examples_per_sec=examples_per_sec,
+            wall_seconds=round(time.perf_counter() - self.started, 3),
+            eval_curve=reporter.curve,
+            eval_seconds=round(reporter.eval_seconds, 3),
+            test_accuracy=test_metrics.get("accuracy"),
+            test_loss=loss,
+            test_metrics=test_metrics,
+            train_examples=info.train_examples,
+            test_examples=info.test_examples,
+            weights_sha256=weights_sha256(model),
+            tf_version=tf.__version__,
+            keras_version=keras.__version__,
+            # Linux reports ru_maxrss in KiB.
+            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            trainable_params=count_trainable(model),
+            gradient_dtype=config.gradient_dtype,
+            extra=dict(info.extra_results),
+            **specific,
+        )
+        # Beside and renamed over: a full disk leaves the previous model.keras whole.
+        final = os.path.join(config.model_dir, "model.keras")
+        partial = os.path.join(config.model_dir, f"model.tmp{os.getpid()}.keras")
+        try:
+            model.save(partial)
+            os.replace(partial, final)
+        except OSError:
+            try:
+                os.unlink(partial)
+            except OSError:
+                pass
+            raise
+        results.write(os.path.join(config.model_dir, "results.json"))
+        reporter.final(results.to_dict())
+        return results.to_dict()
+
+
+def count_trainable(model) -> int:
+    """Trainable parameters: the elements of every trainable weight (a split one counted once)."""
+    return int(sum(math.prod(w.shape) for w in model.trainable_weights))
+
+
+def _rate(optimizer) -> float | None:
+    """A task's own optimizer's current rate, where it can be read as a number."""
+    try:
+        return float(optimizer.learning_rate)
+    except Exception:  # pylint: disable=broad-except
+        return None
+
+
+def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
+                       as_command: bool = False) -> dict | None:
+    """Flax's entry point: build the ready-made objects, run the controller.
+
+    ``checked``: the task, inspected (``training.tasks.CheckedTask``).
+    ``as_command``: the process ends right after this returns (or raises), so
+    the run's TensorFlow objects are never torn down (``training.lifetime``).
+    """
+    started = time.perf_counter()
+    config, cfg = plan.config, plan.cluster
+    trainer = None
+    try:
+        keras.utils.set_random_seed(config.seed)
+        state = build_state(plan, checked.task, bundle.strategy)
+        checkpointer = Checkpointer(state, config.model_dir, cfg.is_chief, cfg.task_name,
+                                    run_record=plan.defining_flags())
+        try:
+            start = checkpointer.restore(plan.task.name, plan.total_steps, plan.optimizer.name)
+            trainer = TRAINERS[plan.kind.trainer](plan, bundle, checked, state, checkpointer,
+                                                  start, TrainMetrics(checked.local_model))
+        except ConfigError:
+            checkpointer.close()  # a worker's private directory
+            raise
+        if already_complete(plan, trainer, started_ok):
+            trainer.end_of_job()
+            return read_results(config) if trainer.is_chief else None
+        reporter = Reporter(plan, checked, cfg.task_name, trainer.is_chief, trainer.start_step,
+                            started)
+        return Controller(plan, trainer, checkpointer, reporter, started, started_ok).run()
+    finally:
+        if as_command:
+            keep_alive_until_exit(bundle)
+            if trainer is not None:
+                keep_alive_until_exit(trainer)
+
+
+def read_results(config) -> dict | None:
+    try:
+        with open(os.path.join(config.model_dir, "results.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def already_complete(plan, trainer, started_ok=lambda: None) -> bool:
+    """Whether this task resumed a finished run and stops here, results.json untouched.
+
+    Running the controller would write a second results record for zero
+    steps (examples/s 0) over the one that measured the run. Every worker
+    resumed at the same step (checked), so every worker stops here; the chief
+    without a record (it died after the last checkpoint) runs the controller,
+    which evaluates and writes it.
+    """
+    config = plan.config
+    if trainer.start_step < plan.total_steps:
+        return False
+    if trainer.is_chief and read_results(config) is None:
+        return False
+    print(f"the run in {config.model_dir!r} is already complete (step {trainer.start_step} of "
+          f"{plan.total_steps}); its results are kept as they are. Pass a larger --steps or "
+          "--epochs to train on, or a fresh --model-dir to start a new run", flush=True)
+    started_ok()
+    trainer.close(True)
+    protocol.EventLog(config.cluster.task_name).emit(protocol.DONE, trainer.start_step,
+                                                     already_complete=True)
+    return True

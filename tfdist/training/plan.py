@@ -1,0 +1,258 @@
+"""A run resolved once: flags + cluster + strategy kind + task -> one frozen ``RunPlan``.
+
+Everything that depends on more than one of them is decided here and
+nowhere else: K (gradients per update), the global batch (TensorFlow's
+convention when unset), the replicas in sync and this task's devices, the
+split sizes and so the steps, the optimizer the run uses, the schedule.
+``train.py --dry-run`` prints ``RunPlan.describe()``.
+
+TensorFlow-free: GPUs and the task's split sizes come in as arguments (the
+caller lists GPUs and inspects a user's task; the built-in tasks' sizes
+are known up front).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tfdist.protocol import ConfigError
+from tfdist.strategies import ALL_REDUCE, check_batch_size, kinds
+from tfdist.strategies.devices import plan_devices
+from tfdist.strategies.kinds import StrategyKind
+from tfdist.strategies.tf_config import ClusterConfig
+from tfdist.training import tasks
+from tfdist.training.config import (
+    DEFAULT_LEARNING_RATE, DEFAULT_LR_SCHEDULE, DEFAULT_OPTIMIZER, DEFINING_FLAGS, MAX_STEPS,
+    PER_REPLICA_BATCH, TrainConfig,
+)
+from tfdist.training.tasks import TaskSpec
+
+
+@dataclass(frozen=True)
+class OptimizerPlan:
+    """What the run trains with: the library's optimizer (built-in tasks, or a
+    user task whose optimizer a flag overrides), or the task's own."""
+
+    library: bool  # False: the optimizer the task compiled
+    name: str | None = None  # adam | sgd when ``library``
+    learning_rate: float | None = None  # the peak rate when ``library``
+    schedule: str | None = None  # cosine | constant when ``library``
+
+    def rate_at(self, step: int, total_steps: int) -> float | None:
+        """The rate at ``step`` (Keras's CosineDecay, alpha 0); None for a task's own."""
+        if not self.library:
+            return None
+        if self.schedule != "cosine":
+            return self.learning_rate
+        done = min(step, total_steps) / max(1, total_steps)
+        return self.learning_rate * 0.5 * (1 + math.cos(math.pi * done))
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """Which variables are split over the ps tasks (``training.sharding``)."""
+
+    partitioner: str = "none"  # none | min-size | fixed
+    num_shards: int = 1  # the ps tasks; 1 keeps a split layout that reshards
+    min_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    config: TrainConfig
+    cluster: ClusterConfig
+    kind: StrategyKind
+    task: TaskSpec
+    gradients_per_update: int  # K: fresh gradients averaged into one update (1 unless ps-sync)
+    global_batch_size: int
+    batch_chosen: bool  # True: TensorFlow's convention, no --global-batch-size given
+    replicas: int  # replicas sharing one global batch
+    devices: dict
+    train_examples: int | None  # None: a streamed split (--steps given)
+    test_examples: int | None
+    total_steps: int
+    steps_per_epoch: int
+    optimizer: OptimizerPlan
+    sharding: ShardingPlan = ShardingPlan()
+
+    @property
+    def examples_per_gradient(self) -> int:
+        """Each of the K gradients behind one update is computed on global/K examples."""
+        return self.global_batch_size // self.gradients_per_update
+
+    @property
+    def in_memory(self) -> bool:
+        """A finite train split is held whole; an infinite or unknown one is streamed."""
+        return self.train_examples is not None
+
+    def learning_rate_at(self, step: int) -> float | None:
+        return self.optimizer.rate_at(step, self.total_steps)
+
+    def schedule(self, start_step: int = 0):
+        """The run's cadences (calls, logs, evaluations, checkpoints) from ``start_step``."""
+        from tfdist.training.schedule import Schedule
+
+        c = self.config
+        return Schedule(
+            total_steps=self.total_steps, steps_per_epoch=self.steps_per_epoch,
+            steps_per_execution=c.steps_per_execution, checkpoint_every=c.checkpoint_every,
+            eval_every=c.eval_every, log_every=c.log_every, start_step=start_step,
+        )
+
+    def defining_flags(self) -> dict:
+        """What ``run.json`` records: the resolved kind, task and optimizer, so
+        ``--strategy=auto`` and a default rate compare by what they mean."""
+        opt = self.optimizer
+        return {
+            "strategy": self.kind.name, "task": self.task.name,
+            "optimizer": opt.name if opt.library else "task's own",
+            "learning_rate": opt.learning_rate if opt.library else None,
+            "lr_schedule": opt.schedule if opt.library else None,
+            "global_batch_size": self.global_batch_size, "seed": self.config.seed,
+            "total_steps": self.total_steps,
+            "variable_partitioner": self.sharding.partitioner,
+            "shard_min_bytes": self.sharding.min_bytes,
+        }
+
+    def batch_note(self) -> str | None:
+        """The chief's line saying how a default global batch was chosen."""
+        if not self.batch_chosen or not self.cluster.is_chief:
+            return None
+        per_replica = tasks.per_replica_batch(self.task, PER_REPLICA_BATCH)
+        return (f"global batch {self.global_batch_size}: {per_replica} per replica "
+                f"x {self.global_batch_size // per_replica} (TensorFlow's "
+                "convention; --global-batch-size sets it)")
+
+    def describe(self) -> dict:
+        """The plan as ``--dry-run`` prints it (JSON)."""
+        cfg, kind = self.cluster, self.kind
+        return {
+            "strategy": kind.name,
+            "requested_strategy": self.config.strategy,
+            "task": cfg.task_name,
+            "training_task": self.task.name,
+            "role": kind.role(cfg),
+            "is_chief": cfg.is_chief,
+            "action": kind.duty(cfg),
+            "cluster": cfg.cluster_dict(),
+            "num_workers": cfg.num_workers,
+            "num_ps": cfg.num_ps,
+            "replicas_in_sync": self.replicas,
+            "global_batch_size": self.global_batch_size,
+            "per_replica_batch_size": self.global_batch_size // self.replicas,
+            "gradients_per_update": self.gradients_per_update,
+            "train_examples": self.train_examples,
+            "variable_partitioner": self.sharding.partitioner,
+            "shards_per_split_variable": self.sharding.num_shards,
+            "total_steps": self.total_steps,
+            "stuck_timeout": self.config.stuck_timeout,
+            "devices": {**self.devices, "cpu": True},
+            "model_dir": self.config.model_dir,
+        }
+
+
+def resolve(config: TrainConfig, gpus: list[str], *, train_examples: int | None = None,
+            test_examples: int | None = None, spec: TaskSpec | None = None) -> RunPlan:
+    """The one place a run is resolved; ConfigError for anything that cannot run.
+
+    ``train_examples`` None with no ``--steps``: the task's size is not known
+    yet (a user's task before it is inspected), and the plan says so by
+    raising; callers that only check flags pass ``--steps``-free built-ins.
+    """
+    config.validate()
+    cfg = config.cluster
+    kind = kinds.resolve(config.strategy, cfg)
+    if config.all_reduce not in ALL_REDUCE:
+        raise ConfigError(f"unknown --all-reduce {config.all_reduce!r}; allowed: "
+                          f"{', '.join(ALL_REDUCE)}")
+    spec = spec or tasks.parse_spec(config.task, config.task_options)
+    k = _gradients_per_update(config, kind, cfg)
+    devices = plan_devices(kind.gpu_roles(), cfg, gpus)
+    replicas = kind.replicas(cfg, len(devices["visible_gpus"]))
+    chosen = config.global_batch_size is None
+    per_replica = tasks.per_replica_batch(spec, PER_REPLICA_BATCH)
+    batch = per_replica * replicas * k if chosen else config.global_batch_size
+    if batch % k:
+        raise ConfigError(
+            f"--global-batch-size={batch} does not split into {k} gradients of equal size "
+            f"(each update averages --replicas-to-aggregate={k} gradients of global/K "
+            f"examples); use a multiple of {k}")
+    check_batch_size(batch, replicas)
+    if train_examples is not None and batch > train_examples:
+        raise ConfigError(
+            f"--global-batch-size={batch} is larger than task {spec.name}'s {train_examples} "
+            f"training examples; use at most {train_examples}")
+    steps_per_epoch = max(1, train_examples // batch) if train_examples else 1
+    if config.steps is not None:
+        total = config.steps
+    elif train_examples is None:
+        raise ConfigError(
+            f"task {spec.name!r}: its training split's size is not known, so epochs cannot be "
+            "counted; pass --steps N")
+    else:
+        total = config.epochs * steps_per_epoch
+    if total > MAX_STEPS:
+        flag, value = ("--steps", config.steps) if config.steps is not None else (
+            "--epochs", config.epochs)
+        raise ConfigError(
+            f"{flag}={value} means {total} steps, more than the {MAX_STEPS} a run may ask for; "
+            f"use fewer (one epoch is {steps_per_epoch} steps)")
+    return RunPlan(
+        config=config, cluster=cfg, kind=kind, task=spec, gradients_per_update=k,
+        global_batch_size=batch, batch_chosen=chosen, replicas=replicas, devices=devices,
+        train_examples=train_examples, test_examples=test_examples, total_steps=total,
+        steps_per_epoch=steps_per_epoch, optimizer=_optimizer(config, spec),
+        sharding=_sharding(config, kind, cfg),
+    )
+
+
+def _sharding(config: TrainConfig, kind: StrategyKind, cfg: ClusterConfig) -> ShardingPlan:
+    """--variable-partitioner: min-size by default where variables live on ps tasks."""
+    if kind.min_ps == 0:
+        if config.variable_partitioner not in (None, "none"):
+            able = "|".join(name for name, other in kinds.all_kinds().items() if other.min_ps)
+            raise ConfigError(
+                f"--variable-partitioner {config.variable_partitioner} splits variables over ps "
+                f"tasks, and --strategy {kind.name} has none; drop the flag or use --strategy "
+                f"{able}")
+        return ShardingPlan("none", 1, config.shard_min_bytes)
+    return ShardingPlan(config.variable_partitioner or "min-size", max(1, cfg.num_ps),
+                        config.shard_min_bytes)
+
+
+def _optimizer(config: TrainConfig, spec: TaskSpec) -> OptimizerPlan:
+    """Built-in tasks train with the flags (their defaults when unset); a user's
+    task with its own compiled optimizer unless a flag overrides it."""
+    if not tasks.flags_set_optimizer(spec) and not config.optimizer_overridden:
+        return OptimizerPlan(library=False)
+    name = config.optimizer or DEFAULT_OPTIMIZER
+    return OptimizerPlan(
+        library=True, name=name,
+        learning_rate=config.learning_rate or DEFAULT_LEARNING_RATE[name],
+        schedule=config.lr_schedule or DEFAULT_LR_SCHEDULE,
+    )
+
+
+def _gradients_per_update(config: TrainConfig, kind: StrategyKind, cfg: ClusterConfig) -> int:
+    """K, and --replicas-to-aggregate's checks: ps-sync only, 1..workers."""
+    k = config.replicas_to_aggregate
+    if not kind.aggregates_gradients:
+        if k is not None:
+            able = "|".join(name for name, other in kinds.all_kinds().items()
+                            if other.aggregates_gradients)
+            raise ConfigError(
+                f"--replicas-to-aggregate applies to --strategy {able} only, received "
+                f"--strategy {config.strategy}; drop the flag or use --strategy {able}")
+        return 1
+    workers = cfg.num_tasks("worker")
+    if k is not None and workers and k > workers:
+        # Every gradient of one update comes from a worker holding that
+        # step's token, and there are only N tokens per step.
+        raise ConfigError(
+            f"--replicas-to-aggregate={k} is more than the {workers} worker(s) of this "
+            f"cluster; use at most {workers} (the other N - K workers are backups)")
+    return k if k is not None else max(1, workers)
+
+
+__all__ = ["DEFINING_FLAGS", "OptimizerPlan", "RunPlan", "resolve"]

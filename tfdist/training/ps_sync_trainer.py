@@ -1,0 +1,530 @@
+"""Synchronous parameter servers: TF1's SyncReplicasOptimizer mode on TF2.
+
+Same cluster as ``ps`` (the chief coordinates, workers compute, ps tasks
+hold the variables), but every applied update averages exactly K
+(``--replicas-to-aggregate``) gradients computed on the weights of the
+current global step; a gradient computed on older weights is dropped.
+
+Where things live and who does what (docs/ps-sync.md has the measurements):
+
+- ps:0 holds, next to its share of the variables, one **token queue per
+  worker** and one **gradient queue**, and counters of what happened to
+  every gradient, per worker.
+- A worker closure takes the newest token from its own queue (the token
+  is the global step it may compute on), reads the weights, computes one
+  gradient on global/K examples and queues ``(token, worker, gradient)`` on
+  ps:0. A token that is already stale when taken is skipped (no work).
+- The chief calls ``aggregate`` on ps:0, which dequeues gradients until K
+  carry the current step (older ones are dropped and counted), averages
+  them, applies the average with the Keras optimizer, increments the
+  global step and gives every worker its token for the new step. The
+  gradients move from the workers to ps:0 only, never through the chief.
+
+Why queues and not TF1's ConditionalAccumulators: the kernels
+(``ResourceAccumulatorApplyGradient``/``TakeGradient``) release their lock
+between counting an applied gradient and firing the pending take, so with
+backup workers a (K+1)-th gradient of the same step can slip into the
+average; and with one accumulator per variable each variable decides on
+its own which K gradients it averages, so one update can mix different
+workers' gradients. One FIFO queue read by one consumer decides once, for
+the whole gradient, in arrival order.
+
+Exactness: tokens for step g+1 exist only once update g+1 is applied, so
+while the aggregator collects step g no gradient is newer than g; a
+gradient accepted for step g was queued before update g+1, and its weight
+reads came after its token, i.e. after update g: it was computed on the
+weights of step g. The worker also reads the global step once its gradient
+is computed and sends it along; an accepted gradient whose step moved
+would be counted in ``stale_gradients_applied`` (measured, 0 by the
+argument above).
+
+One token per worker per step means a worker contributes at most one
+gradient per update, so the N - K slowest workers are backups, and with
+fewer than K live workers no update can complete: the StallWatchdog ends
+the chief with one line naming the lost or stuck task (exit 75) after
+``--stuck-timeout``, and a relaunch resumes from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist.training import data
+from tfdist.training.ps_trainer import CoordinatedTrainer, variables_per_ps
+from tfdist.training.step import after_updates, forward, local_replicas, local_sum, metric_dict
+
+# Closures kept in flight per worker: one running, one queued at the
+# coordinator, so a worker never waits on the chief for its next closure.
+CLOSURES_PER_WORKER = 2
+# A token telling a waiting closure that training is over.
+STOP = -1
+# Seconds an update may take before the chief re-counts finished closures.
+TOP_UP_AFTER = 0.1
+# Seconds without an update before the chief gives the current step's
+# token again to every worker whose token queue is empty, and again after
+# as long. Why: a worker killed while its closure waited for a token
+# leaves that dequeue pending on ps:0 (nothing cancels it), and it takes
+# the next token meant for the worker's restarted process; with K = N no
+# update could then complete. Far above an update's time on the slowest
+# link measured (docs/ps-sync.md), so a healthy run never re-issues.
+REISSUE_AFTER = 10.0
+PS0 = "/job:ps/replica:0/task:0/device:CPU:0"
+
+
+def interval_stats(seconds) -> dict:
+    """Mean, median, p99 and max of the intervals between applied updates."""
+    arr = np.asarray(seconds, dtype=np.float64)
+    if arr.size == 0:
+        return {"count": 0, "mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0.0}
+    return {
+        "count": int(arr.size),
+        "mean": round(float(arr.mean()), 6),
+        "p50": round(float(np.percentile(arr, 50)), 6),
+        "p99": round(float(np.percentile(arr, 99)), 6),
+        "max": round(float(arr.max()), 6),
+    }
+
+
+def per_worker(workers, accepted, dropped, skipped, computed) -> dict:
+    """{worker: counts}; ``pending`` were computed but not yet looked at by the ps."""
+    return {
+        name: {"accepted": int(a), "dropped": int(d), "skipped": int(s),
+               "computed": int(c), "pending": int(c - a - d)}
+        for name, a, d, s, c in zip(workers, accepted, dropped, skipped, computed)
+    }
+
+
+class _Caller:
+    """Runs the blocking ``aggregate`` calls on a daemon thread.
+
+    The chief's main thread then keeps asking the coordinator for closure
+    errors while it waits: a closure failing on a worker (a bug, a lost
+    input) would otherwise leave it waiting on ps:0 for gradients that
+    never come. Daemon, so a call stuck on a lost ps never holds the exit.
+    """
+
+    def __init__(self, fn):
+        self._fn = fn
+        self._requests: queue.Queue = queue.Queue()
+        self._results: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, name="ps-sync-aggregate", daemon=True).start()
+
+    def _run(self):
+        while True:
+            args = self._requests.get()
+            try:
+                self._results.put((True, self._fn(*args)))
+            except Exception as err:  # pylint: disable=broad-except
+                self._results.put((False, err))
+
+    def __call__(self, *args, check=lambda: None, poll: float = 0.05):
+        self._requests.put(args)
+        while True:
+            try:
+                ok, value = self._results.get(timeout=poll)
+            except queue.Empty:
+                check()
+                continue
+            if not ok:
+                raise value
+            return value
+
+
+@dataclass(frozen=True)
+class SyncQueues:
+    """What lives on ps:0 beside its share of the variables: the token
+    queues, the gradient queue and the counts of what became of every gradient."""
+
+    tokens: list  # one FIFOQueue of global steps per worker
+    gradients: Any  # (token, worker, step after computing, gradient, loss, metric values)
+    accepted: Any
+    dropped: Any
+    skipped: Any
+    computed: Any
+    stale_applied: Any
+    finished: Any  # closures that ended
+    stopping: Any
+
+
+def make_queues(workers: int, gradient_size: int, num_metrics: int,
+                gradient_dtype: str = "float32") -> SyncQueues:
+    """Created eagerly outside the strategy's scope, so exactly where we say (ps:0).
+
+    The gradient queue holds the flat gradient as ``gradient_dtype``: what a
+    worker enqueues is what crosses the network to ps:0.
+    """
+    with tf.device(PS0):
+        counter = lambda name: tf.Variable(tf.zeros([workers], tf.int64),  # noqa: E731
+                                           trainable=False, name=name)
+        return SyncQueues(
+            tokens=[tf.queue.FIFOQueue(1 << 20, [tf.int64], shapes=[[]], name=f"sync_tokens_{i}")
+                    for i in range(workers)],
+            gradients=tf.queue.FIFOQueue(
+                1 << 16, [tf.int64, tf.int64, tf.int64, tf.as_dtype(gradient_dtype),
+                          tf.float32, tf.float32],
+                shapes=[[], [], [], [gradient_size], [], [num_metrics]], name="sync_gradients"),
+            accepted=counter("sync_accepted"), dropped=counter("sync_dropped"),
+            skipped=counter("sync_skipped"), computed=counter("sync_computed"),
+            stale_applied=tf.Variable(0, dtype=tf.int64, trainable=False),
+            finished=tf.Variable(0, dtype=tf.int64, trainable=False),
+            stopping=tf.Variable(False, trainable=False),
+        )
+
+
+def make_work_fn(strategy, model, train_metrics, q: SyncQueues, global_step, workers: int):
+    """The worker closure: take the newest token, compute one gradient, queue it on ps:0."""
+    variables = model.trainable_variables
+    replicas = local_replicas(strategy)
+
+    def replica_gradient(step, features, labels):
+        # The weights are read after the step (so after its token): the
+        # reads are created under this control dependency.
+        with tf.control_dependencies([step]):
+            with tf.GradientTape() as tape:
+                # Keras scales each replica's mean by the replicas in sync, so the
+                # local replicas' gradients added below are the gradient batch's mean.
+                y_pred, loss = forward(model, features, labels)
+            grads = tape.gradient(loss, variables)
+        flat = tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads], 0)
+        return flat, loss, train_metrics.batch_values(labels, y_pred)
+
+    def newest_token(queue):
+        # Only this worker takes from its queue, so all it holds can be
+        # taken at once: the newest token wins, the older ones are steps
+        # it was too slow for. Blocks while the queue is empty. The newest
+        # is the largest, not the last: the chief may re-issue the current
+        # step's token (see PsSyncTrainer._reissue_tokens) just after the
+        # aggregator queued the next one.
+        def take():
+            tokens = queue.dequeue_many(tf.maximum(queue.size(), 1))
+            return tf.where(tf.reduce_any(tf.equal(tokens, STOP)),
+                            tf.constant(STOP, tf.int64), tf.reduce_max(tokens))
+        return take
+
+    @tf.function
+    def work(iterator, num_tokens):
+        worker = tf.cast(tf.distribute.coordinator.experimental_get_current_worker_index(),
+                         tf.int64)
+        hot = tf.one_hot(worker, workers, dtype=tf.int64)
+        taken = tf.constant(0, tf.int64)  # tokens used, carried through the loop
+        for _ in tf.range(num_tokens):
+            if q.stopping.read_value():
+                break
+            token = tf.switch_case(tf.cast(worker, tf.int32),
+                                   [newest_token(t) for t in q.tokens])
+            if token == STOP:
+                break
+            with tf.control_dependencies([token]):
+                step = global_step.read_value()
+            if token < step:
+                with tf.control_dependencies([q.skipped.assign_add(hot)]):
+                    taken += 1
+            else:
+                flat, loss, values = strategy.run(replica_gradient, args=(step, *next(iterator)))
+                flat = local_sum(strategy, flat)
+                with tf.control_dependencies([flat]):
+                    after = global_step.read_value()
+                # Cast on the worker, after adding its replicas' gradients
+                # in float32: the queue on ps:0 takes the wire dtype.
+                wire = tf.cast(flat, q.gradients.dtypes[3])
+                enqueued = q.gradients.enqueue(
+                    [token, worker, after, wire, local_sum(strategy, loss),
+                     local_sum(strategy, values) / replicas])
+                with tf.control_dependencies([enqueued, q.computed.assign_add(hot)]):
+                    taken += 1
+        # Automatic control dependencies only order ops on the same
+        # resource: without this edge the count could run before the
+        # loop and the chief would think the closure done (measured
+        # in-flight counts decide when it schedules more).
+        with tf.control_dependencies([taken]):
+            q.finished.assign_add(1)
+        return taken
+
+    return work
+
+
+def make_aggregate_fn(q: SyncQueues, optimizer, variables, global_step, k: int, workers: int,
+                      num_metrics: int):
+    """The chief's call on ps:0: for each update, K fresh gradients averaged and applied."""
+    shapes = [v.shape for v in variables]
+    sizes = [int(np.prod(s)) for s in shapes]
+    total = sum(sizes)
+    k_float = float(k)
+
+    def take_fresh(step):
+        """Dequeue gradients until K carry ``step``; older ones are dropped and counted."""
+
+        def fresh_needed(fresh, *_):
+            return fresh < k
+
+        def take(fresh, seen, acc, loss_acc, metrics_acc):
+            token, worker, after, flat, loss, values = q.gradients.dequeue()
+            flat = tf.cast(flat, tf.float32)  # on ps:0: averaged and applied in float32
+            hot = tf.one_hot(worker, workers, dtype=tf.int64)
+            # At most one gradient per worker per update: a re-issued token
+            # can make a worker compute twice on the same step.
+            ok = tf.logical_and(tf.equal(token, step), tf.equal(tf.reduce_sum(seen * hot), 0))
+            ok64 = tf.cast(ok, tf.int64)
+            counted = [
+                q.accepted.assign_add(hot * ok64),
+                q.dropped.assign_add(hot * (1 - ok64)),
+                q.stale_applied.assign_add(ok64 * tf.cast(tf.not_equal(after, token), tf.int64)),
+            ]
+            okf = tf.cast(ok, tf.float32)
+            with tf.control_dependencies(counted):
+                return (fresh + tf.cast(ok, tf.int32), seen + hot * ok64, acc + okf * flat,
+                        loss_acc + okf * loss, metrics_acc + okf * values)
+
+        return tf.while_loop(fresh_needed, take, [
+            tf.constant(0), tf.zeros([workers], tf.int64), tf.zeros([total]), tf.constant(0.0),
+            tf.zeros([num_metrics])])
+
+    @tf.function
+    def aggregate(num_updates):
+        # Everything on ps:0; the optimizer's updates run where each
+        # variable lives (ops on a resource are placed with it).
+        with tf.device(PS0):
+            times = tf.TensorArray(tf.float64, size=num_updates)
+            loss_sum = tf.constant(0.0)
+            metrics_sum = tf.zeros([num_metrics])
+            for i in tf.range(num_updates):
+                _, _, acc, loss_k, metrics_k = take_fresh(global_step.read_value())
+                mean = acc / k_float
+                grads = [tf.reshape(part, shape)
+                         for part, shape in zip(tf.split(mean, sizes), shapes)]
+                optimizer.apply_gradients(zip(grads, variables))
+                # The step moves only once every variable has its update,
+                # and the tokens for it exist only after that.
+                with tf.control_dependencies(after_updates(variables)):
+                    new_step = global_step.assign_add(1)
+                with tf.control_dependencies([new_step]):
+                    for token_queue in q.tokens:
+                        token_queue.enqueue(new_step)
+                    times = times.write(i, tf.timestamp())
+                loss_sum += loss_k
+                metrics_sum += metrics_k
+            updates = tf.cast(num_updates, tf.float32)
+            return {
+                "loss": loss_sum / (updates * k_float),
+                "metrics": metrics_sum / (updates * k_float),
+                "times": times.stack(),
+                "finished": q.finished.read_value(),
+            }
+
+    return aggregate
+
+
+class PsSyncTrainer(CoordinatedTrainer):
+    def __init__(self, plan, bundle, task, state, checkpointer, start_step, train_metrics):
+        super().__init__(plan, bundle, task, state, checkpointer, start_step, train_metrics)
+        strategy = bundle.strategy
+        self.k = plan.gradients_per_update
+        variables = state.model.trainable_variables
+        num_metrics = len(train_metrics.names)
+        total = sum(int(np.prod(v.shape)) for v in variables)
+        self._q = make_queues(len(self.workers), total, num_metrics, self.config.gradient_dtype)
+        dataset_fn = data.make_dataset_fn(task.task, plan.examples_per_gradient, seed=None,
+                                          synthetic=self.config.synthetic_data,
+                                          in_memory=plan.in_memory)
+        self._iterator = iter(self.coordinator.create_per_worker_dataset(
+            lambda: strategy.distribute_datasets_from_function(dataset_fn)))
+        self._work = make_work_fn(strategy, state.model, train_metrics, self._q,
+                                  state.global_step, len(self.workers))
+        self._aggregate = _Caller(make_aggregate_fn(
+            self._q, state.optimizer, variables, state.global_step, self.k, len(self.workers),
+            num_metrics))
+        self._scheduled = 0
+        self._finished_seen = 0
+        self._stuck_workers: list[dict] = []
+        self._reissued = 0
+        self._quiet_since = time.monotonic()
+        self._last_time: float | None = None
+        self._intervals: list[float] = []
+        # The first tokens: every worker may compute on the restored step.
+        for token_queue in self._q.tokens:
+            token_queue.enqueue(tf.constant(self.applied_before, tf.int64))
+        self.listen_for_sigterm()
+
+    # --- the controller's interface ------------------------------------------
+
+    def train(self, num_steps: int) -> None:
+        """Apply ``num_steps`` updates; returns once they are applied."""
+        n = tf.constant(num_steps)
+        self._top_up(n)
+        waiting_since = time.monotonic()
+
+        def check():
+            # coordinator.done() raises the error of any failed closure.
+            self.coordinator.done()
+            now = time.monotonic()
+            if now - waiting_since > TOP_UP_AFTER:
+                # The count returned by the last call lags closures that ended
+                # just after it: a worker could be left with no closure.
+                self._finished_seen = int(self._q.finished.numpy())
+                self._top_up(n)
+            if now - self._quiet_since > REISSUE_AFTER:
+                self._reissue_tokens()
+                self._quiet_since = now
+
+        out = self._aggregate(n, check=check)
+        self._quiet_since = time.monotonic()
+        if self._stall is not None:
+            self._stall.progress()
+        self._finished_seen = max(self._finished_seen, int(out["finished"]))
+        times = out["times"].numpy().tolist()
+        if self._last_time is not None:
+            times = [self._last_time, *times]
+        self._intervals.extend(np.diff(times).tolist())
+        self._last_time = times[-1]
+        self._last = metric_dict(out["loss"], self.metric_names, out["metrics"])
+        self.completed += num_steps
+
+    def _top_up(self, n) -> None:
+        """Keep CLOSURES_PER_WORKER closures per worker scheduled.
+
+        The coordinator gives a closure to whichever worker is free and a
+        closure waits on its own worker's tokens, so closures must be queued
+        whenever a worker may be free, or that worker's gradient never comes.
+        """
+        target = CLOSURES_PER_WORKER * len(self.workers)
+        while self._scheduled - self._finished_seen < target:
+            self.coordinator.schedule(self._work, args=(self._iterator, n))
+            self._scheduled += 1
+
+    def _reissue_tokens(self) -> None:
+        """Give the current step's token to every worker that has none queued.
+
+        Safe at any time: a worker takes the largest token it holds, and the
+        aggregator accepts one gradient per worker per update, so a token
+        for a step already over is skipped and a second gradient for the
+        same step is dropped.
+        """
+        step = self.state.global_step.read_value()
+        for token_queue in self._q.tokens:
+            if int(token_queue.size().numpy()) == 0:
+                token_queue.enqueue(step)
+                self._reissued += 1
+
+    def drain(self) -> None:
+        """Updates are applied inside ``train``; nothing is pending.
+
+        The controller drains before evaluating or checkpointing: the next
+        interval would include that pause, so it is not measured.
+        """
+        self._last_time = None
+
+    def _counts(self) -> dict:
+        q = self._q
+        return per_worker(self.workers, q.accepted.numpy(), q.dropped.numpy(),
+                          q.skipped.numpy(), q.computed.numpy())
+
+    def progress_fields(self) -> tuple[str, dict]:
+        counts = self._counts()
+        aggregated = sum(c["accepted"] for c in counts.values())
+        dropped = sum(c["dropped"] for c in counts.values())
+        recent = interval_stats(self._intervals[-100:])
+        text = (
+            f" | global_step {int(self.state.global_step.numpy())} aggregated {aggregated} "
+            f"dropped {dropped} | accepted/dropped "
+            + " ".join(f"{w}={c['accepted']}/{c['dropped']}" for w, c in counts.items())
+            + f" | update p50 {1000 * recent['p50']:.1f}ms p99 {1000 * recent['p99']:.1f}ms"
+        )
+        fields = {"aggregated_gradients": aggregated, "stale_gradients_dropped": dropped,
+                  "gradients_per_worker": counts, "update_p50": recent["p50"],
+                  "update_p99": recent["p99"]}
+        return text, fields
+
+    def result_fields(self, ran: int) -> dict:
+        global_steps = int(self.state.global_step.numpy())
+        counts = self._counts()
+        return {
+            "global_steps": global_steps,
+            "scheduled_steps": ran,
+            "applied_steps": global_steps - self.applied_before,
+            # Gradients each worker computed in this run.
+            "steps_per_worker": {w: c["computed"] for w, c in counts.items()},
+            "variables_per_ps": variables_per_ps(self.state.model),
+            "ps_variable_bytes": self.ps_variable_bytes(),
+            "replicas_to_aggregate": self.k,
+            "aggregated_gradients": sum(c["accepted"] for c in counts.values()),
+            "stale_gradients_dropped": sum(c["dropped"] for c in counts.values()),
+            "stale_gradients_applied": int(self._q.stale_applied.numpy()),
+            "tokens_reissued": self._reissued,
+            "gradients_per_worker": counts,
+            "update_interval": interval_stats(self._intervals),
+            "stuck_workers": self._stuck_workers,
+        }
+
+    def close(self, finished: bool) -> None:
+        try:
+            if finished:
+                self._stop_closures()
+            else:
+                # After a preemption or a lost task: wake what can be woken,
+                # but never wait (a lost ps would hold join() forever, and
+                # the coordinator's threads are daemons that die with us).
+                try:
+                    self._stop_closures(wait=False)
+                except Exception:  # pylint: disable=broad-except
+                    pass
+        finally:
+            super().close(finished)
+
+    def _stop_closures(self, wait: bool = True) -> None:
+        """Wake every closure still waiting for a token, and wait for them.
+
+        A closure that wakes on STOP ends; one that starts later sees
+        ``stopping`` first. Only after this do the counters hold every
+        gradient that was computed.
+        """
+        self._q.stopping.assign(True)
+        waiting = max(0, self._scheduled - int(self._q.finished.numpy()))
+        for token_queue in self._q.tokens:
+            token_queue.enqueue_many([tf.fill([max(1, waiting)], tf.constant(STOP, tf.int64))])
+        if wait and self._wait_for_closures():
+            self.coordinator.join()
+
+    def _wait_for_closures(self, poll: float = 0.1) -> bool:
+        """Whether every closure ended; False once none has for --stuck-timeout.
+
+        A stuck worker (a backup, K < N: the others made every update
+        without it) holds its closure, and join() would wait for it forever.
+        It is left out; ``stuck_workers`` in the results says which.
+        """
+        last, since = -1, time.monotonic()
+        if self._stall is not None:
+            # This wait ends itself after --stuck-timeout, then probes the
+            # peers (up to 3 s): the watchdog stays the fallback.
+            self._stall.grace = 5.0
+        while True:
+            finished = int(self._q.finished.numpy())
+            if finished >= self._scheduled:
+                return True
+            if finished != last:
+                last, since = finished, time.monotonic()
+                if self._stall is not None:
+                    self._stall.progress()
+            elif time.monotonic() - since > self.patience:
+                break
+            time.sleep(poll)
+        _, stuck = self.stuck_peers()
+        names = [name.split(" ")[0] for name in stuck]
+        computed = self._counts()
+        for name in names:
+            self._stuck_workers.append({
+                "worker": name, "at_step": self.completed,
+                "waited_seconds": round(time.monotonic() - since, 1), "rerouted_steps": 0,
+                "came_back": False, "steps_after": None, "outcome": "left out"})
+        print(f"warning: {self.cfg.task_name}: {self._scheduled - last} closure(s) had not "
+              f"ended {self.patience:g}s (--stuck-timeout) after the last update; stuck: "
+              f"{', '.join(stuck) or 'none found'}; the run ends without waiting for them "
+              f"(gradients they computed: "
+              + ", ".join(f"{w}={computed[w]['computed']}" for w in names) + ")", flush=True)
+        return False

@@ -1,0 +1,206 @@
+"""What a run tells people (progress lines, TensorBoard) and programs (events).
+
+The controller decides when; this module only says it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import tensorflow as tf
+
+from tfdist import protocol
+from tfdist.training.evaluation import Evaluator, split_metrics
+
+SUMMARY_KEYS = (
+    "strategy", "model", "num_workers", "num_ps", "replicas_in_sync", "global_steps",
+    "test_accuracy", "test_loss", "examples_per_sec", "wall_seconds", "weights_sha256",
+)
+
+
+def summary_line(results: dict) -> str:
+    parts = []
+    for key in SUMMARY_KEYS:
+        value = results.get(key)
+        if key == "test_accuracy" and value is None:
+            continue  # a task without an accuracy metric: its metrics follow
+        if isinstance(value, float):
+            value = f"{value:.4f}" if key.startswith("test_") else f"{value:.1f}"
+        parts.append(f"{key}={value}")
+    for name, value in (results.get("test_metrics") or {}).items():
+        if name != "accuracy":
+            parts.append(f"test_{name}={value:.4f}")
+    return "SUMMARY " + " ".join(parts)
+
+
+def metrics_text(values: dict[str, float], prefix: str = "") -> str:
+    return " ".join(f"{prefix}{k} {v:.4f}" for k, v in values.items())
+
+
+class Throughput:
+    """Steps/s and examples/s since the last report, and overall."""
+
+    def __init__(self, examples_per_step: int, start_step: int):
+        self.examples_per_step = examples_per_step
+        self.start_time = self.last_time = time.perf_counter()
+        self.start_step = self.last_step = start_step
+
+    def pause(self, seconds: float) -> None:
+        """Leave ``seconds`` spent on something else (evaluation) out of the rates."""
+        self.start_time += seconds
+        self.last_time += seconds
+
+    def tick(self, step: int) -> tuple[float, float]:
+        now = time.perf_counter()
+        rate = (step - self.last_step) / max(now - self.last_time, 1e-9)
+        self.last_time, self.last_step = now, step
+        return rate, rate * self.examples_per_step
+
+    def overall(self, step: int) -> tuple[float, float]:
+        elapsed = max(time.perf_counter() - self.start_time, 1e-9)
+        return elapsed, (step - self.start_step) * self.examples_per_step / elapsed
+
+
+def flat_scalars(prefix: str, value) -> dict[str, float]:
+    """TensorBoard scalars from a progress field: nested dicts become paths
+    (``train/steps_per_worker/worker:0``); anything not a number is left out."""
+    if isinstance(value, bool) or value is None:
+        return {}
+    if isinstance(value, (int, float)):
+        return {prefix: value}
+    if isinstance(value, dict):
+        out: dict[str, float] = {}
+        for key, sub in value.items():
+            out.update(flat_scalars(f"{prefix}/{key}", sub))
+        return out
+    return {}
+
+
+def run_hparams(plan) -> dict:
+    """The run's hyperparameters for TensorBoard's HParams dashboard (scalars and strings)."""
+    flags = {k: v for k, v in plan.defining_flags().items() if v is not None}
+    return {
+        **flags,
+        "steps_per_execution": plan.config.steps_per_execution,
+        "num_workers": plan.cluster.num_workers, "num_ps": plan.cluster.num_ps,
+        "gradients_per_update": plan.gradients_per_update,
+    }
+
+
+class Reporter:
+    """Progress lines and events on every task; TensorBoard on the chief only."""
+
+    def __init__(self, plan, checked, task: str, is_chief: bool, start_step: int,
+                 started: float | None = None):
+        self.plan, self.checked = plan, checked
+        self.total = plan.total_steps
+        self.epoch_of = plan.schedule(start_step).epoch
+        self.throughput = Throughput(plan.global_batch_size, start_step)
+        self.events = protocol.EventLog(task)
+        self.writer = (
+            tf.summary.create_file_writer(os.path.join(plan.config.model_dir, "logs"))
+            if is_chief else None
+        )
+        # The eval curve's clock starts with the process's work, startup included.
+        self.started = time.perf_counter() if started is None else started
+        self.eval_seconds = 0.0
+        self.curve: list[dict] = []  # test metrics against training time
+        self._eval: Evaluator | None = None
+        self._start_step = start_step
+
+    def hparams(self, values: dict) -> None:
+        """Record the run's hyperparameters once (the chief; TensorBoard's HParams tab)."""
+        if self.writer is None:
+            return
+        from tensorboard.plugins.hparams import api as hp
+
+        with self.writer.as_default():
+            hp.hparams(values)
+
+    def clock(self) -> float:
+        """Seconds of this task's work so far, evaluations left out."""
+        return time.perf_counter() - self.started - self.eval_seconds
+
+    def steady_from(self, step: int) -> None:
+        """Rates count from here: the first call (tracing, connecting) is startup."""
+        self.throughput = Throughput(self.plan.global_batch_size, step)
+        # resumed_from: the checkpoint's step this process started at (0: a fresh
+        # run) and this process; the soak checks each relaunch against them (bench/soak.py).
+        self.events.emit(protocol.STARTED, step, resumed_from=self._start_step, pid=os.getpid())
+
+    def progress(self, step: int, scalars: dict, extra: str = "", fields: dict | None = None,
+                 learning_rate: float | None = None) -> None:
+        steps_per_sec, examples_per_sec = self.throughput.tick(step)
+        elapsed = self.clock()
+        done = step - self._start_step
+        eta = (self.total - step) * elapsed / done if done > 0 else float("nan")
+        text = metrics_text(scalars)
+        lr = f" lr {learning_rate:.2e}" if learning_rate is not None else ""
+        print(
+            f"step {step}/{self.total} epoch {self.epoch_of(step)} {text}{lr} "
+            f"steps/s {steps_per_sec:.1f} examples/s {examples_per_sec:.0f} "
+            f"elapsed {elapsed:.0f}s eta {eta:.0f}s{extra}",
+            flush=True,
+        )
+        self.events.emit(protocol.PROGRESS, step, total=self.total, steps_per_sec=steps_per_sec,
+                         examples_per_sec=examples_per_sec, **scalars, **(fields or {}))
+        if self.writer is not None:
+            with self.writer.as_default(step=step):
+                for key, value in scalars.items():
+                    tf.summary.scalar(f"train/{key}", value)
+                tf.summary.scalar("train/examples_per_sec", examples_per_sec)
+                if learning_rate is not None:
+                    tf.summary.scalar("train/learning_rate", learning_rate)
+                for key, value in (fields or {}).items():
+                    for name, number in flat_scalars(f"train/{key}", value).items():
+                        tf.summary.scalar(name, number)
+
+    def evaluator(self) -> Evaluator:
+        """The task's loss and metrics on its test split (one, reused: no retracing)."""
+        if self._eval is None:
+            self._eval = Evaluator(self.checked.task, self.checked.local_model)
+        return self._eval
+
+    def evaluate(self, step: int, model) -> None:
+        """Every test metric now; its time is left out of every rate and clock."""
+        t0, seconds = time.perf_counter(), self.clock()
+        loss, metrics = split_metrics(self.evaluator()(model))
+        self.add_point(step, metrics, seconds)
+        print(f"eval step {step} {metrics_text(metrics, 'test_')} test_loss {loss:.4f} "
+              f"at {self.curve[-1]['seconds']:.1f}s", flush=True)
+        self.events.emit(protocol.EVAL, step, test_accuracy=metrics.get("accuracy"),
+                         test_loss=loss, test_metrics=metrics)
+        if self.writer is not None:
+            with self.writer.as_default(step=step):
+                for name, value in metrics.items():
+                    tf.summary.scalar(f"test/{name}", value)
+                tf.summary.scalar("test/loss", loss)
+        spent = time.perf_counter() - t0
+        self.eval_seconds += spent
+        self.throughput.pause(spent)
+
+    def add_point(self, step: int, metrics: dict[str, float], seconds: float | None = None) -> None:
+        seconds = self.clock() if seconds is None else seconds
+        point = {"step": step, "seconds": round(seconds, 3),
+                 "test_metrics": {k: round(v, 5) for k, v in metrics.items()}}
+        if "accuracy" in metrics:
+            point["test_accuracy"] = round(metrics["accuracy"], 5)
+        self.curve.append(point)
+
+    def checkpoint(self, step: int, path: str) -> None:
+        """The line (and event) that ``launch.py --kill ...@step=N`` and the tests wait for."""
+        print(f"checkpoint saved at step {step}: {path}", flush=True)
+        self.events.emit(protocol.CHECKPOINT, step, path=path)
+
+    def final(self, results: dict) -> None:
+        if self.writer is not None:
+            with self.writer.as_default(step=results["global_steps"]):
+                for name, value in (results.get("test_metrics") or {}).items():
+                    tf.summary.scalar(f"test/{name}", value)
+                tf.summary.scalar("test/loss", results["test_loss"])
+            self.writer.close()
+        print(summary_line(results), flush=True)
+        self.events.emit(protocol.DONE, results["completed_steps"],
+                         test_accuracy=results["test_accuracy"],
+                         test_metrics=results.get("test_metrics"))

@@ -1,0 +1,236 @@
+"""One task's part of a run: checked, then served, trained or skipped; its faults as exit codes.
+
+The library behind ``tfdist-train`` (``tfdist.cli.train`` reads the flags)
+and ``tfdist.fit`` in one process. Exit codes and their one lines
+(``failure``): bad input 2, a lost peer task 75 (relaunch to resume), a
+preemption 42 (checkpoint saved at an agreed step), a NaN or infinite loss
+65 (the last good checkpoint kept), a full or read-only ``--model-dir`` 74.
+The chief holds ``<model-dir>/.lock`` while it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import NamedTuple
+
+from tfdist.protocol import ConfigError, Exit
+from tfdist.strategies import kinds
+from tfdist.training import tasks
+from tfdist.training.config import TrainConfig, check_model_dir
+from tfdist.training.plan import RunPlan, resolve
+
+
+class Failure(NamedTuple):
+    """How a run that raised ends: its exit code and the one line that says why."""
+
+    code: int
+    line: str
+    to_stderr: bool = True
+
+
+def _physical_gpus() -> list[str]:
+    import tensorflow as tf
+
+    return [d.name for d in tf.config.list_physical_devices("GPU")]
+
+
+def preflight(config: TrainConfig, gpus: list[str] | None = None) -> RunPlan:
+    """Everything that can be checked before a server starts; the run's plan.
+
+    A built-in task's split sizes are known up front; a user's task is
+    imported and inspected here (TensorFlow is imported for that, and to
+    list GPUs when ``gpus`` is None). Writes nothing.
+    """
+    config.validate()
+    cfg = config.cluster
+    kind = kinds.resolve(config.strategy, cfg)
+    spec = tasks.parse_spec(config.task, config.task_options)
+    train_n, test_n = tasks.static_sizes(spec)
+    if train_n is None and kind.reads_data(cfg):
+        checked = tasks.inspect(spec, tasks.load(spec, config.data_dir),
+                                steps_given=config.steps is not None)
+        train_n, test_n = checked.info.train_examples, checked.info.test_examples
+    elif train_n is None:
+        # A task that does not read data (a ps, a worker under ps) needs
+        # no sizes; its steps are the chief's.
+        config = _with_steps(config)
+    if gpus is None:
+        gpus = _physical_gpus()
+    plan = resolve(config, gpus, train_examples=train_n, test_examples=test_n, spec=spec)
+    check_task_dirs(plan)
+    return plan
+
+
+def _with_steps(config: TrainConfig) -> TrainConfig:
+    import dataclasses
+
+    return config if config.steps is not None else dataclasses.replace(config, steps=1)
+
+
+def check_task_dirs(plan: RunPlan) -> None:
+    """The chief's run directory is writable, and a resume keeps the run's defining flags."""
+    cfg, kind = plan.cluster, plan.kind
+    if cfg.is_chief:
+        # The chief writes there; an unusable path fails now, not after TF starts.
+        check_model_dir(plan.config.model_dir)
+    if kind.role(cfg) != "evaluator" and not kind.serves(cfg):
+        from tfdist.training.checkpoints import check_run_record
+
+        # A resume with other defining flags is refused by --dry-run too.
+        check_run_record(plan.config.model_dir, plan.defining_flags())
+
+
+def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None:
+    """Run this task's part of the job; the chief returns the results dict.
+
+    Raises ConfigError for bad input before anything is written.
+    ``as_command``: the process ends right after (``python train.py``).
+    ``task``: a task object to train instead of ``config.task`` (notebooks:
+    see ``train_task``).
+    """
+    if config.dry_run:
+        print(json.dumps(preflight(config).describe(), indent=None, sort_keys=True), flush=True)
+        return None
+    cfg = config.cluster
+    kind = kinds.resolve(config.strategy, cfg)
+    spec = (tasks.parse_spec(config.task, config.task_options) if task is None
+            else tasks.object_spec(task, config.task))
+    # Everything that can be checked without starting TensorFlow's runtime
+    # first (its start-up takes seconds): flags, the run directory and its
+    # record, this task's port. None of them writes anything.
+    if task is None and tasks.static_sizes(spec)[0] is not None:
+        preflight(config, gpus=[])
+    else:
+        config.validate()
+    evaluator = kind.role(cfg) == "evaluator"
+    if not cfg.is_local and not evaluator:
+        check_own_port(cfg)
+    gpus = _physical_gpus() if kind.role(cfg) in kind.gpu_roles() else []
+    for name, value in kind.process_env().items():
+        os.environ.setdefault(name, value)
+
+    from tfdist.strategies.devices import configure_devices
+
+    if kind.reads_data(cfg) and task is None and tasks.reads_tfds(spec):
+        # One clear line if the data is missing, truncated or corrupt (both
+        # splits), read without starting the runtime.
+        tasks.load(spec, config.data_dir).check_data()
+    configure_devices(kind.gpu_roles(), cfg)
+    if evaluator:
+        print(f"{cfg.task_name}: {kind.duty(cfg)}; exiting", flush=True)
+        return None
+    if kind.serves(cfg):
+        from tfdist.strategies.server import serve
+
+        serve(cfg, startup_timeout=config.startup_timeout)
+        return None
+
+    from tfdist.strategies.server import StartupWatchdog
+    from tfdist.training.checkpoints import RunLock
+    from tfdist.training.controller import train_and_evaluate
+
+    watchdog = StartupWatchdog(cfg, config.startup_timeout,
+                               "connect to every task and run the first step")
+    # The strategy first: MultiWorkerMirroredStrategy configures collectives
+    # before the runtime starts, and checking the task runs TensorFlow ops.
+    kind.detect_stuck_after(cfg, config.stuck_timeout)
+    bundle = kind.build(cfg, all_reduce=config.all_reduce)
+    checked = tasks.inspect(spec, task if task is not None else tasks.load(spec, config.data_dir),
+                            steps_given=config.steps is not None)
+    info = checked.info
+    plan = resolve(config, gpus, train_examples=info.train_examples,
+                   test_examples=info.test_examples, spec=spec)
+    check_task_dirs(plan)
+    if plan.batch_note():
+        print(plan.batch_note(), flush=True)
+    if spec.builtin is None and plan.optimizer.library:
+        opt = plan.optimizer
+        print(f"task {spec.name}: training with --optimizer {opt.name} at {opt.learning_rate:g} "
+              f"({opt.schedule}) instead of the optimizer it compiled, as the flags ask",
+              flush=True)
+    lock = None
+    if cfg.is_chief:
+        # The first thing written: a second job on this directory stops here.
+        os.makedirs(config.model_dir, exist_ok=True)
+        lock = RunLock(config.model_dir)
+    try:
+        return train_and_evaluate(plan, bundle, checked, watchdog.done, as_command=as_command)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def check_own_port(cfg) -> None:
+    """Refuse to start when this task's port is already taken on this host.
+
+    TensorFlow's server listens on every interface, so a port held on any of
+    them (by a second task started with the same TF_CONFIG, or anything
+    else) fails it with a traceback that names no port. The probe binds the
+    wildcard addresses as gRPC does (SO_REUSEADDR: a port in TIME_WAIT after
+    a relaunch is free) and lets go at once.
+    """
+    import errno
+    import socket
+
+    port = int(cfg.address.rpartition(":")[2])
+    probes = [(socket.AF_INET, "")]
+    if socket.has_ipv6:
+        probes.append((socket.AF_INET6, "::"))
+    for family, wildcard in probes:
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no such address family on this host
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind((wildcard, port))
+                sock.listen(1)
+            except OSError as err:
+                if err.errno == errno.EADDRNOTAVAIL:
+                    continue  # IPv6 switched off: gRPC will not use it either
+                why = ("already in use on this host (by another task started with the same "
+                       "TF_CONFIG, or another program)" if err.errno == errno.EADDRINUSE
+                       else f"not available ({err.strerror})")
+                raise ConfigError(
+                    f"{cfg.task_name} cannot listen on port {port} (its TF_CONFIG address "
+                    f"{cfg.address}): the port is {why}; give every task its own TF_CONFIG "
+                    "task and port, or free the port"
+                ) from None
+
+
+def failure(err: Exception) -> Failure | None:
+    """The exit code and one line for a survived fault; None for anything else (a bug)."""
+    from tfdist.training.recovery import (Diverged, Preempted, StorageFault, TaskLost,
+                                   cluster_disagreement, storage_fault)
+
+    disagreement = cluster_disagreement(err)
+    if disagreement is not None:
+        return Failure(Exit.BAD_INPUT, f"error: {disagreement}")
+    if isinstance(err, Diverged):
+        return Failure(Exit.DIVERGED, f"error: {err}")
+    if isinstance(err, TaskLost):
+        return Failure(Exit.TASK_LOST, f"error: {err}")
+    if isinstance(err, Preempted):
+        return Failure(Exit.PREEMPTED, f"preempted: checkpoint saved at step {err.step}; exiting "
+                       f"with code {int(Exit.PREEMPTED)} so the job is relaunched and resumes "
+                       "there", to_stderr=False)
+    # A write into --model-dir outside the training loop (the first TensorBoard
+    # file, a progress event, the lock) on a full or read-only disk, too.
+    storage = err if isinstance(err, StorageFault) else storage_fault(err)
+    if storage is not None:
+        return Failure(Exit.STORAGE, f"error: {storage}")
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and isinstance(err, tf.errors.UnavailableError):
+        # A peer lost before the training loop's own handling starts, e.g. a ps
+        # ended while the variables are created on it (its memory limit): a
+        # relaunch can succeed, as for a task lost while training.
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        return Failure(Exit.TASK_LOST, "error: a peer task became unreachable before training "
+                       f"({type(err).__name__}: {first}); relaunch to resume from the last "
+                       "checkpoint")
+    return None

@@ -1,0 +1,85 @@
+"""Model, optimizer and step counters, created under one strategy scope.
+
+The step counter is our own variable because Keras 3's
+``optimizer.iterations`` loses increments under asynchronous
+parameter-server updates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import keras
+import tensorflow as tf
+
+from tfdist.protocol import ConfigError
+from tfdist.training import sharding
+
+
+def make_optimizer(name: str, learning_rate: float, schedule: str = "constant",
+                   total_steps: int = 1) -> keras.optimizers.Optimizer:
+    lr = learning_rate
+    if schedule == "cosine":
+        # Decaying to zero over the run helps the last steps settle (see the
+        # benchmark notes), for a few scalar ops per step.
+        lr = keras.optimizers.schedules.CosineDecay(lr, decay_steps=max(1, total_steps))
+    if name == "adam":
+        return keras.optimizers.Adam(lr)
+    return keras.optimizers.SGD(lr)
+
+
+@dataclass
+class TrainState:
+    """Model, optimizer and counters, created under one strategy scope."""
+
+    model: keras.Model
+    optimizer: keras.optimizers.Optimizer
+    global_step: tf.Variable
+    # Requested steps done: the run's (and the data's) position. Equal to
+    # global_step under sync strategies; under ps global_step also counts the
+    # updates of closures that ran twice after a worker was lost.
+    completed_steps: tf.Variable
+    checkpoint: tf.train.Checkpoint
+
+
+def build_state(plan, task, strategy) -> TrainState:
+    """The task's model, the plan's optimizer and the step counters, in ``strategy``'s scope."""
+    policy = sharding.ShardingPolicy(plan.sharding.partitioner, plan.sharding.num_shards,
+                                     plan.sharding.min_bytes)
+    with strategy.scope():
+        # The task compiles its model with its own optimizer; the library's
+        # replaces it where the plan says so (built-in tasks, or a flag).
+        # Large Embedding tables and Dense kernels are split over the ps tasks
+        # as they are built (training.sharding: Keras 3 cannot train
+        # TensorFlow's own partitioned variables).
+        try:
+            with sharding.sharding_scope(policy):
+                model = task.build_model()
+        except sharding.ShardingError as err:
+            raise ConfigError(f"task {plan.task.name}: {err}") from None
+        opt = model.optimizer
+        if plan.optimizer.library:
+            o = plan.optimizer
+            opt = make_optimizer(o.name, o.learning_rate, o.schedule, plan.total_steps)
+            model.optimizer = opt
+        # Optimizer slots must exist before a checkpoint restore can fill them.
+        opt.build(model.trainable_variables)
+        if plan.kind.min_ps:
+            # On the ps, row-sparse gradients update only their rows (Adagrad;
+            # SGD already does); replicated variables keep Keras's own update.
+            sharding.sparse_updates(opt)
+        # Updated in cross-replica context only (see make_train_fn), so no
+        # cross-replica aggregation is ever needed; ONLY_FIRST_REPLICA still
+        # makes replica-context reads well defined.
+        global_step = tf.Variable(
+            0, dtype=tf.int64, trainable=False, name="global_step",
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+        completed_steps = tf.Variable(
+            0, dtype=tf.int64, trainable=False, name="completed_steps",
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+    # Split variables are saved whole, so a run resumes on another number of ps.
+    checkpoint = tf.train.Checkpoint(**sharding.checkpoint_objects(model, opt),
+                                     global_step=global_step, completed_steps=completed_steps)
+    return TrainState(model, opt, global_step, completed_steps, checkpoint)

@@ -1,0 +1,183 @@
+"""The training step shared by every strategy, and the call that runs K of them.
+
+Keras 3 ``model.fit`` cannot drive the multi-worker strategies
+(keras-team/keras#20585, #18624), so this is a custom loop. Keras layers and
+optimizers are used as they are.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tfdist.training.state import TrainState
+
+
+class TrainMetrics:
+    """The task's compiled metrics, as values of one batch, inside a traced step.
+
+    Stateless: the metric variables of a local model (built outside any
+    strategy, never written) are replaced by their initial values for each
+    batch, so a step on a worker, a replica or a ps closure reads nothing
+    remote and updates nothing shared. Progress lines show the mean of these
+    per-batch values; the test split is measured exactly, at evaluation.
+    """
+
+    def __init__(self, local_model: keras.Model):
+        self.compiled = getattr(local_model, "_compile_metrics", None)
+        self.names: tuple[str, ...] = ()
+        self._initial: list = []
+        if self.compiled is not None and self.compiled.built:
+            self.compiled.reset_state()
+            self.names = tuple(m.name for m in self.compiled.metrics)
+            self._initial = [tf.constant(v.numpy()) for v in self.compiled.variables]
+
+    def batch_values(self, labels, y_pred) -> tf.Tensor:
+        """Each metric on this batch, as a float32 vector in ``names`` order."""
+        if not self.names:
+            return tf.zeros([0], tf.float32)
+        state = self.compiled.stateless_update_state(self._initial, labels, y_pred)
+        result = self.compiled.stateless_result(state)
+        return tf.stack([tf.cast(tf.reshape(result[n], []), tf.float32) for n in self.names])
+
+
+def forward(model: keras.Model, features, labels):
+    """One replica's forward pass: predictions and the compiled loss.
+
+    Keras scales the loss by the replicas in sync (``sum_over_batch_size``
+    over this replica's batch, then divided by the replicas), so the sum the
+    optimizer's all-reduce makes is the gradient of the *global* batch mean.
+    """
+    y_pred = model(features, training=True)
+    loss = model.compute_loss(features, labels, y_pred, training=True)
+    return y_pred, loss
+
+
+def to_wire(grads, dtype: str = "float32") -> list:
+    """Gradients as they should cross the network: cast to ``dtype`` (None stays None).
+
+    float32 returns them untouched (no cast op in the graph).
+    """
+    if dtype == "float32":
+        return list(grads)
+    wire = tf.as_dtype(dtype)
+    return [None if g is None else tf.cast(g, wire) for g in grads]
+
+
+def from_wire(grads, dtype=tf.float32) -> list:
+    """Back to the variables' dtype, where the update is applied."""
+    return [None if g is None else tf.cast(g, dtype) for g in grads]
+
+
+def make_step_fn(state: TrainState, metrics: TrainMetrics, gradient_dtype: str = "float32"):
+    """One replica's step: forward, loss, gradients, update, metric values.
+
+    With a 16-bit ``gradient_dtype`` the gradients reach ``apply_gradients``
+    in 16 bits. Keras's optimizer all-reduces what it is given (under
+    multiworker the collective then carries 16-bit tensors), and its
+    ``update_step`` casts each gradient to its variable's dtype inside the
+    strategy's update of that variable, which runs on the variable's device:
+    under ps the cast back happens on the ps, after the 16-bit gradient has
+    crossed the network. The update itself is float32 arithmetic.
+    """
+    model, optimizer = state.model, state.optimizer
+
+    def step_fn(features, labels):
+        with tf.GradientTape() as tape:
+            y_pred, loss = forward(model, features, labels)
+            scaled = optimizer.scale_loss(loss)  # a LossScaleOptimizer's scaling; else loss
+        grads = tape.gradient(scaled, model.trainable_variables)
+        grads = to_wire(grads, gradient_dtype)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss, metrics.batch_values(labels, y_pred)
+
+    return step_fn
+
+
+def local_sum(strategy, per_replica):
+    """This worker's replicas' values, added. Local results only: a
+    cross-worker reduce would add a collective per step just to print a number."""
+    return tf.add_n(strategy.experimental_local_results(per_replica))
+
+
+def local_replicas(strategy) -> int:
+    try:
+        return len(strategy.extended.worker_devices)
+    except RuntimeError:  # the default (no-op) strategy: one replica, no device list
+        return 1
+
+
+def after_updates(variables) -> list[tf.Tensor]:
+    """One read per variable, each ordered after that variable's pending update.
+
+    Raw reads stay on the variable's device (a ps task): only a control edge
+    crosses to the caller, never the values.
+    """
+    reads = []
+    for v in variables:
+        var = getattr(v, "_value", v)  # the tf.Variable behind a Keras variable
+        with tf.device(var.device):
+            reads.append(tf.raw_ops.ReadVariableOp(resource=var.handle, dtype=var.dtype))
+    return reads
+
+
+def make_train_fn(strategy, step_fn, state: TrainState, num_metrics: int,
+                  steps_by_worker: tf.Variable | None = None):
+    """``train_fn(iterator, num_steps)``: ``num_steps`` steps in one call.
+
+    Packing several steps into one ``tf.function`` call (``--steps-per-execution``)
+    saves a host round trip per step, which is what dominates small models.
+    Returns the mean loss and metric values (this worker's replicas) and, per
+    step, the staleness: updates other workers applied between this step
+    reading ``global_step`` and applying its own update (always 0 when
+    synchronous). ``steps_by_worker`` (ps only): one count per worker, added
+    to by the worker that ran the call once its steps are done.
+    """
+    global_step, variables = state.global_step, state.model.trainable_variables
+    replicas = local_replicas(strategy)
+    # This worker's share of the global batch, to turn local loss sums into means.
+    local_fraction = replicas / strategy.num_replicas_in_sync
+
+    @tf.function
+    def train_fn(iterator, num_steps):
+        loss_sum = tf.constant(0.0)
+        metric_sum = tf.zeros([num_metrics], tf.float32)
+        staleness = tf.TensorArray(tf.int64, size=num_steps)
+        for i in tf.range(num_steps):
+            read_at = global_step.read_value()
+            # The step's parameter reads must come after this read for the
+            # staleness figure to mean what it says.
+            with tf.control_dependencies([read_at]):
+                loss, values = strategy.run(step_fn, args=next(iterator))
+            # Without this, only same-variable ordering holds: the counter's
+            # increment could run before the update it counts and the
+            # staleness figure would read ~0 whatever the overlap
+            # (docs/performance.md).
+            with tf.control_dependencies(after_updates(variables)):
+                applied_at = global_step.assign_add(1)
+            loss_sum += tf.cast(local_sum(strategy, loss), tf.float32) / local_fraction
+            step_values = local_sum(strategy, values) / replicas
+            metric_sum += step_values
+            staleness = staleness.write(i, applied_at - 1 - read_at)
+        steps = tf.cast(num_steps, tf.float32)
+        out = {
+            "loss": loss_sum / steps,
+            "metrics": metric_sum / steps,
+            "staleness": staleness.stack(),
+        }
+        if steps_by_worker is not None:
+            worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+            ran = tf.one_hot(worker, steps_by_worker.shape[0], dtype=tf.int64) * tf.cast(
+                num_steps, tf.int64)
+            with tf.control_dependencies([out["loss"], out["staleness"]]):
+                steps_by_worker.assign_add(ran, read_value=False)
+        return out
+
+    return train_fn
+
+
+def metric_dict(loss, names, values) -> dict[str, float]:
+    """{"loss": ..., metric name: ...} for progress lines, from a call's output."""
+    out = {"loss": float(loss)}
+    out.update({name: float(v) for name, v in zip(names, list(values))})
+    return out

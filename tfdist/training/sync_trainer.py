@@ -1,0 +1,176 @@
+"""The trainer of synchronous strategies (none, mirrored, multiworker).
+
+Every task runs every step; ``train(n)`` is one call of ``n`` steps. A
+SIGTERM to any worker makes every worker save at one agreed call and stop
+(``Preempted``, through TensorFlow's PreemptionCheckpointHandler).
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+
+import tensorflow as tf
+
+from tfdist.protocol import ConfigError
+from tfdist.training import data
+from tfdist.training.evaluation import local_copy, weights_sha256
+from tfdist.training.lifetime import keep_alive_until_exit
+from tfdist.training.recovery import preemption_handler
+from tfdist.training.step import make_step_fn, make_train_fn, metric_dict
+from tfdist.training.trainer import Trainer
+
+# Errors that mean a peer went away rather than a bug in this program.
+PEER_ERRORS = (
+    tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError,
+    tf.errors.DeadlineExceededError,
+)
+
+
+def agree_on_start_step(strategy, step: int, me: str, tasks: list[str], model_dir: str) -> None:
+    """Refuse to train unless every worker resumed from the same step.
+
+    Each worker restores from ``--model-dir`` itself; where that is not
+    shared storage, a worker sees no checkpoint (or an old copy) and would
+    train on from other weights while the all-reduce hides it. One all-gather
+    of the restored step, once at start: every worker gets the same list and
+    so reaches the same verdict (ConfigError, exit 2, nothing trained).
+    """
+    values = strategy.experimental_distribute_values_from_function(
+        lambda _: tf.constant([step], tf.int64))
+    steps = [int(s) for s in strategy.gather(values, axis=0).numpy()]
+    if len(set(steps)) == 1:
+        return
+    # Replicas are ordered by task (chief first), then by local device.
+    per_task = max(1, len(steps) // len(tasks))
+    by_task = {tasks[min(i // per_task, len(tasks) - 1)]: s for i, s in enumerate(steps)}
+    found = ", ".join(f"{task} at step {s}" for task, s in by_task.items())
+    raise ConfigError(
+        f"{me}: the workers resumed from different checkpoints ({found}): "
+        f"--model-dir {model_dir!r} must be the same shared storage on every task, holding "
+        "the chief's checkpoints; put it on a shared file system, or copy the chief's "
+        "checkpoints/ to every host before relaunching"
+    )
+
+
+def make_statistics_sync(strategy, variables):
+    """A call that sets each variable to its mean over every replica.
+
+    For what layers update outside the gradients (BatchNormalization's moving
+    mean and variance): Keras 3 creates them without an aggregation, so under
+    an all-reduce strategy each replica keeps its own. Averaged whenever the
+    controller drains (before every checkpoint, evaluation and the end), the
+    saved, evaluated and hashed weights are the same on every worker, for one
+    small collective per drain instead of one per step.
+    """
+
+    @tf.function
+    def sync():
+        def replica_fn():
+            ctx = tf.distribute.get_replica_context()
+            means = ctx.all_reduce(tf.distribute.ReduceOp.MEAN,
+                                   [tf.identity(v.value) for v in variables])
+            for var, mean in zip(variables, means):
+                var.assign(mean)
+
+        strategy.run(replica_fn)
+
+    return sync
+
+
+class SyncTrainer(Trainer):
+    peer_errors = PEER_ERRORS
+
+    def __init__(self, plan, bundle, task, state, checkpointer, start_step, train_metrics):
+        super().__init__(plan, bundle, task, state, checkpointer, start_step, train_metrics)
+        strategy = bundle.strategy
+        tasks = bundle.kind.training_tasks(self.cfg)
+        if len(tasks) > 1:
+            agree_on_start_step(strategy, start_step, self.cfg.task_name, tasks,
+                                self.config.model_dir)
+        dataset_fn = data.make_dataset_fn(
+            task.task, plan.global_batch_size, seed=self.config.seed, start_step=start_step,
+            synthetic=self.config.synthetic_data, in_memory=plan.in_memory,
+        )
+        self._iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+        # From its creation on, so an error path that drops the trainer is covered too.
+        keep_alive_until_exit(self._iterator)
+        self._train_fn = make_train_fn(
+            strategy, make_step_fn(state, train_metrics, self.config.gradient_dtype), state,
+            len(train_metrics.names))
+        self._out = None
+        statistics = [v for v in state.model.non_trainable_variables
+                      if tf.as_dtype(v.dtype).is_floating]
+        self._sync_statistics = (make_statistics_sync(strategy, statistics)
+                                 if statistics and strategy.num_replicas_in_sync > 1 else None)
+        # As early as the coordination service allows (the strategy is up, so
+        # every peer is): until the handler takes SIGTERM over, TensorFlow's
+        # own notifier swallows it and the preemption would go unnoticed.
+        self._previous_sigterm = signal.getsignal(signal.SIGTERM)
+        self._handler = preemption_handler(
+            strategy, lambda: self.checkpointer.save(self.completed), lambda: self.completed)
+
+    def train(self, num_steps: int) -> None:
+        n = tf.constant(num_steps)
+        # The handler checks for a preemption notice (any worker's) before
+        # the call; at the agreed call it saves and raises Preempted.
+        if self._handler is None:
+            self._out = self._train_fn(self._iterator, n)
+        else:
+            self._out = self._handler.run(self._train_fn, self._iterator, n)
+        self.completed += num_steps
+
+    def drain(self) -> None:
+        """Each call returns with its steps applied; the replicas' statistics are averaged."""
+        if self._sync_statistics is not None:
+            self._sync_statistics()
+
+    def stop_requested(self) -> bool:
+        return False  # the preemption handler stops the run itself
+
+    def metrics(self) -> dict[str, float]:
+        if self._out is None:
+            return {}
+        return metric_dict(self._out["loss"], self.metric_names, self._out["metrics"])
+
+    def result_fields(self, ran: int) -> dict:
+        return {
+            "global_steps": int(self.state.global_step.numpy()),
+            "steps_per_worker": {name: ran for name in self.bundle.kind.training_tasks(self.cfg)},
+        }
+
+    def finish_worker(self) -> None:
+        """A non-chief worker's last line: its step count and weights fingerprint."""
+        digest = weights_sha256(local_copy(self.state.model, self.task.local_model))
+        print(f"{self.cfg.task_name} done: global_steps={int(self.state.global_step.numpy())} "
+              f"weights_sha256={digest}", flush=True)
+
+    def end_of_job(self) -> None:
+        """Every worker meets here after the chief has written its results, so
+        none leaves while another still needs it; then each exits normally.
+
+        The preemption handler's threads are stopped before (``close``): they
+        read the key-value store of the chief's coordination service.
+        """
+        if len(self.bundle.kind.training_tasks(self.cfg)) < 2:
+            return
+        from tensorflow.python.eager import context
+
+        try:
+            context.context().wait_at_barrier(
+                "end_of_job", int(self.config.startup_timeout * 1000))
+        except Exception:  # pylint: disable=broad-except
+            # A peer already gone: the barrier fails once its heartbeat times
+            # out. Nothing is left to do together; leave.
+            pass
+
+    def close(self, finished: bool) -> None:
+        if self._handler is not None:
+            if finished:
+                self._handler.close()
+            shutil.rmtree(self._handler.counter_dir, ignore_errors=True)
+            # The handler took over SIGTERM; a caller (a test, a notebook)
+            # gets its own back.
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._handler = None
+        self.checkpointer.close()
