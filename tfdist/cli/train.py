@@ -46,6 +46,7 @@ from tfdist import protocol
 from tfdist.protocol import ConfigError, Exit
 from tfdist.strategies import CLUSTER_RESOLVERS, cluster_from_environ, kinds
 from tfdist.training.config import PER_REPLICA_BATCH, TrainConfig
+from tfdist.training.plan import request
 from tfdist.training.run import failure, preflight, run
 
 
@@ -214,7 +215,8 @@ def main(argv=None) -> int:
         check_only = args.check_only
         config = config_from_args(args)
         if check_only:
-            print(json.dumps(preflight(config, gpus=[]).describe(), sort_keys=True), flush=True)
+            print(json.dumps(preflight(request(config), gpus=[]).describe(), sort_keys=True),
+                  flush=True)
             return Exit.OK
         run(config, as_command=argv is None)
     except (ConfigError, protocol.UsageError) as err:

@@ -14,6 +14,7 @@ are known up front).
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
 from tfdist.protocol import ConfigError
@@ -152,21 +153,48 @@ class RunPlan:
         }
 
 
-def resolve(config: TrainConfig, gpus: list[str], *, train_examples: int | None = None,
-            test_examples: int | None = None, spec: TaskSpec | None = None) -> RunPlan:
-    """The one place a run is resolved; ConfigError for anything that cannot run.
+@dataclass(frozen=True)
+class RunRequest:
+    """A run's flags read once: checked on their own, the strategy's kind chosen for this
+    cluster, the task named (not yet imported). Everything after takes this, never the
+    flags again; ``resolve`` adds what needs the task's sizes and the devices."""
+
+    config: TrainConfig
+    kind: StrategyKind
+    task: TaskSpec
+
+    def with_config(self, config: TrainConfig) -> "RunRequest":
+        return dataclasses.replace(self, config=config)
+
+
+def request(config: TrainConfig, task_object=None) -> RunRequest:
+    """The one place a run's flags are checked, its kind chosen and its task spec parsed.
+
+    ``task_object``: a task given as an object (the Python API in one process)
+    instead of ``config.task``'s spec string."""
+    config.validate()
+    kind = kinds.resolve(config.strategy, config.cluster)
+    spec = (tasks.parse_spec(config.task, config.task_options) if task_object is None
+            else tasks.object_spec(task_object, config.task))
+    return RunRequest(config=config, kind=kind, task=spec)
+
+
+def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
+            train_examples: int | None = None, test_examples: int | None = None) -> RunPlan:
+    """The one place a run is planned; ConfigError for anything that cannot run.
 
     ``train_examples`` None with no ``--steps``: the task's size is not known
     yet (a user's task before it is inspected), and the plan says so by
     raising; callers that only check flags pass ``--steps``-free built-ins.
+    A bare ``TrainConfig`` is read first (``request``).
     """
-    config.validate()
+    if isinstance(run, TrainConfig):
+        run = request(run)
+    config, kind, spec = run.config, run.kind, run.task
     cfg = config.cluster
-    kind = kinds.resolve(config.strategy, cfg)
     if config.all_reduce not in ALL_REDUCE:
         raise ConfigError(f"unknown --all-reduce {config.all_reduce!r}; allowed: "
                           f"{', '.join(ALL_REDUCE)}")
-    spec = spec or tasks.parse_spec(config.task, config.task_options)
     k = _gradients_per_update(config, kind, cfg)
     devices = plan_devices(kind.gpu_roles(), cfg, gpus)
     replicas = kind.replicas(cfg, len(devices["visible_gpus"]))
@@ -255,4 +283,4 @@ def _gradients_per_update(config: TrainConfig, kind: StrategyKind, cfg: ClusterC
     return k if k is not None else max(1, workers)
 
 
-__all__ = ["DEFINING_FLAGS", "OptimizerPlan", "RunPlan", "resolve"]
+__all__ = ["DEFINING_FLAGS", "OptimizerPlan", "RunPlan", "RunRequest", "request", "resolve"]

@@ -16,10 +16,9 @@ import sys
 from typing import NamedTuple
 
 from tfdist.protocol import ConfigError, Exit
-from tfdist.strategies import kinds
 from tfdist.training import tasks
 from tfdist.training.config import TrainConfig, check_model_dir
-from tfdist.training.plan import RunPlan, resolve
+from tfdist.training.plan import RunPlan, RunRequest, request, resolve
 
 
 class Failure(NamedTuple):
@@ -36,29 +35,26 @@ def _physical_gpus() -> list[str]:
     return [d.name for d in tf.config.list_physical_devices("GPU")]
 
 
-def preflight(config: TrainConfig, gpus: list[str] | None = None) -> RunPlan:
+def preflight(run_request: RunRequest, gpus: list[str] | None = None) -> RunPlan:
     """Everything that can be checked before a server starts; the run's plan.
 
     A built-in task's split sizes are known up front; a user's task is
     imported and inspected here (TensorFlow is imported for that, and to
     list GPUs when ``gpus`` is None). Writes nothing.
     """
-    config.validate()
-    cfg = config.cluster
-    kind = kinds.resolve(config.strategy, cfg)
-    spec = tasks.parse_spec(config.task, config.task_options)
+    cfg, kind, spec = run_request.config.cluster, run_request.kind, run_request.task
     train_n, test_n = tasks.static_sizes(spec)
     if train_n is None and kind.reads_data(cfg):
-        checked = tasks.inspect(spec, tasks.load(spec, config.data_dir),
-                                steps_given=config.steps is not None)
+        checked = tasks.inspect(spec, tasks.load(spec, run_request.config.data_dir),
+                                steps_given=run_request.config.steps is not None)
         train_n, test_n = checked.info.train_examples, checked.info.test_examples
     elif train_n is None:
         # A task that does not read data (a ps, a worker under ps) needs
         # no sizes; its steps are the chief's.
-        config = _with_steps(config)
+        run_request = run_request.with_config(_with_steps(run_request.config))
     if gpus is None:
         gpus = _physical_gpus()
-    plan = resolve(config, gpus, train_examples=train_n, test_examples=test_n, spec=spec)
+    plan = resolve(run_request, gpus, train_examples=train_n, test_examples=test_n)
     check_task_dirs(plan)
     return plan
 
@@ -87,23 +83,21 @@ def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None
 
     Raises ConfigError for bad input before anything is written.
     ``as_command``: the process ends right after (``python train.py``).
-    ``task``: a task object to train instead of ``config.task`` (notebooks:
-    see ``train_task``).
+    ``task``: a task object to train instead of ``config.task`` (``tfdist.fit``
+    in one process).
     """
+    # The flags read once: checked, the kind chosen, the task named; passed down from here.
+    run_request = request(config, task)
     if config.dry_run:
-        print(json.dumps(preflight(config).describe(), indent=None, sort_keys=True), flush=True)
+        print(json.dumps(preflight(run_request).describe(), indent=None, sort_keys=True),
+              flush=True)
         return None
-    cfg = config.cluster
-    kind = kinds.resolve(config.strategy, cfg)
-    spec = (tasks.parse_spec(config.task, config.task_options) if task is None
-            else tasks.object_spec(task, config.task))
+    cfg, kind, spec = config.cluster, run_request.kind, run_request.task
     # Everything that can be checked without starting TensorFlow's runtime
     # first (its start-up takes seconds): flags, the run directory and its
     # record, this task's port. None of them writes anything.
     if task is None and tasks.static_sizes(spec)[0] is not None:
-        preflight(config, gpus=[])
-    else:
-        config.validate()
+        preflight(run_request, gpus=[])
     evaluator = kind.role(cfg) == "evaluator"
     if not cfg.is_local and not evaluator:
         check_own_port(cfg)
@@ -140,8 +134,8 @@ def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None
     checked = tasks.inspect(spec, task if task is not None else tasks.load(spec, config.data_dir),
                             steps_given=config.steps is not None)
     info = checked.info
-    plan = resolve(config, gpus, train_examples=info.train_examples,
-                   test_examples=info.test_examples, spec=spec)
+    plan = resolve(run_request, gpus, train_examples=info.train_examples,
+                   test_examples=info.test_examples)
     check_task_dirs(plan)
     if plan.batch_note():
         print(plan.batch_note(), flush=True)
