@@ -10,6 +10,7 @@ import pytest
 
 from tfdist import protocol
 from tfdist.launcher import faults, processes
+from tfdist.launcher import injector as injectors
 from tfdist.launcher import plan as plans
 from tfdist.launcher.state import JobState, SetLink, SignalTask, TaskView
 from tfdist.launcher.supervisor import Supervisor
@@ -83,7 +84,7 @@ def _state(pid=101, exit_code=None):
 
 def test_injector_hangs_then_continues_after_its_seconds_and_records_both():
     now, lines = [0.0], []
-    injector = faults.FaultInjector(
+    injector = injectors.FaultInjector(
         [faults.Fault("hang", "worker:1", seconds=10.0, lift_after=5.0),
          faults.Fault("partition", "host1", seconds=12.0, lift_after=2.0)],
         log=lines.append, clock=lambda: now[0])
@@ -107,7 +108,7 @@ def test_injector_hangs_then_continues_after_its_seconds_and_records_both():
 
 def test_a_hang_without_seconds_is_recorded_as_lifted_by_the_cleanup():
     now = [0.0]
-    injector = faults.FaultInjector([faults.Fault("hang", "worker:1", seconds=1.0),
+    injector = injectors.FaultInjector([faults.Fault("hang", "worker:1", seconds=1.0),
                                      faults.Fault("kill", "worker:0", seconds=1.0)],
                                     log=lambda m: None, clock=lambda: now[0])
     now[0] = 1.0
@@ -124,7 +125,7 @@ def test_a_hang_without_seconds_is_recorded_as_lifted_by_the_cleanup():
 
 def test_a_hung_task_that_is_gone_is_not_continued():
     now = [0.0]
-    injector = faults.FaultInjector([faults.Fault("hang", "worker:1", seconds=0.0,
+    injector = injectors.FaultInjector([faults.Fault("hang", "worker:1", seconds=0.0,
                                                   lift_after=1.0)],
                                     log=lambda m: None, clock=lambda: now[0])
     assert injector(_state(pid=101))
@@ -135,7 +136,7 @@ def test_a_hung_task_that_is_gone_is_not_continued():
 
 def test_a_task_hung_for_good_that_is_replaced_ends_the_hang_with_its_process():
     now = [0.0]
-    injector = faults.FaultInjector([faults.Fault("hang", "worker:1", seconds=0.0)],
+    injector = injectors.FaultInjector([faults.Fault("hang", "worker:1", seconds=0.0)],
                                     log=lambda m: None, clock=lambda: now[0])
     assert injector(_state(pid=101))
     now[0] = 5.0

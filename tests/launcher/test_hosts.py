@@ -16,6 +16,7 @@ import pytest
 
 from tfdist import protocol
 from tfdist.launcher import cgroups, faults, network, processes, supervisor
+from tfdist.launcher import injector as injectors, restarter as restarters, slowdown as slowdowns
 from tfdist.launcher import plan as plans
 from tfdist.launcher.config import LaunchConfig
 from tfdist.launcher.state import JobState, RestartTask, SignalTask, SlowTask, TaskView
@@ -182,7 +183,7 @@ def test_quota_is_the_fraction_of_the_cores_the_task_would_use():
 def test_injector_returns_a_slow_action_when_its_step_comes(tmp_path):
     events = str(tmp_path / "chief-0.jsonl")
     logs = []
-    injector = faults.FaultInjector([faults.Slow("worker:1", 0.5, step=10)], log=logs.append,
+    injector = injectors.FaultInjector([faults.Slow("worker:1", 0.5, step=10)], log=logs.append,
                                     event_paths=[events])
     state = JobState((TaskView("chief:0", 11), TaskView("worker:1", 12)))
     assert injector(state) == []
@@ -193,7 +194,7 @@ def test_injector_returns_a_slow_action_when_its_step_comes(tmp_path):
 
 def test_restarter_asks_for_a_restart_after_the_delay_and_at_most_limit_times():
     now = [0.0]
-    restarter = faults.TaskRestarter(1.0, log=lambda m: None, limit=1, clock=lambda: now[0])
+    restarter = restarters.TaskRestarter(1.0, log=lambda m: None, limit=1, clock=lambda: now[0])
     dead = JobState((TaskView("worker:0", 5, exit_code=-9), TaskView("ps:0", 6)))
     assert restarter(dead) == []  # the delay starts
     now[0] = 1.5
@@ -206,7 +207,7 @@ def test_restarter_kills_a_worker_the_chief_reports_stuck_once_then_restarts_it(
     events = str(tmp_path / "chief-0.jsonl")
     logs = []
     now = [0.0]
-    restarter = faults.TaskRestarter(1.0, log=logs.append, limit=3, clock=lambda: now[0],
+    restarter = restarters.TaskRestarter(1.0, log=logs.append, limit=3, clock=lambda: now[0],
                                      event_paths=[events])
     running = JobState((TaskView("chief:0", 11), TaskView("worker:1", 12), TaskView("ps:0", 13)))
     assert restarter(running) == []
@@ -226,7 +227,7 @@ def test_restarter_kills_a_worker_the_chief_reports_stuck_once_then_restarts_it(
 
 def test_preempt_grace_kills_only_the_same_process():
     now = [0.0]
-    injector = faults.FaultInjector([faults.Fault("preempt", "worker:0", seconds=0)],
+    injector = injectors.FaultInjector([faults.Fault("preempt", "worker:0", seconds=0)],
                                     log=lambda m: None, clock=lambda: now[0], grace=2.0)
     state = JobState((TaskView("worker:0", 40),))
     assert injector(state) == [SignalTask("worker:0", signal.SIGTERM, group=False, pid=40)]
@@ -304,7 +305,7 @@ def test_slowdown_caps_a_busy_process_and_a_restart_is_slowed_again(method):
     # The quota is exact; the duty cycle's stop comes as late as this
     # launcher thread wakes on a busy machine.
     ceiling = fraction * (1.5 if method == "cgroup" else 2.0)
-    slow = faults.Slowdown({"worker:1": 1}, log=lambda m: None, method=method)
+    slow = slowdowns.Slowdown({"worker:1": 1}, log=lambda m: None, method=method)
     started = []
 
     def starter(name):
@@ -405,7 +406,7 @@ def test_a_relaunched_job_starts_its_slowed_task_in_the_cgroup_again(tmp_path, c
 def test_closing_a_slowdown_ends_a_straggler_left_in_its_cgroup():
     # A task's child (its watchdog) can outlive the reaped task inside the
     # slowed cgroup; the cgroup must still go, and the child with it.
-    slow = faults.Slowdown({"worker:1": 1}, log=lambda m: None, method="cgroup")
+    slow = slowdowns.Slowdown({"worker:1": 1}, log=lambda m: None, method="cgroup")
     slow.activate("worker:1", 0.05)
     path = slow.cgroups["worker:1"]
     straggler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],

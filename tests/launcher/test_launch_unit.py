@@ -11,6 +11,7 @@ import pytest
 from tfdist.cli import launch
 from tfdist import protocol
 from tfdist.launcher import faults, job, network, processes, supervisor
+from tfdist.launcher import injector as injectors
 from tfdist.launcher import plan as plans
 from tfdist.strategies import ConfigError, kinds, parse_tf_config
 
@@ -270,7 +271,7 @@ def test_plan_recovery_rejects(kwargs, words):
 def test_fault_injector_fires_each_fault_once_when_due(tmp_path):
     now = [100.0]
     chief, worker = str(tmp_path / "chief-0.jsonl"), str(tmp_path / "worker-0.jsonl")
-    injector = faults.FaultInjector(
+    injector = injectors.FaultInjector(
         [faults.Fault("kill", "worker:1", step=150), faults.Fault("preempt", "ps:0", seconds=20)],
         log=lambda m: None, clock=lambda: now[0], event_paths=[chief, worker],
     )

@@ -38,6 +38,7 @@ import pytest
 from tfdist import protocol
 from conftest import REPO, child_env, descendants_alive, launch_cmd, read_results
 from tfdist.launcher import faults, plan as plans
+from tfdist.launcher import injector as injectors
 from tfdist.launcher.state import JobState, SignalTask, TaskView
 from tfdist.strategies import kinds
 
@@ -110,7 +111,7 @@ def _state(pids=None, exits=None, attempt=0):
 def test_kills_of_one_task_fire_in_order_one_per_process(tmp_path):
     chief = str(tmp_path / "chief-0.jsonl")
     log = protocol.EventLog("chief:0", chief)
-    injector = faults.FaultInjector(
+    injector = injectors.FaultInjector(
         [faults.Fault("kill", "worker:1", step=100), faults.Fault("kill", "worker:1", ran=10),
          faults.Fault("kill", "worker:1", ran=10)],
         log=lambda m: None, event_paths=[chief])
@@ -147,7 +148,7 @@ def test_ran_counts_a_task_s_own_steps_from_its_process_start(tmp_path):
     # past its resumed step (its first step done: the 'started' event).
     chief = str(tmp_path / "chief-0.jsonl")
     log = protocol.EventLog("chief:0", chief)
-    injector = faults.FaultInjector(
+    injector = injectors.FaultInjector(
         [faults.Fault("preempt", "chief:0", step=300), faults.Fault("preempt", "chief:0", ran=0)],
         log=lambda m: None, event_paths=[chief])
     log.emit(protocol.STARTED, 0)
@@ -166,7 +167,7 @@ def test_ran_counts_a_task_s_own_steps_from_its_process_start(tmp_path):
 
 
 def test_down_is_due_while_that_task_is_down():
-    injector = faults.FaultInjector(
+    injector = injectors.FaultInjector(
         [faults.Fault("kill", "ps:0", down="worker:1")], log=lambda m: None)
     assert injector(_state()) == []
     (kill,) = injector(_state(exits={"worker:1": -9}))

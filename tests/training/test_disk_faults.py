@@ -25,6 +25,7 @@ import sys
 
 import pytest
 
+from tfdist.launcher import restarter as restarters
 from tfdist import protocol
 from conftest import REPO, child_env, descendants_alive, launch_cmd, read_results
 from tfdist.protocol import Exit
@@ -187,7 +188,7 @@ def test_the_restarter_leaves_a_task_that_exited_74_down():
     from tfdist.launcher import faults
     from tfdist.launcher.state import JobState, TaskView
 
-    restarter = faults.TaskRestarter(0.0, log=lambda _: None, clock=lambda: 0.0)
+    restarter = restarters.TaskRestarter(0.0, log=lambda _: None, clock=lambda: 0.0)
     state = JobState((TaskView("worker:1", 11, int(Exit.STORAGE), 1),
                       TaskView("worker:2", 12, int(Exit.FAILED), 1)), 0)
     restarter(state)  # each failed task's restart is due after the delay: the next poll

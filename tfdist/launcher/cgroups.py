@@ -1,6 +1,6 @@
 """cgroups (v1): the one module that creates, joins and removes them.
 
-CPU quotas (``cpu``): ``faults.Slowdown`` makes one per slowed task; a task
+CPU quotas (``cpu``): ``slowdown.Slowdown`` makes one per slowed task; a task
 joins its cgroup between fork and exec (``processes.child_setup``), or,
 already running, when a slow-down starts; either way through :func:`join`.
 Memory limits (``memory``): ``memory.MemoryLimits`` makes one per limited

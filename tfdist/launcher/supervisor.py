@@ -18,6 +18,9 @@ from typing import Callable
 
 from tfdist import protocol
 from tfdist.launcher import faults as faultlib
+from tfdist.launcher.injector import FaultInjector
+from tfdist.launcher.restarter import TaskRestarter
+from tfdist.launcher.slowdown import Slowdown
 from tfdist.launcher import policy, processes
 from tfdist.launcher import traffic as trafficlib
 from tfdist.launcher.config import LaunchConfig
@@ -300,7 +303,7 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
     slowdown, limits = None, None
     if recovery.slow:
         total = os.cpu_count() or 1
-        slowdown = faultlib.Slowdown({n: cores[n].cores(total) for n in names}, log=log)
+        slowdown = Slowdown({n: cores[n].cores(total) for n in names}, log=log)
     try:
         limits = MemoryLimits(dict(config.memory_limits), log=log)
         injector, restarter = _hooks(config, slowdown, list(paths.values()), log)
@@ -410,10 +413,10 @@ def _hooks(config: LaunchConfig, slowdown, event_paths: list[str], log):
         if slow.from_start:
             slowdown.activate(slow.task, slow.fraction)
             log(f"[launch] slow: {slowdown.describe(slow.task)}")
-    injector = faultlib.FaultInjector(
+    injector = FaultInjector(
         [*recovery.faults, *(s for s in recovery.slow if not s.from_start)],
         log=log, grace=config.grace, event_paths=event_paths)
-    restarter = faultlib.TaskRestarter(
+    restarter = TaskRestarter(
         recovery.restart_delay, log=log, roles=config.kind.restartable_roles,
         event_paths=event_paths,
     ) if recovery.restart_tasks else None
