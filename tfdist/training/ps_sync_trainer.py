@@ -57,7 +57,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.training import data
-from tfdist.training.ps_trainer import CoordinatedTrainer, variables_per_ps
+from tfdist.training.coordinated import CoordinatedTrainer, variables_per_ps
 from tfdist.training.step import after_updates, forward, local_replicas, local_sum, metric_dict
 
 # Closures kept in flight per worker: one running, one queued at the
