@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from tfdist.cli import train
 from tfdist.protocol import Exit
-from tfdist.training import recovery
+from tfdist.training import preemption, recovery, rpc
 
 
 def parse_error():
@@ -42,7 +42,7 @@ class AlwaysFailing:
 
 def _fetch(remote, **kw):
     sleeps, lines = [], []
-    out = recovery.fetch(remote, deadline=float("inf"), task="chief:0", sleep=sleeps.append,
+    out = rpc.fetch(remote, deadline=float("inf"), task="chief:0", sleep=sleeps.append,
                          log=lines.append, worker_failure=lambda err: False, **kw)
     return out, sleeps, lines
 
@@ -51,7 +51,7 @@ def test_an_internal_error_once_is_retried_and_the_value_returned():
     remote = FlakyRemote([parse_error()], value={"loss": 0.5})
     out, sleeps, lines = _fetch(remote)
     assert out == {"loss": 0.5} and remote.calls == 2
-    assert sleeps == [recovery.TRANSIENT_BACKOFF]
+    assert sleeps == [rpc.TRANSIENT_BACKOFF]
     assert len(lines) == 1 and lines[0].startswith("warning: chief:0: fetching")
     assert "InternalError: Unable to parse request" in lines[0] and "retry 1 of 3" in lines[0]
 
@@ -67,7 +67,7 @@ def test_an_error_that_never_clears_ends_with_one_line_not_a_traceback():
     remote = AlwaysFailing()
     with pytest.raises(recovery.RpcFailed) as err:
         _fetch(remote)
-    assert remote.calls == recovery.TRANSIENT_RETRIES + 1
+    assert remote.calls == rpc.TRANSIENT_RETRIES + 1
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith("chief:0: fetching a finished step's results failed 4 times")
@@ -95,11 +95,11 @@ def test_a_lost_worker_is_still_waited_for_until_the_deadline():
     lost = tf.errors.UnavailableError(None, None, "/job:worker/replica:0/task:1 Socket closed")
     remote = FlakyRemote([lost, lost], value="rerun")
     sleeps = []
-    assert recovery.fetch(remote, deadline=float("inf"), sleep=sleeps.append,
+    assert rpc.fetch(remote, deadline=float("inf"), sleep=sleeps.append,
                           worker_failure=lambda err: err is lost) == "rerun"
     assert sleeps == [0.2, 0.2]  # retry_every, no transient count used up
     with pytest.raises(tf.errors.UnavailableError):
-        recovery.fetch(FlakyRemote([lost]), deadline=0.0, sleep=sleeps.append,
+        rpc.fetch(FlakyRemote([lost]), deadline=0.0, sleep=sleeps.append,
                        worker_failure=lambda err: err is lost)
 
 
@@ -123,8 +123,8 @@ def test_the_ps_trainer_fetches_through_the_retrying_path(monkeypatch):
     """``PsTrainer._collect_one`` (the chief's fetch) survives one InternalError."""
     from tfdist.training import ps_trainer
 
-    monkeypatch.setattr(recovery.time, "sleep", lambda s: None)
-    monkeypatch.setattr(recovery, "is_worker_failure", lambda err: False)
+    monkeypatch.setattr(rpc.time, "sleep", lambda s: None)
+    monkeypatch.setattr(rpc, "is_worker_failure", lambda err: False)
     remote = FlakyRemote([parse_error()], value={
         "staleness": [0, 1], "loss": 0.25, "metrics": []})
     fake = types.SimpleNamespace(
@@ -156,8 +156,8 @@ def test_a_preemption_watcher_dying_on_a_lost_peer_is_one_warning_line(capsys, m
 
     seen = []
     monkeypatch.setattr(threading, "excepthook", seen.append)  # the hook before ours
-    recovery.quiet_watcher_deaths()
-    recovery.quiet_watcher_deaths()  # installed once: no chain of hooks
+    preemption.quiet_watcher_deaths()
+    preemption.quiet_watcher_deaths()  # installed once: no chain of hooks
     hook = threading.excepthook
     assert hook.quiet_watcher_deaths
     # A function compiled as if it lived in TF's failure_handling module.

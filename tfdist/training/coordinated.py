@@ -24,7 +24,8 @@ from tensorflow.python.distribute.coordinator.cluster_coordinator import (
 from tfdist import protocol
 from tfdist.protocol import Exit
 from tfdist.strategies.server import CallGuard, exit_now, peer_states, states_text
-from tfdist.training.recovery import StallWatchdog, condense_tf_logs
+from tfdist.training.noise import condense_tf_logs
+from tfdist.training.watchdog import StallWatchdog
 from tfdist.training.sharding import ps_variable_bytes
 from tfdist.training.sync_trainer import PEER_ERRORS
 from tfdist.training.trainer import Trainer

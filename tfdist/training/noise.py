@@ -12,6 +12,7 @@ Importing this module imports no TensorFlow.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -82,3 +83,32 @@ def filter_stderr() -> int | None:
 
     threading.Thread(target=forward, name="stderr-filter", daemon=True).start()
     return original
+
+
+# --- TensorFlow's Python log records ------------------------------------------------
+
+from tfdist.training.recovery import first_line  # noqa: E402 (TensorFlow-free too)
+
+
+class _OneLine(logging.Filter):
+    """Clips TensorFlow's multi-screen gRPC log records to their first line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "tf_function_save" in message:
+            # Saving ps-held variables retraces TF's internal save function
+            # every time; the retracing warning is about TF, not this program.
+            return False
+        if "\n" in message or len(message) > 300:
+            record.msg, record.args = first_line(Exception(message), 300), None
+        return True
+
+
+def condense_tf_logs() -> None:
+    import tensorflow as tf
+
+    logger = tf.get_logger()
+    if not any(isinstance(f, _OneLine) for f in logger.filters):
+        logger.addFilter(_OneLine())
+    if logger.handlers:
+        logger.propagate = False  # else the root logger prints every record again

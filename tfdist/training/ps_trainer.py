@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from tfdist.training import data
 from tfdist.training.coordinated import CoordinatedTrainer, variables_per_ps
-from tfdist.training.recovery import fetch
+from tfdist.training.rpc import fetch
 from tfdist.training.step import make_step_fn, make_train_fn, metric_dict
 
 

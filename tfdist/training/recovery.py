@@ -13,22 +13,25 @@ What a fault looks like from inside a task, and what this module turns it into:
   read-only: ``storage_fault`` turns the OSError (or TensorFlow's OpError
   around one) into a ``StorageFault``, one line, and ``train.py`` exits with
   ``Exit.STORAGE``: a relaunch cannot help until someone frees space.
+
+This module names faults (exception types, and the classification of
+TensorFlow's errors into them). Acting on them is elsewhere, one concern
+each: ``training/rpc.py`` (fetching a step's results, riding out lost
+workers and transient errors), ``training/watchdog.py`` (no step for
+``--stuck-timeout``), ``training/preemption.py`` (SIGTERM under the sync
+strategies) and ``training/noise.py`` (TensorFlow's log records).
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import logging
 import os
 import re
 import sys
-import threading
-import time
 
 from tfdist import protocol
 from tfdist.protocol import Exit
-from tfdist.strategies.server import exit_now, missing_tasks, stuck_text
+from tfdist.strategies.server import missing_tasks
 
 
 class TaskLost(Exception):
@@ -215,7 +218,7 @@ _TELLING = re.compile(
     r"UNAVAILABLE|unavailable|heartbeat", re.IGNORECASE)
 
 
-def _telling_line(err: BaseException, limit: int = 120) -> str:
+def telling_line(err: BaseException, limit: int = 120) -> str:
     """The line of a gRPC error that says what happened, not "Graph execution error:"."""
     for line in str(err).splitlines():
         line = line.strip()
@@ -248,7 +251,7 @@ def task_lost(err: BaseException, cfg, doing: str, step: int | None = None,
     )
     return TaskLost(
         f"{cfg.task_name} {who} while {doing}{where} ({type(err).__name__}: "
-        f"{_telling_line(err)}); {resume}"
+        f"{telling_line(err)}); {resume}"
     )
 
 
@@ -264,238 +267,3 @@ class RpcFailed(TaskLost):
 
     A relaunch resumes from the checkpoint, as after a lost task.
     """
-
-
-# An error on the chief's schedule/fetch path that TensorFlow does not take
-# for a lost worker, but that a retry may cure: gRPC INTERNAL (status 13,
-# e.g. "Unable to parse request" while copying a finished closure's outputs)
-# and UNKNOWN. Retried TRANSIENT_RETRIES times, waiting TRANSIENT_BACKOFF s,
-# then twice that, ...; then the chief ends with one line and exit 75.
-TRANSIENT_RETRIES = 3
-TRANSIENT_BACKOFF = 0.5
-
-
-def is_transient(err: BaseException) -> bool:
-    import tensorflow as tf
-
-    return isinstance(err, (tf.errors.InternalError, tf.errors.UnknownError))
-
-
-def fetch(remote, deadline: float, retry_every: float = 0.2, *, task: str = "chief",
-          retries: int = TRANSIENT_RETRIES, backoff: float = TRANSIENT_BACKOFF,
-          sleep=time.sleep, log=None, worker_failure=None, transient=None):
-    """``remote.fetch()``, riding out the loss of the worker that ran it, and
-    a few transient RPC errors.
-
-    The coordinator puts a lost worker's closure back on the queue and runs it
-    elsewhere, but ``RemoteValue.fetch`` can still raise: the closure may have
-    finished, and the copy of its outputs from the dead worker fails. The
-    rerun sets fresh outputs on the same RemoteValue, so fetching again works.
-
-    Any other error that ``transient`` accepts (``is_transient``) is retried
-    ``retries`` times with a doubling ``backoff``, each retry logged in one
-    line: a failed copy of the outputs is tried afresh (``RemoteValue.get``
-    copies again until one copy succeeds). Past that, ``RpcFailed``: one line,
-    exit 75, never a traceback. ``worker_failure``/``transient``/``sleep``/
-    ``log`` are for tests.
-    """
-    worker_failure = worker_failure or is_worker_failure
-    transient = transient or is_transient
-    log = log or (lambda line: print(line, flush=True))
-    failures = 0
-    while True:
-        try:
-            return remote.fetch()
-        except Exception as err:  # pylint: disable=broad-except
-            if worker_failure(err):
-                if time.monotonic() > deadline:
-                    raise
-                sleep(retry_every)
-                continue
-            if not transient(err):
-                raise
-            failures += 1
-            what = f"{type(err).__name__}: {_telling_line(err)}"
-            if failures > retries:
-                raise RpcFailed(
-                    f"{task}: fetching a finished step's results failed {failures} times "
-                    f"({what}), not a lost worker; relaunch the same command to resume "
-                    "from the newest checkpoint") from None
-            wait = backoff * 2 ** (failures - 1)
-            log(f"warning: {task}: fetching a step's results failed ({what}); "
-                f"retry {failures} of {retries} in {wait:g}s")
-            sleep(wait)
-
-
-class StallWatchdog:
-    """Ends the chief with one line if no step completes for ``timeout`` s
-    (``--stuck-timeout``), naming the stuck and the unreachable tasks.
-
-    With every worker gone, or a worker or ps task alive but stopped, the
-    coordinator and ps:0 wait inside calls that have no timeout of their
-    own. ``grace`` more seconds leave a trainer that handles a stall itself
-    (ps: rerunning a stuck worker's steps elsewhere) the first move.
-    Paused while the chief does work of its own (``paused()``: evaluating).
-    """
-
-    def __init__(self, cfg, timeout: float, exit_code: int = Exit.TASK_LOST,
-                 grace: float = 0.0):
-        self.cfg, self.timeout, self.exit_code = cfg, timeout, exit_code
-        self.grace = grace
-        self._last = time.monotonic()
-        self._paused = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="StallWatchdog", daemon=True)
-        self._thread.start()
-
-    def progress(self) -> None:
-        self._last = time.monotonic()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    @contextlib.contextmanager
-    def paused(self):
-        self._paused += 1
-        try:
-            yield
-        finally:
-            self._paused -= 1
-            self.progress()
-
-    def _run(self) -> None:
-        while not self._stop.wait(min(1.0, self.timeout / 4)):
-            if not self._paused and time.monotonic() - self._last > self.timeout + self.grace:
-                # The main thread is blocked inside TensorFlow: only a hard exit ends it.
-                exit_now(self.exit_code, (
-                    f"error: {self.cfg.task_name}: no training step completed for "
-                    f"{self.timeout:g}s (--stuck-timeout); {stuck_text(self.cfg)}. "
-                    "Restart or replace the stuck or lost tasks, or relaunch the job to "
-                    "resume from its checkpoint"
-                ))
-
-
-class _OneLine(logging.Filter):
-    """Clips TensorFlow's multi-screen gRPC log records to their first line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if "tf_function_save" in message:
-            # Saving ps-held variables retraces TF's internal save function
-            # every time; the retracing warning is about TF, not this program.
-            return False
-        if "\n" in message or len(message) > 300:
-            record.msg, record.args = first_line(Exception(message), 300), None
-        return True
-
-
-def condense_tf_logs() -> None:
-    import tensorflow as tf
-
-    logger = tf.get_logger()
-    if not any(isinstance(f, _OneLine) for f in logger.filters):
-        logger.addFilter(_OneLine())
-    if logger.handlers:
-        logger.propagate = False  # else the root logger prints every record again
-
-
-# --- preemption -----------------------------------------------------------------
-
-def preemption_handler(strategy, save, step_now):
-    """A PreemptionCheckpointHandler that saves with ``save`` and raises Preempted.
-
-    (None off the main thread, where no SIGTERM handler can be installed.)
-
-    On SIGTERM to any worker, every worker saves at the same agreed call and
-    then ``Preempted`` ends the run, so none is left waiting in a collective.
-    TensorFlow restores its call counter from its own checkpoint manager; we
-    give it an empty private directory so every worker counts from 0 in every
-    run and they agree on the call number (ours restore from the chief's).
-    """
-    import tempfile
-
-    import tensorflow as tf
-
-    if threading.current_thread() is not threading.main_thread():
-        return None  # signal handlers can only be installed from the main thread
-    quiet_watcher_deaths()
-    counter_dir = tempfile.mkdtemp(prefix="preemption-")
-    manager = tf.train.CheckpointManager(tf.train.Checkpoint(), counter_dir, max_to_keep=1)
-
-    def exit_fn():
-        raise Preempted(step_now())
-
-    config = tf.distribute.experimental.TerminationConfig(
-        exit_fn=exit_fn, save_fn=save, grace_period=0,
-    )
-    handler = tf.distribute.experimental.PreemptionCheckpointHandler(
-        getattr(strategy, "cluster_resolver", None), manager, termination_config=config,
-    )
-    return _Handler(handler, counter_dir)
-
-
-def _from_failure_handling(tb) -> bool:
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename.endswith(os.path.join("failure_handling",
-                                                                "failure_handling.py")):
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def quiet_watcher_deaths() -> None:
-    """TensorFlow's preemption watcher threads die with a traceback when the
-    coordination service's host is gone (a peer lost, or this task stopped
-    and continued after its peers gave up on it); the task's own error line
-    says what happened, so such a death is one warning line."""
-    previous = threading.excepthook
-    if getattr(previous, "quiet_watcher_deaths", False):
-        return
-
-    def hook(args):
-        import tensorflow as tf
-
-        if isinstance(args.exc_value, tf.errors.OpError) and _from_failure_handling(
-                args.exc_traceback):
-            print(f"warning: TensorFlow's preemption watcher stopped: "
-                  f"{type(args.exc_value).__name__}: {first_line(args.exc_value)}", flush=True)
-            return
-        previous(args)
-
-    hook.quiet_watcher_deaths = True
-    threading.excepthook = hook
-
-
-class _Handler:
-    """``run`` without the deprecation warning TF's own save path triggers.
-
-    (The handler reads its deprecated ``total_run_calls`` when it saves.)
-    """
-
-    def __init__(self, handler, counter_dir: str):
-        self.handler, self.counter_dir = handler, counter_dir
-
-    def run(self, fn, *args):
-        from tensorflow.python.util import deprecation
-
-        with deprecation.silence():
-            return self.handler.run(fn, *args)
-
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop the handler's watcher threads after a normal end of training.
-
-        TF leaves that to ``__del__``, which never runs while the watcher
-        thread holds the handler; the thread then dies with a traceback when
-        the coordination service's host (the chief) exits first. Bounded, in
-        case a peer is already gone.
-        """
-        def stop():
-            try:
-                self.handler._stop_cluster_wise_termination_watcher_thread()  # pylint: disable=protected-access
-                self.handler._stop_poll_termination_signal_thread()  # pylint: disable=protected-access
-            except Exception:  # pylint: disable=broad-except
-                pass
-
-        stopper = threading.Thread(target=stop, daemon=True)
-        stopper.start()
-        stopper.join(timeout)

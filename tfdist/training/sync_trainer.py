@@ -16,7 +16,7 @@ from tfdist.protocol import ConfigError
 from tfdist.training import data
 from tfdist.training.evaluation import local_copy, weights_sha256
 from tfdist.training.lifetime import keep_alive_until_exit
-from tfdist.training.recovery import preemption_handler
+from tfdist.training.preemption import preemption_handler
 from tfdist.training.step import make_step_fn, make_train_fn, metric_dict
 from tfdist.training.trainer import Trainer
 
