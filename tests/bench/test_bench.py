@@ -10,6 +10,7 @@ import pytest
 from tfdist.bench import common, suite
 from tfdist.cli import bench as cli
 from tfdist.bench import scenarios as scen
+from tfdist.bench import scenario_plan as splan, scenario_report as srep, scenario_summary as ssum
 from conftest import REPO, child_env, descendants_alive
 
 
@@ -128,7 +129,7 @@ def scenario_args(tmp_path, *extra):
 
 
 def test_scenarios_plan_every_cell_twice_interleaved_with_peers_after_their_run(tmp_path):
-    runs = scen.plan_runs(scenario_args(tmp_path, "--staleness-workers", "",
+    runs = splan.plan_runs(scenario_args(tmp_path, "--staleness-workers", "",
                                         "--scenarios", "uniform,slow,links,more",
                                         "--short-scenarios", "uniform,slow,links,more"), python="py")
     names = [r.name for r in runs]
@@ -191,30 +192,30 @@ def test_scenarios_plan_every_cell_twice_interleaved_with_peers_after_their_run(
 
 def test_short_runs_only_where_asked(tmp_path):
     every = {"", "uniform", "slow", "links", "more"}  # "": the baseline
-    runs = scen.plan_runs(scenario_args(tmp_path, "--staleness-workers", ""), python="py")
+    runs = splan.plan_runs(scenario_args(tmp_path, "--staleness-workers", ""), python="py")
     assert {r.scenario for r in runs if r.phase == "throughput"} == every  # default
     assert {r.scenario for r in runs if r.phase == "accuracy"} == every
-    runs = scen.plan_runs(scenario_args(tmp_path, "--staleness-workers", "",
+    runs = splan.plan_runs(scenario_args(tmp_path, "--staleness-workers", "",
                                         "--short-scenarios", "uniform,slow"), python="py")
     assert {r.scenario for r in runs if r.phase == "throughput"} == {"", "uniform", "slow"}
     assert {r.scenario for r in runs if r.phase == "accuracy"} == every
 
 
 def test_scenarios_without_tf_keras_keep_the_keras3_peer_only(tmp_path):
-    runs = scen.plan_runs(scenario_args(tmp_path, "--scenarios", "uniform"), python="py",
+    runs = splan.plan_runs(scenario_args(tmp_path, "--scenarios", "uniform"), python="py",
                           have_tf_keras=False)
     assert {r.peer for r in runs if r.peer} == {"keras3"}
     # Only the pairs that run are repeated.
     assert [r.name for r in runs if r.phase == "repeat"] == ["rep-none", "rep-uniform-peer-keras3"]
-    once = scen.plan_runs(scenario_args(tmp_path, "--scenarios", "uniform", "--peer-repeats", "1"),
+    once = splan.plan_runs(scenario_args(tmp_path, "--scenarios", "uniform", "--peer-repeats", "1"),
                           python="py", have_tf_keras=False)
     assert not [r for r in once if r.phase == "repeat"] and [r.peer for r in once if r.peer] == ["keras3"]
-    assert not [r for r in scen.plan_runs(scenario_args(tmp_path, "--no-peers"), python="py")
+    assert not [r for r in splan.plan_runs(scenario_args(tmp_path, "--no-peers"), python="py")
                 if r.peer]
 
 
 def test_staleness_study_grid(tmp_path):
-    runs = scen.plan_staleness(scenario_args(tmp_path, "--staleness-workers", "1,4",
+    runs = splan.plan_staleness(scenario_args(tmp_path, "--staleness-workers", "1,4",
                                              "--staleness-lrs", "0.1,1"), python="py")
     assert [r.config for r in runs] == ["staleness/1w-lr0.1", "staleness/1w-lr1",
                                         "staleness/4w-lr0.1", "staleness/4w-lr1"]
@@ -223,8 +224,8 @@ def test_staleness_study_grid(tmp_path):
                         ("--lr-schedule", "constant"), ("--workers", "4"),
                         ("--steps-per-execution", "1")]:
         assert c[c.index(flag) + 1] == value, flag
-    assert runs[-1].kind == scen.staleness_kind().name
-    assert scen.plan_staleness(scenario_args(tmp_path, "--staleness-workers", ""), python="py") == []
+    assert runs[-1].kind == splan.staleness_kind().name
+    assert splan.plan_staleness(scenario_args(tmp_path, "--staleness-workers", ""), python="py") == []
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -261,7 +262,7 @@ def fake_results(runs, eps, accuracy=0.992):
 def test_scenarios_summary_targets_and_table(tmp_path):
     a = scenario_args(tmp_path, "--scenarios", "uniform,slow", "--staleness-workers", "1,2",
                       "--staleness-lrs", "0.5", "--peer-repeats", "1")
-    runs = scen.plan_runs(a, python="py")
+    runs = splan.plan_runs(a, python="py")
     speed = {"none": 1000.0, "multiworker": 900.0, "ps": 800.0, "ps-sync": 400.0,
              "ps-sync-backup": 700.0, "peer-keras3": 950.0, "peer-tf_keras-multiworker": 1000.0,
              "peer-tf_keras-ps": 500.0}
@@ -269,7 +270,7 @@ def test_scenarios_summary_targets_and_table(tmp_path):
     eps = lambda r: (speed.get(r.variant, 300.0) * (0.9 if r.phase == "throughput" else 1.0)
                      * (0.5 if r.scenario == "slow" and r.variant == "multiworker" else 1.0))
     results = fake_results(runs, eps)
-    rows = scen.summarize(results, runs, {"uniform": 0.99, "slow": 0.97, "links": 0.97, "more": 0.97})
+    rows = ssum.summarize(results, runs, {"uniform": 0.99, "slow": 0.97, "links": 0.97, "more": 0.97})
     by = {r["config"]: r for r in rows}
     assert by["uniform/ps"]["examples_per_sec"] == 800.0
     assert by["uniform/ps"]["examples_per_sec_each"] == [720.0, 800.0]
@@ -283,7 +284,7 @@ def test_scenarios_summary_targets_and_table(tmp_path):
     assert by["uniform/peer-tf_keras-multiworker"]["ours_over_peer"] == pytest.approx(0.9)
     assert by["uniform/peer-tf_keras-ps"]["ours_over_peer"] == pytest.approx(1.6)
     assert "ratio" not in by["uniform/peer-keras3"]  # peers are compared with ours, not none
-    targets = {t["target"]: t for t in scen.check_targets(rows)}
+    targets = {t["target"]: t for t in ssum.check_targets(rows)}
     mw_peer = next(t for k, t in targets.items() if "MultiWorker" in k)
     assert mw_peer["met"] is False and "missed by 0.10×" in mw_peer["text"]
     assert next(t for k, t in targets.items() if "ParameterServer" in k)["met"] is True
@@ -292,7 +293,7 @@ def test_scenarios_summary_targets_and_table(tmp_path):
     assert backup["met"] is True and backup["ratio"] == pytest.approx(1.75)
     accuracy = next(t for k, t in targets.items() if k.startswith("uniform: every strategy"))
     assert accuracy["met"] is True
-    md = scen.render_markdown(rows, scen.check_targets(rows), {"model": "cnn"}, "test machine", 61.0)
+    md = srep.render_markdown(rows, ssum.check_targets(rows), {"model": "cnn"}, "test machine", 61.0)
     assert "Suite wall time: 1.0 min (61 s)." in md
     assert "| ps | 2 | 800 | 0.80 | 0.9920 | 20.0 | 0.80 / 2 |  |  | thr 720 / acc 800 |" in md
     assert "| ps-sync K=1 (1 backup) | 2 | 700 |" in md
@@ -301,29 +302,29 @@ def test_scenarios_summary_targets_and_table(tmp_path):
 
 
 def test_scenarios_targets_say_what_is_missing_and_failed_runs(tmp_path):
-    runs = scen.plan_runs(scenario_args(tmp_path, "--scenarios", "uniform,slow", "--no-peers",
+    runs = splan.plan_runs(scenario_args(tmp_path, "--scenarios", "uniform,slow", "--no-peers",
                                         "--staleness-workers", ""), python="py")
     results = fake_results(runs, lambda r: 500.0, accuracy=0.985)
     del results["acc-slow-ps"]
-    rows = scen.summarize(results, runs, {"uniform": 0.99, "slow": 0.97})
+    rows = ssum.summarize(results, runs, {"uniform": 0.99, "slow": 0.97})
     by = {r["config"]: r for r in rows}
     assert not by["slow/ps"]["ok"] and by["slow/ps"]["examples_per_sec"] == 500.0
-    targets = scen.check_targets(rows)
+    targets = ssum.check_targets(rows)
     backup = next(t for t in targets if t["target"].startswith("slow: ps-sync-backup"))
     assert backup["met"] is False and "1.00× against ≥ 1.5×: missed by 0.50× (33% short)" in backup["text"]
     accuracy = next(t for t in targets if "every strategy" in t["target"])
     assert accuracy["met"] is False and "short by 0.0050" in accuracy["text"]
-    md = scen.render_markdown(rows, targets, {}, "m", None)
+    md = srep.render_markdown(rows, targets, {}, "m", None)
     assert "FAILED: acc-slow-ps" in md
 
 
 def test_scenario_plots_are_written(tmp_path):
     a = scenario_args(tmp_path, "--scenarios", "uniform,more", "--staleness-workers", "1,2",
                       "--staleness-lrs", "0.1,1")
-    runs = scen.plan_runs(a, python="py")
+    runs = splan.plan_runs(a, python="py")
     results = fake_results(runs, lambda r: 100.0 + 10 * r.workers)
-    rows = scen.summarize(results, runs, {"uniform": 0.99, "more": 0.97})
-    paths = scen.plot(rows, results, str(tmp_path), "2 CPU cores (test), no GPU, Linux x")
+    rows = ssum.summarize(results, runs, {"uniform": 0.99, "more": 0.97})
+    paths = srep.plot(rows, results, str(tmp_path), "2 CPU cores (test), no GPU, Linux x")
     assert sorted(os.path.basename(p) for p in paths) == [
         "scenarios_accuracy.png", "scenarios_throughput.png", "staleness.png"]
     for p in paths:
@@ -333,7 +334,7 @@ def test_scenario_plots_are_written(tmp_path):
 def test_peer_chunks_divide_the_run_and_the_calls():
     import importlib.util as iu
 
-    spec = iu.spec_from_file_location("peer_lib", REPO / "bench" / "peers" / "peer_lib.py")
+    spec = iu.spec_from_file_location("peer_lib", REPO / "tfdist" / "bench" / "peers" / "peer_lib.py")
     peer_lib = iu.module_from_spec(spec)
     spec.loader.exec_module(peer_lib)
     # 3 epochs at batch 128: 1,404 steps, which 10 does not divide: epochs of
@@ -362,7 +363,7 @@ def test_tf_keras_is_imported_by_the_peers_only():
     users = sorted(str(p.relative_to(REPO)) for p in REPO.rglob("*.py")
                    if p.relative_to(REPO).parts[0] not in (".venv", "build", "runs", "results", "tests")
                    and "import tf_keras" in p.read_text())
-    assert users and all(u.startswith("bench/peers/") for u in users), users
+    assert users and all(u.startswith("tfdist/bench/peers/") for u in users), users
 
 
 @pytest.mark.multiprocess
@@ -403,13 +404,13 @@ def test_tutorial_peer_runs_under_the_launcher_and_reports(tmp_path):
     run_dir = tmp_path / "peer"
     proc = subprocess.run(
         [sys.executable, str(REPO / "launch.py"), "--strategy", "multiworker", "--workers", "2",
-         "--program", str(REPO / "bench" / "peers" / "tf_keras_multiworker.py"), "--",
+         "--program", str(REPO / "tfdist" / "bench" / "peers" / "tf_keras_multiworker.py"), "--",
          "--steps", "20", "--eval-every", "10", "--steps-per-execution", "5",
          "--model-dir", str(run_dir)],
         env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    record = scen.PeerResults.load(str(run_dir / scen.PEER_RESULTS))
+    record = splan.PeerResults.load(str(run_dir / splan.PEER_RESULTS))
     assert record.num_workers == 2 and record.total_steps == 20 and record.steady_steps == 10
     assert record.keras_version.startswith("2.") and 0.0 < record.test_accuracy <= 1.0
     assert record.examples_per_sec > 0
@@ -420,11 +421,11 @@ def test_tutorial_peer_runs_under_the_launcher_and_reports(tmp_path):
 def test_report_only_writes_the_same_report_and_plots_from_the_record(tmp_path):
     a = scenario_args(tmp_path, "--scenarios", "uniform,slow", "--staleness-workers", "1,2",
                       "--staleness-lrs", "0.5", "--peer-repeats", "1")
-    runs = scen.plan_runs(a, python="py")
+    runs = splan.plan_runs(a, python="py")
     results = fake_results(runs, lambda r: 100.0 + 10 * r.workers)
-    rows = scen.summarize(results, runs, {"uniform": 0.99, "slow": 0.97})
+    rows = ssum.summarize(results, runs, {"uniform": 0.99, "slow": 0.97})
     settings = {k: f"value of {k}" for k in scen.SETTINGS_ORDER}
-    expected = scen.render_markdown(rows, scen.check_targets(rows), settings, "m", 600.0)
+    expected = srep.render_markdown(rows, ssum.check_targets(rows), settings, "m", 600.0)
     out = tmp_path / "o"
     out.mkdir()
     (out / "scenarios.json").write_text(json.dumps(
@@ -442,16 +443,16 @@ def test_rate_from_counts_from_the_first_evaluation_past_a_step():
         {"step": 120, "seconds": 5.0, "test_accuracy": 0.9},
         {"step": 240, "seconds": 8.0, "test_accuracy": 0.95},
         {"step": 600, "seconds": 17.0, "test_accuracy": 0.99}]}
-    assert scen.rate_from(res, 234) == (pytest.approx(360 * 100 / 9.0), 240)
-    assert scen.rate_from(res, 100) == (pytest.approx(480 * 100 / 12.0), 120)
-    assert scen.rate_from(res, 600) is None  # only the final point: no span
-    assert scen.rate_from(res, 700) is None
-    assert scen.rate_from({"global_batch_size": 1}, 10) is None
+    assert ssum.rate_from(res, 234) == (pytest.approx(360 * 100 / 9.0), 240)
+    assert ssum.rate_from(res, 100) == (pytest.approx(480 * 100 / 12.0), 120)
+    assert ssum.rate_from(res, 600) is None  # only the final point: no span
+    assert ssum.rate_from(res, 700) is None
+    assert ssum.rate_from({"global_batch_size": 1}, 10) is None
 
 
 def test_peer_ratio_covers_the_part_of_the_run_the_peer_measures(tmp_path):
     a = scenario_args(tmp_path, "--scenarios", "uniform", "--staleness-workers", "")
-    runs = scen.plan_runs(a, python="py")
+    runs = splan.plan_runs(a, python="py")
     results = fake_results(runs, lambda r: 7000.0)
     ours = results["acc-uniform-multiworker"]
     # Our whole steady figure (7,000) includes a slow start; from step 240 on: 7,449.6.
@@ -465,7 +466,7 @@ def test_peer_ratio_covers_the_part_of_the_run_the_peer_measures(tmp_path):
         {"step": 240, "seconds": 10.0, "test_accuracy": 0.98},
         {"step": 1404, "seconds": 40.0, "test_accuracy": 0.992}])
     results["rep-uniform-peer-tf_keras-multiworker"].update(examples_per_sec=6000.0)
-    rows = {r["config"]: r for r in scen.summarize(results, runs, {"uniform": 0.99})}
+    rows = {r["config"]: r for r in ssum.summarize(results, runs, {"uniform": 0.99})}
     row = rows["uniform/peer-tf_keras-multiworker"]
     assert row["examples_per_sec"] == 7200.0 and len(row["runs"]) == 2
     assert row["ours_from_step"] == 240 and row["ours_steady_examples_per_sec"] == 7000.0
@@ -474,5 +475,5 @@ def test_peer_ratio_covers_the_part_of_the_run_the_peer_measures(tmp_path):
     # A peer record without its epoch length: our whole steady figure.
     keras3 = rows["uniform/peer-keras3"]
     assert keras3["ours_from_step"] is None and keras3["ours_over_peer"] == pytest.approx(1.0)
-    md = scen.render_markdown(rows.values(), scen.check_targets(list(rows.values())), {}, "m", None)
+    md = srep.render_markdown(rows.values(), ssum.check_targets(list(rows.values())), {}, "m", None)
     assert "| 7,450 | 240 | 1.03 | 0.9920 | 7,000 | acc 7,200 / rep 6,000 |" in md

@@ -6,6 +6,7 @@ import pytest
 from tfdist.bench import links, scaling
 from tfdist.cli import bench as cli
 from tfdist.bench import scenarios as scen
+from tfdist.bench import scenario_plan as splan, scenario_report as srep, scenario_summary as ssum
 
 CNN = 225_034
 MBIT100 = 100_000_000
@@ -89,7 +90,7 @@ def scaling_args(tmp_path, *extra):
 
 
 def test_scaling_plans_each_kind_on_each_worker_count_then_unshaped(tmp_path):
-    runs = scen.plan_runs(scaling_args(tmp_path, "--scaling-workers", "1,2,4"), python="py")
+    runs = splan.plan_runs(scaling_args(tmp_path, "--scaling-workers", "1,2,4"), python="py")
     assert all(isinstance(r, scaling.ScalingRun) for r in runs)  # the study alone
     names = [r.name for r in runs]
     kinds = ("multiworker", "ps", "ps-sync")
@@ -110,12 +111,12 @@ def test_scaling_plans_each_kind_on_each_worker_count_then_unshaped(tmp_path):
 
 def test_bad_scaling_workers_is_one_line(tmp_path):
     with pytest.raises(scen.BenchError, match="--scaling-workers 'two'"):
-        scen.plan_runs(scaling_args(tmp_path, "--scaling-workers", "two"), python="py")
+        splan.plan_runs(scaling_args(tmp_path, "--scaling-workers", "two"), python="py")
     assert scen.run(scaling_args(tmp_path, "--scaling-workers", "0")) == 2
 
 
 def test_scaling_rows_report_and_plot(tmp_path):
-    runs = scen.plan_runs(scaling_args(tmp_path, "--scaling-workers", "1,2"), python="py")
+    runs = splan.plan_runs(scaling_args(tmp_path, "--scaling-workers", "1,2"), python="py")
     two = outcome({"host0": (["worker:0"], 950_000, 950_000),
                    "host1": (["worker:1"], 950_000, 950_000)}, "sync")
     results = {r.name: result(1000 + 100 * r.workers, batch=120) for r in runs}
@@ -134,7 +135,7 @@ def test_scaling_rows_report_and_plot(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = scaling.plot(plt, rows, "test machine", str(tmp_path), scen.save)
+    path = scaling.plot(plt, rows, "test machine", str(tmp_path), srep.save)
     assert path.endswith("scaling.png") and (tmp_path / "scaling.png").stat().st_size > 0
 
 
@@ -160,7 +161,7 @@ def test_network_targets_met_and_missed_by_how_much():
             {"config": "uniform/multiworker-bf16", "scenario": "uniform",
              "variant": "multiworker-bf16", "peer": "", "examples_per_sec": 1,
              "test_accuracy": 0.9890}]
-    targets = scen.check_links(rows, {r["config"]: r for r in rows})
+    targets = ssum.check_links(rows, {r["config"]: r for r in rows})
     by = {t["target"].split(" ")[1]: t for t in targets}
     fraction = next(t for t in targets if "link-bound limit" in t["target"])
     assert fraction["met"] is False
@@ -175,4 +176,4 @@ def test_network_targets_met_and_missed_by_how_much():
 
 
 def test_no_network_targets_without_shaped_runs():
-    assert scen.check_links([], {}) == []
+    assert ssum.check_links([], {}) == []

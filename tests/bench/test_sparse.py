@@ -3,6 +3,7 @@
 import pytest
 
 from tfdist.bench import scenarios, sparse
+from tfdist.bench import scenario_plan as splan
 from tfdist.cli import bench as cli
 from tfdist.bench.common import BenchError
 
@@ -10,7 +11,7 @@ from tfdist.bench.common import BenchError
 def _plan(*flags):
     config = cli.parse_args(["--suite", "scenarios", "--out", "/tmp/o", "--staleness-workers", "",
                              *flags])
-    return scenarios.plan_runs(config)
+    return splan.plan_runs(config)
 
 
 def test_the_study_alone_runs_ctr_under_each_strategy_and_no_mnist_run():

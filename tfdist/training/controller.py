@@ -54,6 +54,7 @@ class Controller:
         reporter.hparams(run_hparams(plan))
         self.startup_seconds = 0.0
         self.steady_from = trainer.start_step
+        self.metrics: dict[str, float] = {}  # what the trainer's latest train/drain returned
 
     def run(self) -> dict | None:
         """Train to the end; the chief returns the results record's dict.
@@ -108,7 +109,7 @@ class Controller:
         step = self.trainer.completed
         if step < self.schedule.total_steps:
             self._call(step)
-            self.trainer.drain()
+            self.metrics = self.trainer.drain()
         self.started_ok()
         self.trainer.on_started()
         self.startup_seconds = time.perf_counter() - self.started
@@ -127,20 +128,20 @@ class Controller:
             before = step
             step = self._call(step)
             if schedule.drain_due(before, step) or trainer.stop_requested():
-                trainer.drain()
+                self.metrics = trainer.drain()
             self._after_call(before, step)
-        trainer.drain()
+        self.metrics = trainer.drain()
 
     def _call(self, step: int) -> int:
         n = self.schedule.call_size(step)
-        self.trainer.train(n)
+        self.metrics = self.trainer.train(n)
         return step + n
 
     def _after_call(self, before: int, after: int) -> None:
         schedule, trainer = self.schedule, self.trainer
         if schedule.log_due(before, after):
             text, fields = trainer.progress_fields()
-            metrics = trainer.metrics()
+            metrics = self.metrics
             self.reporter.progress(trainer.completed, metrics, text, fields,
                                    learning_rate=self.plan.learning_rate_at(trainer.completed))
             self._check_finite(metrics)
@@ -271,8 +272,9 @@ def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
                                     run_record=plan.defining_flags())
         try:
             start = checkpointer.restore(plan.task.name, plan.total_steps, plan.optimizer.name)
-            trainer = TRAINERS[plan.kind.trainer](plan, bundle, checked, state, checkpointer,
-                                                  start, TrainMetrics(checked.local_model))
+            trainer = TRAINERS[plan.kind.trainer](
+                plan=plan, bundle=bundle, task=checked, state=state, checkpointer=checkpointer,
+                start_step=start, train_metrics=TrainMetrics(checked.local_model))
         except ConfigError:
             checkpointer.close()  # a worker's private directory
             raise

@@ -78,8 +78,10 @@ class CoordinatedTrainer(Trainer):
     # that handles a stuck worker itself gets there first.
     stall_grace = 0.0
 
-    def __init__(self, plan, bundle, task, state, checkpointer, start_step, train_metrics):
-        super().__init__(plan, bundle, task, state, checkpointer, start_step, train_metrics)
+    def __init__(self, *, plan, bundle, task, state, checkpointer, start_step, train_metrics):
+        super().__init__(plan=plan, bundle=bundle, task=task, state=state,
+                         checkpointer=checkpointer, start_step=start_step,
+                         train_metrics=train_metrics)
         self.coordinator = bundle.coordinator
         self.workers = [f"{role}:{i}" for role, i, _ in self.cfg.tasks() if role == "worker"]
         condense_tf_logs()
@@ -182,7 +184,7 @@ class CoordinatedTrainer(Trainer):
     def stop_requested(self) -> bool:
         return self._sigterm is not None and self._sigterm.requested
 
-    def metrics(self) -> dict[str, float]:
+    def _metrics(self) -> dict[str, float]:
         return dict(self._last)
 
     def ps_variable_bytes(self) -> dict[str, int]:

@@ -322,8 +322,10 @@ def make_aggregate_fn(q: SyncQueues, optimizer, variables, global_step, k: int, 
 
 
 class PsSyncTrainer(CoordinatedTrainer):
-    def __init__(self, plan, bundle, task, state, checkpointer, start_step, train_metrics):
-        super().__init__(plan, bundle, task, state, checkpointer, start_step, train_metrics)
+    def __init__(self, *, plan, bundle, task, state, checkpointer, start_step, train_metrics):
+        super().__init__(plan=plan, bundle=bundle, task=task, state=state,
+                         checkpointer=checkpointer, start_step=start_step,
+                         train_metrics=train_metrics)
         strategy = bundle.strategy
         self.k = plan.gradients_per_update
         variables = state.model.trainable_variables
@@ -354,7 +356,7 @@ class PsSyncTrainer(CoordinatedTrainer):
 
     # --- the controller's interface ------------------------------------------
 
-    def train(self, num_steps: int) -> None:
+    def train(self, num_steps: int) -> dict[str, float]:
         """Apply ``num_steps`` updates; returns once they are applied."""
         n = tf.constant(num_steps)
         self._top_up(n)
@@ -385,6 +387,7 @@ class PsSyncTrainer(CoordinatedTrainer):
         self._last_time = times[-1]
         self._last = metric_dict(out["loss"], self.metric_names, out["metrics"])
         self.completed += num_steps
+        return self._metrics()
 
     def _top_up(self, n) -> None:
         """Keep CLOSURES_PER_WORKER closures per worker scheduled.
@@ -412,13 +415,14 @@ class PsSyncTrainer(CoordinatedTrainer):
                 token_queue.enqueue(step)
                 self._reissued += 1
 
-    def drain(self) -> None:
+    def drain(self) -> dict[str, float]:
         """Updates are applied inside ``train``; nothing is pending.
 
         The controller drains before evaluating or checkpointing: the next
         interval would include that pause, so it is not measured.
         """
         self._last_time = None
+        return self._metrics()
 
     def _counts(self) -> dict:
         q = self._q

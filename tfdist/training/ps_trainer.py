@@ -141,8 +141,10 @@ class PsTrainer(CoordinatedTrainer):
     # more on a busy host; the watchdog is the fallback.
     stall_grace = 10.0
 
-    def __init__(self, plan, bundle, task, state, checkpointer, start_step, train_metrics):
-        super().__init__(plan, bundle, task, state, checkpointer, start_step, train_metrics)
+    def __init__(self, *, plan, bundle, task, state, checkpointer, start_step, train_metrics):
+        super().__init__(plan=plan, bundle=bundle, task=task, state=state,
+                         checkpointer=checkpointer, start_step=start_step,
+                         train_metrics=train_metrics)
         strategy = bundle.strategy
         # Steps each worker ran (the classic example's local_step), kept on
         # ps:0 rather than on the workers: reading a worker's own counter
@@ -174,14 +176,15 @@ class PsTrainer(CoordinatedTrainer):
         self.unfetched_steps = 0
         self.listen_for_sigterm()
 
-    def train(self, num_steps: int) -> None:
+    def train(self, num_steps: int) -> dict[str, float]:
         while len(self._pending) >= self.max_in_flight:
             self._collect_one()
         remote = self.coordinator.schedule(
             self._train_fn, args=(self._iterator, tf.constant(num_steps)))
         self._pending.append((remote, num_steps))
+        return self._metrics()
 
-    def drain(self) -> None:
+    def drain(self) -> dict[str, float]:
         while self._pending:
             self._collect_one()
         if any(not _is_ready(s.remote) for s in self._stuck):
@@ -190,6 +193,7 @@ class PsTrainer(CoordinatedTrainer):
             self.coordinator.done()
         else:
             self.coordinator.join()
+        return self._metrics()
 
     def _collect_one(self) -> None:
         remote, n = self._pending[0]

@@ -81,8 +81,10 @@ def make_statistics_sync(strategy, variables):
 class SyncTrainer(Trainer):
     peer_errors = PEER_ERRORS
 
-    def __init__(self, plan, bundle, task, state, checkpointer, start_step, train_metrics):
-        super().__init__(plan, bundle, task, state, checkpointer, start_step, train_metrics)
+    def __init__(self, *, plan, bundle, task, state, checkpointer, start_step, train_metrics):
+        super().__init__(plan=plan, bundle=bundle, task=task, state=state,
+                         checkpointer=checkpointer, start_step=start_step,
+                         train_metrics=train_metrics)
         strategy = bundle.strategy
         tasks = bundle.kind.training_tasks(self.cfg)
         if len(tasks) > 1:
@@ -110,7 +112,7 @@ class SyncTrainer(Trainer):
         self._handler = preemption_handler(
             strategy, lambda: self.checkpointer.save(self.completed), lambda: self.completed)
 
-    def train(self, num_steps: int) -> None:
+    def train(self, num_steps: int) -> dict[str, float]:
         n = tf.constant(num_steps)
         # The handler checks for a preemption notice (any worker's) before
         # the call; at the agreed call it saves and raises Preempted.
@@ -119,16 +121,18 @@ class SyncTrainer(Trainer):
         else:
             self._out = self._handler.run(self._train_fn, self._iterator, n)
         self.completed += num_steps
+        return self._metrics()
 
-    def drain(self) -> None:
+    def drain(self) -> dict[str, float]:
         """Each call returns with its steps applied; the replicas' statistics are averaged."""
         if self._sync_statistics is not None:
             self._sync_statistics()
+        return self._metrics()
 
     def stop_requested(self) -> bool:
         return False  # the preemption handler stops the run itself
 
-    def metrics(self) -> dict[str, float]:
+    def _metrics(self) -> dict[str, float]:
         if self._out is None:
             return {}
         return metric_dict(self._out["loss"], self.metric_names, self._out["metrics"])

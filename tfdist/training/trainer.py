@@ -23,7 +23,8 @@ class Trainer(abc.ABC):
     # Errors that mean a peer task went away (the controller turns them into TaskLost).
     peer_errors: tuple[type[BaseException], ...] = ()
 
-    def __init__(self, plan, bundle, task, state, checkpointer, start_step: int, train_metrics):
+    def __init__(self, *, plan, bundle, task, state, checkpointer, start_step: int,
+                 train_metrics):
         self.plan, self.bundle, self.task = plan, bundle, task
         self.train_metrics = train_metrics  # training.step.TrainMetrics
         self.config, self.cfg = plan.config, plan.cluster
@@ -37,12 +38,16 @@ class Trainer(abc.ABC):
         return self.train_metrics.names
 
     @abc.abstractmethod
-    def train(self, num_steps: int) -> None:
-        """Run (or schedule) ``num_steps`` steps; ``completed`` counts the applied ones."""
+    def train(self, num_steps: int) -> dict[str, float]:
+        """Run (or schedule) ``num_steps`` steps; ``completed`` counts the applied ones.
+
+        Returns the training loss and metric values of the latest steps whose
+        results are in (empty before any), as Orbit's ``train`` returns its logs."""
 
     @abc.abstractmethod
-    def drain(self) -> None:
-        """Return once every scheduled step is applied (before checkpoints, evaluations, the end)."""
+    def drain(self) -> dict[str, float]:
+        """Return once every scheduled step is applied (before checkpoints, evaluations, the
+        end); the latest loss and metric values then, as ``train`` returns them."""
 
     def on_started(self) -> None:
         """The first call returned: every peer is connected."""
@@ -60,10 +65,6 @@ class Trainer(abc.ABC):
     def stop_requested(self) -> bool:
         """Whether a preemption asks the controller to drain, save and stop."""
         return False
-
-    @abc.abstractmethod
-    def metrics(self) -> dict[str, float]:
-        """The latest call's training loss and metric values (empty before any)."""
 
     def progress_fields(self) -> tuple[str, dict]:
         """Extra text for the progress line, and the same as event fields."""
