@@ -80,23 +80,31 @@ def test_none_run_exports_numbered_versions_that_serve_the_trained_model(tmp_pat
     assert "outputs['output_0'] tensor_info:" in shown.stdout
 
 
-def test_dict_inputs_keep_their_names_and_dtypes_through_fit(tmp_path):
+def test_dict_inputs_keep_their_names_through_fit_and_a_finished_run_exports_on_rerun(
+        tmp_path):
+    import keras
+
     import tfdist
     from export_tasks import DICT_INPUTS
 
-    out = tmp_path / "export"
-    result = tfdist.fit(DICT_INPUTS, strategy="none", steps=40, log_every=20,
-                        model_dir=str(tmp_path / "run"), export=str(out))
+    run, out = tmp_path / "run", tmp_path / "export"
+    trained = tfdist.fit(DICT_INPUTS, strategy="none", steps=40, log_every=20, model_dir=str(run))
+    assert trained.record["export"] is None and not out.exists()
+    # The same run again with export=: already complete, so no step is trained;
+    # its final weights are exported and its results gain the record.
+    result = tfdist.fit(DICT_INPUTS, strategy="none", steps=40, log_every=20, model_dir=str(run),
+                        export=str(out))
+    assert result.record["weights_sha256"] == trained.record["weights_sha256"]
+    assert result.record["steps_this_run"] == trained.record["steps_this_run"] == 40
     record = result.record["export"]
+    assert read_results(run)["export"] == record
     assert record["signature"]["inputs"] == {"cat": {"dtype": "int32", "shape": [None]},
                                              "x": {"dtype": "float32", "shape": [None, 4]}}
-    assert os.listdir(out) == [str(result.global_step)] and record["max_abs_diff"] <= 1e-4
+    assert os.listdir(out) == ["40"] and record["max_abs_diff"] <= 1e-4
     features, _ = next(iter(DICT_INPUTS.dataset("test").batch(32)))
     served = _serve(record["path"], x=features["x"].numpy(), cat=features["cat"].numpy())
-    import keras
-
-    trained = keras.saving.load_model(Path(result.model_dir) / "model.keras")
-    np.testing.assert_allclose(served["output_0"], trained.predict_on_batch(features), atol=1e-4)
+    model = keras.saving.load_model(run / "model.keras")
+    np.testing.assert_allclose(served["output_0"], model.predict_on_batch(features), atol=1e-4)
 
 
 def test_a_model_that_cannot_be_served_is_one_line_and_keeps_the_training_results(tmp_path,
@@ -146,6 +154,13 @@ def test_an_unwritable_export_dir_is_refused_before_training(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == Exit.BAD_INPUT and len(err) == 1, err
     assert err[0].startswith(f"error: --export {target!r} is not a writable directory"), err
+
+
+def test_an_export_failure_is_not_relaunched():
+    from tfdist.launcher.faults import should_relaunch
+
+    assert not should_relaunch(Exit.EXPORT, attempt=0, max_restarts=3)
+    assert should_relaunch(Exit.TASK_LOST, attempt=0, max_restarts=3)
 
 
 def test_periodic_exports_are_due_when_a_call_crosses_a_multiple():

@@ -232,11 +232,12 @@ def should_relaunch(code: int, attempt: int, max_restarts: int) -> bool:
 
     Failures a relaunch can cure: a lost task, a preemption, a crash. Bad
     input, a diverged run (it would diverge again), a full or read-only run
-    directory (it stays so until someone frees space), a timeout and success
-    end the job.
+    directory (it stays so until someone frees space), a model that cannot be
+    exported (``--export``: it would fail again), a timeout and success end
+    the job.
     """
     return code not in (protocol.Exit.OK, protocol.Exit.BAD_INPUT, protocol.Exit.DIVERGED,
-                        protocol.Exit.STORAGE,
+                        protocol.Exit.STORAGE, protocol.Exit.EXPORT,
                         protocol.Exit.TIMEOUT, protocol.Exit.INTERRUPTED,
                         protocol.Exit.TERMINATED) \
         and attempt < max_restarts
@@ -523,8 +524,9 @@ class TaskRestarter:
         now, actions = self.clock(), self._stuck_kills(state)
         for t in state.tasks:
             # Exit 0 is a server that saw its chief finish: nothing to restart;
-            # a full or read-only disk would fail it again.
-            if t.exit_code in (None, 0, protocol.Exit.STORAGE) or not self.restartable(t.name):
+            # a full or read-only disk, or a model that cannot be exported, would fail it again.
+            if (t.exit_code in (None, 0, protocol.Exit.STORAGE, protocol.Exit.EXPORT)
+                    or not self.restartable(t.name)):
                 continue
             if self.restarts.get(t.name, 0) >= self.limit:
                 continue

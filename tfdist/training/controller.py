@@ -26,7 +26,7 @@ from tfdist import protocol
 from tfdist.protocol import ConfigError
 from tfdist.training.checkpoints import Checkpointer
 from tfdist.training.evaluation import split_metrics, weights_sha256
-from tfdist.training.export import ExportFailed, Exporter
+from tfdist.training.export import ExportFailed, Exporter, export_finished_run
 from tfdist.training.lifetime import keep_alive_until_exit
 from tfdist.training.ps_sync_trainer import PsSyncTrainer
 from tfdist.training.ps_trainer import PsTrainer
@@ -159,7 +159,8 @@ class Controller:
                 self.reporter.evaluate(after, trainer.state.model)
         if self.exporter is not None and self.exporter.due(before, after):
             with trainer.paused():  # the chief's own work, as an evaluation
-                self.exporter.export(trainer.state.model, int(trainer.state.global_step.numpy()))
+                self.exporter.periodic(trainer.state.model,
+                                       int(trainer.state.global_step.numpy()))
         if schedule.checkpoint_due(after):
             with trainer.saving(after):
                 self.checkpointer.save(after)
@@ -296,8 +297,13 @@ def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
             checkpointer.close()  # a worker's private directory
             raise
         if already_complete(plan, trainer, started_ok):
+            results, failed = read_results(config) if trainer.is_chief else None, None
+            if results is not None and config.export:
+                results, failed = export_finished_run(config, checked, state, results)
             trainer.end_of_job()
-            return read_results(config) if trainer.is_chief else None
+            if failed is not None:
+                raise failed
+            return results
         reporter = Reporter(plan, checked, cfg.task_name, trainer.is_chief, trainer.start_step,
                             started)
         return Controller(plan, trainer, checkpointer, reporter, started, started_ok).run()

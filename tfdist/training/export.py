@@ -97,24 +97,27 @@ class Exporter:
         a multiple of ``--export-every`` (the end always exports)."""
         return bool(self.every) and after // self.every > before // self.every
 
-    def export(self, model, step: int) -> dict | None:
+    def periodic(self, model, step: int) -> dict | None:
         """A periodic export of ``model``'s current weights as version ``step``.
 
         A failure is one line and training goes on without further periodic
-        exports; the final export (``export_local``) decides the exit code.
+        exports; the final export decides the exit code.
         """
-        from tfdist.training.evaluation import local_copy
-
         if self.failed:
             return None
-        local = local_copy(model, self._evaluator().local)
         try:
-            return self.export_local(local, step)
+            return self.export(model, step)
         except ExportFailed as err:
             self.failed = True
             print(f"export at step {step} failed, training goes on without periodic exports: "
                   f"{err}", flush=True)
             return None
+
+    def export(self, model, step: int) -> dict:
+        """Export ``model``'s current weights (any strategy's) as version ``step``."""
+        from tfdist.training.evaluation import local_copy
+
+        return self.export_local(local_copy(model, self._evaluator().local), step)
 
     def export_local(self, local, step: int) -> dict:
         """Export ``local`` (already holding the weights) as version ``step``."""
@@ -125,6 +128,28 @@ class Exporter:
               f"{', '.join(record['signature']['outputs'])}; {record['bytes']} bytes; reloaded "
               f"max |diff| {record['max_abs_diff']:.3g}; {record['seconds']:.1f}s)", flush=True)
         return record
+
+
+def export_finished_run(config, checked, state, results: dict) -> tuple[dict, ExportFailed | None]:
+    """A rerun of a finished run with ``--export``: export its final weights.
+
+    The run's results are kept; their ``export`` record is the new one. So a
+    run whose export failed exports once the cause is fixed, without
+    training again. Returns (the results, the failure to raise once every
+    task is done, or None).
+    """
+    from tfdist import protocol
+    from tfdist.training.evaluation import Evaluator
+
+    evaluator = Evaluator(checked.task, checked.local_model)
+    exporter = Exporter(config.export, None, lambda: evaluator)
+    try:
+        record = exporter.export(state.model, int(state.global_step.numpy()))
+    except ExportFailed as err:
+        return results, err
+    results = {**results, "export": record}
+    protocol.write_json_atomic(os.path.join(config.model_dir, "results.json"), results)
+    return results, None
 
 
 def test_batch(dataset, n: int = CHECK_EXAMPLES):
