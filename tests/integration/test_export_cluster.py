@@ -63,19 +63,24 @@ def test_ps_sync_with_a_table_split_over_two_ps_exports_it_whole(tmp_path, spawn
 
 
 @pytest.mark.long
-def test_multiworker_exports_through_fit_with_workers(tmp_path):
+def test_multiworker_exports_every_n_steps_through_fit_with_workers(tmp_path, capsys):
     import tfdist
 
     run, out = tmp_path / "run", tmp_path / "export"
     result = tfdist.fit(SAMPLES + ":REGRESSION", workers=2, strategy="multiworker", steps=40,
-                        log_every=20, model_dir=str(run), export=str(out))
+                        log_every=20, model_dir=str(run), export=str(out), export_every=15)
     record = result.record["export"]
     assert result.strategy == "multiworker" and record["path"] == str(out / "40")
+    assert result.record["global_steps"] == 40
     assert record["signature"] == {
         "inputs": {"x": {"dtype": "float32", "shape": [None, 6]}},
         "outputs": {"output_0": {"dtype": "float32", "shape": [None, 1]}}}
-    # Exactly one export, the chief's: worker:1 wrote none of its own.
-    assert sorted(x.name for x in out.iterdir()) == ["40"]
+    # The chief's exports only, every 15 steps (at the first call past 15 and
+    # 30) and at the end; worker:1 wrote none of its own.
+    assert sorted(x.name for x in out.iterdir()) == ["15", "30", "40"]
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(l.startswith("[worker:0] exported SavedModel ") for l in lines) == 3, lines
+    assert not any("exported SavedModel" in l for l in lines if l.startswith("[worker:1]"))
     x = np.random.default_rng(0).normal(size=(50, 6)).astype("float32")
     variables = _served_equals_trained(run, record, x, "x")
     assert sorted(variables.values()) == sorted([[6, 16], [16], [16, 1], [1]]), variables

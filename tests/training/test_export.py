@@ -51,9 +51,9 @@ def test_none_run_exports_numbered_versions_that_serve_the_trained_model(tmp_pat
     run, out = tmp_path / "run", tmp_path / "serving" / "mnist"
     results = train.run(TrainConfig(strategy="none", task="mnist-logreg", steps=20,
                                     log_every=10, model_dir=str(run), data_dir=DATA_DIR,
-                                    export=str(out), export_every=10))
+                                    export=str(out)))
     # TF Serving's layout: one folder per version, named by the global step; nothing else.
-    assert sorted(os.listdir(out)) == ["10", "20"]
+    assert sorted(os.listdir(out)) == ["20"]
     record = results["export"]
     assert read_results(run)["export"] == record
     assert record["path"] == str(out / "20") and results["global_steps"] == 20

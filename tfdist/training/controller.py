@@ -59,7 +59,7 @@ class Controller:
         # --export: the chief's SavedModels (training.export); a failed final
         # export is raised after the end-of-job rendezvous, results written.
         self.exporter = (Exporter(self.config.export, self.config.export_every,
-                                  reporter.evaluator)
+                                  reporter.evaluator, reporter.checked.task)
                          if self.config.export and trainer.is_chief else None)
         self.export_failed: ExportFailed | None = None
 

@@ -81,15 +81,17 @@ def check_export_flags(export: str | None, export_every: int | None) -> None:
 class Exporter:
     """The chief's exports: when they are due, and each one written and checked.
 
-    ``evaluator``: the run's ``training.evaluation.Evaluator`` (a callable
-    returning it): its local model is what is exported and its test split
-    what the check reads.
+    ``evaluator``: a callable returning the run's ``training.evaluation.Evaluator``,
+    whose local model is what is exported; ``task``: the task, whose test
+    split's first examples the check runs.
     """
 
-    def __init__(self, base_dir: str, every: int | None, evaluator):
+    def __init__(self, base_dir: str, every: int | None, evaluator, task=None):
         self.base_dir = os.path.abspath(base_dir)
         self.every = every
         self._evaluator = evaluator
+        self._task = task
+        self._batch = None
         self.failed = False  # a periodic export failed: no more of them
 
     def due(self, before: int, after: int) -> bool:
@@ -121,8 +123,9 @@ class Exporter:
 
     def export_local(self, local, step: int) -> dict:
         """Export ``local`` (already holding the weights) as version ``step``."""
-        evaluator = self._evaluator()
-        record = export_and_check(local, self.base_dir, step, test_batch(evaluator.dataset))
+        if self._batch is None:
+            self._batch = test_batch(self._task)
+        record = export_and_check(local, self.base_dir, step, self._batch)
         print(f"exported SavedModel {record['path']} (serving_default: "
               f"{', '.join(record['signature']['inputs'])} -> "
               f"{', '.join(record['signature']['outputs'])}; {record['bytes']} bytes; reloaded "
@@ -142,7 +145,7 @@ def export_finished_run(config, checked, state, results: dict) -> tuple[dict, Ex
     from tfdist.training.evaluation import Evaluator
 
     evaluator = Evaluator(checked.task, checked.local_model)
-    exporter = Exporter(config.export, None, lambda: evaluator)
+    exporter = Exporter(config.export, None, lambda: evaluator, checked.task)
     try:
         record = exporter.export(state.model, int(state.global_step.numpy()))
     except ExportFailed as err:
@@ -152,9 +155,11 @@ def export_finished_run(config, checked, state, results: dict) -> tuple[dict, Ex
     return results, None
 
 
-def test_batch(dataset, n: int = CHECK_EXAMPLES):
-    """The first ``n`` examples' features of a batched test split (a tensor or a dict)."""
-    features, _ = next(iter(dataset))
+def test_batch(task, n: int = CHECK_EXAMPLES):
+    """The features of the first ``n`` examples of ``task``'s test split (a tensor or a dict)."""
+    from tfdist.training import data
+
+    features, _ = next(iter(data.eval_dataset(task, n).take(1)))
     if isinstance(features, dict):
         return {k: np.asarray(v)[:n] for k, v in features.items()}
     return np.asarray(features)[:n]
