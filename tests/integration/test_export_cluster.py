@@ -53,17 +53,23 @@ def _sharded_ps_export(tmp_path, spawn, strategy):
     assert not any("shard" in name for name in variables), variables
 
 
+# Long tier: each export's check starts a fresh TensorFlow process (about 6 s of
+# CPU), and tests/training/test_export.py already exports in every `make test`.
+@pytest.mark.long
+@pytest.mark.timeout(600)
 def test_ps_with_a_table_split_over_two_ps_exports_it_whole(tmp_path, spawn):
     _sharded_ps_export(tmp_path, spawn, "ps")
 
 
 @pytest.mark.long
+@pytest.mark.timeout(600)
 def test_ps_sync_with_a_table_split_over_two_ps_exports_it_whole(tmp_path, spawn):
     _sharded_ps_export(tmp_path, spawn, "ps-sync")
 
 
 @pytest.mark.long
-def test_multiworker_exports_every_n_steps_through_fit_with_workers(tmp_path, capsys):
+@pytest.mark.timeout(600)
+def test_multiworker_exports_every_n_steps_through_fit_with_workers(tmp_path, capfd):
     import tfdist
 
     run, out = tmp_path / "run", tmp_path / "export"
@@ -78,7 +84,7 @@ def test_multiworker_exports_every_n_steps_through_fit_with_workers(tmp_path, ca
     # The chief's exports only, every 15 steps (at the first call past 15 and
     # 30) and at the end; worker:1 wrote none of its own.
     assert sorted(x.name for x in out.iterdir()) == ["15", "30", "40"]
-    lines = capsys.readouterr().out.splitlines()
+    lines = capfd.readouterr().out.splitlines()
     assert sum(l.startswith("[worker:0] exported SavedModel ") for l in lines) == 3, lines
     assert not any("exported SavedModel" in l for l in lines if l.startswith("[worker:1]"))
     x = np.random.default_rng(0).normal(size=(50, 6)).astype("float32")
