@@ -297,7 +297,8 @@ def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
             checkpointer.close()  # a worker's private directory
             raise
         if already_complete(plan, trainer, started_ok):
-            results, failed = read_results(config) if trainer.is_chief else None, None
+            results = read_results(config) if trainer.is_chief else None
+            failed = None
             if results is not None and config.export:
                 results, failed = export_finished_run(config, checked, state, results)
             trainer.end_of_job()
