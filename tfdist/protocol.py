@@ -32,6 +32,7 @@ class Exit(IntEnum):
     BAD_INPUT = 2  # flags, TF_CONFIG, data or run directory: nothing was started
     PREEMPTED = 42  # SIGTERM: a checkpoint was saved at an agreed step (TF's own choice)
     DIVERGED = 65  # EX_DATAERR: the loss or weights became NaN/inf; the last good checkpoint is kept
+    EXPORT = 73  # EX_CANTCREAT: --export could not write a SavedModel that serves what the model predicts; training's outputs kept
     STORAGE = 74  # EX_IOERR: a write into --model-dir failed, the disk full or read-only; not relaunched
     TASK_LOST = 75  # EX_TEMPFAIL: a peer was lost or never came, or RPCs kept failing
     TIMEOUT = 124  # the launcher stopped a job that ran past --timeout (as timeout(1))
@@ -48,6 +49,9 @@ EXIT_MEANINGS = {
     Exit.BAD_INPUT: "bad input: one error line, nothing started or written",
     Exit.PREEMPTED: "preempted: checkpoint saved, relaunch to resume",
     Exit.DIVERGED: "training diverged (non-finite loss or weights): stopped, last good checkpoint kept",
+    Exit.EXPORT: "--export failed: the model cannot be exported as a SavedModel, or the "
+                 "reloaded SavedModel predicts otherwise; results.json, checkpoints and "
+                 "model.keras are kept",
     Exit.STORAGE: "a write into --model-dir failed (disk full, read-only or not permitted): the "
                   "previous checkpoint is kept; free space or make it writable, then relaunch",
     Exit.TASK_LOST: ("a peer task was lost, stuck (alive, answering nothing) past "
@@ -283,6 +287,12 @@ class Results:
     # (--gradient-dtype); the bench's traffic model starts from them.
     trainable_params: int | None = None
     gradient_dtype: str | None = None
+    # --export: the last SavedModel written and checked (training.export):
+    # {"path": DIR/<global step>, "signature": {"inputs", "outputs"}: {name:
+    # {"dtype", "shape"}}, "max_abs_diff" (reloaded vs trained predictions on
+    # a test batch), "tolerance", "seconds" (export and check), "check_seconds"
+    # (the fresh process reloading it), "bytes"}.
+    export: dict | None = None
     # A task's extra_results(), written at the top level beside the fields above.
     extra: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION

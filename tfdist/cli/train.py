@@ -32,7 +32,10 @@ preemption (SIGTERM) with a checkpoint at an agreed step and exit code 42; a
 NaN or infinite loss with one ``error:`` line and exit code 65, the last good
 checkpoint kept; a write into ``--model-dir`` that fails because its disk is
 full or read-only with one ``error:`` line and exit code 74 (the previous
-checkpoint kept: free space or remount, then relaunch). The chief holds ``<model-dir>/.lock`` while it runs.
+checkpoint kept: free space or remount, then relaunch); an ``--export`` the
+model cannot make, or whose reloaded SavedModel predicts otherwise, with one
+``error:`` line and exit code 73 (results, checkpoints and model.keras kept).
+The chief holds ``<model-dir>/.lock`` while it runs.
 """
 
 from __future__ import annotations
@@ -168,6 +171,13 @@ def _output_flags(out, d: TrainConfig) -> None:
                      help="steps between evaluations of the task's metrics on its test split, "
                           "on the chief (0: at the end only); their time is left out of examples/s")
     out.add_argument("--log-every", type=int, default=d.log_every, help="steps between progress lines")
+    out.add_argument("--export", default=d.export, metavar="DIR",
+                     help="the chief writes the trained model as a SavedModel (serving_default "
+                          "signature) into DIR/<global step>/, TF Serving's version layout, and "
+                          "checks it by loading it back in a fresh process (exit 73 if it "
+                          "cannot)")
+    out.add_argument("--export-every", type=int, default=d.export_every, metavar="N",
+                     help="with --export: also export every N steps (the end always exports)")
     out.add_argument("--verbose", action="store_true",
                      help="keep TensorFlow's own start-up and C++ log lines (hidden by default)")
     out.add_argument("--dry-run", action="store_true",

@@ -225,14 +225,13 @@ def should_relaunch(code: int, attempt: int, max_restarts: int) -> bool:
 
     Failures a relaunch can cure: a lost task, a preemption, a crash. Bad
     input, a diverged run (it would diverge again), a full or read-only run
-    directory (it stays so until someone frees space), a timeout and success
-    end the job.
+    directory (it stays so until someone frees space), a model that cannot be
+    exported (``--export``: it would fail again), a timeout and success end
+    the job.
     """
     return code not in (protocol.Exit.OK, protocol.Exit.BAD_INPUT, protocol.Exit.DIVERGED,
-                        protocol.Exit.STORAGE,
+                        protocol.Exit.STORAGE, protocol.Exit.EXPORT,
                         protocol.Exit.TIMEOUT, protocol.Exit.INTERRUPTED,
                         protocol.Exit.TERMINATED) \
         and attempt < max_restarts
 
-
-# --- hooks: read the job's state, return actions ----------------------------------------

@@ -60,8 +60,9 @@ class TaskRestarter:
         now, actions = self.clock(), self._stuck_kills(state)
         for t in state.tasks:
             # Exit 0 is a server that saw its chief finish: nothing to restart;
-            # a full or read-only disk would fail it again.
-            if t.exit_code in (None, 0, protocol.Exit.STORAGE) or not self.restartable(t.name):
+            # a full or read-only disk, or a model that cannot be exported, would fail it again.
+            if (t.exit_code in (None, 0, protocol.Exit.STORAGE, protocol.Exit.EXPORT)
+                    or not self.restartable(t.name)):
                 continue
             if self.restarts.get(t.name, 0) >= self.limit:
                 continue

@@ -78,6 +78,10 @@ class TrainConfig:
     # min-size under a strategy with ps, none otherwise) and the minimum size.
     variable_partitioner: str | None = None
     shard_min_bytes: int = 1 << 20
+    # --export DIR: the chief writes a SavedModel into DIR/<global step>/ at the
+    # end (training.export), and every --export-every steps when given.
+    export: str | None = None
+    export_every: int | None = None
     dry_run: bool = False
     cluster: ClusterConfig = field(default=LOCAL)
 
@@ -151,6 +155,9 @@ class TrainConfig:
                 f"--replicas-to-aggregate={self.replicas_to_aggregate} is not allowed; it must "
                 "be at least 1 (gradients averaged into one update)"
             )
+        from tfdist.training.export import check_export_flags
+
+        check_export_flags(self.export, self.export_every)
         if not self.model_dir or not self.model_dir.strip():
             raise ConfigError(
                 f"--model-dir={self.model_dir!r} is empty; pass a directory path "
@@ -163,7 +170,7 @@ class TrainConfig:
             )
 
 
-def check_model_dir(path: str) -> None:
+def check_model_dir(path: str, flag: str = "--model-dir") -> None:
     """Refuse a ``--model-dir`` the chief could not write, leaving nothing behind.
 
     Permission bits say little (root ignores them, a read-only mount or
@@ -179,7 +186,7 @@ def check_model_dir(path: str) -> None:
             parent = os.path.dirname(parent) or os.curdir
         if not os.path.isdir(parent):
             raise ConfigError(
-                f"--model-dir {path!r} cannot be created: {parent!r} is not a directory; "
+                f"{flag} {path!r} cannot be created: {parent!r} is not a directory; "
                 "pass a directory path"
             )
         for d in reversed(created):
@@ -192,7 +199,7 @@ def check_model_dir(path: str) -> None:
     except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
         raise ConfigError(
-            f"--model-dir {path!r} is not a writable directory ({reason}); pass a "
+            f"{flag} {path!r} is not a writable directory ({reason}); pass a "
             "directory this task can create and write"
         ) from None
     finally:

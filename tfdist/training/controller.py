@@ -12,6 +12,7 @@ trainer, reporter) and hands them to the ``Controller``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -25,6 +26,7 @@ from tfdist import protocol
 from tfdist.protocol import ConfigError
 from tfdist.training.checkpoints import Checkpointer
 from tfdist.training.evaluation import split_metrics, weights_sha256
+from tfdist.training.export import ExportFailed, Exporter, export_finished_run
 from tfdist.training.lifetime import keep_alive_until_exit
 from tfdist.training.ps_sync_trainer import PsSyncTrainer
 from tfdist.training.ps_trainer import PsTrainer
@@ -55,6 +57,12 @@ class Controller:
         self.startup_seconds = 0.0
         self.steady_from = trainer.start_step
         self.metrics: dict[str, float] = {}  # what the trainer's latest train/drain returned
+        # --export: the chief's SavedModels (training.export); a failed final
+        # export is raised after the end-of-job rendezvous, results written.
+        self.exporter = (Exporter(self.config.export, self.config.export_every,
+                                  reporter.evaluator, reporter.checked.task)
+                         if self.config.export and trainer.is_chief else None)
+        self.export_failed: ExportFailed | None = None
 
     def run(self) -> dict | None:
         """Train to the end; the chief returns the results record's dict.
@@ -101,6 +109,8 @@ class Controller:
             return None
         results = self._finish(train_seconds, examples_per_sec)
         trainer.end_of_job()
+        if self.export_failed is not None:
+            raise self.export_failed
         return results
 
     def _first_call(self) -> bool:
@@ -148,6 +158,10 @@ class Controller:
         if trainer.is_chief and schedule.eval_due(before, after):
             with trainer.paused():  # the chief's own work, not a stuck peer
                 self.reporter.evaluate(after, trainer.state.model)
+        if self.exporter is not None and self.exporter.due(before, after):
+            with trainer.paused():  # the chief's own work, as an evaluation
+                self.exporter.periodic(trainer.state.model,
+                                       int(trainer.state.global_step.numpy()))
         if schedule.checkpoint_due(after):
             with trainer.saving(after):
                 self.checkpointer.save(after)
@@ -236,6 +250,12 @@ class Controller:
             except OSError:
                 pass
             raise
+        if self.exporter is not None:
+            try:
+                export = self.exporter.export_local(model, specific["global_steps"])
+                results = dataclasses.replace(results, export=export)
+            except ExportFailed as err:
+                self.export_failed = err  # raised once every task is done
         results.write(os.path.join(config.model_dir, "results.json"))
         reporter.final(results.to_dict())
         return results.to_dict()
@@ -279,8 +299,14 @@ def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
             checkpointer.close()  # a worker's private directory
             raise
         if already_complete(plan, trainer, started_ok):
+            results = read_results(config) if trainer.is_chief else None
+            failed = None
+            if results is not None and config.export:
+                results, failed = export_finished_run(config, checked, state, results)
             trainer.end_of_job()
-            return read_results(config) if trainer.is_chief else None
+            if failed is not None:
+                raise failed
+            return results
         reporter = Reporter(plan, checked, cfg.task_name, trainer.is_chief, trainer.start_step,
                             started)
         return Controller(plan, trainer, checkpointer, reporter, started, started_ok).run()

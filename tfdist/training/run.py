@@ -4,7 +4,8 @@ The library behind ``tfdist-train`` (``tfdist.cli.train`` reads the flags)
 and ``tfdist.fit`` in one process. Exit codes and their one lines
 (``failure``): bad input 2, a lost peer task 75 (relaunch to resume), a
 preemption 42 (checkpoint saved at an agreed step), a NaN or infinite loss
-65 (the last good checkpoint kept), a full or read-only ``--model-dir`` 74.
+65 (the last good checkpoint kept), a full or read-only ``--model-dir`` 74,
+an ``--export`` that fails 73 (training's outputs kept).
 The chief holds ``<model-dir>/.lock`` while it runs.
 """
 
@@ -71,6 +72,8 @@ def check_task_dirs(plan: RunPlan) -> None:
     if cfg.is_chief:
         # The chief writes there; an unusable path fails now, not after TF starts.
         check_model_dir(plan.config.model_dir)
+        if plan.config.export is not None:
+            check_model_dir(plan.config.export, "--export")
     if kind.role(cfg) != "evaluator" and not kind.serves(cfg):
         from tfdist.training.checkpoints import check_run_record
 
@@ -205,6 +208,10 @@ def failure(err: Exception) -> Failure | None:
     disagreement = cluster_disagreement(err)
     if disagreement is not None:
         return Failure(Exit.BAD_INPUT, f"error: {disagreement}")
+    from tfdist.training.export import ExportFailed
+
+    if isinstance(err, ExportFailed):
+        return Failure(Exit.EXPORT, f"error: {err}")
     if isinstance(err, Diverged):
         return Failure(Exit.DIVERGED, f"error: {err}")
     if isinstance(err, TaskLost):
