@@ -283,6 +283,9 @@ class Results:
     # (--gradient-dtype); the bench's traffic model starts from them.
     trainable_params: int | None = None
     gradient_dtype: str | None = None
+    # --strategy pipeline: stages, micro-batches, copies, the cut, and each
+    # worker's parameter and optimizer-state bytes (training.pipeline_trainer).
+    pipeline: dict | None = None
     # A task's extra_results(), written at the top level beside the fields above.
     extra: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION

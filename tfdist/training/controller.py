@@ -27,6 +27,7 @@ from tfdist.training.checkpoints import Checkpointer
 from tfdist.training.evaluation import split_metrics, weights_sha256
 from tfdist.training.lifetime import keep_alive_until_exit
 from tfdist.training.ps_sync_trainer import PsSyncTrainer
+from tfdist.training.pipeline_trainer import PipelineTrainer
 from tfdist.training.ps_trainer import PsTrainer
 from tfdist.training.recovery import Diverged, Preempted, storage_fault, task_lost
 from tfdist.training.reporting import Reporter, run_hparams
@@ -38,7 +39,7 @@ from tfdist.training.trainer import Trainer
 # Each strategy kind names its loop (StrategyKind.trainer); the classes live here,
 # on the training side, so strategies/ never names a training module.
 TRAINERS: dict[str, type[Trainer]] = {"sync": SyncTrainer, "ps": PsTrainer,
-                                      "ps-sync": PsSyncTrainer}
+                                      "ps-sync": PsSyncTrainer, "pipeline": PipelineTrainer}
 
 
 class Controller:
@@ -266,13 +267,16 @@ def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
     trainer = None
     try:
         keras.utils.set_random_seed(config.seed)
-        state = build_state(plan, checked.task, bundle.strategy)
+        trainer_class = TRAINERS[plan.kind.trainer]
+        # A trainer that places the model itself (pipeline stages) builds its own state.
+        state = getattr(trainer_class, "build_state", build_state)(plan, checked.task,
+                                                                   bundle.strategy)
         checkpointer = Checkpointer(state, config.model_dir, cfg.is_chief, cfg.task_name,
                                     run_record=plan.defining_flags())
         try:
             start = checkpointer.restore(plan.task.name, plan.total_steps, plan.optimizer.name)
-            trainer = TRAINERS[plan.kind.trainer](plan, bundle, checked, state, checkpointer,
-                                                  start, TrainMetrics(checked.local_model))
+            trainer = trainer_class(plan, bundle, checked, state, checkpointer,
+                                    start, TrainMetrics(checked.local_model))
         except ConfigError:
             checkpointer.close()  # a worker's private directory
             raise
