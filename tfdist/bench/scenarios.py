@@ -39,7 +39,7 @@ import textwrap
 import time
 from dataclasses import dataclass, replace
 
-from tfdist.bench import links, scaling, sparse
+from tfdist.bench import links, model_parallel, scaling, sparse
 from tfdist.bench.common import (BASELINE, TRAIN, BenchError, Run, cluster_prefix, group_by_config,
                           load_outcomes, machine_description, parse_only, run_all,
                           time_to_target)
@@ -161,7 +161,9 @@ def variants(workers: int, half: tuple[str, ...] = ()) -> list[Variant]:
     then each kind in ``half`` again (K = N) with gradients in 16 bits."""
     out = []
     for name, kind in strategy_kinds.all_kinds().items():
-        if kind.single_process:
+        # A pipelined kind cuts the model instead of copying it: the
+        # model-parallel scenario measures it on a model made for cutting.
+        if kind.single_process or kind.pipelined:
             continue
         if not kind.aggregates_gradients:
             out.append(Variant(name, name, name, generic=name))
@@ -233,7 +235,7 @@ def parse_list(text: str, cast, flag: str) -> list:
 
 
 # Studies chosen by --scenarios beside the scenarios: a task of their own.
-STUDIES = (sparse.SPARSE, scaling.SCALING)
+STUDIES = (sparse.SPARSE, scaling.SCALING, model_parallel.MODEL_PARALLEL)
 
 
 def scenario_names(text: str | None) -> list[str]:
@@ -351,6 +353,8 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
         runs += sparse.plan(args, python)
     if scaling.SCALING in scenario_names(args.scenarios):
         runs += scaling.plan(args, python)
+    if model_parallel.MODEL_PARALLEL in scenario_names(args.scenarios):
+        runs += model_parallel.plan(args, python)
     return runs
 
 
@@ -543,6 +547,7 @@ def check_targets(rows: list[dict]) -> list[dict]:
         out.append({"target": label, "met": ratio >= need, "ratio": ratio,
                     "text": f"{ratio:.2f}×" if ratio >= need else _short(ratio, need)})
     out += sparse.check(rows)
+    out += model_parallel.check(rows)
     out += check_links(rows, by)
     uniform = [r for r in rows if r["scenario"] == UNIFORM and not r["peer"]]
     if uniform:
@@ -725,6 +730,7 @@ def render_markdown(rows: list[dict], targets: list[dict], settings: dict, machi
     lines += render_links(rows)
     lines += scaling.render(rows)
     lines += sparse.render(rows)
+    lines += model_parallel.render(rows)
     lines += ["## Targets (ratios measured in this run)", ""]
     for t in targets:
         mark = {True: "met", False: "**missed**", None: "not measured"}[t["met"]]
@@ -823,7 +829,8 @@ def plot(rows: list[dict], results: dict[str, dict], out: str, machine: str) -> 
     if st:
         paths.append(_plot_staleness(plt, st, where, out))
     scaled = scaling.plot(plt, rows, where, out, save)
-    return paths + ([scaled] if scaled else [])
+    piped = model_parallel.plot(plt, rows, where, out, save)
+    return paths + [p for p in (scaled, piped) if p]
 
 
 def _plot_throughput(plt, srows, scen, keys, base, *, where, out, styles, legend) -> str:
@@ -932,7 +939,8 @@ def have_tf_keras() -> bool:
 
 
 SETTINGS_ORDER = ("model", "global batch", "seed", "steps per call", "throughput runs",
-                  "accuracy runs", "staleness study", "sparse study", "scaling study")
+                  "accuracy runs", "staleness study", "sparse study", "scaling study",
+                  "model-parallel study")
 
 
 def report_only(out: str) -> int:
@@ -988,11 +996,13 @@ def report(args: BenchConfig, runs: list[Run], results: dict[str, dict], seconds
     targets = {s: accuracy_length(args, SCENARIOS[s])[2] for s in SCENARIOS}
     studied = [r for r in runs if isinstance(r, sparse.SparseRun)]
     scaled = [r for r in runs if isinstance(r, scaling.ScalingRun)]
+    piped = [r for r in runs if isinstance(r, model_parallel.ModelParallelRun)]
     outcomes = load_outcomes(runs)
-    rows = summarize(results, [r for r in runs if r not in studied and r not in scaled], targets,
-                     outcomes)
+    rows = summarize(results, [r for r in runs if r not in studied and r not in scaled
+                               and r not in piped], targets, outcomes)
     rows += sparse.summarize(results, outcomes, studied)
     rows += scaling.summarize(results, outcomes, scaled)
+    rows += model_parallel.summarize(results, outcomes, piped)
     checked = check_targets(rows)
     machine = machine_description()
     uniform_len = f"{args.steps} steps" if args.steps else f"{args.epochs} epochs"
@@ -1006,6 +1016,9 @@ def report(args: BenchConfig, runs: list[Run], results: dict[str, dict], seconds
         "staleness study": f"{args.staleness_steps} steps per run",
         "sparse study": f"ctr, {args.sparse_steps} steps at global batch {args.sparse_global_batch}",
         "scaling study": f"{args.scaling_steps} steps, workers {args.scaling_workers}",
+        "model-parallel study": (f"{model_parallel.TASK}, {model_parallel.STEPS} steps at global "
+                                 f"batch {model_parallel.GLOBAL_BATCH}, S {model_parallel.STAGES} "
+                                 f"x M {model_parallel.MICRO_BATCHES}"),
     }
     assert tuple(settings) == SETTINGS_ORDER
     markdown = render_markdown(rows, checked, settings, machine, seconds)
