@@ -24,6 +24,7 @@ counters; after a restore every other copy is set from copy 0.
 from __future__ import annotations
 
 import math
+import signal
 
 import keras
 import tensorflow as tf
@@ -247,10 +248,25 @@ class PipelineTrainer(Trainer):
 
         self._train_fn = train_fn
         self._out = None
+        # A polite preemption (SIGTERM) of the chief: the controller drains,
+        # saves at the step reached and ends with exit 42 (Preempted); the
+        # workers hold nothing the checkpoint lacks.
+        self._preempted = False
+        self._previous_sigterm = None
+        try:
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        except ValueError:  # not the main thread (a caller's own thread): no handler
+            pass
         if self.is_chief:
             print(f"pipeline: {pp.pipelines} cop{'y' if pp.pipelines == 1 else 'ies'} x "
                   f"{pp.stages} stages, {pp.micro_batches} micro-batches per step "
                   f"(predicted bubble {pp.bubble():.0%}); {state.cut}", flush=True)
+
+    def _on_sigterm(self, *_):
+        self._preempted = True
+
+    def stop_requested(self) -> bool:
+        return self._preempted
 
     def train(self, num_steps: int) -> None:
         self._out = self._train_fn(self._iterator, tf.constant(num_steps))
@@ -281,4 +297,7 @@ class PipelineTrainer(Trainer):
         }
 
     def close(self, finished: bool) -> None:
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
         self.checkpointer.close()
