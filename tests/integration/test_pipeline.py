@@ -122,3 +122,42 @@ def test_bad_pipeline_input_is_one_line_before_anything_starts(tmp_path, spawn, 
     errors = [l for l in p.lines if "error:" in l]
     assert len(errors) == 1 and says in errors[0], p.output
     assert not run.exists()
+
+
+# The memory-limit case (tests/integration/wide_mlp_task.py): two wide layers
+# of 64 x 600,000 weights (154 MB each) and their Adam slots: 920 MB of
+# training state for the model, 460 MB per stage at S = 2. One worker
+# holding all of it (and the gradients, and the task's local copy) passes
+# the limit below; each of two stages stays under it.
+WIDE = str(REPO / "tests" / "integration" / "wide_mlp_task.py") + ":TASK"
+WIDTH, LIMIT_MIB = "600000", 1500
+
+
+def _wide(spawn, run, strategy, workers):
+    return spawn(launch_cmd(strategy, "--workers", str(workers), "--memory-limit",
+                            f"worker={LIMIT_MIB}M", "--timeout", "500",
+                            train_args=["--task", WIDE, "--task-option", f"width={WIDTH}",
+                                        "--steps", "10", "--global-batch-size", "32",
+                                        "--model-dir", str(run)]))
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.timeout(1200)
+def test_a_model_too_big_for_one_tasks_memory_limit_trains_cut_over_two(tmp_path, spawn):
+    one = _wide(spawn, tmp_path / "one", "multiworker", 1)
+    assert one.wait(timeout=550) not in (0, 2), one.output
+    outcome = json.loads((tmp_path / "one" / "launch" / "outcome.json").read_text())
+    assert outcome["oom_killed"] == {"worker:0": 1}, outcome
+    assert not any("Traceback" in l for l in one.lines), one.output
+
+    two = _wide(spawn, tmp_path / "two", "pipeline", 2)
+    assert two.wait(timeout=550) == 0, two.output
+    r = read_results(tmp_path / "two")
+    assert r["global_steps"] == 10
+    _stage_shares(r, 2)
+    outcome = json.loads((tmp_path / "two" / "launch" / "outcome.json").read_text())
+    assert outcome["oom_killed"] is None
+    limits = outcome["memory_limits"]
+    assert sorted(limits) == ["worker:0", "worker:1"]
+    assert all(v["max_usage_bytes"] <= LIMIT_MIB << 20 for v in limits.values()), limits
