@@ -135,7 +135,7 @@ WIDTH, LIMIT_MIB = "600000", 1500
 
 def _wide(spawn, run, strategy, workers):
     return spawn(launch_cmd(strategy, "--workers", str(workers), "--memory-limit",
-                            f"worker={LIMIT_MIB}M", "--timeout", "500",
+                            f"worker={LIMIT_MIB}M", "--timeout", "1100",
                             train_args=["--task", WIDE, "--task-option", f"width={WIDTH}",
                                         "--steps", "10", "--global-batch-size", "32",
                                         "--model-dir", str(run)]))
@@ -143,16 +143,18 @@ def _wide(spawn, run, strategy, workers):
 
 @pytest.mark.long
 @pytest.mark.multiprocess
-@pytest.mark.timeout(1200)
+# Slow: ~16 s a step on a loaded 2-core host, and the chief evaluates the
+# 300 MB model on the whole test split (measured: past 500 s in all).
+@pytest.mark.timeout(2700)
 def test_a_model_too_big_for_one_tasks_memory_limit_trains_cut_over_two(tmp_path, spawn):
     one = _wide(spawn, tmp_path / "one", "multiworker", 1)
-    assert one.wait(timeout=550) not in (0, 2), one.output
+    assert one.wait(timeout=1200) not in (0, 2), one.output
     outcome = json.loads((tmp_path / "one" / "launch" / "outcome.json").read_text())
     assert outcome["oom_killed"] == {"worker:0": 1}, outcome
     assert not any("Traceback" in l for l in one.lines), one.output
 
     two = _wide(spawn, tmp_path / "two", "pipeline", 2)
-    assert two.wait(timeout=550) == 0, two.output
+    assert two.wait(timeout=1200) == 0, two.output
     r = read_results(tmp_path / "two")
     assert r["global_steps"] == 10
     _stage_shares(r, 2)
