@@ -59,6 +59,7 @@ def test_two_stages_four_micro_batches_train_as_one_process(tmp_path, spawn):
     assert r["test_accuracy"] > 0.9
     _same_math(r, o)
     _stage_shares(r, 2)
+    assert any((tmp_path / "run" / "logs").iterdir())  # TensorBoard, by the usual reporter
     # The stages' variables lived on the workers: they stopped once the chief was done.
     assert any(l.startswith("[worker:1]") and "is gone; stopping" in l for l in p.lines), p.output
     peaks = json.loads((tmp_path / "run" / "launch" / "outcome.json").read_text())

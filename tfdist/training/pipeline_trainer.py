@@ -140,6 +140,13 @@ def build_pipeline_state(plan, task, strategy) -> PipelineState:
     return PipelineState(copies, optimizers, devices, cut)
 
 
+def _split(structure, n: int) -> list:
+    """``structure`` (a tensor, or a dict or tuple of them) as ``n`` equal micro-batches."""
+    flat = tf.nest.flatten(structure)
+    parts = [tf.split(t, n) for t in flat]
+    return [tf.nest.pack_sequence_as(structure, [p[i] for p in parts]) for i in range(n)]
+
+
 def make_pipeline_step(state: PipelineState, compile_loss, metrics, micro_batches: int):
     """``step(features, labels)``: one GPipe step over every copy; returns
     (mean loss, mean metric values) over the P x M micro-batches."""
@@ -147,8 +154,7 @@ def make_pipeline_step(state: PipelineState, compile_loss, metrics, micro_batche
     P, S, M = len(copies), len(copies[0]), micro_batches
 
     def step(features, labels):
-        xs = tf.split(features, P * M)
-        ys = tf.split(labels, P * M)
+        xs, ys = _split(features, P * M), _split(labels, P * M)
         losses, values = [], []
         # tapes[p][m][s]: (tape, stage input, stage output, loss or None)
         tapes = [[[None] * S for _ in range(M)] for _ in range(P)]
