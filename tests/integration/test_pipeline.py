@@ -164,3 +164,20 @@ def test_a_model_too_big_for_one_tasks_memory_limit_trains_cut_over_two(tmp_path
     limits = outcome["memory_limits"]
     assert sorted(limits) == ["worker:0", "worker:1"]
     assert all(v["max_usage_bytes"] <= LIMIT_MIB << 20 for v in limits.values()), limits
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.timeout(900)
+def test_a_preempted_chief_saves_where_it_stopped_and_the_relaunch_resumes(tmp_path, spawn):
+    p = _pipeline(spawn, tmp_path / "run", 2, "--micro-batches", "2", "--steps", "80",
+                  "--log-every", "10",
+                  launch_args=("--preempt", "chief:0@step=30", "--max-restarts", "1",
+                               "--restart-delay", "1"))
+    assert p.wait(timeout=500) == 0, p.output
+    saved = [l for l in p.lines if l.startswith("[chief:0] preempted: checkpoint saved at step")]
+    assert saved, p.output
+    step = int(saved[0].split("step ")[1].split(";")[0])
+    r = read_results(tmp_path / "run")
+    assert r["resumed_from_step"] == step >= 30 and r["global_steps"] == 80
+    assert r["test_accuracy"] > 0.85
