@@ -46,6 +46,10 @@ BUILTIN_TASKS = {
         "mnist-logreg", "tfdist.models.mnist:LOGREG",
         "MNIST, 784 -> 10 softmax regression (the classic parameter-server example)",
         train_examples=60_000, test_examples=10_000, reads_tfds=True),
+    "mnist-mlp": BuiltinTask(
+        "mnist-mlp", "tfdist.models.mnist:MLP",
+        "MNIST, a deep MLP (four ~200k-parameter Dense layers): a chain for --strategy pipeline",
+        train_examples=60_000, test_examples=10_000, reads_tfds=True),
     "ctr": BuiltinTask(
         "ctr", "tfdist.models.ctr:TASK",
         "click-through prediction: a 2M x 16 embedding table over hashed categorical features "

@@ -1,4 +1,4 @@
-"""MNIST as two built-in tasks, ``mnist-cnn`` and ``mnist-logreg``.
+"""MNIST as built-in tasks: ``mnist-cnn``, ``mnist-logreg`` and ``mnist-mlp``.
 
 Written against the public task contract (``training.tasks``), as a user's
 task is. Images stay uint8 in the data and are scaled by the model's first
@@ -33,6 +33,20 @@ def cnn_layers() -> list:
 def logreg_layers() -> list:
     """784 -> 10 softmax regression, the classic parameter-server example."""
     return [keras.layers.Flatten(), keras.layers.Dense(NUM_CLASSES)]
+
+
+def mlp_layers() -> list:
+    """A deep MLP of four ~200k-parameter Dense layers (and a small head): a
+    chain that ``--strategy pipeline`` cuts into 2 or 4 stages of nearly equal
+    weight (each within 3 % of 1/S of the model)."""
+    return [
+        keras.layers.Flatten(),
+        keras.layers.Dense(256, activation="relu"),
+        keras.layers.Dense(768, activation="relu"),
+        keras.layers.Dense(256, activation="relu"),
+        keras.layers.Dense(768, activation="relu"),
+        keras.layers.Dense(NUM_CLASSES),
+    ]
 
 
 class MnistTask:
@@ -75,3 +89,4 @@ class MnistTask:
 # to TFDS_DATA_DIR when it is None.
 CNN = MnistTask("mnist-cnn", cnn_layers)
 LOGREG = MnistTask("mnist-logreg", logreg_layers)
+MLP = MnistTask("mnist-mlp", mlp_layers)

@@ -293,6 +293,9 @@ class Results:
     # a test batch), "tolerance", "seconds" (export and check), "check_seconds"
     # (the fresh process reloading it), "bytes"}.
     export: dict | None = None
+    # --strategy pipeline: stages, micro-batches, copies, the cut, and each
+    # worker's parameter and optimizer-state bytes (training.pipeline_trainer).
+    pipeline: dict | None = None
     # A task's extra_results(), written at the top level beside the fields above.
     extra: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION

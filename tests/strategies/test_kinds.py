@@ -54,7 +54,8 @@ def test_a_registered_kind_shows_in_dry_run_and_the_factory(toy, monkeypatch, ca
     assert list(launch_plan.build_cluster(toy, 2, ports=[5, 6])) == ["worker:0", "worker:1"]
     with pytest.raises(SystemExit):
         train.parse_args(["--help"])
-    assert "toy: a toy that trains on every worker" in capsys.readouterr().out
+    # argparse wraps the help at the terminal's width, wherever a summary ends.
+    assert "toy: a toy that trains on every worker" in " ".join(capsys.readouterr().out.split())
 
 
 def test_an_unregistered_kind_is_a_one_line_error(capsys, monkeypatch):

@@ -20,7 +20,8 @@ from tfdist.launcher import plan as plans
 from tfdist.strategies import kinds as strategy_kinds
 
 # The checkout (or install) root: train.py and launch.py sit there.
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# (tfdist/bench/common.py: three levels up.)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(ROOT, "train.py")
 LAUNCH = os.path.join(ROOT, "launch.py")
 BASELINE = "none"

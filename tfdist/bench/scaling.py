@@ -53,7 +53,7 @@ def plan(args, python: str = sys.executable) -> list[ScalingRun]:
     flags += ["--data-dir", args.data_dir] if args.data_dir else []
     only = parse_only(args.only)
     kinds = [k for k in strategy_kinds.all_kinds().values()
-             if not k.single_process and k.name in only]
+             if not k.single_process and not k.pipelined and k.name in only]
     runs = []
     for workers, shaped in [(n, True) for n in counts] + [(counts[-1], False)]:
         for kind in kinds:

@@ -8,7 +8,7 @@ import os
 import sys
 from dataclasses import dataclass, replace
 
-from tfdist.bench import scaling, sparse
+from tfdist.bench import model_parallel, scaling, sparse
 from tfdist.bench.common import BASELINE, TRAIN, BenchError, Run, cluster_prefix, parse_only
 from tfdist.strategies import kinds as strategy_kinds
 from tfdist.strategies.kinds import StrategyKind
@@ -125,7 +125,9 @@ def variants(workers: int, half: tuple[str, ...] = ()) -> list[Variant]:
     then each kind in ``half`` again (K = N) with gradients in 16 bits."""
     out = []
     for name, kind in strategy_kinds.all_kinds().items():
-        if kind.single_process:
+        # A pipelined kind cuts the model instead of copying it: the
+        # model-parallel scenario measures it on a model made for cutting.
+        if kind.single_process or kind.pipelined:
             continue
         if not kind.aggregates_gradients:
             out.append(Variant(name, name, name, generic=name))
@@ -197,7 +199,7 @@ def parse_list(text: str, cast, flag: str) -> list:
 
 
 # Studies chosen by --scenarios beside the scenarios: a task of their own.
-STUDIES = (sparse.SPARSE, scaling.SCALING)
+STUDIES = (sparse.SPARSE, scaling.SCALING, model_parallel.MODEL_PARALLEL)
 
 
 def scenario_names(text: str | None) -> list[str]:
@@ -315,6 +317,8 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
         runs += sparse.plan(args, python)
     if scaling.SCALING in scenario_names(args.scenarios):
         runs += scaling.plan(args, python)
+    if model_parallel.MODEL_PARALLEL in scenario_names(args.scenarios):
+        runs += model_parallel.plan(args, python)
     return runs
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import textwrap
 
-from tfdist.bench import scaling, sparse
+from tfdist.bench import model_parallel, scaling, sparse
 from tfdist.bench.common import BASELINE
 from tfdist.strategies import kinds as strategy_kinds
 from tfdist.bench.scenario_plan import PEERS, SCENARIOS, UNIFORM, variants
@@ -111,6 +111,7 @@ def render_markdown(rows: list[dict], targets: list[dict], settings: dict, machi
     lines += render_links(rows)
     lines += scaling.render(rows)
     lines += sparse.render(rows)
+    lines += model_parallel.render(rows)
     lines += ["## Targets (ratios measured in this run)", ""]
     for t in targets:
         mark = {True: "met", False: "**missed**", None: "not measured"}[t["met"]]
@@ -209,7 +210,8 @@ def plot(rows: list[dict], results: dict[str, dict], out: str, machine: str) -> 
     if st:
         paths.append(_plot_staleness(plt, st, where, out))
     scaled = scaling.plot(plt, rows, where, out, save)
-    return paths + ([scaled] if scaled else [])
+    piped = model_parallel.plot(plt, rows, where, out, save)
+    return paths + [p for p in (scaled, piped) if p]
 
 
 def _plot_throughput(plt, srows, scen, keys, base, *, where, out, styles, legend) -> str:

@@ -3,7 +3,7 @@ and the targets checked as ratios measured in the same run."""
 
 from __future__ import annotations
 
-from tfdist.bench import links, scaling, sparse
+from tfdist.bench import links, model_parallel, scaling, sparse
 from tfdist.bench.common import BASELINE, group_by_config, time_to_target
 from tfdist.bench.scenario_plan import (
     HALF, HALF_ACCURACY_SLACK, HALF_SPEEDUP, LINK_FRACTION, MODEL_TOLERANCE, PEERS,
@@ -150,6 +150,7 @@ def check_targets(rows: list[dict]) -> list[dict]:
         out.append({"target": label, "met": ratio >= need, "ratio": ratio,
                     "text": f"{ratio:.2f}×" if ratio >= need else _short(ratio, need)})
     out += sparse.check(rows)
+    out += model_parallel.check(rows)
     out += check_links(rows, by)
     uniform = [r for r in rows if r["scenario"] == UNIFORM and not r["peer"]]
     if uniform:

@@ -38,7 +38,7 @@ import sys
 import time
 from dataclasses import replace
 
-from tfdist.bench import scaling, sparse
+from tfdist.bench import model_parallel, scaling, sparse
 from tfdist.bench.common import BenchError, Run, load_outcomes, machine_description, run_all
 from tfdist.bench.config import BenchConfig
 from tfdist.bench.scenario_plan import PEERS_DIR, SCENARIOS, accuracy_length, plan_runs
@@ -53,7 +53,8 @@ def have_tf_keras() -> bool:
 
 
 SETTINGS_ORDER = ("model", "global batch", "seed", "steps per call", "throughput runs",
-                  "accuracy runs", "staleness study", "sparse study", "scaling study")
+                  "accuracy runs", "staleness study", "sparse study", "scaling study",
+                  "model-parallel study")
 
 
 def report_only(out: str) -> int:
@@ -109,11 +110,13 @@ def report(args: BenchConfig, runs: list[Run], results: dict[str, dict], seconds
     targets = {s: accuracy_length(args, SCENARIOS[s])[2] for s in SCENARIOS}
     studied = [r for r in runs if isinstance(r, sparse.SparseRun)]
     scaled = [r for r in runs if isinstance(r, scaling.ScalingRun)]
+    piped = [r for r in runs if isinstance(r, model_parallel.ModelParallelRun)]
     outcomes = load_outcomes(runs)
-    rows = summarize(results, [r for r in runs if r not in studied and r not in scaled], targets,
-                     outcomes)
+    rows = summarize(results, [r for r in runs if r not in studied and r not in scaled
+                               and r not in piped], targets, outcomes)
     rows += sparse.summarize(results, outcomes, studied)
     rows += scaling.summarize(results, outcomes, scaled)
+    rows += model_parallel.summarize(results, outcomes, piped)
     checked = check_targets(rows)
     machine = machine_description()
     uniform_len = f"{args.steps} steps" if args.steps else f"{args.epochs} epochs"
@@ -127,6 +130,9 @@ def report(args: BenchConfig, runs: list[Run], results: dict[str, dict], seconds
         "staleness study": f"{args.staleness_steps} steps per run",
         "sparse study": f"ctr, {args.sparse_steps} steps at global batch {args.sparse_global_batch}",
         "scaling study": f"{args.scaling_steps} steps, workers {args.scaling_workers}",
+        "model-parallel study": (f"{model_parallel.TASK}, {model_parallel.STEPS} steps at global "
+                                 f"batch {model_parallel.GLOBAL_BATCH}, S {model_parallel.STAGES} "
+                                 f"x M {model_parallel.MICRO_BATCHES}"),
     }
     assert tuple(settings) == SETTINGS_ORDER
     markdown = render_markdown(rows, checked, settings, machine, seconds)

@@ -68,6 +68,8 @@ def plan_runs(args: BenchConfig, python: str = sys.executable) -> list[Run]:
                 # No evaluation: this run only measures the input pipeline's cost.
                 add(kind, kind, 1, [python, train, f"--strategy={BASELINE}"],
                     ["--synthetic-data", "--eval-every", "0"])
+            elif strategy_kinds.get(kind).pipelined:
+                continue  # it cuts the model: the scenarios' model-parallel study runs it
             elif strategy_kinds.get(kind).single_process:
                 add(kind, kind, 1, [python, train, f"--strategy={kind}"])
             else:

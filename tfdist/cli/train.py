@@ -103,6 +103,15 @@ def _cluster_flags(cluster, d: TrainConfig) -> None:
                          help="ps-sync: gradients averaged into one update (unset: the number of "
                               "workers; fewer makes the N - K slowest backups whose late gradients "
                               "are dropped)")
+    cluster.add_argument("--micro-batches", type=int, default=d.micro_batches, metavar="M",
+                         help="pipeline: micro-batches per step (each global/(P x M) examples); "
+                              "the idle bubble is (S-1)/(M+S-1)")
+    cluster.add_argument("--pipelines", type=int, default=d.pipelines, metavar="P",
+                         help="pipeline: P data-parallel copies of the S-stage pipeline over "
+                              "P x S workers (hybrid parallelism)")
+    cluster.add_argument("--stages", default=d.stages, metavar="I,J,...",
+                         help="pipeline: the first layer of each stage after the first (unset: "
+                              "stages balanced by parameter count)")
     from tfdist.training.config import GRADIENT_DTYPES
 
     cluster.add_argument("--gradient-dtype", default=d.gradient_dtype, metavar="DTYPE",

@@ -41,7 +41,8 @@ PER_REPLICA_BATCH = 64
 # them changed would mix two runs (``training.checkpoints.check_run_record``).
 # ``total_steps`` is recorded too, but a resume may extend a run.
 DEFINING_FLAGS = ("strategy", "task", "optimizer", "learning_rate", "lr_schedule",
-                  "global_batch_size", "seed", "variable_partitioner", "shard_min_bytes")
+                  "global_batch_size", "seed", "variable_partitioner", "shard_min_bytes",
+                  "pipeline_stages")
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,11 @@ class TrainConfig:
     # push to the ps, cast back to float32 where the update is applied.
     gradient_dtype: str = "float32"
     synthetic_data: bool = False
+    # --strategy pipeline (training.stages): micro-batches per step, data-parallel
+    # copies of the pipeline, and the stage boundaries (None: balanced).
+    micro_batches: int = 1
+    pipelines: int = 1
+    stages: str | None = None
     # Parameter servers: which variables are split over the ps tasks (None:
     # min-size under a strategy with ps, none otherwise) and the minimum size.
     variable_partitioner: str | None = None
@@ -111,6 +117,7 @@ class TrainConfig:
         positive = {
             "epochs": self.epochs, "steps_per_execution": self.steps_per_execution,
             "log_every": self.log_every, "startup_timeout": self.startup_timeout,
+            "micro_batches": self.micro_batches, "pipelines": self.pipelines,
         }
         for name in ("steps", "checkpoint_every", "learning_rate", "global_batch_size"):
             if getattr(self, name) is not None:

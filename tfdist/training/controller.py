@@ -29,6 +29,7 @@ from tfdist.training.evaluation import split_metrics, weights_sha256
 from tfdist.training.export import ExportFailed, Exporter, export_finished_run
 from tfdist.training.lifetime import keep_alive_until_exit
 from tfdist.training.ps_sync_trainer import PsSyncTrainer
+from tfdist.training.pipeline_trainer import PipelineTrainer
 from tfdist.training.ps_trainer import PsTrainer
 from tfdist.training.recovery import Diverged, Preempted, storage_fault, task_lost
 from tfdist.training.reporting import Reporter, run_hparams
@@ -40,7 +41,7 @@ from tfdist.training.trainer import Trainer
 # Each strategy kind names its loop (StrategyKind.trainer); the classes live here,
 # on the training side, so strategies/ never names a training module.
 TRAINERS: dict[str, type[Trainer]] = {"sync": SyncTrainer, "ps": PsTrainer,
-                                      "ps-sync": PsSyncTrainer}
+                                      "ps-sync": PsSyncTrainer, "pipeline": PipelineTrainer}
 
 
 class Controller:
@@ -287,12 +288,15 @@ def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
     trainer = None
     try:
         keras.utils.set_random_seed(config.seed)
-        state = build_state(plan, checked.task, bundle.strategy)
+        trainer_class = TRAINERS[plan.kind.trainer]
+        # A trainer that places the model itself (pipeline stages) builds its own state.
+        state = getattr(trainer_class, "build_state", build_state)(plan, checked.task,
+                                                                   bundle.strategy)
         checkpointer = Checkpointer(state, config.model_dir, cfg.is_chief, cfg.task_name,
                                     run_record=plan.defining_flags())
         try:
             start = checkpointer.restore(plan.task.name, plan.total_steps, plan.optimizer.name)
-            trainer = TRAINERS[plan.kind.trainer](
+            trainer = trainer_class(
                 plan=plan, bundle=bundle, task=checked, state=state, checkpointer=checkpointer,
                 start_step=start, train_metrics=TrainMetrics(checked.local_model))
         except ConfigError:

@@ -22,6 +22,7 @@ from tfdist.strategies import ALL_REDUCE, check_batch_size, kinds
 from tfdist.strategies.devices import plan_devices
 from tfdist.strategies.kinds import StrategyKind
 from tfdist.strategies.tf_config import ClusterConfig
+from tfdist.training import stages as pipeline_stages
 from tfdist.training import tasks
 from tfdist.training.config import (
     DEFAULT_LEARNING_RATE, DEFAULT_LR_SCHEDULE, DEFAULT_OPTIMIZER, DEFINING_FLAGS, MAX_STEPS,
@@ -76,6 +77,7 @@ class RunPlan:
     steps_per_epoch: int
     optimizer: OptimizerPlan
     sharding: ShardingPlan = ShardingPlan()
+    pipeline: "pipeline_stages.PipelinePlan | None" = None  # --strategy pipeline only
 
     @property
     def examples_per_gradient(self) -> int:
@@ -114,6 +116,8 @@ class RunPlan:
             "total_steps": self.total_steps,
             "variable_partitioner": self.sharding.partitioner,
             "shard_min_bytes": self.sharding.min_bytes,
+            # A pipeline's checkpoint holds one object per stage: S is part of the run.
+            "pipeline_stages": self.pipeline.stages if self.pipeline else None,
         }
 
     def batch_note(self) -> str | None:
@@ -150,6 +154,7 @@ class RunPlan:
             "stuck_timeout": self.config.stuck_timeout,
             "devices": {**self.devices, "cpu": True},
             "model_dir": self.config.model_dir,
+            **({"pipeline": self.pipeline.describe()} if self.pipeline else {}),
         }
 
 
@@ -198,6 +203,10 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
     k = _gradients_per_update(config, kind, cfg)
     devices = plan_devices(kind.gpu_roles(), cfg, gpus)
     replicas = kind.replicas(cfg, len(devices["visible_gpus"]))
+    if kind.pipelined:
+        replicas *= config.pipelines  # each copy takes its share of the batch
+    else:
+        _no_pipeline_flags(config, kind)
     chosen = config.global_batch_size is None
     per_replica = tasks.per_replica_batch(spec, PER_REPLICA_BATCH)
     batch = per_replica * replicas * k if chosen else config.global_batch_size
@@ -226,13 +235,29 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
         raise ConfigError(
             f"{flag}={value} means {total} steps, more than the {MAX_STEPS} a run may ask for; "
             f"use fewer (one epoch is {steps_per_epoch} steps)")
+    pipeline = (pipeline_stages.make_plan(cfg.num_tasks("worker"), config.micro_batches,
+                                          config.pipelines, config.stages, batch)
+                if kind.pipelined else None)
     return RunPlan(
+        pipeline=pipeline,
         config=config, cluster=cfg, kind=kind, task=spec, gradients_per_update=k,
         global_batch_size=batch, batch_chosen=chosen, replicas=replicas, devices=devices,
         train_examples=train_examples, test_examples=test_examples, total_steps=total,
         steps_per_epoch=steps_per_epoch, optimizer=_optimizer(config, spec),
         sharding=_sharding(config, kind, cfg),
     )
+
+
+def _no_pipeline_flags(config: TrainConfig, kind: StrategyKind) -> None:
+    """--micro-batches, --pipelines and --stages are refused where nothing is pipelined."""
+    given = [f"--{name.replace('_', '-')} {value}" for name, value, unset in (
+        ("micro_batches", config.micro_batches, 1), ("pipelines", config.pipelines, 1),
+        ("stages", config.stages, None)) if value != unset]
+    if given:
+        able = "|".join(name for name, other in kinds.all_kinds().items() if other.pipelined)
+        raise ConfigError(
+            f"{' '.join(given)} cut the model into pipeline stages, which --strategy "
+            f"{kind.name} does not; drop the flag(s) or use --strategy {able}")
 
 
 def _sharding(config: TrainConfig, kind: StrategyKind, cfg: ClusterConfig) -> ShardingPlan:

@@ -57,6 +57,12 @@ def preflight(run_request: RunRequest, gpus: list[str] | None = None) -> RunPlan
         gpus = _physical_gpus()
     plan = resolve(run_request, gpus, train_examples=train_n, test_examples=test_n)
     check_task_dirs(plan)
+    if plan.pipeline is not None and kind.reads_data(cfg):
+        # More stages than layers, bad --stages, a model that is not a chain:
+        # one line now, not after every worker has started.
+        from tfdist.training.stages import check_cut
+
+        check_cut(plan, tasks.load(spec, config.data_dir))
     return plan
 
 

@@ -1,0 +1,218 @@
+"""Cutting a model into pipeline stages (``training.stages``), the pipeline
+kind's facts, and the pipeline's bad inputs, refused before anything starts."""
+
+import itertools
+import json
+import random
+
+import pytest
+
+from tfdist.launcher import plan as launch_plan
+from tfdist.launcher import policy
+from tfdist.protocol import ConfigError
+from tfdist.strategies import kinds
+from tfdist.strategies.tf_config import parse_tf_config
+from tfdist.training import stages
+from tfdist.training.config import TrainConfig
+from tfdist.training.plan import resolve
+
+# mnist-mlp's layers: Rescaling, Flatten, four ~200k Dense layers, a head.
+MLP_PARAMS = [0, 0, 200_960, 197_376, 196_864, 197_376, 7_690]
+
+
+def _brute_force(params, s):
+    best = None
+    for cut in itertools.combinations(range(1, len(params)), s - 1):
+        edges = [0, *cut, len(params)]
+        worst = max(sum(params[a:b]) for a, b in zip(edges, edges[1:]))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+def _worst(params, bounds):
+    return max(sum(params[a:b]) for a, b in stages.ranges(bounds, len(params)))
+
+
+def test_balance_cuts_the_mlp_into_nearly_equal_stages():
+    assert stages.balance(MLP_PARAMS, 2) == (4,)
+    assert stages.balance(MLP_PARAMS, 4) == (3, 4, 5)
+    total = sum(MLP_PARAMS)
+    for s in (2, 4):
+        shares = [sum(MLP_PARAMS[a:b]) / total
+                  for a, b in stages.ranges(stages.balance(MLP_PARAMS, s), len(MLP_PARAMS))]
+        assert all(abs(share - 1 / s) < 0.1 / s for share in shares), shares
+
+
+def test_balance_is_optimal_and_every_stage_holds_a_layer():
+    rng = random.Random(0)
+    for _ in range(200):
+        params = [rng.choice([0, 1, 5, 100, 1000]) for _ in range(rng.randint(1, 8))]
+        s = rng.randint(1, len(params))
+        bounds = stages.balance(params, s)
+        assert len(bounds) == s - 1 and list(bounds) == sorted(set(bounds))
+        assert all(a < b for a, b in stages.ranges(bounds, len(params)))
+        assert _worst(params, bounds) == _brute_force(params, s)
+
+
+def test_more_stages_than_layers_is_refused():
+    with pytest.raises(ConfigError, match="cannot cut a chain of 3 layer"):
+        stages.balance([0, 0, 10], 4)
+
+
+@pytest.mark.parametrize("text", ["0,2", "3,2", "2,2", "a", "1,,2", "-1"])
+def test_bad_stage_boundaries_are_refused(text):
+    with pytest.raises(ConfigError, match="--stages .* is not a list of layer indices"):
+        stages.parse_boundaries(text)
+
+
+def test_make_plan_checks_workers_stages_and_batch():
+    pp = stages.make_plan(4, 4, 2, None, 64)
+    assert (pp.stages, pp.micro_batches, pp.pipelines) == (2, 4, 2)
+    assert [pp.worker(p, s) for p in range(2) for s in range(2)] == [0, 1, 2, 3]
+    assert pp.bubble() == pytest.approx(1 / 5)
+    assert stages.make_plan(3, 1, 1, "2,4", 64).boundaries == (2, 4)
+    with pytest.raises(ConfigError, match="--pipelines 2 needs P x S workers"):
+        stages.make_plan(3, 1, 2, None, 64)
+    with pytest.raises(ConfigError, match="--pipelines 2 needs P x S workers"):
+        stages.make_plan(1, 1, 2, None, 64)
+    with pytest.raises(ConfigError, match="makes 3 stages, but 2 worker"):
+        stages.make_plan(2, 1, 1, "2,4", 64)
+    with pytest.raises(ConfigError, match="does not split into 2 pipeline copies x 3 micro"):
+        stages.make_plan(4, 3, 2, None, 64)
+
+
+def _cluster(workers, ps=0, task=("chief", 0)):
+    cluster = {"chief": ["localhost:1"], "worker": [f"localhost:{10 + i}" for i in range(workers)]}
+    if ps:
+        cluster["ps"] = ["localhost:2"]
+    return parse_tf_config(json.dumps({"cluster": cluster,
+                                       "task": {"type": task[0], "index": task[1]}}))
+
+
+def test_the_pipeline_kind_lays_out_a_client_and_serving_workers():
+    kind = kinds.get("pipeline")
+    assert kind.pipelined and kind.trainer in kinds.LOOPS
+    assert policy.layout(kind, 4) == {"chief": 1, "worker": 4, "ps": 0}
+    assert launch_plan.task_names(kind, 2) == ["chief:0", "worker:0", "worker:1"]
+    assert not policy.decides(kind, "worker:1") and policy.decides(kind, "chief:0")
+    cfg = _cluster(2)
+    assert kind.reads_data(cfg) and not kind.serves(cfg)
+    assert kind.serves(_cluster(2, task=("worker", 1)))
+    # --strategy auto never cuts a model on its own.
+    assert kinds.resolve("auto", cfg).name != "pipeline"
+    with pytest.raises(ConfigError, match="takes no 'ps' job"):
+        kinds.resolve("pipeline", _cluster(2, ps=1))
+    with pytest.raises(ConfigError, match="takes no ps tasks"):
+        policy.layout(kind, 2, ps=1)
+    no_chief = parse_tf_config(json.dumps({"cluster": {"worker": ["localhost:1"]},
+                                           "task": {"type": "worker", "index": 0}}))
+    with pytest.raises(ConfigError, match="needs a 'chief' task"):
+        kinds.resolve("pipeline", no_chief)
+
+
+def _resolve(workers=2, **flags):
+    config = TrainConfig(strategy=flags.pop("strategy", "pipeline"), task="mnist-mlp",
+                         steps=10, cluster=_cluster(workers), **flags)
+    return resolve(config, [], train_examples=60_000, test_examples=10_000)
+
+
+def test_the_plan_resolves_the_pipeline_and_its_batch():
+    plan = _resolve(4, micro_batches=4, pipelines=2)
+    assert plan.pipeline.stages == 2 and plan.replicas == 2
+    assert plan.global_batch_size == 128  # 64 per copy, TensorFlow's convention
+    assert plan.describe()["pipeline"]["predicted_bubble"] == 0.2
+    assert plan.defining_flags()["pipeline_stages"] == 2
+    with pytest.raises(ConfigError, match="does not split into 1 pipeline copies x 5"):
+        _resolve(2, micro_batches=5)
+
+
+@pytest.mark.parametrize("flags", [{"micro_batches": 4}, {"pipelines": 2}, {"stages": "3"}])
+def test_pipeline_flags_are_refused_under_other_strategies(flags):
+    config = TrainConfig(strategy="mirrored", task="mnist-mlp", steps=10, **flags)
+    with pytest.raises(ConfigError, match="does not; drop the flag.* --strategy pipeline"):
+        resolve(config, [], train_examples=60_000, test_examples=10_000)
+
+
+# --- cutting Keras models (builds small models locally) --------------------------
+
+
+class _Task:
+    def __init__(self, build, provide=None):
+        self.build_model, self._provide = build, provide
+        if provide is not None:
+            self.stages = provide
+
+
+def _dense_chain(functional):
+    import keras
+
+    layers = [keras.layers.Dense(8, activation="relu"), keras.layers.Dense(8),
+              keras.layers.Dense(3)]
+    if not functional:
+        return keras.Sequential([keras.Input((4,)), *layers])
+    x = inp = keras.Input((4,))
+    for layer in layers:
+        x = layer(x)
+    return keras.Model(inp, x)
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_a_chain_is_cut_into_stages_that_compute_the_model(functional):
+    import numpy as np
+
+    model = _dense_chain(functional)
+    pp = stages.make_plan(2, 1, 1, "2", 64)
+    local, cut = stages.local_stages(_Task(lambda: model), model, pp)
+    assert len(local) == 2 and "stage 0: layers 0-1" in cut and "stage 1: layers 2-2" in cut
+    x = np.random.default_rng(0).normal(size=(5, 4)).astype("float32")
+    np.testing.assert_allclose(local[1](local[0](x)), model(x), rtol=1e-6)
+    whole = [w.shape for w in model.weights]
+    assert [w.shape for m in local for w in m.weights] == whole
+
+
+def test_a_model_that_is_not_a_chain_is_refused_saying_how_to_provide_stages():
+    import keras
+
+    inp = keras.Input((4,))
+    h = keras.layers.Dense(4)(inp)
+    out = keras.layers.Dense(2)(keras.layers.Add()([inp, h]))  # a residual: not a chain
+    model = keras.Model(inp, out)
+    pp = stages.make_plan(2, 1, 1, None, 64)
+    with pytest.raises(ConfigError, match="is not a chain of layers; provide stages: .*stages\\(\\)"):
+        stages.local_stages(_Task(lambda: model), model, pp)
+
+
+def test_a_task_may_provide_its_own_stages():
+    import keras
+
+    def two():
+        return [keras.Sequential([keras.Input((4,)), keras.layers.Dense(8)]),
+                keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])]
+
+    def whole():
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(3)])
+
+    model = whole()
+    pp = stages.make_plan(2, 1, 1, None, 64)
+    local, cut = stages.local_stages(_Task(whole, two), model, pp)
+    assert "from the task's stages()" in cut
+    # They start from build_model()'s (seeded) weights.
+    for got, want in zip([w for m in local for w in m.get_weights()], model.get_weights()):
+        assert (got == want).all()
+    with pytest.raises(ConfigError, match="stages\\(\\) returned 2 models, but the cluster has 3"):
+        stages.local_stages(_Task(whole, two), model, stages.make_plan(3, 1, 1, None, 64))
+
+
+def test_train_refuses_more_stages_than_layers_in_one_line(monkeypatch, capsys, tmp_path):
+    from tfdist.cli import train
+
+    tf_config = {"cluster": {"chief": ["localhost:1"],
+                             "worker": [f"localhost:{10 + i}" for i in range(4)]},
+                 "task": {"type": "chief", "index": 0}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config))
+    # mnist-logreg is Rescaling, Flatten, Dense: 3 layers for 4 stages.
+    code = train.main(["--strategy", "pipeline", "--task", "mnist-logreg", "--check-only",
+                       "--model-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: task mnist-logreg: cannot cut its 3 layer(s) into 4 stages")

@@ -1,0 +1,241 @@
+"""How a model is cut into pipeline stages (``--strategy pipeline``).
+
+A task's Sequential model, or a functional model that is a chain of layers
+(one input, each layer fed by the one before), is cut into ``S`` consecutive
+stages balanced by parameter count; ``--stages 3,5`` names the layers where
+stages 1, 2, ... begin instead. A task whose model is not a chain provides
+``stages()`` returning a list of Keras models, applied one after the other.
+Anything else is refused in one line saying how to provide stages.
+
+The cutting itself (``PipelinePlan``, ``parse_boundaries``, ``balance``,
+``check_boundaries``) is pure Python: the plan and its tests need no
+TensorFlow. ``local_stages`` builds the stages as local Keras models (on
+the client); ``training.pipeline_trainer`` places copies of them on the
+workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tfdist.protocol import ConfigError
+
+HOW = ("provide stages: a Sequential model or a functional chain of layers is cut "
+       "automatically; otherwise give the task a stages() method returning a list of Keras "
+       "models applied one after the other")
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The pipeline of a run: S stages, M micro-batches per step, P copies."""
+
+    stages: int  # S: workers per copy, one stage each
+    micro_batches: int  # M
+    pipelines: int  # P: data-parallel copies of the S-stage pipeline
+    boundaries: tuple[int, ...] | None = None  # --stages: the first layer of stages 1..S-1
+
+    def worker(self, copy: int, stage: int) -> int:
+        """The worker task index holding ``stage`` of ``copy``: copy p takes workers p*S..p*S+S-1."""
+        return copy * self.stages + stage
+
+    def bubble(self) -> float:
+        """GPipe's idle fraction (S - 1) / (M + S - 1): each stage waits S - 1 micro-batch slots."""
+        return (self.stages - 1) / (self.micro_batches + self.stages - 1)
+
+    def describe(self) -> dict:
+        return {"stages": self.stages, "micro_batches": self.micro_batches,
+                "pipelines": self.pipelines,
+                "boundaries": list(self.boundaries) if self.boundaries else None,
+                "predicted_bubble": round(self.bubble(), 4)}
+
+
+def parse_boundaries(text: str | None) -> tuple[int, ...] | None:
+    """``--stages 3,5`` -> (3, 5); one line for anything but increasing positive integers."""
+    if text is None or text == "":
+        return None
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or any(v < 1 for v in values) or list(values) != sorted(set(values)):
+        raise ConfigError(
+            f"--stages {text!r} is not a list of layer indices; pass the index of the first "
+            "layer of each stage after the first, increasing and comma-separated (e.g. "
+            "--stages 2,4 cuts layers 0-1 | 2-3 | 4-...), or leave it out to balance by "
+            "parameter count")
+    return values
+
+
+def make_plan(workers: int, micro_batches: int, pipelines: int, stages_text: str | None,
+              global_batch: int) -> PipelinePlan:
+    """The pipeline for ``workers`` worker tasks; ConfigError (one line) for what cannot run."""
+    if pipelines < 1 or micro_batches < 1:
+        raise ConfigError(f"--pipelines={pipelines} --micro-batches={micro_batches}: both "
+                          "must be at least 1")
+    if workers < pipelines or workers % pipelines:
+        raise ConfigError(
+            f"--pipelines {pipelines} needs P x S workers (S stages per copy), received "
+            f"{workers} worker(s); use --workers {pipelines * max(1, workers // pipelines)} "
+            f"or --pipelines dividing {workers}")
+    stages = workers // pipelines
+    boundaries = parse_boundaries(stages_text)
+    if boundaries is not None and len(boundaries) + 1 != stages:
+        raise ConfigError(
+            f"--stages {stages_text} makes {len(boundaries) + 1} stages, but {workers} "
+            f"worker(s) over --pipelines {pipelines} make {stages}; give {stages - 1} "
+            f"boundaries, or use --workers {(len(boundaries) + 1) * pipelines}")
+    per_copy, rest = divmod(global_batch, pipelines)
+    if rest or per_copy % micro_batches:
+        raise ConfigError(
+            f"--global-batch-size={global_batch} does not split into {pipelines} pipeline "
+            f"copies x {micro_batches} micro-batches of equal size; use a multiple of "
+            f"{pipelines * micro_batches}")
+    return PipelinePlan(stages, micro_batches, pipelines, boundaries)
+
+
+def balance(params: list[int], stages: int) -> tuple[int, ...]:
+    """Boundaries cutting ``params`` (one count per layer) into ``stages``
+    contiguous non-empty runs whose largest parameter count is smallest (ties:
+    the earliest cut). Pure; ConfigError when there are fewer layers than stages.
+    """
+    n = len(params)
+    if stages > n:
+        raise ConfigError(
+            f"cannot cut a chain of {n} layer(s) into {stages} stages; use at most {n} workers "
+            "per pipeline copy")
+    prefix = [0]
+    for p in params:
+        prefix.append(prefix[-1] + p)
+    inf = float("inf")
+    # best[k][i]: the smallest max over cuts of the first i layers into k stages.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    bounds, i = [], n
+    for k in range(stages, 1, -1):
+        i = cut[k][i]
+        bounds.append(i)
+    return tuple(reversed(bounds))
+
+
+def check_boundaries(boundaries: tuple[int, ...], layers: int) -> None:
+    if boundaries[-1] >= layers:
+        raise ConfigError(
+            f"--stages {','.join(map(str, boundaries))} cuts at layer {boundaries[-1]}, but the "
+            f"model's chain has {layers} layers (0-{layers - 1}); every stage needs at least one")
+
+
+def ranges(boundaries: tuple[int, ...], layers: int) -> list[tuple[int, int]]:
+    """[(first, end), ...] of each stage's layers."""
+    edges = [0, *boundaries, layers]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+# --- Keras -------------------------------------------------------------------------
+
+
+def chain_layers(model) -> list | None:
+    """The model's layers in order when it is a chain (None otherwise).
+
+    A Sequential model is one; a functional model is one when it has one
+    input and one output and each layer is called once, on the output of
+    the layer before it.
+    """
+    import keras
+
+    if isinstance(model, keras.Sequential):
+        return list(model.layers)
+    if len(getattr(model, "inputs", None) or []) != 1 or len(model.outputs) != 1:
+        return None
+    layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    previous = model.inputs[0]
+    for layer in layers:
+        nodes = getattr(layer, "_inbound_nodes", [])
+        if len(nodes) != 1 or len(nodes[0].input_tensors) != 1:
+            return None
+        if nodes[0].input_tensors[0] is not previous:
+            return None
+        previous = layer.output
+    return layers if previous is model.outputs[0] else None
+
+
+def _params(layer) -> int:
+    import math
+
+    return int(sum(math.prod(w.shape) for w in layer.weights))
+
+
+def local_stages(task, model, plan: PipelinePlan, name: str = "task") -> tuple[list, str]:
+    """The stages as local Keras models sharing ``model``'s layers (and so its
+    initial weights), and a one-line description of the cut.
+
+    ``task.stages()`` when the task has it (its models' weights must line
+    up with ``model``'s, so evaluation and checkpoints see one model);
+    otherwise ``model`` cut as a chain. ConfigError (one line) otherwise.
+    """
+    import keras
+
+    provider = getattr(task, "stages", None)
+    if callable(provider):
+        given = provider()
+        if (not isinstance(given, (list, tuple)) or not given
+                or not all(isinstance(m, keras.Model) for m in given)):
+            raise ConfigError(f"task {name}: stages() must return a non-empty list of Keras "
+                              f"models, received {type(given).__name__}; {HOW}")
+        if len(given) != plan.stages:
+            raise ConfigError(
+                f"task {name}: stages() returned {len(given)} models, but the cluster has "
+                f"{plan.stages} stages per pipeline copy; use --workers "
+                f"{len(given) * plan.pipelines}")
+        if plan.boundaries is not None:
+            raise ConfigError(f"task {name} provides its own stages(); drop --stages")
+        want = [tuple(w.shape) for w in model.weights]
+        got = [tuple(w.shape) for m in given for w in m.weights]
+        if want != got:
+            raise ConfigError(
+                f"task {name}: the weights of its stages() ({len(got)} arrays) do not line up "
+                f"with build_model()'s ({len(want)}); make stages() the same layers as "
+                "build_model(), in order")
+        for var, value in zip([w for m in given for w in m.weights], model.get_weights()):
+            var.assign(value)  # the stages start from build_model()'s (seeded) weights
+        return list(given), f"{len(given)} stages from the task's stages()"
+    layers = chain_layers(model)
+    if layers is None:
+        raise ConfigError(f"task {name}: its model {type(model).__name__} "
+                          f"{getattr(model, 'name', '')!r} is not a chain of layers; {HOW}")
+    counts = [_params(layer) for layer in layers]
+    if plan.stages > len(layers):
+        raise ConfigError(
+            f"task {name}: cannot cut its {len(layers)} layer(s) into {plan.stages} stages "
+            f"(workers per pipeline copy); use at most {len(layers)} workers per copy")
+    if plan.boundaries is not None:
+        check_boundaries(plan.boundaries, len(layers))
+        bounds = plan.boundaries
+    else:
+        bounds = balance(counts, plan.stages)
+    first_input = model.inputs[0]
+    stages, parts = [], []
+    for s, (a, b) in enumerate(ranges(bounds, len(layers))):
+        source = first_input if a == 0 else layers[a - 1].output
+        inp = keras.Input(shape=tuple(source.shape[1:]), dtype=source.dtype,
+                          name=f"stage{s}_in")
+        out = inp
+        for layer in layers[a:b]:
+            out = layer(out)
+        stages.append(keras.Model(inp, out, name=f"stage{s}"))
+        parts.append(f"stage {s}: layers {a}-{b - 1} ({sum(counts[a:b])} params)")
+    return stages, "; ".join(parts)
+
+
+def check_cut(plan, task) -> str:
+    """Cut the task's model as the run will (a local build, no cluster): the
+    cut's description, or ConfigError before anything starts."""
+    local, cut = local_stages(task, task.build_model(), plan.pipeline, plan.task.name)
+    del local
+    return cut
