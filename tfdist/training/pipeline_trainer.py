@@ -225,8 +225,10 @@ class PipelineTrainer(Trainer):
     def build_state(plan, task, strategy):
         return build_pipeline_state(plan, task, strategy)
 
-    def __init__(self, plan, bundle, task, state, checkpointer, start_step, train_metrics):
-        super().__init__(plan, bundle, task, state, checkpointer, start_step, train_metrics)
+    def __init__(self, *, plan, bundle, task, state, checkpointer, start_step, train_metrics):
+        super().__init__(plan=plan, bundle=bundle, task=task, state=state,
+                         checkpointer=checkpointer, start_step=start_step,
+                         train_metrics=train_metrics)
         pp = plan.pipeline
         state.sync_copies()  # the restored copy 0 everywhere
         dataset_fn = data.make_dataset_fn(
@@ -274,14 +276,16 @@ class PipelineTrainer(Trainer):
     def stop_requested(self) -> bool:
         return self._preempted
 
-    def train(self, num_steps: int) -> None:
+    def train(self, num_steps: int) -> dict[str, float]:
         self._out = self._train_fn(self._iterator, tf.constant(num_steps))
         self.completed += num_steps
+        return self._metrics()
 
-    def drain(self) -> None:
+    def drain(self) -> dict[str, float]:
         """Each call returns with its steps applied."""
+        return self._metrics()
 
-    def metrics(self) -> dict[str, float]:
+    def _metrics(self) -> dict[str, float]:
         if self._out is None:
             return {}
         return metric_dict(self._out["loss"], self.metric_names, self._out["metrics"])
