@@ -62,7 +62,7 @@ def preflight(run_request: RunRequest, gpus: list[str] | None = None) -> RunPlan
         # one line now, not after every worker has started.
         from tfdist.training.stages import check_cut
 
-        check_cut(plan, tasks.load(spec, config.data_dir))
+        check_cut(plan, tasks.load(spec, plan.config.data_dir))
     return plan
 
 
