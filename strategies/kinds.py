@@ -61,6 +61,13 @@ class StrategyKind:
     aggregates_gradients = False
     # The ps tasks the strategy needs at least (0: it takes none).
     min_ps = 0
+    # What of Keras's training contract the strategy cannot honour, each the
+    # reason given in the one line that refuses it (tfdist.training.contract):
+    # a model's own train_step, optimizer options ({option: reason}), and
+    # Keras's LossScaleOptimizer. Empty: honoured as model.fit honours it.
+    own_train_step_refusal = ""
+    optimizer_refusals: Mapping[str, str] = {}
+    loss_scale_refusal = ""
 
     # --- the cluster ------------------------------------------------------
 
@@ -143,6 +150,16 @@ def _cluster_resolver(cfg: ClusterConfig):
     )
 
 
+# Keras's gradient accumulation all-reduces inside a tf.cond, which an
+# all-reduce strategy cannot trace (model.fit fails the same way under
+# MirroredStrategy: "merge_call called while defining a new graph").
+_ACCUMULATION_IN_COND = {
+    "gradient_accumulation_steps": "Keras's accumulation all-reduces the gradients inside a "
+    "tf.cond, which tf.distribute cannot trace (model.fit fails the same way under "
+    "MirroredStrategy)",
+}
+
+
 class NoStrategy(StrategyKind):
     name = "none"
     summary = "no distribution: TensorFlow's default strategy, one device (the baseline)"
@@ -163,6 +180,7 @@ class NoStrategy(StrategyKind):
 class Mirrored(StrategyKind):
     name = "mirrored"
     summary = "MirroredStrategy: every local GPU (or the CPU) in one process"
+    optimizer_refusals = _ACCUMULATION_IN_COND
     single_process = True
 
     def check(self, cfg):
@@ -182,6 +200,7 @@ class Mirrored(StrategyKind):
 class MultiWorker(StrategyKind):
     name = "multiworker"
     summary = "MultiWorkerMirroredStrategy: synchronous all-reduce, one process per worker"
+    optimizer_refusals = _ACCUMULATION_IN_COND
 
     def check(self, cfg):
         if cfg.num_ps:

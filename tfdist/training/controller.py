@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from tfdist import protocol
 from tfdist.protocol import ConfigError
+from tfdist.training import contract
 from tfdist.training.checkpoints import Checkpointer
 from tfdist.training.evaluation import split_metrics, weights_sha256
 from tfdist.training.lifetime import keep_alive_until_exit
@@ -78,6 +79,7 @@ class Controller:
             try:
                 begun = self._first_call()
                 self._loop()
+                contract.finish_training(trainer.state.model, trainer.state.optimizer)
                 finished = True
             except Preempted as err:
                 # One typed record of the saved step, however the preemption
@@ -266,13 +268,14 @@ def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
     trainer = None
     try:
         keras.utils.set_random_seed(config.seed)
-        state = build_state(plan, checked.task, bundle.strategy)
+        state = build_state(plan, checked.task, bundle.strategy, checked.example)
         checkpointer = Checkpointer(state, config.model_dir, cfg.is_chief, cfg.task_name,
                                     run_record=plan.defining_flags())
         try:
             start = checkpointer.restore(plan.task.name, plan.total_steps, plan.optimizer.name)
             trainer = TRAINERS[plan.kind.trainer](plan, bundle, checked, state, checkpointer,
-                                                  start, TrainMetrics(checked.local_model))
+                                                  start, TrainMetrics(checked.local_model,
+                                                                     checked.own_step_names))
         except ConfigError:
             checkpointer.close()  # a worker's private directory
             raise

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from tfdist.protocol import ConfigError, Exit
 from tfdist.strategies import kinds
-from tfdist.training import tasks
+from tfdist.training import contract, tasks
 from tfdist.training.config import TrainConfig, check_model_dir
 from tfdist.training.plan import RunPlan, resolve
 
@@ -51,6 +51,7 @@ def preflight(config: TrainConfig, gpus: list[str] | None = None) -> RunPlan:
     if train_n is None and kind.reads_data(cfg):
         checked = tasks.inspect(spec, tasks.load(spec, config.data_dir),
                                 steps_given=config.steps is not None)
+        contract.check(kind, checked, config.gradient_dtype)
         train_n, test_n = checked.info.train_examples, checked.info.test_examples
     elif train_n is None:
         # A task that does not read data (a ps, a worker under ps) needs
@@ -139,6 +140,7 @@ def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None
     bundle = kind.build(cfg, all_reduce=config.all_reduce)
     checked = tasks.inspect(spec, task if task is not None else tasks.load(spec, config.data_dir),
                             steps_given=config.steps is not None)
+    contract.check(kind, checked, config.gradient_dtype)
     info = checked.info
     plan = resolve(config, gpus, train_examples=info.train_examples,
                    test_examples=info.test_examples, spec=spec)
