@@ -341,6 +341,12 @@ class SyncParameterServer(ParameterServer):
     trainer = "ps-sync"
     asynchronous = False
     aggregates_gradients = True
+    own_train_step_refusal = (
+        "the workers hand their gradients to ps:0, which averages K of them into one update; "
+        "a train_step applies its own update")
+    loss_scale_refusal = (
+        "the workers' gradients are averaged and applied on ps:0 without the loss scaling "
+        "(use mixed_bfloat16, or --strategy ps)")
 
     auto_rank = 100
 

@@ -51,11 +51,12 @@ def as_dataset(value: Any, what: str):
 
     if isinstance(value, tf.data.Dataset):
         return value
+    given = value
     if isinstance(value, list):
         value = tuple(value)
     leaves = tf.nest.flatten(value)
     if not leaves or not all(isinstance(v, (np.ndarray, tf.Tensor)) for v in leaves):
-        return value
+        return given
     sizes = {int(v.shape[0]) if len(v.shape) else None for v in leaves}
     if len(sizes) != 1 or None in sizes:
         raise ConfigError(f"{what} returned arrays of different lengths "
@@ -126,6 +127,18 @@ def check(kind, checked, gradient_dtype: str = "float32") -> None:
                               f"and applies the gradients and --gradient-dtype {gradient_dtype} "
                               "cannot be honoured; drop --gradient-dtype, or move the logic "
                               "into call()/compute_loss()")
+    if getattr(model, "run_eagerly", False):
+        raise ConfigError(f"{who}the model is compiled with run_eagerly=True; a distributed "
+                          "step is always traced (tf.function), so compile without it "
+                          "(debug eagerly with model.fit, then train here)")
+    spe = getattr(model, "steps_per_execution", 1)
+    if spe not in (1, None):
+        raise ConfigError(f"{who}the model is compiled with steps_per_execution={spe}; the "
+                          "library packs steps into one call itself: compile without it and "
+                          f"pass --steps-per-execution {spe}")
+    if getattr(task, "callbacks", None) is not None:
+        raise ConfigError(f"{who}the task gives callbacks, which the library does not run yet "
+                          "(docs/fit-conformance.md); remove callbacks() from the task")
     opt = getattr(model, "optimizer", None)
     inner = getattr(opt, "inner_optimizer", None)
     for o in (opt, inner):
@@ -161,3 +174,49 @@ def finish_training(model, optimizer) -> None:
     if getattr(optimizer, "use_ema", False) or getattr(
             getattr(optimizer, "inner_optimizer", None), "use_ema", False):
         optimizer.finalize_variable_values(model.trainable_variables)
+
+
+# Every argument of keras.Model.compile and fit, and every step a model may
+# override (Keras 3.15), and what the library does with it: "honoured ..."
+# (as fit does), "mapped ..." (a flag or the task contract gives it) or
+# "refused ..." (one line, exit 2). tests/training/test_fit_conformance.py
+# lists Keras's own signatures against this table and docs/fit-conformance.md.
+CONTRACT = {
+    "compile": {
+        "optimizer": "honoured: the task's own optimizer trains (a flag may replace it)",
+        "loss": "honoured: Keras's CompileLoss, one or one per output",
+        "loss_weights": "honoured: Keras's CompileLoss",
+        "metrics": "honoured: Keras's CompileMetrics, named as fit names them",
+        "weighted_metrics": "honoured: with the elements' or class_weight's sample weights",
+        "run_eagerly": "refused: a distributed step is always traced",
+        "steps_per_execution": "mapped: --steps-per-execution; refused in compile",
+        "jit_compile": "honoured: the replica's step compiled with XLA inside strategy.run",
+        "auto_scale_loss": "honoured: Keras's LossScaleOptimizer (refused under ps-sync)",
+    },
+    "fit": {
+        "x": "mapped: dataset(split) features (a Dataset, or NumPy arrays)",
+        "y": "mapped: dataset(split) labels",
+        "batch_size": "mapped: --global-batch-size",
+        "epochs": "mapped: --epochs (or --steps)",
+        "verbose": "mapped: progress lines every --log-every steps",
+        "callbacks": "refused: a task's callbacks() are not run yet",
+        "validation_split": "refused: not offered (give a test split)",
+        "validation_data": "mapped: the test split, evaluated every --eval-every steps",
+        "shuffle": "honoured: every epoch reshuffled with --seed",
+        "class_weight": "honoured: the task's class_weight attribute",
+        "sample_weight": "honoured: (features, label, sample_weight) elements",
+        "initial_epoch": "mapped: a run resumes from its last checkpoint",
+        "steps_per_epoch": "mapped: --steps",
+        "validation_steps": "mapped: the whole test split is evaluated",
+        "validation_batch_size": "mapped: the evaluation batch is the library's",
+        "validation_freq": "mapped: --eval-every",
+    },
+    "override": {
+        "train_step": "honoured: called inside strategy.run (refused under ps-sync and "
+                      "with --gradient-dtype)",
+        "test_step": "honoured: evaluation is Keras's evaluate on a local copy",
+        "predict_step": "honoured: the saved model.keras keeps it",
+        "compute_loss": "honoured: the library's step calls model.compute_loss",
+        "compute_metrics": "honoured: called by a model's own train_step; evaluation uses it",
+    },
+}

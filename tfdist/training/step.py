@@ -110,6 +110,10 @@ def make_step_fn(state: TrainState, metrics: TrainMetrics, gradient_dtype: str =
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss, metrics.batch_values(labels, y_pred, sample_weight)
 
+    if getattr(model, "jit_compile", False):
+        # As fit compiles its step under jit_compile=True: the replica's
+        # step with XLA, called inside strategy.run.
+        return tf.function(step_fn, jit_compile=True, reduce_retracing=True)
     return step_fn
 
 
