@@ -17,8 +17,13 @@ SIZES = {"train": 4_000, "test": 1_000, "validation": 500}
 FEATURES, CLASSES = 8, 3
 
 
-def arrays(split):
-    """(x, class label, regression target) of a split, the same on every call."""
+def arrays(split, splits=("train", "test")):
+    """(x, class label, regression target) of a split, the same on every call.
+
+    KeyError for a split not in ``splits``: as a task without a validation split says so.
+    """
+    if split not in splits:
+        raise KeyError(split)
     rng = np.random.default_rng({"train": 1, "test": 2, "validation": 3}[split])
     w = np.random.default_rng(0).normal(size=(FEATURES, CLASSES)).astype("float32")
     x = rng.normal(size=(SIZES[split], FEATURES)).astype("float32")
@@ -35,6 +40,8 @@ def _head(x, name=None, dtype=None):
 class Blobs:
     """A functional model, sparse categorical cross-entropy and accuracy."""
 
+    splits = ("train", "test")
+
     def optimizer(self):
         return keras.optimizers.Adam(1e-2)
 
@@ -46,7 +53,7 @@ class Blobs:
         return model
 
     def dataset(self, split):
-        x, y, _ = arrays(split)
+        x, y, _ = arrays(split, self.splits)
         return tf.data.Dataset.from_tensor_slices((x, y))
 
 
@@ -278,11 +285,13 @@ class NumpyData(Blobs):
 
 
 class Validated(Blobs):
-    """A "validation" split, evaluated every epoch."""
+    """A "validation" split (NumPy arrays), evaluated every epoch; the others have none."""
+
+    splits = ("train", "test", "validation")
 
     def dataset(self, split):
-        x, y, _ = arrays(split)
-        return tf.data.Dataset.from_tensor_slices((x, y))
+        x, y, _ = arrays(split, self.splits)
+        return (x, y) if split == "validation" else tf.data.Dataset.from_tensor_slices((x, y))
 
 
 # Instances, for task specs such as tests/training/fit_tasks.py:SUBCLASSED.
@@ -314,6 +323,13 @@ def plain_fit(task, epochs=2, batch_size=64, seed=0):
     if not isinstance(train, tf.data.Dataset):
         train = tf.data.Dataset.from_tensor_slices(train)
         test = tf.data.Dataset.from_tensor_slices(test)
-    model.fit(train.shuffle(SIZES["train"], seed=seed).batch(batch_size), epochs=epochs,
-              class_weight=getattr(task, "class_weight", None), verbose=0)
-    return model.evaluate(test.batch(1000), verbose=0, return_dict=True)
+    validation = None
+    if "validation" in getattr(task, "splits", ()):
+        validation = tf.data.Dataset.from_tensor_slices(task.dataset("validation")).batch(1000)
+    history = model.fit(train.shuffle(SIZES["train"], seed=seed).batch(batch_size),
+                        epochs=epochs, class_weight=getattr(task, "class_weight", None),
+                        validation_data=validation, verbose=0)
+    out = model.evaluate(test.batch(1000), verbose=0, return_dict=True)
+    # The last epoch's val_* logs, when the task has a validation split.
+    out.update({k: v[-1] for k, v in history.history.items() if k.startswith("val_")})
+    return out

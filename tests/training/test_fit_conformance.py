@@ -42,13 +42,11 @@ METRICS = {
     "JIT": ("accuracy",),
     "NUMPY_DATA": ("accuracy",),
     "GRADIENT_ACCUMULATION": ("accuracy",),
+    # val_* of the last epoch, as fit(validation_data=...) logs them.
+    "VALIDATED": ("accuracy", "val_accuracy", "val_loss"),
 }
 # In the default tier (seconds each); the rest in the long tier.
 FAST = ("SUBCLASSED", "TWO_OUTPUTS", "FLIPPED_TRAIN_STEP")
-
-
-def _class_name(name: str) -> str:
-    return "".join(part.capitalize() for part in name.split("_")).replace("Ema", "Ema")
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,9 +57,12 @@ def plain_fit(name: str) -> dict:
 def _compare(name: str, got: dict, tolerance: float) -> None:
     want = plain_fit(name)
     # The same names Keras gives (cls_accuracy, reg_mae, ...), loss aside.
-    assert set(got["test_metrics"]) == set(want) - {"loss"}, (got["test_metrics"], want)
+    assert set(got["test_metrics"]) == {k for k in want if not k.startswith("val_")} - {
+        "loss"}, (got["test_metrics"], want)
+    assert set(got.get("val_metrics") or {}) == {k for k in want if k.startswith("val_")}
     for metric in METRICS[name]:
-        value = got["test_loss"] if metric == "loss" else got["test_metrics"][metric]
+        value = (got["test_loss"] if metric == "loss" else got["val_metrics"][metric]
+                 if metric.startswith("val_") else got["test_metrics"][metric])
         assert abs(value - want[metric]) <= tolerance, (name, metric, value, want[metric])
 
 
@@ -95,6 +96,12 @@ def test_one_process_strategies_train_as_fit(tmp_path, capsys, strategy, name):
             assert f" {metric} " in line, line
         tags = tensorboard_tags(str(tmp_path / "logs"))["scalars"]
         assert {"train/cls_accuracy", "train/reg_mae", "test/cls_accuracy"} <= tags, tags
+    if name == "VALIDATED":
+        # Every epoch end: a line and TensorBoard's val/ scalars.
+        out = capsys.readouterr().out
+        assert len(re.findall(r"^validation step \d+ epoch \d+ val_accuracy ", out, re.M)) == 2
+        assert [p["epoch"] for p in results["val_curve"]] == [1, 2]
+        assert {"val/accuracy", "val/loss"} <= tensorboard_tags(str(tmp_path / "logs"))["scalars"]
     if name == "FLIPPED_TRAIN_STEP":
         # The model's own step ran: its tracked loss is in the progress lines.
         out = capsys.readouterr().out

@@ -149,6 +149,10 @@ class Controller:
         if trainer.is_chief and schedule.eval_due(before, after):
             with trainer.paused():  # the chief's own work, not a stuck peer
                 self.reporter.evaluate(after, trainer.state.model)
+        if trainer.is_chief and trainer.task.has_validation and (
+                schedule.epoch_ends(before, after) or schedule.eval_due(before, after)):
+            with trainer.paused():  # fit's validation_data, at every epoch end
+                self.reporter.validate(after, trainer.state.model)
         if schedule.checkpoint_due(after):
             with trainer.saving(after):
                 self.checkpointer.save(after)
@@ -222,7 +226,7 @@ class Controller:
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             trainable_params=count_trainable(model),
             gradient_dtype=config.gradient_dtype,
-            extra=dict(info.extra_results),
+            extra=dict(info.extra_results, **validation_results(reporter.val_curve)),
             **specific,
         )
         # Beside and renamed over: a full disk leaves the previous model.keras whole.
@@ -240,6 +244,14 @@ class Controller:
         results.write(os.path.join(config.model_dir, "results.json"))
         reporter.final(results.to_dict())
         return results.to_dict()
+
+
+def validation_results(curve: list[dict]) -> dict:
+    """The validation split's last ``val_*`` values and its curve, for results.json."""
+    if not curve:
+        return {}
+    last = {k: v for k, v in curve[-1].items() if k.startswith("val_")}
+    return {"val_metrics": last, "val_curve": curve}
 
 
 def count_trainable(model) -> int:

@@ -157,9 +157,9 @@ def make_dataset_fn(task, global_batch_size: int, *, seed: int | None, split: st
     return dataset_fn
 
 
-def eval_dataset(task, batch_size: int = 1000) -> tf.data.Dataset:
-    """The task's whole test split, once, in order; the last batch may be short."""
-    return task_split(task, "test").batch(batch_size).prefetch(tf.data.AUTOTUNE)
+def eval_dataset(task, batch_size: int = 1000, split: str = "test") -> tf.data.Dataset:
+    """The task's whole test (or validation) split, once, in order; the last batch may be short."""
+    return task_split(task, split).batch(batch_size).prefetch(tf.data.AUTOTUNE)
 
 
 def task_split(task, split: str, train: bool = False) -> tf.data.Dataset:

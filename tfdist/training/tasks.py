@@ -260,6 +260,8 @@ class CheckedTask:
     example: Any = None
     # A model with its own train_step: the names of the logs it returns.
     own_step_names: tuple[str, ...] | None = None
+    # dataset("validation") gives a split: evaluated at every epoch end.
+    has_validation: bool = False
 
 
 def inspect(spec: TaskSpec, task: Any, *, steps_given: bool) -> CheckedTask:
@@ -300,6 +302,7 @@ def inspect(spec: TaskSpec, task: Any, *, steps_given: bool) -> CheckedTask:
         except Exception as err:
             raise _err(spec.text, f"reading dataset({split!r}) failed: {_first_line(err)}") from None
         _check_features(spec, split, first[split][0], model)
+    has_validation = spec.builtin is None and _validation(spec, task, model)
     if class_weight is not None and len(first["train"]) == 3:
         raise _err(spec.text, "class_weight is given and dataset('train') yields sample "
                               "weights too; as fit, give one or the other")
@@ -328,7 +331,40 @@ def inspect(spec: TaskSpec, task: Any, *, steps_given: bool) -> CheckedTask:
             raise _err(spec.text, "extra_results() must return a dict")
     info = TaskInfo(spec.name, sizes["train"], sizes["test"],
                     names if own_names is None else own_names, extra)
-    return CheckedTask(spec, task, info, model, example=batch, own_step_names=own_names)
+    return CheckedTask(spec, task, info, model, example=batch, own_step_names=own_names,
+                       has_validation=has_validation)
+
+
+def _validation(spec, task, model) -> bool:
+    """Whether ``dataset("validation")`` gives a split (checked as the others are).
+
+    Optional: a task without one returns None or raises KeyError, ValueError
+    or NotImplementedError for a split it does not know.
+    """
+    import tensorflow as tf
+
+    from tfdist.training import contract
+
+    try:
+        ds = task.dataset("validation")
+    except (KeyError, ValueError, NotImplementedError):
+        return False
+    except Exception as err:
+        raise _err(spec.text, f"dataset('validation') raised {_first_line(err)}") from None
+    if ds is None:
+        return False
+    ds = _call(spec, contract.as_dataset, "dataset('validation')", ds, "dataset('validation')")
+    if not isinstance(ds, tf.data.Dataset):
+        raise _err(spec.text, f"dataset('validation') returned {type(ds).__name__}, not a "
+                              "tf.data.Dataset, NumPy arrays, or None (no validation split)")
+    _check_pair(spec, "validation", ds.element_spec)
+    try:
+        element = next(iter(ds.take(1)))
+    except StopIteration:
+        raise _err(spec.text, "dataset('validation') is empty; return None for no "
+                              "validation split") from None
+    _check_features(spec, "validation", element[0], model)
+    return True
 
 
 def _own_step_names(spec, model, batch) -> tuple[str, ...]:
