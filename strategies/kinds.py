@@ -66,6 +66,8 @@ class StrategyKind:
     # a model's own train_step, optimizer options ({option: reason}), and
     # Keras's LossScaleOptimizer. Empty: honoured as model.fit honours it.
     own_train_step_refusal = ""
+    # A task's Keras callbacks run on the chief; "" where they can.
+    callbacks_refusal = ""
     optimizer_refusals: Mapping[str, str] = {}
     loss_scale_refusal = ""
 
@@ -200,6 +202,8 @@ class Mirrored(StrategyKind):
 class MultiWorker(StrategyKind):
     name = "multiworker"
     summary = "MultiWorkerMirroredStrategy: synchronous all-reduce, one process per worker"
+    callbacks_refusal = ("they would run on the chief only, and model.stop_training or a "
+                         "learning-rate change would not reach the other workers")
     optimizer_refusals = _ACCUMULATION_IN_COND
 
     def check(self, cfg):
@@ -268,6 +272,8 @@ class ParameterServer(StrategyKind):
     serving_roles = ("worker", "ps")
     restartable_roles = ("worker",)
     asynchronous = True
+    callbacks_refusal = ("the model's variables live on the ps tasks, where Keras cannot save "
+                         "or evaluate it as a callback's self.model")
     min_ps = 1
 
     def check(self, cfg):

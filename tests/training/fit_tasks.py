@@ -315,6 +315,50 @@ JIT = Jit()
 VALIDATED = Validated()
 
 
+class Recorder(keras.callbacks.Callback):
+    """A custom callback: what it was called with, and the model it saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def on_train_begin(self, logs=None):
+        self.calls.append(("train_begin", None))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.calls.append(("epoch_begin", epoch))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.calls.append(("batch_end", sorted(logs)))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.calls.append(("epoch_end", epoch, sorted(logs)))
+
+    def on_train_end(self, logs=None):
+        self.calls.append(("train_end", self.model.count_params()))
+
+
+class WithCallbacks(Validated):
+    """EarlyStopping (patience 0 on a val_loss that cannot improve by 1.0: stops after
+    epoch 2 of 5), CSVLogger and a custom callback."""
+
+    csv_path = None  # set by the test
+
+    def __init__(self):
+        self.recorder = None
+
+    def callbacks(self):
+        self.recorder = Recorder()
+        out = [keras.callbacks.EarlyStopping(monitor="val_loss", patience=0, min_delta=1.0),
+               self.recorder]
+        if self.csv_path:
+            out.append(keras.callbacks.CSVLogger(self.csv_path))
+        return out
+
+
+WITH_CALLBACKS = WithCallbacks()
+
+
 def plain_fit(task, epochs=2, batch_size=64, seed=0):
     """Keras's own ``model.fit`` on ``task`` in this process: {metric: value} on the test split."""
     keras.utils.set_random_seed(seed)

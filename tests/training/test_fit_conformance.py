@@ -46,7 +46,7 @@ METRICS = {
     "VALIDATED": ("accuracy", "val_accuracy", "val_loss"),
 }
 # In the default tier (seconds each); the rest in the long tier.
-FAST = ("SUBCLASSED", "TWO_OUTPUTS", "FLIPPED_TRAIN_STEP")
+FAST = ("TWO_OUTPUTS", "FLIPPED_TRAIN_STEP")  # SUBCLASSED: under multiworker
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,7 +70,7 @@ def _config(strategy, name, model_dir, **kw):
     from tfdist.training.config import TrainConfig
 
     return TrainConfig(strategy=strategy, task=SPEC + name, model_dir=str(model_dir),
-                       epochs=EPOCHS, global_batch_size=BATCH, log_every=60, **kw)
+                       **{"epochs": EPOCHS, "global_batch_size": BATCH, "log_every": 60, **kw})
 
 
 def _param(strategy, name, fast=()):
@@ -214,3 +214,33 @@ def test_every_compile_and_fit_argument_and_override_is_in_the_table():
             how = table[name]
             assert how.startswith(("honoured", "refused", "mapped")), (name, how)
             assert f"`{name}`" in doc, f"docs/fit-conformance.md has no row for `{name}`"
+
+
+# --- callbacks ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["none", pytest.param("mirrored", marks=pytest.mark.long)])
+def test_callbacks_run_as_fit_runs_them_and_early_stopping_ends_the_run(tmp_path, capsys,
+                                                                         strategy):
+    from tfdist.training import run
+
+    task = fit_tasks.WithCallbacks()
+    task.csv_path = str(tmp_path / "log.csv")
+    results = run.run(_config(strategy, "WITH_CALLBACKS", tmp_path / "run", epochs=5),
+                      task=task)
+    calls = task.recorder.calls
+    # EarlyStopping (min_delta 1.0 cannot be met) stops after the second epoch, as fit does.
+    assert results["stopped_by"] == "EarlyStopping", results.get("stopped_by")
+    assert results["completed_steps"] == 124  # 2 epochs of 62 steps, of 5
+    assert calls[0] == ("train_begin", None) and calls[-1][0] == "train_end"
+    assert [c[1] for c in calls if c[0] == "epoch_begin"] == [0, 1]
+    ends = [c for c in calls if c[0] == "epoch_end"]
+    assert [c[1] for c in ends] == [0, 1]
+    assert {"loss", "accuracy", "val_loss", "val_accuracy"} <= set(ends[0][2])
+    assert any(c[0] == "batch_end" and "loss" in c[1] for c in calls)
+    assert calls[-1][1] > 0  # self.model is the trained model
+    rows = (tmp_path / "log.csv").read_text().splitlines()
+    assert len(rows) == 3 and "val_loss" in rows[0], rows
+    out = capsys.readouterr().out
+    assert re.search(r"^stopped by EarlyStopping at step \d+ of 310", out, re.M), out[-2000:]
+    assert 0.9 < results["test_accuracy"]

@@ -136,9 +136,10 @@ def check(kind, checked, gradient_dtype: str = "float32") -> None:
         raise ConfigError(f"{who}the model is compiled with steps_per_execution={spe}; the "
                           "library packs steps into one call itself: compile without it and "
                           f"pass --steps-per-execution {spe}")
-    if getattr(task, "callbacks", None) is not None:
-        raise ConfigError(f"{who}the task gives callbacks, which the library does not run yet "
-                          "(docs/fit-conformance.md); remove callbacks() from the task")
+    if getattr(task, "callbacks", None) is not None and kind.callbacks_refusal:
+        raise ConfigError(f"{who}the task gives callbacks(), which {kind.name} cannot run yet: "
+                          f"{kind.callbacks_refusal}; train it under none or mirrored, or "
+                          "remove callbacks() from the task")
     opt = getattr(model, "optimizer", None)
     inner = getattr(opt, "inner_optimizer", None)
     for o in (opt, inner):
@@ -199,7 +200,8 @@ CONTRACT = {
         "batch_size": "mapped: --global-batch-size",
         "epochs": "mapped: --epochs (or --steps)",
         "verbose": "mapped: progress lines every --log-every steps",
-        "callbacks": "refused: a task's callbacks() are not run yet",
+        "callbacks": "honoured: a task's callbacks() on the chief (none, mirrored); refused "
+                     "under multiworker, ps, ps-sync",
         "validation_split": "refused: not offered (give a test split)",
         "validation_data": "mapped: the test split, evaluated every --eval-every steps",
         "shuffle": "honoured: every epoch reshuffled with --seed",

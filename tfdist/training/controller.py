@@ -24,6 +24,7 @@ import tensorflow as tf
 from tfdist import protocol
 from tfdist.protocol import ConfigError
 from tfdist.training import contract
+from tfdist.training.callbacks import Callbacks
 from tfdist.training.checkpoints import Checkpointer
 from tfdist.training.evaluation import split_metrics, weights_sha256
 from tfdist.training.lifetime import keep_alive_until_exit
@@ -55,6 +56,9 @@ class Controller:
         reporter.hparams(run_hparams(plan))
         self.startup_seconds = 0.0
         self.steady_from = trainer.start_step
+        # The task's Keras callbacks, on the chief (training.callbacks).
+        self.callbacks = Callbacks(trainer.task.task, trainer.state.model, self.schedule,
+                                   active=trainer.is_chief)
 
     def run(self) -> dict | None:
         """Train to the end; the chief returns the results record's dict.
@@ -77,9 +81,11 @@ class Controller:
         trainer, finished, begun = self.trainer, False, False
         try:
             try:
+                self.callbacks.train_begin()
                 begun = self._first_call()
                 self._loop()
                 contract.finish_training(trainer.state.model, trainer.state.optimizer)
+                self.callbacks.train_end(trainer.metrics())
                 finished = True
             except Preempted as err:
                 # One typed record of the saved step, however the preemption
@@ -126,6 +132,9 @@ class Controller:
         while step < schedule.total_steps:
             if trainer.stop_requested():
                 self._preempt()
+            if self.callbacks.stop_requested():
+                self._stop_early()
+                break
             before = step
             step = self._call(step)
             if schedule.drain_due(before, step) or trainer.stop_requested():
@@ -135,6 +144,8 @@ class Controller:
 
     def _call(self, step: int) -> int:
         n = self.schedule.call_size(step)
+        if step % self.schedule.steps_per_epoch == 0:
+            self.callbacks.epoch_begin(step // self.schedule.steps_per_epoch)
         self.trainer.train(n)
         return step + n
 
@@ -146,13 +157,18 @@ class Controller:
             self.reporter.progress(trainer.completed, metrics, text, fields,
                                    learning_rate=self.plan.learning_rate_at(trainer.completed))
             self._check_finite(metrics)
+            self.callbacks.batch_end(trainer.completed, metrics)
         if trainer.is_chief and schedule.eval_due(before, after):
             with trainer.paused():  # the chief's own work, not a stuck peer
                 self.reporter.evaluate(after, trainer.state.model)
+        validation = {}
         if trainer.is_chief and trainer.task.has_validation and (
                 schedule.epoch_ends(before, after) or schedule.eval_due(before, after)):
             with trainer.paused():  # fit's validation_data, at every epoch end
-                self.reporter.validate(after, trainer.state.model)
+                validation = self.reporter.validate(after, trainer.state.model)
+        if self.callbacks and schedule.epoch_ends(before, after):
+            self.callbacks.epoch_end(schedule.epoch(after) - 1, {**trainer.metrics(),
+                                                                 **validation})
         if schedule.checkpoint_due(after):
             with trainer.saving(after):
                 self.checkpointer.save(after)
@@ -171,6 +187,16 @@ class Controller:
             self.reporter.events.emit(protocol.DIVERGED, step, loss=loss)
             raise Diverged(f"the loss is {loss}", step, self.checkpointer.saved_at,
                            self.config.model_dir)
+
+    def _stop_early(self) -> None:
+        """A callback set ``model.stop_training``: checkpoint here, then evaluate as at the end."""
+        self.trainer.drain()
+        done = self.trainer.completed
+        if self.checkpointer.saved_at != done:
+            with self.trainer.saving(done):
+                self.checkpointer.save(done)
+        print(f"stopped by {self.callbacks.stopped_by} at step {done} of "
+              f"{self.schedule.total_steps} (epoch {self.schedule.epoch(done)})", flush=True)
 
     def _preempt(self) -> None:
         self.trainer.drain()
@@ -226,7 +252,9 @@ class Controller:
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             trainable_params=count_trainable(model),
             gradient_dtype=config.gradient_dtype,
-            extra=dict(info.extra_results, **validation_results(reporter.val_curve)),
+            extra=dict(info.extra_results, **validation_results(reporter.val_curve),
+                       **({"stopped_by": self.callbacks.stopped_by}
+                          if self.callbacks.stopped_by else {})),
             **specific,
         )
         # Beside and renamed over: a full disk leaves the previous model.keras whole.
