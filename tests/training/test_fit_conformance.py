@@ -244,3 +244,23 @@ def test_callbacks_run_as_fit_runs_them_and_early_stopping_ends_the_run(tmp_path
     out = capsys.readouterr().out
     assert re.search(r"^stopped by EarlyStopping at step \d+ of 310", out, re.M), out[-2000:]
     assert 0.9 < results["test_accuracy"]
+
+
+@pytest.mark.long
+def test_the_python_api_takes_callbacks_as_fit_does(tmp_path):
+    import tfdist
+
+    recorder = fit_tasks.Recorder()
+    r = tfdist.fit(fit_tasks.VALIDATED, strategy="mirrored", callbacks=[recorder],
+                   model_dir=str(tmp_path), epochs=1, global_batch_size=BATCH)
+    assert [c[0] for c in recorder.calls][:2] == ["train_begin", "epoch_begin"]
+    assert "val_accuracy" in [c for c in recorder.calls if c[0] == "epoch_end"][0][2]
+    assert r.global_step == 62
+
+
+def test_callbacks_cannot_cross_to_a_cluster():
+    import tfdist
+
+    with pytest.raises(tfdist.TfdistError, match="give the task a callbacks") as refused:
+        tfdist.fit(SPEC + "BLOBS", workers=2, callbacks=[keras.callbacks.Callback()])
+    assert refused.value.exit_code == 2 and "\n" not in refused.value.message
