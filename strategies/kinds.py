@@ -272,6 +272,7 @@ class ParameterServer(StrategyKind):
     serving_roles = ("worker", "ps")
     restartable_roles = ("worker",)
     asynchronous = True
+    optimizer_refusals = _ACCUMULATION_IN_COND
     callbacks_refusal = ("the model's variables live on the ps tasks, where Keras cannot save "
                          "or evaluate it as a callback's self.model")
     min_ps = 1
@@ -347,6 +348,9 @@ class SyncParameterServer(ParameterServer):
     trainer = "ps-sync"
     asynchronous = False
     aggregates_gradients = True
+    # ps:0 applies the averaged gradients in its own call, outside any replica
+    # context: Keras's accumulation runs as on one device (measured).
+    optimizer_refusals: Mapping[str, str] = {}
     own_train_step_refusal = (
         "the workers hand their gradients to ps:0, which averages K of them into one update; "
         "a train_step applies its own update")

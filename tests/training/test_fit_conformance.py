@@ -112,7 +112,7 @@ def test_one_process_strategies_train_as_fit(tmp_path, capsys, strategy, name):
 CLUSTERS = {"multiworker": ["--workers", "2"], "ps": ["--workers", "2", "--ps", "1"],
             "ps-sync": ["--workers", "2", "--ps", "1"]}
 # What each cluster strategy refuses (the refusal tests below check the line).
-REFUSED = {"multiworker": ("GRADIENT_ACCUMULATION",),
+REFUSED = {"multiworker": ("GRADIENT_ACCUMULATION",), "ps": ("GRADIENT_ACCUMULATION",),
            "ps-sync": ("FLIPPED_TRAIN_STEP", "LOSS_SCALED")}
 CLUSTER = [pytest.param(s, n, marks=[pytest.mark.multiprocess]
                         + ([] if (s, n) == ("multiworker", "SUBCLASSED") else [pytest.mark.long]),
@@ -148,6 +148,8 @@ def _checked(name):
                                           "under mirrored"),
     ("multiworker", "GRADIENT_ACCUMULATION", "gradient_accumulation_steps=4 cannot be honoured "
                                              "under multiworker"),
+    ("ps", "GRADIENT_ACCUMULATION", "gradient_accumulation_steps=4 cannot be honoured "
+                                    "under ps"),
     ("ps-sync", "FLIPPED_TRAIN_STEP", "overrides train_step, which ps-sync cannot honour"),
     ("ps-sync", "LOSS_SCALED", "LossScaleOptimizer, which ps-sync cannot honour"),
 ])
