@@ -202,8 +202,6 @@ class Mirrored(StrategyKind):
 class MultiWorker(StrategyKind):
     name = "multiworker"
     summary = "MultiWorkerMirroredStrategy: synchronous all-reduce, one process per worker"
-    callbacks_refusal = ("they would run on the chief only, and model.stop_training or a "
-                         "learning-rate change would not reach the other workers")
     optimizer_refusals = _ACCUMULATION_IN_COND
 
     def check(self, cfg):

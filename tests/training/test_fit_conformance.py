@@ -266,3 +266,20 @@ def test_callbacks_cannot_cross_to_a_cluster():
     with pytest.raises(tfdist.TfdistError, match="give the task a callbacks") as refused:
         tfdist.fit(SPEC + "BLOBS", workers=2, callbacks=[keras.callbacks.Callback()])
     assert refused.value.exit_code == 2 and "\n" not in refused.value.message
+
+
+@pytest.mark.multiprocess
+@pytest.mark.long
+def test_the_chiefs_early_stop_reaches_every_multiworker_worker(tmp_path, spawn):
+    """EarlyStopping runs on the chief; the other worker stops at the same step, exit 0."""
+    p = spawn(launch_cmd("multiworker", "--workers", "2", train_args=[
+        "--task", SPEC + "WITH_CALLBACKS", "--epochs", "5", "--global-batch-size", str(BATCH),
+        "--log-every", "60", "--model-dir", str(tmp_path)]))
+    assert p.wait(timeout=300) == 0, p.output
+    results = read_results(tmp_path)
+    assert results["stopped_by"] == "EarlyStopping" and results["completed_steps"] == 124
+    assert re.search(r"stopped by EarlyStopping at step 124 of 310", p.output), p.output[-3000:]
+    assert re.search(r"worker:1.*stopped by the chief's callbacks at step 124 of 310",
+                     p.output), p.output[-3000:]
+    hashes = set(re.findall(r"weights_sha256=([0-9a-f]{64})", p.output))
+    assert hashes == {results["weights_sha256"]}

@@ -57,8 +57,10 @@ class Controller:
         self.startup_seconds = 0.0
         self.steady_from = trainer.start_step
         # The task's Keras callbacks, on the chief (training.callbacks).
-        self.callbacks = Callbacks(trainer.task.task, trainer.state.model, self.schedule,
-                                   active=trainer.is_chief)
+        self.callbacks = Callbacks(
+            trainer.task.task, trainer.state.model, self.schedule, active=trainer.is_chief,
+            strategy=trainer.bundle.strategy, optimizer=trainer.state.optimizer,
+            shared=not plan.kind.callbacks_refusal and len(plan.kind.training_tasks(self.cfg)) > 1)
 
     def run(self) -> dict | None:
         """Train to the end; the chief returns the results record's dict.
@@ -169,6 +171,8 @@ class Controller:
         if self.callbacks and schedule.epoch_ends(before, after):
             self.callbacks.epoch_end(schedule.epoch(after) - 1, {**trainer.metrics(),
                                                                  **validation})
+        if schedule.log_due(before, after) or schedule.epoch_ends(before, after):
+            self.callbacks.agree()  # every worker hears the chief's stop and rate
         if schedule.checkpoint_due(after):
             with trainer.saving(after):
                 self.checkpointer.save(after)
