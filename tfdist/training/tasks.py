@@ -9,9 +9,15 @@ A task is any object (a module, an instance, a class) with:
   of **unbatched** ``(features, label)`` examples; ``features`` is a tensor
   or a dict of tensors named like the model's inputs.
 
+Elements may also be ``(features, label, sample_weight)`` triples, and
+``dataset(split)`` may return NumPy arrays (``(x, y)`` or ``(x, y, w)``) as
+``fit`` takes them (``training.contract``).
+
 Optional: ``configure(**options)`` receives ``--task-option KEY=VALUE``
 strings before anything else is called; ``extra_results()`` returns a dict
-merged into ``results.json``.
+merged into ``results.json``; a ``"validation"`` split (a task without one
+returns None or raises KeyError for it); a ``class_weight`` dict; a
+``callbacks()`` method returning Keras callbacks (``training.callbacks``).
 
 ``SPEC`` is a built-in name (``models.BUILTIN_TASKS``), an import path
 ``pkg.mod`` or ``pkg.mod:NAME``, or a file ``path/to/task.py`` (relative to
