@@ -283,3 +283,21 @@ def test_the_chiefs_early_stop_reaches_every_multiworker_worker(tmp_path, spawn)
                      p.output), p.output[-3000:]
     hashes = set(re.findall(r"weights_sha256=([0-9a-f]{64})", p.output))
     assert hashes == {results["weights_sha256"]}
+
+
+@pytest.mark.parametrize("body,says", [
+    ("def dataset(split):\n    return np.zeros((5, 8), 'float32'), np.zeros(4, 'int32')\n",
+     "returned arrays of different lengths ([4, 5])"),
+    ("class_weight = {'a': 1}\ndef dataset(split):\n"
+     "    return np.zeros((5, 8), 'float32'), np.zeros(5, 'int32')\n",
+     "class_weight is {'a': 1}; give a dict of class index"),
+])
+def test_a_mistake_in_fit_style_data_is_one_line(tmp_path, capsys, body, says):
+    from tfdist.cli import train
+
+    path = tmp_path / "task.py"
+    path.write_text("import keras\nimport numpy as np\nfrom tests.training.fit_tasks import BLOBS\n"
+                    "build_model = BLOBS.build_model\n" + body)
+    code = train.main(["--task", str(path), "--dry-run", "--model-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: task '") and says in err[0], err

@@ -216,6 +216,16 @@ def _import(spec: TaskSpec):
         raise _err(spec.text, f"importing it failed: {_first_line(err)}") from None
 
 
+def _checked_call(spec: TaskSpec, fn, what: str, *args):
+    """``_call`` for the library's own checks: their ConfigError lines name the task."""
+    try:
+        return fn(*args)
+    except ConfigError as err:
+        raise _err(spec.text, str(err)) from None
+    except Exception as err:
+        raise _err(spec.text, f"{what} raised {_first_line(err)}") from None
+
+
 def _call(spec: TaskSpec, fn, what: str, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
@@ -290,12 +300,13 @@ def inspect(spec: TaskSpec, task: Any, *, steps_given: bool) -> CheckedTask:
                               "loss=... to model.compile")
     from tfdist.training import contract
 
-    class_weight = _call(spec, contract.class_weight_of, "class_weight", task)
+    class_weight = _checked_call(spec, contract.class_weight_of, "class_weight", task)
     sizes = {}
     first = {}
     for split in SPLITS:
         ds = _call(spec, task.dataset, f"dataset({split!r})", split)
-        ds = _call(spec, contract.as_dataset, f"dataset({split!r})", ds, f"dataset({split!r})")
+        ds = _checked_call(spec, contract.as_dataset, f"dataset({split!r})", ds,
+                           f"dataset({split!r})")
         if not isinstance(ds, tf.data.Dataset):
             raise _err(spec.text, f"dataset({split!r}) returned {type(ds).__name__}, "
                                   "not a tf.data.Dataset, NumPy arrays or a tuple of them")
@@ -359,7 +370,8 @@ def _validation(spec, task, model) -> bool:
         raise _err(spec.text, f"dataset('validation') raised {_first_line(err)}") from None
     if ds is None:
         return False
-    ds = _call(spec, contract.as_dataset, "dataset('validation')", ds, "dataset('validation')")
+    ds = _checked_call(spec, contract.as_dataset, "dataset('validation')", ds,
+                       "dataset('validation')")
     if not isinstance(ds, tf.data.Dataset):
         raise _err(spec.text, f"dataset('validation') returned {type(ds).__name__}, not a "
                               "tf.data.Dataset, NumPy arrays, or None (no validation split)")
