@@ -206,6 +206,25 @@ class FlippedTrainStep(Blobs):
         return model
 
 
+class OwnTestModel(keras.Model):
+    """A test_step of its own: it reports a number of its own beside the loss."""
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred, training=False)
+        return {"loss": loss, "own_number": keras.ops.convert_to_tensor(42.0)}
+
+
+class OwnTestStep(Blobs):
+    def build_model(self):
+        x = keras.Input((FEATURES,), name="x")
+        model = OwnTestModel(x, _head(x))
+        model.compile(optimizer=self.optimizer(), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"])
+        return model
+
+
 class BoolFeatures(Blobs):
     """Features given as bool (the signs) for an int32 input: Keras casts them."""
 
@@ -304,6 +323,7 @@ CLASS_WEIGHTED = ClassWeighted()
 REGULARIZED = Regularized()
 FLIPPED_TRAIN_STEP = FlippedTrainStep()
 BOOL_FEATURES = BoolFeatures()
+OWN_TEST_STEP = OwnTestStep()
 STRING_FEATURES = StringFeatures()
 GRADIENT_ACCUMULATION = GradientAccumulation()
 CLIP_NORM = ClipNorm()

@@ -301,3 +301,10 @@ def test_a_mistake_in_fit_style_data_is_one_line(tmp_path, capsys, body, says):
     code = train.main(["--task", str(path), "--dry-run", "--model-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: task '") and says in err[0], err
+
+
+def test_a_models_own_test_step_is_what_evaluation_runs(tmp_path):
+    from tfdist.training import run
+
+    results = run.run(_config("none", "OWN_TEST_STEP", tmp_path, epochs=1, steps=20))
+    assert results["test_metrics"] == {"own_number": 42.0}, results["test_metrics"]
