@@ -68,6 +68,8 @@ class StrategyKind:
     own_train_step_refusal = ""
     # A task's Keras callbacks run on the chief; "" where they can.
     callbacks_refusal = ""
+    # compile(jit_compile=True): the replica's step compiled with XLA; "" where it runs.
+    jit_compile_refusal = ""
     optimizer_refusals: Mapping[str, str] = {}
     loss_scale_refusal = ""
 
@@ -202,6 +204,9 @@ class Mirrored(StrategyKind):
 class MultiWorker(StrategyKind):
     name = "multiworker"
     summary = "MultiWorkerMirroredStrategy: synchronous all-reduce, one process per worker"
+    # Measured on CPU: the step's collective all-reduce inside XLA is UnimplementedError.
+    jit_compile_refusal = ("XLA cannot compile the step's cross-worker all-reduce here "
+                           "(UnimplementedError)")
     optimizer_refusals = _ACCUMULATION_IN_COND
 
     def check(self, cfg):
@@ -271,6 +276,9 @@ class ParameterServer(StrategyKind):
     restartable_roles = ("worker",)
     asynchronous = True
     optimizer_refusals = _ACCUMULATION_IN_COND
+    # Measured: "Trying to access resource ... located in device /job:ps".
+    jit_compile_refusal = ("an XLA-compiled step cannot read or update variables that live "
+                           "on the ps tasks")
     callbacks_refusal = ("the model's variables live on the ps tasks, where Keras cannot save "
                          "or evaluate it as a callback's self.model")
     min_ps = 1

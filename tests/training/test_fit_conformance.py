@@ -112,8 +112,9 @@ def test_one_process_strategies_train_as_fit(tmp_path, capsys, strategy, name):
 CLUSTERS = {"multiworker": ["--workers", "2"], "ps": ["--workers", "2", "--ps", "1"],
             "ps-sync": ["--workers", "2", "--ps", "1"]}
 # What each cluster strategy refuses (the refusal tests below check the line).
-REFUSED = {"multiworker": ("GRADIENT_ACCUMULATION",), "ps": ("GRADIENT_ACCUMULATION",),
-           "ps-sync": ("FLIPPED_TRAIN_STEP", "LOSS_SCALED")}
+REFUSED = {"multiworker": ("GRADIENT_ACCUMULATION", "JIT"),
+           "ps": ("GRADIENT_ACCUMULATION", "JIT"),
+           "ps-sync": ("FLIPPED_TRAIN_STEP", "LOSS_SCALED", "JIT")}
 CLUSTER = [pytest.param(s, n, marks=[pytest.mark.multiprocess]
                         + ([] if (s, n) == ("multiworker", "SUBCLASSED") else [pytest.mark.long]),
                         id=f"{s}-{n}")
@@ -152,6 +153,8 @@ def _checked(name):
                                     "under ps"),
     ("ps-sync", "FLIPPED_TRAIN_STEP", "overrides train_step, which ps-sync cannot honour"),
     ("ps-sync", "LOSS_SCALED", "LossScaleOptimizer, which ps-sync cannot honour"),
+    ("multiworker", "JIT", "jit_compile=True, which multiworker cannot honour"),
+    ("ps", "JIT", "jit_compile=True, which ps cannot honour"),
 ])
 def test_what_a_strategy_cannot_honour_is_one_line(strategy, name, says):
     from tfdist.protocol import ConfigError

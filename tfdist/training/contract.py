@@ -131,6 +131,10 @@ def check(kind, checked, gradient_dtype: str = "float32") -> None:
         raise ConfigError(f"{who}the model is compiled with run_eagerly=True; a distributed "
                           "step is always traced (tf.function), so compile without it "
                           "(debug eagerly with model.fit, then train here)")
+    if getattr(model, "jit_compile", False) and kind.jit_compile_refusal:
+        raise ConfigError(f"{who}the model is compiled with jit_compile=True, which "
+                          f"{kind.name} cannot honour: {kind.jit_compile_refusal}; compile "
+                          "with jit_compile=False for this strategy")
     spe = getattr(model, "steps_per_execution", 1)
     if spe not in (1, None):
         raise ConfigError(f"{who}the model is compiled with steps_per_execution={spe}; the "
@@ -191,7 +195,8 @@ CONTRACT = {
         "weighted_metrics": "honoured: with the elements' or class_weight's sample weights",
         "run_eagerly": "refused: a distributed step is always traced",
         "steps_per_execution": "mapped: --steps-per-execution; refused in compile",
-        "jit_compile": "honoured: the replica's step compiled with XLA inside strategy.run",
+        "jit_compile": "honoured: the replica's step compiled with XLA inside strategy.run "
+                       "(none, mirrored); refused under multiworker, ps, ps-sync",
         "auto_scale_loss": "honoured: Keras's LossScaleOptimizer (refused under ps-sync)",
     },
     "fit": {
