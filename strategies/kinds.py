@@ -64,6 +64,17 @@ class StrategyKind:
     # The model is cut into consecutive stages, one per worker task (model
     # parallelism); --micro-batches, --pipelines and --stages apply.
     pipelined = False
+    # What of Keras's training contract the strategy cannot honour, each the
+    # reason given in the one line that refuses it (tfdist.training.contract):
+    # a model's own train_step, optimizer options ({option: reason}), and
+    # Keras's LossScaleOptimizer. Empty: honoured as model.fit honours it.
+    own_train_step_refusal = ""
+    # A task's Keras callbacks run on the chief; "" where they can.
+    callbacks_refusal = ""
+    # compile(jit_compile=True): the replica's step compiled with XLA; "" where it runs.
+    jit_compile_refusal = ""
+    optimizer_refusals: Mapping[str, str] = {}
+    loss_scale_refusal = ""
 
     # --- the cluster ------------------------------------------------------
 
@@ -146,6 +157,16 @@ def _cluster_resolver(cfg: ClusterConfig):
     )
 
 
+# Keras's gradient accumulation all-reduces inside a tf.cond, which an
+# all-reduce strategy cannot trace (model.fit fails the same way under
+# MirroredStrategy: "merge_call called while defining a new graph").
+_ACCUMULATION_IN_COND = {
+    "gradient_accumulation_steps": "Keras's accumulation all-reduces the gradients inside a "
+    "tf.cond, which tf.distribute cannot trace (model.fit fails the same way under "
+    "MirroredStrategy)",
+}
+
+
 class NoStrategy(StrategyKind):
     name = "none"
     summary = "no distribution: TensorFlow's default strategy, one device (the baseline)"
@@ -166,6 +187,7 @@ class NoStrategy(StrategyKind):
 class Mirrored(StrategyKind):
     name = "mirrored"
     summary = "MirroredStrategy: every local GPU (or the CPU) in one process"
+    optimizer_refusals = _ACCUMULATION_IN_COND
     single_process = True
 
     def check(self, cfg):
@@ -185,6 +207,10 @@ class Mirrored(StrategyKind):
 class MultiWorker(StrategyKind):
     name = "multiworker"
     summary = "MultiWorkerMirroredStrategy: synchronous all-reduce, one process per worker"
+    # Measured on CPU: the step's collective all-reduce inside XLA is UnimplementedError.
+    jit_compile_refusal = ("XLA cannot compile the step's cross-worker all-reduce here "
+                           "(UnimplementedError)")
+    optimizer_refusals = _ACCUMULATION_IN_COND
 
     def check(self, cfg):
         if cfg.num_ps:
@@ -252,6 +278,12 @@ class ParameterServer(StrategyKind):
     serving_roles = ("worker", "ps")
     restartable_roles = ("worker",)
     asynchronous = True
+    optimizer_refusals = _ACCUMULATION_IN_COND
+    # Measured: "Trying to access resource ... located in device /job:ps".
+    jit_compile_refusal = ("an XLA-compiled step cannot read or update variables that live "
+                           "on the ps tasks")
+    callbacks_refusal = ("the model's variables live on the ps tasks, where Keras cannot save "
+                         "or evaluate it as a callback's self.model")
     min_ps = 1
 
     def check(self, cfg):
@@ -325,6 +357,15 @@ class SyncParameterServer(ParameterServer):
     trainer = "ps-sync"
     asynchronous = False
     aggregates_gradients = True
+    # ps:0 applies the averaged gradients in its own call, outside any replica
+    # context: Keras's accumulation runs as on one device (measured).
+    optimizer_refusals: Mapping[str, str] = {}
+    own_train_step_refusal = (
+        "the workers hand their gradients to ps:0, which averages K of them into one update; "
+        "a train_step applies its own update")
+    loss_scale_refusal = (
+        "the workers' gradients are averaged and applied on ps:0 without the loss scaling "
+        "(use mixed_bfloat16, or --strategy ps)")
 
     auto_rank = 100
 

@@ -138,7 +138,8 @@ def _train_args(task: str | None, options: Mapping[str, Any]) -> tuple[str, ...]
 
 
 def fit(task="mnist-cnn", strategy: str | None = None, *, workers: int = 0, ps: int = 0,
-        chief: bool = False, model_dir: str | None = None, **options) -> Result:
+        chief: bool = False, model_dir: str | None = None, callbacks=None,
+        **options) -> Result:
     """Train ``task`` and evaluate it; the run's :class:`Result`.
 
     ``task``: a built-in name, ``"package.module[:NAME]"``, ``"path/to/task.py"``, or (in
@@ -147,9 +148,17 @@ def fit(task="mnist-cnn", strategy: str | None = None, *, workers: int = 0, ps: 
     of real processes as ``tfdist-launch`` starts it (``strategy`` defaults to
     ``multiworker``, or ``ps`` with ps tasks). ``options``: the training options
     (``steps``, ``epochs``, ``seed``, ``global_batch_size``, ``task_options``, ...).
+    ``callbacks``: Keras callbacks, as ``model.fit(callbacks=...)`` (one process; a
+    cluster's tasks take them from the task's own ``callbacks()``).
     Raises :class:`TfdistError`.
     """
     _check_options(options)
+    if callbacks is not None and workers:
+        raise TfdistError("error: callbacks=[...] are objects of this process, which a "
+                          "cluster's tasks cannot receive; give the task a callbacks() "
+                          "method instead", Exit.BAD_INPUT)
+    if callbacks is not None:
+        task = _with_callbacks(task, list(callbacks), options)
     if workers:
         name = _task_spec(task)
         return launch(strategy or ("ps" if ps else "multiworker"), workers=workers, ps=ps,
@@ -158,6 +167,34 @@ def fit(task="mnist-cnn", strategy: str | None = None, *, workers: int = 0, ps: 
         raise TfdistError(f"ps={ps}, chief={chief} need a cluster: give workers=N too",
                           Exit.BAD_INPUT)
     return _fit_here(task, strategy or "none", model_dir, options)
+
+
+class _TaskWithCallbacks:
+    """A task whose ``callbacks()`` are the ones ``fit`` was given; the rest is the task's."""
+
+    def __init__(self, task, callbacks: list, name: str):
+        self._task, self._callbacks, self.__name__ = task, callbacks, name
+
+    def __getattr__(self, name):
+        return getattr(self._task, name)
+
+    def callbacks(self):
+        return self._callbacks
+
+
+def _with_callbacks(task, callbacks: list, options: dict):
+    if isinstance(task, (str, os.PathLike)):
+        from tfdist.training import tasks
+
+        try:
+            spec = tasks.parse_spec(os.fspath(task), tuple(options.get("task_options") or ()))
+            loaded = tasks.load(spec, options.get("data_dir"))
+        except ConfigError as err:
+            raise TfdistError(f"error: {err}", Exit.BAD_INPUT) from None
+        options.pop("task_options", None)  # the task is configured already
+        return _TaskWithCallbacks(loaded, callbacks, os.fspath(task))
+    return _TaskWithCallbacks(task, callbacks,
+                              getattr(task, "__name__", None) or type(task).__name__)
 
 
 def _fit_here(task, strategy: str, model_dir: str | None, options: dict) -> Result:

@@ -51,8 +51,9 @@ CASES = [
      "looks batched"),
     ("not a pair", GOOD_MODEL + "def dataset(split):\n    return _pairs().map(lambda x, y: x)\n",
      None, "not (features, label) pairs"),
-    ("a triple", GOOD_MODEL + "def dataset(split):\n    return _pairs().map(lambda x, y: (x, y, y))\n",
-     None, "yields tuples of 3"),
+    # (features, label, sample_weight) triples are what fit takes; four are not.
+    ("four", GOOD_MODEL + "def dataset(split):\n    return _pairs().map(lambda x, y: (x, y, y, y))\n",
+     None, "yields tuples of 4"),
     ("feature names", GOOD_MODEL
      + "def dataset(split):\n    return _pairs().map(lambda x, y: ({'z': x}, y))\n",
      None, "features are named ['z'], the model's inputs ['x']"),

@@ -24,6 +24,8 @@ import tensorflow as tf
 
 from tfdist import protocol
 from tfdist.protocol import ConfigError
+from tfdist.training import contract
+from tfdist.training.callbacks import Callbacks
 from tfdist.training.checkpoints import Checkpointer
 from tfdist.training.evaluation import split_metrics, weights_sha256
 from tfdist.training.export import ExportFailed, Exporter, export_finished_run
@@ -64,6 +66,11 @@ class Controller:
                                   reporter.evaluator, reporter.checked.task)
                          if self.config.export and trainer.is_chief else None)
         self.export_failed: ExportFailed | None = None
+        # The task's Keras callbacks, on the chief (training.callbacks).
+        self.callbacks = Callbacks(
+            trainer.task.task, trainer.state.model, self.schedule, active=trainer.is_chief,
+            strategy=trainer.bundle.strategy, optimizer=trainer.state.optimizer,
+            shared=not plan.kind.callbacks_refusal and len(plan.kind.training_tasks(self.cfg)) > 1)
 
     def run(self) -> dict | None:
         """Train to the end; the chief returns the results record's dict.
@@ -86,8 +93,11 @@ class Controller:
         trainer, finished, begun = self.trainer, False, False
         try:
             try:
+                self.callbacks.train_begin()
                 begun = self._first_call()
                 self._loop()
+                contract.finish_training(trainer.state.model, trainer.state.optimizer)
+                self.callbacks.train_end(self.metrics)
                 finished = True
             except Preempted as err:
                 # One typed record of the saved step, however the preemption
@@ -136,6 +146,9 @@ class Controller:
         while step < schedule.total_steps:
             if trainer.stop_requested():
                 self._preempt()
+            if self.callbacks.stop_requested():
+                self._stop_early()
+                break
             before = step
             step = self._call(step)
             if schedule.drain_due(before, step) or trainer.stop_requested():
@@ -145,6 +158,8 @@ class Controller:
 
     def _call(self, step: int) -> int:
         n = self.schedule.call_size(step)
+        if step % self.schedule.steps_per_epoch == 0:
+            self.callbacks.epoch_begin(step // self.schedule.steps_per_epoch)
         self.metrics = self.trainer.train(n)
         return step + n
 
@@ -156,6 +171,7 @@ class Controller:
             self.reporter.progress(trainer.completed, metrics, text, fields,
                                    learning_rate=self.plan.learning_rate_at(trainer.completed))
             self._check_finite(metrics)
+            self.callbacks.batch_end(trainer.completed, metrics)
         if trainer.is_chief and schedule.eval_due(before, after):
             with trainer.paused():  # the chief's own work, not a stuck peer
                 self.reporter.evaluate(after, trainer.state.model)
@@ -163,6 +179,16 @@ class Controller:
             with trainer.paused():  # the chief's own work, as an evaluation
                 self.exporter.periodic(trainer.state.model,
                                        int(trainer.state.global_step.numpy()))
+        validation = {}
+        if trainer.is_chief and trainer.task.has_validation and (
+                schedule.epoch_ends(before, after) or schedule.eval_due(before, after)):
+            with trainer.paused():  # fit's validation_data, at every epoch end
+                validation = self.reporter.validate(after, trainer.state.model)
+        if self.callbacks and schedule.epoch_ends(before, after):
+            self.callbacks.epoch_end(schedule.epoch(after) - 1, {**self.metrics,
+                                                                 **validation})
+        if schedule.log_due(before, after) or schedule.epoch_ends(before, after):
+            self.callbacks.agree()  # every worker hears the chief's stop and rate
         if schedule.checkpoint_due(after):
             with trainer.saving(after):
                 self.checkpointer.save(after)
@@ -181,6 +207,16 @@ class Controller:
             self.reporter.events.emit(protocol.DIVERGED, step, loss=loss)
             raise Diverged(f"the loss is {loss}", step, self.checkpointer.saved_at,
                            self.config.model_dir)
+
+    def _stop_early(self) -> None:
+        """A callback set ``model.stop_training``: checkpoint here, then evaluate as at the end."""
+        self.trainer.drain()
+        done = self.trainer.completed
+        if self.checkpointer.saved_at != done:
+            with self.trainer.saving(done):
+                self.checkpointer.save(done)
+        print(f"stopped by {self.callbacks.stopped_by} at step {done} of "
+              f"{self.schedule.total_steps} (epoch {self.schedule.epoch(done)})", flush=True)
 
     def _preempt(self) -> None:
         self.trainer.drain()
@@ -236,7 +272,9 @@ class Controller:
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             trainable_params=count_trainable(model),
             gradient_dtype=config.gradient_dtype,
-            extra=dict(info.extra_results),
+            extra=dict(info.extra_results, **validation_results(reporter.val_curve),
+                       **({"stopped_by": self.callbacks.stopped_by}
+                          if self.callbacks.stopped_by else {})),
             **specific,
         )
         # Beside and renamed over: a full disk leaves the previous model.keras whole.
@@ -260,6 +298,14 @@ class Controller:
         results.write(os.path.join(config.model_dir, "results.json"))
         reporter.final(results.to_dict())
         return results.to_dict()
+
+
+def validation_results(curve: list[dict]) -> dict:
+    """The validation split's last ``val_*`` values and its curve, for results.json."""
+    if not curve:
+        return {}
+    last = {k: v for k, v in curve[-1].items() if k.startswith("val_")}
+    return {"val_metrics": last, "val_curve": curve}
 
 
 def count_trainable(model) -> int:
@@ -290,15 +336,17 @@ def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
         keras.utils.set_random_seed(config.seed)
         trainer_class = TRAINERS[plan.kind.trainer]
         # A trainer that places the model itself (pipeline stages) builds its own state.
-        state = getattr(trainer_class, "build_state", build_state)(plan, checked.task,
-                                                                   bundle.strategy)
+        builder = getattr(trainer_class, "build_state", None)
+        state = (builder(plan, checked.task, bundle.strategy) if builder is not None
+                 else build_state(plan, checked.task, bundle.strategy, checked.example))
         checkpointer = Checkpointer(state, config.model_dir, cfg.is_chief, cfg.task_name,
                                     run_record=plan.defining_flags())
         try:
             start = checkpointer.restore(plan.task.name, plan.total_steps, plan.optimizer.name)
             trainer = trainer_class(
                 plan=plan, bundle=bundle, task=checked, state=state, checkpointer=checkpointer,
-                start_step=start, train_metrics=TrainMetrics(checked.local_model))
+                start_step=start,
+                train_metrics=TrainMetrics(checked.local_model, checked.own_step_names))
         except ConfigError:
             checkpointer.close()  # a worker's private directory
             raise

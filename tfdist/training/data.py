@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tfdist.training import contract
+
 
 def _in_memory(source: tf.data.Dataset):
     """Every element of ``source`` as one batch of tensors, read once.
@@ -142,7 +144,7 @@ def make_dataset_fn(task, global_batch_size: int, *, seed: int | None, split: st
         if input_context is not None:
             per_step = max(1, input_context.num_replicas_in_sync
                            // input_context.num_input_pipelines)
-        source = task.dataset(split)
+        source = task_split(task, split, train=True)
         if not in_memory:
             return stream_pipeline(source, input_context, global_batch_size, seed=seed,
                                    first_batch=start_step * per_step)
@@ -155,6 +157,18 @@ def make_dataset_fn(task, global_batch_size: int, *, seed: int | None, split: st
     return dataset_fn
 
 
-def eval_dataset(task, batch_size: int = 1000) -> tf.data.Dataset:
-    """The task's whole test split, once, in order; the last batch may be short."""
-    return task.dataset("test").batch(batch_size).prefetch(tf.data.AUTOTUNE)
+def eval_dataset(task, batch_size: int = 1000, split: str = "test") -> tf.data.Dataset:
+    """The task's whole test (or validation) split, once, in order; the last batch may be short."""
+    return task_split(task, split).batch(batch_size).prefetch(tf.data.AUTOTUNE)
+
+
+def task_split(task, split: str, train: bool = False) -> tf.data.Dataset:
+    """The task's ``split`` as a Dataset of unbatched elements, as ``fit`` takes data.
+
+    NumPy arrays are sliced (``contract.as_dataset``); for training, a task's
+    ``class_weight`` becomes each example's sample weight, as ``fit`` applies
+    it (to the training data only).
+    """
+    ds = contract.as_dataset(task.dataset(split), f"dataset({split!r})")
+    weights = contract.class_weight_of(task) if train else None
+    return contract.class_weights(ds, weights) if weights else ds

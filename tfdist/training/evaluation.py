@@ -33,9 +33,9 @@ class Evaluator:
     test function is reused.
     """
 
-    def __init__(self, task, local: keras.Model, batch_size: int = 1000):
+    def __init__(self, task, local: keras.Model, batch_size: int = 1000, split: str = "test"):
         self.local = local
-        self.dataset = data.eval_dataset(task, batch_size).cache()
+        self.dataset = data.eval_dataset(task, batch_size, split).cache()
 
     def __call__(self, model: keras.Model) -> dict[str, float]:
         """{"loss": ..., metric: ...} of ``model``'s current weights."""

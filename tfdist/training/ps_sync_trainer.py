@@ -183,17 +183,17 @@ def make_work_fn(strategy, model, train_metrics, q: SyncQueues, global_step, wor
     variables = model.trainable_variables
     replicas = local_replicas(strategy)
 
-    def replica_gradient(step, features, labels):
+    def replica_gradient(step, features, labels, sample_weight=None):
         # The weights are read after the step (so after its token): the
         # reads are created under this control dependency.
         with tf.control_dependencies([step]):
             with tf.GradientTape() as tape:
                 # Keras scales each replica's mean by the replicas in sync, so the
                 # local replicas' gradients added below are the gradient batch's mean.
-                y_pred, loss = forward(model, features, labels)
+                y_pred, loss = forward(model, features, labels, sample_weight)
             grads = tape.gradient(loss, variables)
         flat = tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads], 0)
-        return flat, loss, train_metrics.batch_values(labels, y_pred)
+        return flat, loss, train_metrics.batch_values(labels, y_pred, sample_weight)
 
     def newest_token(queue):
         # Only this worker takes from its queue, so all it holds can be

@@ -108,6 +108,9 @@ class Reporter:
         self.curve: list[dict] = []  # test metrics against training time
         self._eval: Evaluator | None = None
         self._start_step = start_step
+        # The validation split's curve ({"step", "epoch", "val_loss", "val_<metric>"...}).
+        self.val_curve: list[dict] = []
+        self._val: Evaluator | None = None
 
     def hparams(self, values: dict) -> None:
         """Record the run's hyperparameters once (the chief; TensorBoard's HParams tab)."""
@@ -179,6 +182,28 @@ class Reporter:
         spent = time.perf_counter() - t0
         self.eval_seconds += spent
         self.throughput.pause(spent)
+
+    def validate(self, step: int, model) -> dict[str, float]:
+        """The validation split's loss and metrics now, as fit's ``val_*`` logs; a line,
+        an event, TensorBoard's ``val/`` scalars; its time left out of every rate."""
+        t0 = time.perf_counter()
+        if self._val is None:
+            self._val = Evaluator(self.checked.task, self.checked.local_model,
+                                  split="validation")
+        values = {f"val_{k}": v for k, v in self._val(model).items()}
+        self.val_curve.append({"step": step, "epoch": self.epoch_of(step),
+                               **{k: round(v, 5) for k, v in values.items()}})
+        print(f"validation step {step} epoch {self.epoch_of(step)} "
+              + " ".join(f"{k} {v:.4f}" for k, v in values.items()), flush=True)
+        self.events.emit(protocol.EVAL, step, validation=values)
+        if self.writer is not None:
+            with self.writer.as_default(step=step):
+                for name, value in values.items():
+                    tf.summary.scalar(f"val/{name[4:]}", value)
+        spent = time.perf_counter() - t0
+        self.eval_seconds += spent
+        self.throughput.pause(spent)
+        return values
 
     def add_point(self, step: int, metrics: dict[str, float], seconds: float | None = None) -> None:
         seconds = self.clock() if seconds is None else seconds

@@ -17,7 +17,7 @@ import sys
 from typing import NamedTuple
 
 from tfdist.protocol import ConfigError, Exit
-from tfdist.training import tasks
+from tfdist.training import contract, tasks
 from tfdist.training.config import TrainConfig, check_model_dir
 from tfdist.training.plan import RunPlan, RunRequest, request, resolve
 
@@ -48,6 +48,7 @@ def preflight(run_request: RunRequest, gpus: list[str] | None = None) -> RunPlan
     if train_n is None and kind.reads_data(cfg):
         checked = tasks.inspect(spec, tasks.load(spec, run_request.config.data_dir),
                                 steps_given=run_request.config.steps is not None)
+        contract.check(kind, checked, run_request.config.gradient_dtype)
         train_n, test_n = checked.info.train_examples, checked.info.test_examples
     elif train_n is None:
         # A task that does not read data (a ps, a worker under ps) needs
@@ -142,6 +143,7 @@ def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None
     bundle = kind.build(cfg, all_reduce=config.all_reduce)
     checked = tasks.inspect(spec, task if task is not None else tasks.load(spec, config.data_dir),
                             steps_given=config.steps is not None)
+    contract.check(kind, checked, config.gradient_dtype)
     info = checked.info
     plan = resolve(run_request, gpus, train_examples=info.train_examples,
                    test_examples=info.test_examples)

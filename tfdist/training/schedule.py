@@ -93,6 +93,11 @@ class Schedule:
             before, after, self.eval_every
         )
 
+    def epoch_ends(self, before: int, after: int) -> bool:
+        """Whether a call from ``before`` to ``after`` steps ended an epoch (or the run)."""
+        return after > self.start_step and (after >= self.total_steps
+                                            or _crossed(before, after, self.steps_per_epoch))
+
     def drain_due(self, before: int, after: int) -> bool:
         """Must every scheduled step be applied now (checkpoint, evaluation, end)?"""
         return (self.checkpoint_due(after) or self.eval_due(before, after)

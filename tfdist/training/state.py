@@ -42,8 +42,15 @@ class TrainState:
     checkpoint: tf.train.Checkpoint
 
 
-def build_state(plan, task, strategy) -> TrainState:
-    """The task's model, the plan's optimizer and the step counters, in ``strategy``'s scope."""
+def build_state(plan, task, strategy, example=None) -> TrainState:
+    """The task's model, the plan's optimizer and the step counters, in ``strategy``'s scope.
+
+    ``example``: a batch of one training element (``CheckedTask.example``).
+    A model not built yet (subclassed: its layers make their variables on
+    the first call) is called on its features before the optimizer is
+    built, as ``fit`` builds it on the first batch; otherwise the optimizer
+    would know none of its variables.
+    """
     policy = sharding.ShardingPolicy(plan.sharding.partitioner, plan.sharding.num_shards,
                                      plan.sharding.min_bytes)
     with strategy.scope():
@@ -57,6 +64,8 @@ def build_state(plan, task, strategy) -> TrainState:
                 model = task.build_model()
         except sharding.ShardingError as err:
             raise ConfigError(f"task {plan.task.name}: {err}") from None
+        if example is not None and (not model.built or not model.trainable_variables):
+            model(example[0], training=False)
         opt = model.optimizer
         if plan.optimizer.library:
             o = plan.optimizer

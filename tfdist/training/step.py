@@ -21,35 +21,52 @@ class TrainMetrics:
     batch, so a step on a worker, a replica or a ps closure reads nothing
     remote and updates nothing shared. Progress lines show the mean of these
     per-batch values; the test split is measured exactly, at evaluation.
+
+    ``names`` are Keras's own (``CompileMetrics.result()``'s keys): with
+    several outputs ``cls_accuracy``, ``reg_mae``, ``cls_weighted_accuracy``.
+    A model with its own ``train_step`` gives its own names (``own_names``:
+    the keys its step returned when the task was checked, "loss" aside).
     """
 
-    def __init__(self, local_model: keras.Model):
+    def __init__(self, local_model: keras.Model, own_names: tuple[str, ...] | None = None):
         self.compiled = getattr(local_model, "_compile_metrics", None)
         self.names: tuple[str, ...] = ()
+        self.own_step = own_names is not None
         self._initial: list = []
-        if self.compiled is not None and self.compiled.built:
+        if self.own_step:
+            self.names = tuple(own_names)
+        elif self.compiled is not None and self.compiled.built:
             self.compiled.reset_state()
-            self.names = tuple(m.name for m in self.compiled.metrics)
+            self.names = tuple(self.compiled.result())
             self._initial = [tf.constant(v.numpy()) for v in self.compiled.variables]
 
-    def batch_values(self, labels, y_pred) -> tf.Tensor:
+    def batch_values(self, labels, y_pred, sample_weight=None) -> tf.Tensor:
         """Each metric on this batch, as a float32 vector in ``names`` order."""
         if not self.names:
             return tf.zeros([0], tf.float32)
-        state = self.compiled.stateless_update_state(self._initial, labels, y_pred)
+        state = self.compiled.stateless_update_state(self._initial, labels, y_pred,
+                                                     sample_weight=sample_weight)
         result = self.compiled.stateless_result(state)
         return tf.stack([tf.cast(tf.reshape(result[n], []), tf.float32) for n in self.names])
 
+    def logged_values(self, logs: dict) -> tf.Tensor:
+        """A model's own train_step's logs, as a float32 vector in ``names`` order."""
+        if not self.names:
+            return tf.zeros([0], tf.float32)
+        return tf.stack([tf.cast(tf.reshape(logs[n], []), tf.float32) for n in self.names])
 
-def forward(model: keras.Model, features, labels):
+
+def forward(model: keras.Model, features, labels, sample_weight=None):
     """One replica's forward pass: predictions and the compiled loss.
 
     Keras scales the loss by the replicas in sync (``sum_over_batch_size``
     over this replica's batch, then divided by the replicas), so the sum the
     optimizer's all-reduce makes is the gradient of the *global* batch mean.
+    ``compute_loss`` adds the model's own losses (regularizers, ``add_loss``)
+    as ``fit`` does.
     """
     y_pred = model(features, training=True)
-    loss = model.compute_loss(features, labels, y_pred, training=True)
+    loss = model.compute_loss(features, labels, y_pred, sample_weight, training=True)
     return y_pred, loss
 
 
@@ -81,15 +98,42 @@ def make_step_fn(state: TrainState, metrics: TrainMetrics, gradient_dtype: str =
     crossed the network. The update itself is float32 arithmetic.
     """
     model, optimizer = state.model, state.optimizer
+    if metrics.own_step:
+        return _own_step_fn(model, metrics)
 
-    def step_fn(features, labels):
+    def step_fn(features, labels, sample_weight=None):
         with tf.GradientTape() as tape:
-            y_pred, loss = forward(model, features, labels)
+            y_pred, loss = forward(model, features, labels, sample_weight)
             scaled = optimizer.scale_loss(loss)  # a LossScaleOptimizer's scaling; else loss
         grads = tape.gradient(scaled, model.trainable_variables)
         grads = to_wire(grads, gradient_dtype)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss, metrics.batch_values(labels, y_pred)
+        return loss, metrics.batch_values(labels, y_pred, sample_weight)
+
+    if getattr(model, "jit_compile", False):
+        # As fit compiles its step under jit_compile=True: the replica's
+        # step with XLA, called inside strategy.run.
+        return tf.function(step_fn, jit_compile=True, reduce_retracing=True)
+    return step_fn
+
+
+def _own_step_fn(model: keras.Model, metrics: TrainMetrics):
+    """The model's own ``train_step``, called in replica context as ``fit`` calls it
+    under MirroredStrategy (``strategy.run(train_step, (data,))``).
+
+    Its logs are the model's stateful metrics (running means); the loss is
+    divided by the replicas in sync, so ``make_train_fn``'s sum over the
+    replicas gives their mean, as for the library's own step's scaled loss.
+    """
+
+    def step_fn(*data):
+        logs = model.train_step(data)  # the batch as the dataset yields it
+        if not isinstance(logs, dict) or "loss" not in logs:
+            raise ValueError("the model's train_step must return a dict of logs with a "
+                             "'loss', as Keras's does")
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        loss = tf.cast(tf.reshape(logs["loss"], []), tf.float32) / replicas
+        return loss, metrics.logged_values(logs)
 
     return step_fn
 

@@ -9,9 +9,15 @@ A task is any object (a module, an instance, a class) with:
   of **unbatched** ``(features, label)`` examples; ``features`` is a tensor
   or a dict of tensors named like the model's inputs.
 
+Elements may also be ``(features, label, sample_weight)`` triples, and
+``dataset(split)`` may return NumPy arrays (``(x, y)`` or ``(x, y, w)``) as
+``fit`` takes them (``training.contract``).
+
 Optional: ``configure(**options)`` receives ``--task-option KEY=VALUE``
 strings before anything else is called; ``extra_results()`` returns a dict
-merged into ``results.json``.
+merged into ``results.json``; a ``"validation"`` split (a task without one
+returns None or raises KeyError for it); a ``class_weight`` dict; a
+``callbacks()`` method returning Keras callbacks (``training.callbacks``).
 
 ``SPEC`` is a built-in name (``models.BUILTIN_TASKS``), an import path
 ``pkg.mod`` or ``pkg.mod:NAME``, or a file ``path/to/task.py`` (relative to
@@ -210,6 +216,16 @@ def _import(spec: TaskSpec):
         raise _err(spec.text, f"importing it failed: {_first_line(err)}") from None
 
 
+def _checked_call(spec: TaskSpec, fn, what: str, *args):
+    """``_call`` for the library's own checks: their ConfigError lines name the task."""
+    try:
+        return fn(*args)
+    except ConfigError as err:
+        raise _err(spec.text, str(err)) from None
+    except Exception as err:
+        raise _err(spec.text, f"{what} raised {_first_line(err)}") from None
+
+
 def _call(spec: TaskSpec, fn, what: str, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
@@ -254,6 +270,14 @@ class CheckedTask:
     task: Any
     info: TaskInfo
     local_model: Any
+    # The first training element as a batch of one: the state's model is
+    # called on it before the optimizer is built (a subclassed model makes
+    # its variables on its first call).
+    example: Any = None
+    # A model with its own train_step: the names of the logs it returns.
+    own_step_names: tuple[str, ...] | None = None
+    # dataset("validation") gives a split: evaluated at every epoch end.
+    has_validation: bool = False
 
 
 def inspect(spec: TaskSpec, task: Any, *, steps_given: bool) -> CheckedTask:
@@ -274,13 +298,18 @@ def inspect(spec: TaskSpec, task: Any, *, steps_given: bool) -> CheckedTask:
     if getattr(model, "_compile_loss", None) is None:
         raise _err(spec.text, "build_model() returned a model compiled without a loss; pass "
                               "loss=... to model.compile")
+    from tfdist.training import contract
+
+    class_weight = _checked_call(spec, contract.class_weight_of, "class_weight", task)
     sizes = {}
     first = {}
     for split in SPLITS:
         ds = _call(spec, task.dataset, f"dataset({split!r})", split)
+        ds = _checked_call(spec, contract.as_dataset, f"dataset({split!r})", ds,
+                           f"dataset({split!r})")
         if not isinstance(ds, tf.data.Dataset):
             raise _err(spec.text, f"dataset({split!r}) returned {type(ds).__name__}, "
-                                  "not a tf.data.Dataset")
+                                  "not a tf.data.Dataset, NumPy arrays or a tuple of them")
         _check_pair(spec, split, ds.element_spec)
         sizes[split] = _size(spec, split, ds, steps_given)
         try:
@@ -290,29 +319,98 @@ def inspect(spec: TaskSpec, task: Any, *, steps_given: bool) -> CheckedTask:
         except Exception as err:
             raise _err(spec.text, f"reading dataset({split!r}) failed: {_first_line(err)}") from None
         _check_features(spec, split, first[split][0], model)
-    features, label = first["train"]
-    batch = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), (features, label))
+    has_validation = spec.builtin is None and _validation(spec, task, model)
+    if class_weight is not None and len(first["train"]) == 3:
+        raise _err(spec.text, "class_weight is given and dataset('train') yields sample "
+                              "weights too; as fit, give one or the other")
+    batch = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), tuple(first["train"]))
+    weight = batch[2] if len(batch) == 3 else None
+    if class_weight is not None:
+        weight = next(iter(contract.class_weights(
+            tf.data.Dataset.from_tensors(tuple(first["train"])), class_weight)))[2][None]
     try:
         y_pred = model(batch[0], training=False)
-        model.compute_loss(batch[0], batch[1], y_pred, training=False)
-        model.compute_metrics(batch[0], batch[1], y_pred)
+        model.compute_loss(batch[0], batch[1], y_pred, weight, training=False)
+        model.compute_metrics(batch[0], batch[1], y_pred, weight)
     except Exception as err:
         raise _err(spec.text, "the model, its compiled loss or metrics fail on the first "
                               f"training example: {_first_line(err)}") from None
-    names = tuple(m.name for m in model._compile_metrics.metrics) if model._compile_metrics else ()
+    # Keras's own names (cls_accuracy, reg_mae, ...), as model.fit logs them.
+    compiled = model._compile_metrics
+    names = tuple(compiled.result()) if compiled is not None and compiled.built else ()
+    own_names = None
+    if contract.overrides(model, "train_step"):
+        own_names = _own_step_names(spec, model, batch)
     extra = {}
     if callable(getattr(task, "extra_results", None)):
         extra = _call(spec, task.extra_results, "extra_results()") or {}
         if not isinstance(extra, dict):
             raise _err(spec.text, "extra_results() must return a dict")
-    info = TaskInfo(spec.name, sizes["train"], sizes["test"], names, extra)
-    return CheckedTask(spec, task, info, model)
+    info = TaskInfo(spec.name, sizes["train"], sizes["test"],
+                    names if own_names is None else own_names, extra)
+    return CheckedTask(spec, task, info, model, example=batch, own_step_names=own_names,
+                       has_validation=has_validation)
+
+
+def _validation(spec, task, model) -> bool:
+    """Whether ``dataset("validation")`` gives a split (checked as the others are).
+
+    Optional: a task without one returns None or raises KeyError, ValueError
+    or NotImplementedError for a split it does not know.
+    """
+    import tensorflow as tf
+
+    from tfdist.training import contract
+
+    try:
+        ds = task.dataset("validation")
+    except (KeyError, ValueError, NotImplementedError):
+        return False
+    except Exception as err:
+        raise _err(spec.text, f"dataset('validation') raised {_first_line(err)}") from None
+    if ds is None:
+        return False
+    ds = _checked_call(spec, contract.as_dataset, "dataset('validation')", ds,
+                       "dataset('validation')")
+    if not isinstance(ds, tf.data.Dataset):
+        raise _err(spec.text, f"dataset('validation') returned {type(ds).__name__}, not a "
+                              "tf.data.Dataset, NumPy arrays, or None (no validation split)")
+    _check_pair(spec, "validation", ds.element_spec)
+    try:
+        element = next(iter(ds.take(1)))
+    except StopIteration:
+        raise _err(spec.text, "dataset('validation') is empty; return None for no "
+                              "validation split") from None
+    _check_features(spec, "validation", element[0], model)
+    return True
+
+
+def _own_step_names(spec, model, batch) -> tuple[str, ...]:
+    """The logs a model's own ``train_step`` returns ("loss" aside), from one step
+    on the local model (whose weights evaluation overwrites anyway)."""
+    try:
+        logs = model.train_step(batch)
+    except Exception as err:
+        raise _err(spec.text, "the model's own train_step fails on the first training "
+                              f"example: {_first_line(err)}") from None
+    if not isinstance(logs, dict) or "loss" not in logs:
+        raise _err(spec.text, "the model's own train_step must return a dict of logs holding "
+                              "'loss' (as Keras's does: return self.compute_metrics(...)); it "
+                              f"returned {type(logs).__name__}"
+                   + (f" with keys {sorted(logs)}" if isinstance(logs, dict) else ""))
+    bad = [k for k, v in logs.items() if getattr(v, "shape", ()) not in ((), [])]
+    if bad:
+        raise _err(spec.text, f"the model's own train_step returned non-scalar logs {bad}; "
+                              "return one number per name")
+    model.reset_metrics()
+    return tuple(k for k in logs if k != "loss")
 
 
 def _check_pair(spec, split, element_spec) -> None:
-    if not (isinstance(element_spec, tuple) and len(element_spec) == 2):
+    if not (isinstance(element_spec, tuple) and len(element_spec) in (2, 3)):
         raise _err(spec.text, f"dataset({split!r}) yields {_describe(element_spec)}, not "
-                              "(features, label) pairs; map it to 2-tuples")
+                              "(features, label) pairs or (features, label, sample_weight) "
+                              "triples; map it to those")
 
 
 def _size(spec, split, ds, steps_given: bool) -> int | None:
@@ -374,10 +472,20 @@ def _check_one(spec, split, value, inp) -> None:
         raise _err(spec.text, f"dataset({split!r}) {label} has shape {list(got)} per example, "
                               f"the model's input expects {['None' if d is None else d for d in want]}")
     have, need = tf.as_dtype(value.dtype), tf.as_dtype(inp.dtype)
-    if have != need and not ((have.is_floating and need.is_floating)
-                             or (have.is_integer and need.is_integer)):
+    if have != need and not castable(have, need):
         raise _err(spec.text, f"dataset({split!r}) {label} is {have.name}, the model's input "
                               f"is {need.name}; cast it in dataset() or change the Input dtype")
+
+
+def castable(have, need) -> bool:
+    """Whether Keras itself casts a feature of dtype ``have`` to an input of ``need``
+    when it calls the model: floats among floats, integers among integers,
+    bool or integers to integers or floats."""
+    if have.is_floating and need.is_floating:
+        return True
+    if (have.is_integer or have.is_bool) and (need.is_integer or need.is_floating):
+        return True
+    return False
 
 
 def _shapes_match(got, want) -> bool:

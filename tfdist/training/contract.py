@@ -1,0 +1,230 @@
+"""What ``model.fit`` accepts, taken as fit takes it, or refused in one line.
+
+The library is the ``fit`` of users whose strategy Keras 3's own ``fit``
+cannot drive (keras-team/keras#20585, #18624), so a task written for
+``model.fit`` must train here as it would there: this module holds the
+pieces of that contract that are not the training step itself.
+
+- ``as_dataset``: ``dataset(split)`` may return NumPy arrays (or dicts of
+  them), ``(x, y)`` or ``(x, y, sample_weight)``, as ``fit(x, y, sample_weight)``.
+- ``class_weights``: a task's ``class_weight`` (a ``{class: weight}``
+  attribute), turned into each training example's sample weight exactly as
+  Keras's ``data_adapter_utils.class_weight_to_sample_weights`` does.
+- ``overrides``: whether the model has its own ``train_step``/``test_step``.
+- ``check``: what the run's strategy cannot honour (it asks the strategy
+  kind), refused in one ``ConfigError`` line naming the option and the
+  strategy, before anything starts. Nothing is ignored silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tfdist.protocol import ConfigError
+
+# The optimizer options (keras.optimizers.Optimizer's constructor) this module
+# knows of: each is honoured by Keras's own apply_gradients, or refused by a
+# strategy kind (StrategyKind.optimizer_refusals).
+OPTIMIZER_OPTIONS = ("gradient_accumulation_steps", "clipnorm", "clipvalue", "global_clipnorm",
+                     "use_ema", "weight_decay", "loss_scale_factor")
+
+
+def overrides(model, method: str) -> bool:
+    """Whether ``model``'s class defines its own ``method`` (``train_step``,
+    ``test_step``, ``predict_step``) rather than Keras's."""
+    import keras
+
+    own = getattr(type(model), method, None)
+    return own is not None and own is not getattr(keras.Model, method)
+
+
+def as_dataset(value: Any, what: str):
+    """``value`` as a ``tf.data.Dataset`` of unbatched elements.
+
+    A Dataset is kept as it is; NumPy arrays (a dict of them for named
+    inputs), or a tuple ``(x, y)`` / ``(x, y, sample_weight)`` of them, are
+    sliced along their first axis as ``fit(x, y)`` slices them. Anything
+    else is returned as it is, for the caller's own one-line refusal.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    if isinstance(value, tf.data.Dataset):
+        return value
+    given = value
+    if isinstance(value, list):
+        value = tuple(value)
+    leaves = tf.nest.flatten(value)
+    if not leaves or not all(isinstance(v, (np.ndarray, tf.Tensor)) for v in leaves):
+        return given
+    sizes = {int(v.shape[0]) if len(v.shape) else None for v in leaves}
+    if len(sizes) != 1 or None in sizes:
+        raise ConfigError(f"{what} returned arrays of different lengths "
+                          f"({sorted(s for s in sizes if s is not None)}); every array "
+                          "must hold one row per example")
+    if isinstance(value, tuple) and len(value) == 1:
+        value = value[0]
+    return tf.data.Dataset.from_tensor_slices(value)
+
+
+def class_weight_of(task) -> dict | None:
+    """The task's ``class_weight`` ({class index: weight}), checked; None without one."""
+    weights = getattr(task, "class_weight", None)
+    if weights is None:
+        return None
+    if not isinstance(weights, dict) or not all(
+            isinstance(k, int) and not isinstance(k, bool) and k >= 0
+            and isinstance(v, (int, float)) and not isinstance(v, bool)
+            for k, v in weights.items()):
+        raise ConfigError(f"class_weight is {weights!r}; give a dict of class index (an int "
+                          ">= 0) to weight (a number), e.g. {0: 1.0, 1: 5.0}, as fit takes it")
+    return dict(weights)
+
+
+def class_weights(dataset, class_weight: dict):
+    """``(x, y)`` elements as ``(x, y, sample_weight)``: each example's weight its class's.
+
+    As Keras's ``class_weight_to_sample_weights`` (per example here, the data
+    being unbatched): a label with a last axis of more than one is one-hot
+    (its argmax is the class), otherwise it is rounded; classes not in the
+    dict weigh 1.
+    """
+    import tensorflow as tf
+
+    size = max(class_weight) + 1
+    table = tf.constant([float(class_weight.get(i, 1.0)) for i in range(size)], tf.float32)
+
+    def weigh(x, y, sample_weight=None):
+        if sample_weight is not None:
+            return x, y, sample_weight
+        label = y
+        if label.shape.rank and label.shape[-1] != 1:
+            label = tf.argmax(label, axis=-1)
+        label = tf.cast(tf.round(tf.cast(tf.reshape(label, []), tf.float32)), tf.int32)
+        inside = tf.logical_and(label >= 0, label < size)
+        weight = tf.where(inside, tf.gather(table, tf.clip_by_value(label, 0, size - 1)), 1.0)
+        return x, y, weight
+
+    return dataset.map(weigh)
+
+
+def check(kind, checked, gradient_dtype: str = "float32") -> None:
+    """Refuse, in one line, what the run's strategy cannot honour of the task's model.
+
+    ``kind``: the strategy kind (it knows what it cannot do); ``checked``:
+    the inspected task (``tasks.CheckedTask``).
+    """
+    model, task = checked.local_model, checked.task
+    who = f"task {checked.spec.name!r}: "
+    if overrides(model, "train_step"):
+        why = kind.own_train_step_refusal
+        if why:
+            raise ConfigError(f"{who}the model overrides train_step, which {kind.name} cannot "
+                              f"honour: {why}; train it under another strategy, or move the "
+                              "logic into call()/compute_loss()")
+        if gradient_dtype != "float32":
+            raise ConfigError(f"{who}the model overrides train_step, so its own step computes "
+                              f"and applies the gradients and --gradient-dtype {gradient_dtype} "
+                              "cannot be honoured; drop --gradient-dtype, or move the logic "
+                              "into call()/compute_loss()")
+    if getattr(model, "run_eagerly", False):
+        raise ConfigError(f"{who}the model is compiled with run_eagerly=True; a distributed "
+                          "step is always traced (tf.function), so compile without it "
+                          "(debug eagerly with model.fit, then train here)")
+    if getattr(model, "jit_compile", False) and kind.jit_compile_refusal:
+        raise ConfigError(f"{who}the model is compiled with jit_compile=True, which "
+                          f"{kind.name} cannot honour: {kind.jit_compile_refusal}; compile "
+                          "with jit_compile=False for this strategy")
+    spe = getattr(model, "steps_per_execution", 1)
+    if spe not in (1, None):
+        raise ConfigError(f"{who}the model is compiled with steps_per_execution={spe}; the "
+                          "library packs steps into one call itself: compile without it and "
+                          f"pass --steps-per-execution {spe}")
+    if getattr(task, "callbacks", None) is not None and kind.callbacks_refusal:
+        raise ConfigError(f"{who}the task gives callbacks(), which {kind.name} cannot run yet: "
+                          f"{kind.callbacks_refusal}; train it under none, mirrored or multiworker, or "
+                          "remove callbacks() from the task")
+    opt = getattr(model, "optimizer", None)
+    inner = getattr(opt, "inner_optimizer", None)
+    for o in (opt, inner):
+        if o is None:
+            continue
+        for option, why in kind.optimizer_refusals.items():
+            value = _option(o, option)
+            if value:
+                raise ConfigError(
+                    f"{who}the optimizer's {option}={value!r} cannot be honoured under "
+                    f"{kind.name}: {why}; compile the model without it for this strategy")
+    if inner is not None and kind.loss_scale_refusal:
+        raise ConfigError(f"{who}the optimizer is a LossScaleOptimizer, which {kind.name} cannot "
+                          f"honour: {kind.loss_scale_refusal}; compile with the inner optimizer "
+                          "(mixed_bfloat16 needs no loss scaling)")
+    if class_weight_of(task) is not None and len(getattr(model, "outputs", None) or [0]) > 1:
+        raise ConfigError(f"{who}class_weight is given, but the model has several outputs; "
+                          "as fit, it applies to one output only: give (x, y, sample_weight) "
+                          "elements instead")
+
+
+def _option(optimizer, option: str):
+    if option == "gradient_accumulation_steps":
+        return getattr(optimizer, "gradient_accumulation_steps", None)
+    return getattr(optimizer, option, None)
+
+
+def finish_training(model, optimizer) -> None:
+    """What ``fit`` does to the weights once training ends: an optimizer with
+    ``use_ema`` overwrites them with their moving averages
+    (``finalize_variable_values``), which evaluation, the hash and
+    ``model.keras`` then hold."""
+    if getattr(optimizer, "use_ema", False) or getattr(
+            getattr(optimizer, "inner_optimizer", None), "use_ema", False):
+        optimizer.finalize_variable_values(model.trainable_variables)
+
+
+# Every argument of keras.Model.compile and fit, and every step a model may
+# override (Keras 3.15), and what the library does with it: "honoured ..."
+# (as fit does), "mapped ..." (a flag or the task contract gives it) or
+# "refused ..." (one line, exit 2). tests/training/test_fit_conformance.py
+# lists Keras's own signatures against this table and docs/fit-conformance.md.
+CONTRACT = {
+    "compile": {
+        "optimizer": "honoured: the task's own optimizer trains (a flag may replace it)",
+        "loss": "honoured: Keras's CompileLoss, one or one per output",
+        "loss_weights": "honoured: Keras's CompileLoss",
+        "metrics": "honoured: Keras's CompileMetrics, named as fit names them",
+        "weighted_metrics": "honoured: with the elements' or class_weight's sample weights",
+        "run_eagerly": "refused: a distributed step is always traced",
+        "steps_per_execution": "mapped: --steps-per-execution; refused in compile",
+        "jit_compile": "honoured: the replica's step compiled with XLA inside strategy.run "
+                       "(none, mirrored); refused under multiworker, ps, ps-sync",
+        "auto_scale_loss": "honoured: Keras's LossScaleOptimizer (refused under ps-sync)",
+    },
+    "fit": {
+        "x": "mapped: dataset(split) features (a Dataset, or NumPy arrays)",
+        "y": "mapped: dataset(split) labels",
+        "batch_size": "mapped: --global-batch-size",
+        "epochs": "mapped: --epochs (or --steps)",
+        "verbose": "mapped: progress lines every --log-every steps",
+        "callbacks": "honoured: a task's callbacks() on the chief (none, mirrored, "
+                     "multiworker: its stop and learning rate reach every worker); refused "
+                     "under ps, ps-sync",
+        "validation_split": "refused: not offered (give a test split)",
+        "validation_data": "mapped: the test split, evaluated every --eval-every steps",
+        "shuffle": "honoured: every epoch reshuffled with --seed",
+        "class_weight": "honoured: the task's class_weight attribute",
+        "sample_weight": "honoured: (features, label, sample_weight) elements",
+        "initial_epoch": "mapped: a run resumes from its last checkpoint",
+        "steps_per_epoch": "mapped: --steps",
+        "validation_steps": "mapped: the whole test split is evaluated",
+        "validation_batch_size": "mapped: the evaluation batch is the library's",
+        "validation_freq": "mapped: --eval-every",
+    },
+    "override": {
+        "train_step": "honoured: called inside strategy.run (refused under ps-sync and "
+                      "with --gradient-dtype)",
+        "test_step": "honoured: evaluation is Keras's evaluate on a local copy",
+        "predict_step": "honoured: the saved model.keras keeps it",
+        "compute_loss": "honoured: the library's step calls model.compute_loss",
+        "compute_metrics": "honoured: called by a model's own train_step; evaluation uses it",
+    },
+}
