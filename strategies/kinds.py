@@ -75,6 +75,8 @@ class StrategyKind:
     jit_compile_refusal = ""
     optimizer_refusals: Mapping[str, str] = {}
     loss_scale_refusal = ""
+    # Elements with sample weights (or a task's class_weight); "" where honoured.
+    sample_weight_refusal = ""
 
     # --- the cluster ------------------------------------------------------
 
@@ -399,6 +401,20 @@ class Pipeline(StrategyKind):
     computing_roles = ("worker",)  # the stages compute there; the chief only drives them
     serving_roles = ("worker",)
     pipelined = True
+    # What of Keras's fit contract the GPipe step does not carry over: it is the
+    # chief's own step over stages that each have their own optimizer.
+    own_train_step_refusal = ("the chief runs its own GPipe step over the model's stages, and a "
+                              "model's train_step needs the whole model, which no task holds")
+    jit_compile_refusal = "its step spans several tasks' devices, which one XLA cluster cannot"
+    callbacks_refusal = "the model lives in stages on the workers; callbacks are not wired to it"
+    optimizer_refusals = {
+        **_ACCUMULATION_IN_COND,
+        "global_clipnorm": "each stage has an optimizer of its own, so the norm would be one "
+                           "stage's, not the whole model's",
+        "use_ema": "the stages' optimizers are not finalized into the evaluated model",
+    }
+    loss_scale_refusal = "each stage's optimizer is rebuilt from the compiled one's config"
+    sample_weight_refusal = "its micro-batches are (features, label) pairs"
 
     def check(self, cfg):
         if cfg.num_ps:

@@ -159,6 +159,12 @@ def check(kind, checked, gradient_dtype: str = "float32") -> None:
         raise ConfigError(f"{who}the optimizer is a LossScaleOptimizer, which {kind.name} cannot "
                           f"honour: {kind.loss_scale_refusal}; compile with the inner optimizer "
                           "(mixed_bfloat16 needs no loss scaling)")
+    weighted = (checked.example is not None and len(checked.example) == 3) or \
+        class_weight_of(task) is not None
+    if weighted and kind.sample_weight_refusal:
+        raise ConfigError(f"{who}the task gives sample weights (or class_weight), which "
+                          f"{kind.name} cannot honour: {kind.sample_weight_refusal}; train it "
+                          "under another strategy, or drop the weights")
     if class_weight_of(task) is not None and len(getattr(model, "outputs", None) or [0]) > 1:
         raise ConfigError(f"{who}class_weight is given, but the model has several outputs; "
                           "as fit, it applies to one output only: give (x, y, sample_weight) "
