@@ -114,7 +114,10 @@ CLUSTERS = {"multiworker": ["--workers", "2"], "ps": ["--workers", "2", "--ps", 
 # What each cluster strategy refuses (the refusal tests below check the line).
 REFUSED = {"multiworker": ("GRADIENT_ACCUMULATION", "JIT"),
            "ps": ("GRADIENT_ACCUMULATION", "JIT"),
-           "ps-sync": ("FLIPPED_TRAIN_STEP", "LOSS_SCALED", "JIT")}
+           "ps-sync": ("FLIPPED_TRAIN_STEP", "LOSS_SCALED", "JIT"),
+           # The GPipe step over stages (docs/pipeline.md): model parallelism.
+           "pipeline": ("GRADIENT_ACCUMULATION", "JIT", "FLIPPED_TRAIN_STEP", "LOSS_SCALED",
+                        "SAMPLE_WEIGHTED", "CLASS_WEIGHTED", "GLOBAL_CLIP_NORM", "EMA")}
 CLUSTER = [pytest.param(s, n, marks=[pytest.mark.multiprocess]
                         + ([] if (s, n) == ("multiworker", "SUBCLASSED") else [pytest.mark.long]),
                         id=f"{s}-{n}")
@@ -155,6 +158,9 @@ def _checked(name):
     ("ps-sync", "LOSS_SCALED", "LossScaleOptimizer, which ps-sync cannot honour"),
     ("multiworker", "JIT", "jit_compile=True, which multiworker cannot honour"),
     ("ps", "JIT", "jit_compile=True, which ps cannot honour"),
+    ("pipeline", "FLIPPED_TRAIN_STEP", "overrides train_step, which pipeline cannot honour"),
+    ("pipeline", "SAMPLE_WEIGHTED", "sample weights (or class_weight), which pipeline cannot"),
+    ("pipeline", "GLOBAL_CLIP_NORM", "global_clipnorm=0.5 cannot be honoured under pipeline"),
 ])
 def test_what_a_strategy_cannot_honour_is_one_line(strategy, name, says):
     from tfdist.protocol import ConfigError
