@@ -149,14 +149,14 @@ class TaskHost:
         return {"port": s.getsockname()[1], "node_id": ray.get_runtime_context().get_node_id(),
                 "pid": os.getpid()}
 
-    def run(self, args: list[str], env: dict[str, str], cwd: str):
+    def run(self, argv: list[str], env: dict[str, str], cwd: str):
         """Start the task (this node's Python), then yield ``{"pid": N}``, each output line,
         and its exit code last."""
         full = {**os.environ, **env}
         if "OMP_NUM_THREADS" not in env:
             full.pop("OMP_NUM_THREADS", None)  # Ray sets it to the actor's CPUs (1)
         self.proc = subprocess.Popen(
-            [sys.executable, *args], env=full, cwd=cwd if os.path.isdir(cwd) else None,
+            [sys.executable, *argv], env=full, cwd=cwd if os.path.isdir(cwd) else None,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             # Dies with this actor (ray.kill, a lost node): no orphan on the node.
             start_new_session=True, preexec_fn=processes.die_with_parent)
@@ -289,7 +289,7 @@ class RayEngine:
         if self.local:
             # Logical CPUs: one per task's bundle, whatever this host has.
             ray.init(num_cpus=len(self.names) * CPUS_PER_TASK, include_dashboard=False,
-                     log_to_driver=False, _node_ip_address="127.0.0.1")
+                     log_to_driver=False)
             where = f"a local Ray instance (num_cpus={len(self.names) * CPUS_PER_TASK})"
         else:
             ray.init(address=self.address, log_to_driver=False)
@@ -300,6 +300,8 @@ class RayEngine:
                  f"node(s), {total.get('CPU', 0):g} CPU, {total.get('GPU', 0):g} GPU")
 
     def _node_ip(self, node_id: str) -> str:
+        if self.local:  # every task on this host: loopback (Ray names the host's own address)
+            return "127.0.0.1"
         return next(n["NodeManagerAddress"] for n in self.ray.nodes() if n["NodeID"] == node_id)
 
     def _alive_nodes(self) -> int:
