@@ -107,3 +107,15 @@ def test_missing_ray_is_one_line_exit_2(monkeypatch, capsys):
                    "pip install 'tf-distribute-showcase[ray]'")
     with pytest.raises(LaunchError):
         run_request(LaunchRequest(strategy="ps", ps=1, engine="ray"))
+
+
+def test_python_api_takes_the_engine():
+    import tfdist
+
+    with pytest.raises(tfdist.TfdistError) as err:
+        tfdist.launch("ps", ps=1, engine="ray", hosts=2, steps=3, model_dir="/nonexistent/x")
+    assert err.value.exit_code == Exit.BAD_INPUT
+    assert "--hosts does not apply with --engine ray" in err.value.message
+    with pytest.raises(tfdist.TfdistError) as err:
+        tfdist.launch("ps", ps=1, address="auto", steps=3, model_dir="/nonexistent/x")
+    assert "add --engine ray" in err.value.message
