@@ -131,7 +131,7 @@ def test_ps_worker_actor_killed_is_replaced_at_its_address(cluster, spawn, tmp_p
                 "--kill", "worker:1@step=60", train_args=["--steps", "300"],
                 address=cluster.address)
     assert p.wait(JOB_TIMEOUT) == 0, p.output
-    assert re.search(r"\[launch\] worker:1: its Ray actor is gone", p.output), p.output
+    assert re.search(r"\[launch\] worker:1: its Ray actor killed \(ray.kill\)", p.output), p.output
     assert re.search(r"\[launch\] worker:1: a new Ray actor on node \w+, same address", p.output)
     results = read_results(model_dir)
     assert results["global_steps"] == 300  # the library's own accounting: steps exact

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import socket
@@ -189,6 +190,7 @@ class RayProc:
         self.pid: int | None = None
         self.returncode: int | None = None
         self.actor_lost = False
+        self.killed = False  # by the launcher (ray.kill): its loss is no news
         self.started = threading.Event()
         self.done = threading.Event()
 
@@ -218,7 +220,7 @@ class RayProc:
         if self.done.is_set():
             return
         if sig == signal.SIGKILL:
-            self.actor_lost = True
+            self.actor_lost = self.killed = True
             self.ray.kill(self.actor, no_restart=True)
         else:
             self.actor.signal.remote(int(sig), group)
@@ -245,7 +247,8 @@ def _pump(proc: RayProc, stream, name: str, keep: list[str], sink=None) -> None:
     except ray.exceptions.RayError as err:
         proc.actor_lost = True
         cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        proc.log(f"[launch] {name}: its Ray actor is gone ({type(err).__name__}: {cause})")
+        how = "killed (ray.kill)" if proc.killed else "is gone"
+        proc.log(f"[launch] {name}: its Ray actor {how} ({type(err).__name__}: {cause})")
         code = LOST
     proc.finish(LOST if code is None else code)
 
@@ -289,10 +292,10 @@ class RayEngine:
         if self.local:
             # Logical CPUs: one per task's bundle, whatever this host has.
             ray.init(num_cpus=len(self.names) * CPUS_PER_TASK, include_dashboard=False,
-                     log_to_driver=False)
+                     log_to_driver=False, logging_level=logging.WARNING)
             where = f"a local Ray instance (num_cpus={len(self.names) * CPUS_PER_TASK})"
         else:
-            ray.init(address=self.address, log_to_driver=False)
+            ray.init(address=self.address, log_to_driver=False, logging_level=logging.WARNING)
             where = f"the Ray cluster at {self.address}"
         self.actor_class = ray.remote(TaskHost)
         total = ray.cluster_resources()
