@@ -151,7 +151,7 @@ def test_node_lost_mid_run_multiworker_relaunches_from_checkpoint(cluster, spawn
                 address=cluster.address)
     p.wait_for_line(r"\[worker:0\] step [1-3]\d\d/400", JOB_TIMEOUT)
     placed = _placement(model_dir)[0]
-    victim = next(n for n in cluster.nodes if n.ip != HEAD_IP)
+    victim = next(n for n in cluster.nodes if n.ip != HEAD_IP and n.alive)
     assert victim.ip in {w["address"].split(":")[0] for w in placed.values()}, placed
     killed_at = time.time()
     victim.kill()  # raylet, agents, actors: the node is gone

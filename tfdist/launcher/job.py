@@ -39,7 +39,7 @@ def run_request(request: LaunchRequest) -> int:
     before anything is written or started."""
     config = build_config(request)
     if request.engine == "ray":
-        ray_engine.import_ray()  # missing: one line saying how to get it, before any check
+        ray_engine.import_ray()  # missing: one line saying how to get it, before the tasks' checks
         code = preflight(config)
         return code if code is not None else ray_engine.run(config, request)
     use_netns, warning = decide_network(config)
