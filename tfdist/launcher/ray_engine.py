@@ -219,11 +219,14 @@ class RayProc:
     def _signal(self, sig: int, group: bool) -> None:
         if self.done.is_set():
             return
-        if sig == signal.SIGKILL:
-            self.actor_lost = self.killed = True
-            self.ray.kill(self.actor, no_restart=True)
-        else:
-            self.actor.signal.remote(int(sig), group)
+        try:
+            if sig == signal.SIGKILL:
+                self.actor_lost = self.killed = True
+                self.ray.kill(self.actor, no_restart=True)
+            else:
+                self.actor.signal.remote(int(sig), group)
+        except self.ray.exceptions.RayError:  # the actor already gone (its node lost)
+            pass
 
 
 def _pump(proc: RayProc, stream, name: str, keep: list[str], sink=None) -> None:
@@ -469,7 +472,9 @@ class RayEngine:
             proc.pid = -(placed.bundle + 1) * 1000 - len(self.procs)
             proc.finish(LOST)
             self.procs[name] = proc
-            return Task(name, proc, threading.Thread(target=lambda: None), [])
+            done = threading.Thread(target=lambda: None, daemon=True)
+            done.start()  # the supervisor joins every task's pump
+            return Task(name, proc, done, [])
         placed.actor, placed.node_id = actor, info["node_id"]
         self.log(f"[launch] {name}: a new Ray actor on node {placed.node_id[:8]}, same address "
                  f"{placed.address}")
