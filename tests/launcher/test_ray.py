@@ -134,8 +134,13 @@ def test_ps_worker_actor_killed_is_replaced_at_its_address(cluster, spawn, tmp_p
     assert re.search(r"\[launch\] worker:1: its Ray actor killed \(ray.kill\)", p.output), p.output
     assert re.search(r"\[launch\] worker:1: a new Ray actor on node \w+, same address", p.output)
     results = read_results(model_dir)
-    assert results["global_steps"] == 200  # the library's own accounting: steps exact
-    assert sum(results["steps_per_worker"].values()) == 200
+    # The library's own accounting, exact: every requested step scheduled once; the lost
+    # worker's in-flight call, run again elsewhere, shows as re-executed.
+    # (the contract of tests/launcher/test_tf_fault_scenarios.py, one kill, one step a call)
+    assert results["scheduled_steps"] == results["completed_steps"] == 200
+    assert results["applied_steps"] == results["global_steps"] == 200 + results["reexecuted_steps"]
+    assert 0 <= results["reexecuted_steps"] <= 1
+    assert 200 <= sum(results["steps_per_worker"].values()) <= 201
     with open(model_dir / "launch" / "outcome.json") as f:
         outcome = json.load(f)
     assert outcome["restarts_per_task"] == {"worker:1": 1} and outcome["job_relaunches"] == 0
