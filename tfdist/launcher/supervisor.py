@@ -166,10 +166,14 @@ class Supervisor:
         act on SIGTERM, and a relaunch needs its links."""
         for name, pid in list(self.hung.items()):
             self.log(f"[launch] {name} (pid {pid}) is still hung: SIGCONT before stopping it")
-            try:
-                os.killpg(pid, signal.SIGCONT)
-            except (ProcessLookupError, PermissionError):
-                pass
+            task = self.tasks.get(name)
+            if task is not None and task.proc.pid == pid:
+                processes.signal_group(task.proc, signal.SIGCONT)  # its engine's way (Ray: the actor)
+            else:
+                try:
+                    os.killpg(pid, signal.SIGCONT)
+                except (ProcessLookupError, PermissionError):
+                    pass
             del self.hung[name]
         for host in sorted(self.links_down):
             self.log(f"[launch] host{host}'s link is still down: bringing it up")
