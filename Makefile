@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # MNIST: tfds downloads it on first use; offline, set TFDS_DATA_DIR to a
 # prepared tfds copy (the tests and the demo read the same variable).
 
-.PHONY: demo test test-image test-long venv clean
+.PHONY: demo test test-image test-ray test-long venv clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,13 @@ test: venv
 # with apt where missing; root, Linux) and runs jobs of containers. Several minutes.
 test-image: venv
 	$(PY) -m pytest -q -m image tests/image
+
+# The Ray tier (README, docs/deployment.md): --engine ray jobs on a real multi-node Ray
+# cluster started here (ray start --head on 127.0.0.3, a node on 127.0.0.2), every
+# strategy, a killed actor, a lost node; and a local Ray instance. About 5 minutes on a
+# 2-core host (7 tests; 12 while other jobs loaded it).
+test-ray: venv
+	$(PY) -m pytest -q -m ray tests/launcher/test_ray.py
 
 # The long multiprocess suites: every fault and task feature under every cluster
 # strategy, several launches each (about 25 minutes); `make test` runs one of each kind.

@@ -69,6 +69,19 @@ def parse_args(argv=None):
                           "outside: auto (when the OS allows it; else a warning), on (or "
                           "fail), off")
     net.add_argument(INSIDE_FLAG, action="store_true", help=argparse.SUPPRESS)
+    engine = p.add_argument_group("engine")
+    engine.add_argument("--engine", default="local", choices=("local", "ray"),
+                        help="local: the tasks as processes of this host (default); ray: each "
+                             "task a Ray actor on a Ray cluster (pip install "
+                             "'tf-distribute-showcase[ray]')")
+    engine.add_argument("--address", default=None, metavar="auto|HOST:PORT",
+                        help="with --engine ray: the running Ray cluster to join (auto: the "
+                             "one on this node); without it a local Ray instance is started "
+                             "for the job and stopped after")
+    engine.add_argument("--ray-placement", default="spread",
+                        choices=("spread", "strict-spread", "pack"),
+                        help="with --engine ray: how the placement group (one bundle per "
+                             "task) spreads the tasks over the nodes")
     job = p.add_argument_group("job control")
     job.add_argument("--timeout", type=float, default=3600.0,
                      help="seconds before the job is stopped")

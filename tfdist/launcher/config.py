@@ -49,6 +49,9 @@ class LaunchRequest:
     restart_tasks: bool = False
     restart_delay: float = 2.0
     max_restarts: int = 0
+    engine: str = "local"  # "ray": every task a Ray actor (launcher.ray_engine)
+    address: str | None = None  # --address: a running Ray cluster (None: a local instance)
+    ray_placement: str = "spread"
     train_args: tuple[str, ...] = ()
 
     # Fields given once per occurrence (``--kill A --kill B``).

@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 from tfdist.protocol import Exit
-from tfdist.launcher import memory, network, processes, supervisor
+from tfdist.launcher import memory, network, processes, ray_engine, supervisor
 from tfdist.launcher import plan as plans
 from tfdist.launcher.config import LaunchConfig, LaunchRequest
 from tfdist.launcher.faults import plan_recovery
@@ -38,6 +38,10 @@ def run_request(request: LaunchRequest) -> int:
     """Run the whole job; its exit code. Raises LaunchError (one line) for bad input,
     before anything is written or started."""
     config = build_config(request)
+    if request.engine == "ray":
+        ray_engine.import_ray()  # missing: one line saying how to get it, before the tasks' checks
+        code = preflight(config)
+        return code if code is not None else ray_engine.run(config, request)
     use_netns, warning = decide_network(config)
     if not config.netns_inside and config.program is None:
         # The inner launcher in the namespace was checked by the outer one.
@@ -112,6 +116,7 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
     kind = kinds.get(request.strategy)  # argparse's choices: always known
     train_args, model_dir = with_model_dir(kind, with_task_path(train_args))
     check_times(request)
+    ray_engine.check_request(request)
     if program is not None and request.dry_run:
         raise LaunchError("--dry-run shows train.py's own plan for each task; it does not "
                           "apply with --program: drop one of the two")

@@ -48,6 +48,16 @@ def _tf_configs(cluster: dict[str, list[str]]) -> dict[str, dict]:
     }
 
 
+def tf_configs_at(addresses: dict[str, str]) -> dict[str, dict]:
+    """Every task's TF_CONFIG from its ``host:port``, keyed ``role:index`` in task
+    order: the same records ``build_cluster`` writes, for addresses found at run
+    time (``launcher.ray_engine``: each actor binds its own port)."""
+    cluster: dict[str, list[str]] = {}
+    for name, address in addresses.items():
+        cluster.setdefault(name.partition(":")[0], []).append(address)
+    return _tf_configs(cluster)
+
+
 def build_cluster(kind: StrategyKind, workers: int, ps: int = 0, ports: list[int] | None = None,
                   host: str = "localhost", chief: bool | None = None) -> dict[str, dict | None]:
     """TF_CONFIG for every task on one host, keyed ``role:index`` (``None``: no TF_CONFIG)."""

@@ -147,6 +147,9 @@ def start_tasks(tasks: dict[str, dict | None], command: list[str], env: dict[str
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    if hasattr(proc, "signal_group"):  # a task on another engine (ray_engine.RayProc)
+        proc.signal_group(sig)
+        return
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):

@@ -169,10 +169,14 @@ class Supervisor:
         act on SIGTERM, and a relaunch needs its links."""
         for name, pid in list(self.hung.items()):
             self.log(f"[launch] {name} (pid {pid}) is still hung: SIGCONT before stopping it")
-            try:
-                os.killpg(pid, signal.SIGCONT)
-            except (ProcessLookupError, PermissionError):
-                pass
+            task = self.tasks.get(name)
+            if task is not None and task.proc.pid == pid:
+                processes.signal_group(task.proc, signal.SIGCONT)  # its engine's way (Ray: the actor)
+            else:
+                try:
+                    os.killpg(pid, signal.SIGCONT)
+                except (ProcessLookupError, PermissionError):
+                    pass
             del self.hung[name]
         for host in sorted(self.links_down):
             self.log(f"[launch] host{host}'s link is still down: bringing it up")
@@ -283,7 +287,8 @@ def describe_rates(rates: dict[str, dict]) -> str:
 # --- the job, with recovery ----------------------------------------------------------------
 
 def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holder: list,
-            log=print, launch_dir: str | None = None, network=None, link=None) -> int:
+            log=print, launch_dir: str | None = None, network=None, link=None,
+            engine=None) -> int:
     """Start, supervise and, under ``--max-restarts``, relaunch the job.
 
     ``holder`` gets the live Supervisor so the caller can stop it on an
@@ -291,6 +296,8 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
     Kubernetes pod restarted under the same service names) and the same
     ``--model-dir``, so the tasks resume from the latest checkpoint.
     ``network`` (``SimulatedHosts``) puts each task in its host's namespace.
+    ``engine`` (``ray_engine.RayEngine``) starts the tasks elsewhere instead: it
+    places them (and builds their TF_CONFIGs) anew for each attempt.
     """
     names, recovery = config.names, config.recovery
     cores = config.cores or processes.share_cores(config.kind, names, os.cpu_count() or 1)
@@ -307,9 +314,12 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
     try:
         limits = MemoryLimits(dict(config.memory_limits), log=log)
         injector, restarter = _hooks(config, slowdown, list(paths.values()), log)
-        peaks = PeakMemory()
+        # VmHWM is read from this host's /proc: not for tasks on other nodes.
+        peaks = PeakMemory() if engine is None else PeakMemory(read=lambda pid: None)
 
         def starter(name: str) -> Task:
+            if engine is not None:
+                return engine.start(name, command, env, task_envs[name])
             place = Placement(
                 netns=network.netns(config.cluster.host_of[name]) if network is not None else None,
                 cgroup=slowdown.cgroup_for(name) if slowdown is not None else None,
@@ -321,7 +331,7 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
         before = _counters(network, log)
         code, attempt = _attempts(config, starter, [injector, *filter(None, [restarter]), peaks],
                                   restarter, slowdown, holder, log, network=network,
-                                  injector=injector)
+                                  injector=injector, engine=engine)
         after = _counters(network, log) if before is not None else None
         oom, limited = limits.oom_killed(), limits.record()
     finally:
@@ -424,7 +434,7 @@ def _hooks(config: LaunchConfig, slowdown, event_paths: list[str], log):
 
 
 def _attempts(config: LaunchConfig, starter, hooks, restarter, slowdown, holder,
-              log, network=None, injector=None) -> tuple[int, int]:
+              log, network=None, injector=None, engine=None) -> tuple[int, int]:
     """Run the job, relaunching it under ``--max-restarts``: its last code and the relaunches."""
     recovery, attempt = config.recovery, 0
     while True:
@@ -434,6 +444,8 @@ def _attempts(config: LaunchConfig, starter, hooks, restarter, slowdown, holder,
                          slowdown=slowdown, attempt=attempt, network=network,
                          relaunches=attempt < recovery.max_restarts)
         holder[:] = [sup]
+        if engine is not None:
+            engine.new_attempt(attempt)
         sup.start(config.names)
         try:
             code = sup.run(config.timeout, hooks)

@@ -1,0 +1,121 @@
+"""--engine ray without a cluster (pure, default tier): the flags, what it refuses, the
+bundles, the shortage lines, the TF_CONFIGs it builds from placed addresses, and the
+one line when Ray is missing. The jobs themselves run in the Ray tier (test_ray.py)."""
+
+from __future__ import annotations
+
+import builtins
+import sys
+
+import pytest
+
+from tfdist.cli import launch as launch_cli
+from tfdist.launcher import plan as plans
+from tfdist.launcher import ray_engine
+from tfdist.launcher.config import LaunchRequest
+from tfdist.launcher.job import build_config, run_request
+from tfdist.launcher.plan import LaunchError
+from tfdist.protocol import Exit
+from tfdist.strategies import kinds
+
+
+def test_flags_reach_the_request():
+    args, train = launch_cli.parse_args(["--strategy", "ps", "--ps", "2", "--engine", "ray",
+                                         "--address", "auto", "--ray-placement", "strict-spread",
+                                         "--", "--steps", "5"])
+    request = launch_cli.request_from_args(args, train)
+    assert (request.engine, request.address, request.ray_placement) == ("ray", "auto",
+                                                                         "strict-spread")
+    assert LaunchRequest(strategy="ps").engine == "local"
+
+
+@pytest.mark.parametrize("request_kwargs, words", [
+    (dict(engine="ray", hosts=3), "--hosts does not apply with --engine ray"),
+    (dict(engine="ray", slow=("worker:0=0.5",)), "--slow does not apply"),
+    (dict(engine="ray", memory_limit=("ps=1G",)), "--memory-limit does not apply"),
+    (dict(engine="ray", dry_run=True), "--dry-run does not apply"),
+    (dict(engine="ray", host="10.0.0.5"), "--host does not apply"),
+    (dict(address="auto"), "--address auto names a Ray cluster; add --engine ray"),
+    (dict(ray_placement="pack"), "--ray-placement pack places Ray actors; add --engine ray"),
+    (dict(engine="ray", ray_placement="diagonal"), "--ray-placement 'diagonal' is not known"),
+    (dict(engine="yarn"), "--engine 'yarn' is not known; use one of local, ray"),
+])
+def test_what_the_engine_refuses_is_one_line(request_kwargs, words):
+    request = LaunchRequest(strategy="ps", ps=1, **request_kwargs)
+    with pytest.raises(LaunchError) as err:
+        build_config(request)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bundles_ps_cpu_only_workers_get_gpus():
+    kind = kinds.get("ps")
+    names = plans.task_names(kind, 2, 2)
+    gpu = dict(zip(names, ray_engine.bundles_for(kind, names, gpus=4)))
+    assert gpu["worker:0"] == {"CPU": 1.0, "GPU": 1.0} and gpu["worker:1"]["GPU"] == 1.0
+    assert "GPU" not in gpu["ps:0"] and "GPU" not in gpu["chief:0"]  # the coordinator computes nothing
+    assert all("GPU" not in b for b in ray_engine.bundles_for(kind, names, gpus=0))
+    mw = kinds.get("multiworker")
+    assert ray_engine.bundles_for(mw, plans.task_names(mw, 2), gpus=2) == [
+        {"CPU": 1.0, "GPU": 1.0}] * 2
+
+
+def test_shortage_names_what_is_missing():
+    bundles = [{"CPU": 1.0}] * 3
+    assert ray_engine.shortage(bundles, {"CPU": 2.0}, 1, "spread") == (
+        "--engine ray needs 3 CPU bundles (3 CPU, one bundle per task), the cluster has 2; "
+        "add nodes or run fewer tasks")
+    assert ray_engine.shortage(bundles, {"CPU": 8.0}, 2, "spread") is None
+    assert "strict-spread needs 3 nodes (one per task), the cluster has 2" in \
+        ray_engine.shortage(bundles, {"CPU": 8.0}, 2, "strict-spread")
+    gpus = [{"CPU": 1.0, "GPU": 1.0}] * 2
+    assert "needs 2 GPU bundles" in ray_engine.shortage(gpus, {"CPU": 8.0, "GPU": 1.0}, 2, "pack")
+
+
+def test_tf_configs_from_placed_addresses_match_the_local_launchers():
+    kind = kinds.get("ps")
+    names = plans.task_names(kind, 2, 1)
+    ports = [4001, 4002, 4003, 4004]
+    local = plans.build_cluster(kind, 2, 1, ports, host="10.1.2.3")
+    placed = plans.tf_configs_at({n: f"10.1.2.3:{p}" for n, p in zip(names, ports)})
+    assert placed == local
+
+
+def test_model_dir_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = build_config(LaunchRequest(strategy="ps", ps=1, engine="ray",
+                                        train_args=("--model-dir", "runs/x", "--steps", "3")))
+    out = ray_engine.absolute_model_dir(config)
+    assert out.model_dir == str(tmp_path / "runs/x")
+    assert list(out.train_args) == ["--model-dir", str(tmp_path / "runs/x"), "--steps", "3"]
+
+
+def test_missing_ray_is_one_line_exit_2(monkeypatch, capsys):
+    real_import = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("No module named 'ray'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    code = launch_cli.main(["--strategy", "ps", "--ps", "1", "--engine", "ray", "--", "--steps",
+                            "3"])
+    err = capsys.readouterr().err.strip()
+    assert code == Exit.BAD_INPUT
+    assert err == ("error: --engine ray needs Ray, which is not installed here; install it: "
+                   "pip install 'tf-distribute-showcase[ray]'")
+    with pytest.raises(LaunchError):
+        run_request(LaunchRequest(strategy="ps", ps=1, engine="ray"))
+
+
+def test_python_api_takes_the_engine():
+    import tfdist
+
+    with pytest.raises(tfdist.TfdistError) as err:
+        tfdist.launch("ps", ps=1, engine="ray", hosts=2, steps=3, model_dir="/nonexistent/x")
+    assert err.value.exit_code == Exit.BAD_INPUT
+    assert "--hosts does not apply with --engine ray" in err.value.message
+    with pytest.raises(tfdist.TfdistError) as err:
+        tfdist.launch("ps", ps=1, address="auto", steps=3, model_dir="/nonexistent/x")
+    assert "add --engine ray" in err.value.message

@@ -1,0 +1,532 @@
+"""``--engine ray``: the job's tasks as Ray actors, on a running Ray cluster or a local instance.
+
+Each TF task (chief, workers, ps) is one actor, placed through one placement
+group (one bundle per task, ``--ray-placement``). Each actor binds its own
+gRPC port (held with ``SO_REUSEPORT``, which TensorFlow's gRPC server also
+sets, so the task's server binds the same port while nobody else can) and
+reports its node's address; the driver then builds every task's TF_CONFIG
+exactly as the local launcher writes them (``plan.tf_configs_at``). Each
+actor runs the same ``tfdist.cli.train`` command as a child process and
+streams its output lines back (printed with ``[worker:1]`` prefixes) and
+then its exit code. Supervision, fault injection, task restarts and
+``--max-restarts`` relaunches are the local launcher's own
+(``supervisor.run_job``): a task here is a :class:`RayProc`, a Popen-like
+handle on the actor's child. A relaunch places every task anew (a lost
+node's tasks land on the nodes left); a restarted task (``--restart-tasks``)
+is a new actor in the same bundle, on the same node and port, so its
+TF_CONFIG is unchanged.
+
+Ray is imported here only, and only when ``--engine ray`` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from tfdist import protocol
+from tfdist.launcher import plan as plans
+from tfdist.launcher import processes, supervisor
+from tfdist.launcher.config import LaunchConfig, LaunchRequest
+from tfdist.launcher.plan import LaunchError
+from tfdist.launcher.processes import Task
+from tfdist.protocol import Exit
+
+INSTALL_HINT = "pip install 'tf-distribute-showcase[ray]'"
+ENGINES = ("local", "ray")
+# --ray-placement -> Ray's placement-group strategy.
+PLACEMENTS = {"spread": "SPREAD", "strict-spread": "STRICT_SPREAD", "pack": "PACK"}
+CPUS_PER_TASK = 1  # each task's bundle; a worker also asks for one GPU when the cluster has GPUs
+# How long the job may wait for its placement group and actors before it is refused.
+STARTUP_TIMEOUT = 60.0
+LOST = -signal.SIGKILL  # an actor that died: to the supervisor, a task killed outright
+
+
+def check_request(request: LaunchRequest) -> None:
+    """The engine flags, and what the Ray engine cannot honour, refused in one line (pure)."""
+    if request.engine not in ENGINES:
+        raise LaunchError(f"--engine {request.engine!r} is not known; use one of "
+                          f"{', '.join(ENGINES)}")
+    if request.ray_placement not in PLACEMENTS:
+        raise LaunchError(f"--ray-placement {request.ray_placement!r} is not known; use one of "
+                          f"{', '.join(PLACEMENTS)}")
+    if request.engine != "ray":
+        if request.address is not None:
+            raise LaunchError(f"--address {request.address} names a Ray cluster; add --engine ray, "
+                              "or drop --address")
+        if request.ray_placement != "spread":
+            raise LaunchError(f"--ray-placement {request.ray_placement} places Ray actors; add "
+                              "--engine ray, or drop it")
+        return
+    refused = [
+        ("--hosts", request.hosts, "Ray places the tasks on its own nodes"),
+        ("--link-rate", request.link_rate, "the links are the cluster's own"),
+        ("--host", request.host if request.host != "localhost" else None,
+         "each task's address is its Ray node's"),
+        ("--slow", request.slow, "slow-downs use this host's cgroups"),
+        ("--partition", request.partition, "partitions cut simulated hosts' links"),
+        ("--memory-limit", request.memory_limit, "memory cgroups are this host's"),
+        ("--netns on", request.netns == "on" or None, "Ray's nodes must reach each other"),
+        ("--dry-run", request.dry_run or None, "addresses are known once the actors are placed"),
+    ]
+    for flag, value, why in refused:
+        if value:
+            raise LaunchError(f"{flag} does not apply with --engine ray ({why}); drop it, or use "
+                              "--engine local")
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise LaunchError(f"--engine ray needs Ray, which is not installed here; install it: "
+                          f"{INSTALL_HINT}") from None
+    return ray
+
+
+def bundles_for(kind, names: list[str], gpus: float) -> list[dict[str, float]]:
+    """One bundle per task (pure): a CPU each; each computing task a GPU when the cluster
+    has any (ps tasks and a coordinating chief stay CPU-only)."""
+    out = []
+    for name in names:
+        bundle = {"CPU": float(CPUS_PER_TASK)}
+        if gpus >= 1 and name.partition(":")[0] in kind.computing_roles:
+            bundle["GPU"] = 1.0
+        out.append(bundle)
+    return out
+
+
+def shortage(bundles: list[dict[str, float]], resources: dict, nodes: int, placement: str,
+             what: str = "the cluster has") -> str | None:
+    """What the cluster lacks for these bundles, in one line, or ``None`` (pure).
+
+    ``resources``: Ray's total (or available) resources; ``nodes``: alive nodes.
+    """
+    for key, unit in (("CPU", "CPU"), ("GPU", "GPU")):
+        need = [b[key] for b in bundles if key in b]
+        have = float(resources.get(key, 0.0))
+        if need and sum(need) > have:
+            return (f"--engine ray needs {len(need)} {unit} bundles ({sum(need):g} {unit}, "
+                    f"one bundle per task), {what} {have:g}; add nodes or run fewer tasks")
+    if placement == "strict-spread" and len(bundles) > nodes:
+        return (f"--ray-placement strict-spread needs {len(bundles)} nodes (one per task), the "
+                f"cluster has {nodes}; use --ray-placement spread or pack, or add nodes")
+    return None
+
+
+class TaskHost:
+    """The Ray actor of one TF task: holds its port, runs its ``train.py``, relays its lines.
+
+    Runs in a Ray worker process on some node (``ray.remote(TaskHost)`` in the
+    driver); a threaded actor, so ``signal`` reaches a running ``run``.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.sock: socket.socket | None = None
+        self.proc: subprocess.Popen | None = None
+
+    def reserve(self, port: int = 0) -> dict:
+        """Bind the task's gRPC port (0: any free one) and keep it: the node's address and port."""
+        import ray
+
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # TensorFlow's gRPC server binds with SO_REUSEPORT too: it can take the
+        # port while this socket (bound, not listening) keeps everyone else off it.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind(("", port))
+        self.sock = s
+        # The node's address is the driver's to look up (ray.nodes()): the one the
+        # node was started with, not whatever this process would guess.
+        return {"port": s.getsockname()[1], "node_id": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid()}
+
+    def run(self, argv: list[str], env: dict[str, str], cwd: str):
+        """Start the task (this node's Python), then yield ``{"pid": N}``, each output line,
+        and its exit code last."""
+        full = {**os.environ, **env}
+        if "OMP_NUM_THREADS" not in env:
+            full.pop("OMP_NUM_THREADS", None)  # Ray sets it to the actor's CPUs (1)
+        self.proc = subprocess.Popen(
+            [sys.executable, *argv], env=full, cwd=cwd if os.path.isdir(cwd) else None,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            # Dies with this actor (ray.kill, a lost node): no orphan on the node.
+            start_new_session=True, preexec_fn=processes.die_with_parent)
+        yield {"pid": self.proc.pid}
+        for raw in iter(self.proc.stdout.readline, b""):
+            yield raw.decode(errors="replace").rstrip("\n")
+        self.proc.stdout.close()
+        yield self.proc.wait()
+
+    def signal(self, sig: int, group: bool = True) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            if group:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class RayProc:
+    """A task running in an actor, as the supervisor's ``Popen``: ``pid`` (the child's on its
+    node), ``poll``, ``wait``, ``send_signal``, ``signal_group``. SIGKILL is ``ray.kill``:
+    the actor is lost, and its child with it."""
+
+    def __init__(self, ray, actor, name: str, log=print):
+        self.ray, self.actor, self.name, self.log = ray, actor, name, log
+        self.pid: int | None = None
+        self.returncode: int | None = None
+        self.actor_lost = False
+        self.killed = False  # by the launcher (ray.kill): its loss is no news
+        self.started = threading.Event()
+        self.done = threading.Event()
+
+    def finish(self, code: int) -> None:
+        self.returncode = code
+        self.started.set()
+        self.done.set()
+
+    def poll(self) -> int | None:
+        return self.returncode if self.done.is_set() else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self.done.wait(timeout):
+            raise subprocess.TimeoutExpired(self.name, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        self._signal(sig, False)
+
+    def signal_group(self, sig: int) -> None:
+        self._signal(sig, True)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL, True)
+
+    def _signal(self, sig: int, group: bool) -> None:
+        if self.done.is_set():
+            return
+        try:
+            if sig == signal.SIGKILL:
+                self.actor_lost = self.killed = True
+                self.ray.kill(self.actor, no_restart=True)
+            else:
+                self.actor.signal.remote(int(sig), group)
+        except self.ray.exceptions.RayError:  # the actor already gone (its node lost)
+            pass
+
+
+def _pump(proc: RayProc, stream, name: str, keep: list[str], sink=None) -> None:
+    """Relay one actor's stream: lines printed with the task's prefix, then its exit code."""
+    sink = sink or sys.stdout
+    ray = proc.ray
+    code = None
+    try:
+        for ref in stream:
+            item = ray.get(ref)
+            if isinstance(item, dict):
+                proc.pid = item["pid"]
+                proc.started.set()
+            elif isinstance(item, str):
+                keep.append(item)
+                with processes._SINK_LOCK:
+                    sink.write(f"[{name}] {item}\n")
+                    sink.flush()
+            else:
+                code = int(item)
+    except ray.exceptions.RayError as err:
+        proc.actor_lost = True
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        how = "killed (ray.kill)" if proc.killed else "is gone"
+        proc.log(f"[launch] {name}: its Ray actor {how} ({type(err).__name__}: {cause})")
+        code = LOST
+    proc.finish(LOST if code is None else code)
+
+
+@dataclasses.dataclass
+class Placed:
+    """Where one task's actor is, this attempt."""
+
+    actor: object
+    bundle: int
+    ip: str
+    port: int
+    node_id: str
+
+    @property
+    def address(self) -> str:
+        return f"{self.ip}:{self.port}"
+
+
+class RayEngine:
+    """The job on Ray: connect (or start a local instance), place each attempt, start each task."""
+
+    def __init__(self, ray, config: LaunchConfig, address: str | None, placement: str, log=print,
+                 startup_timeout: float = STARTUP_TIMEOUT):
+        self.ray, self.config, self.address, self.placement = ray, config, address, placement
+        self.log = log
+        self.names = config.names
+        self.startup_timeout = min(startup_timeout, config.timeout)
+        self.pg = None
+        self.placed: dict[str, Placed] = {}
+        self.tf_configs: dict[str, dict] = {}
+        self.procs: dict[str, RayProc] = {}
+        self.actor_class = None
+        self.local = address is None
+        self.placements: list[dict] = []  # each attempt's {task: node}, for launch/ray.json
+
+    # --- the cluster ---------------------------------------------------------------
+
+    def connect(self) -> None:
+        ray, t0 = self.ray, time.monotonic()
+        if self.local:
+            # Logical CPUs: one per task's bundle, whatever this host has.
+            ray.init(num_cpus=len(self.names) * CPUS_PER_TASK, include_dashboard=False,
+                     log_to_driver=False, logging_level=logging.WARNING)
+            where = f"a local Ray instance (num_cpus={len(self.names) * CPUS_PER_TASK})"
+        else:
+            ray.init(address=self.address, log_to_driver=False, logging_level=logging.WARNING)
+            where = f"the Ray cluster at {self.address}"
+        self.actor_class = ray.remote(TaskHost)
+        total = ray.cluster_resources()
+        self.log(f"[launch] ray: {where} in {time.monotonic() - t0:.1f}s: {self._alive_nodes()} "
+                 f"node(s), {total.get('CPU', 0):g} CPU, {total.get('GPU', 0):g} GPU")
+
+    def _node_ip(self, node_id: str) -> str:
+        if self.local:  # every task on this host: loopback (Ray names the host's own address)
+            return "127.0.0.1"
+        return next(n["NodeManagerAddress"] for n in self.ray.nodes() if n["NodeID"] == node_id)
+
+    def _alive_nodes(self) -> int:
+        return sum(1 for n in self.ray.nodes() if n.get("Alive"))
+
+    def close(self) -> None:
+        self._release()
+        if self.ray.is_initialized():
+            self.ray.shutdown()  # a local instance stops with it
+
+    def _release(self) -> None:
+        for placed in self.placed.values():
+            try:
+                self.ray.kill(placed.actor, no_restart=True)
+            except Exception:  # already gone with its node
+                pass
+        for proc in self.procs.values():
+            if proc.actor is not None:
+                try:
+                    self.ray.kill(proc.actor, no_restart=True)
+                except Exception:
+                    pass
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
+        self.pg, self.placed, self.procs = None, {}, {}
+
+    # --- each attempt: place, bind, TF_CONFIGs ----------------------------------------
+
+    def new_attempt(self, attempt: int) -> None:
+        """Place every task anew: the placement group, one actor per bundle, their ports,
+        every TF_CONFIG, the launch files. LaunchError (one line) if the cluster lacks room."""
+        ray = self.ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._release()
+        t0 = time.monotonic()
+        bundles = bundles_for(self.config.kind, self.names, ray.cluster_resources().get("GPU", 0))
+        lacking = shortage(bundles, ray.cluster_resources(), self._alive_nodes(), self.placement)
+        if lacking:
+            raise LaunchError(lacking)
+        self.pg = placement_group(bundles, strategy=PLACEMENTS[self.placement],
+                                  name=f"tfdist-{os.getpid()}-{attempt}")
+        try:
+            ray.get(self.pg.ready(), timeout=self.startup_timeout)
+        except ray.exceptions.GetTimeoutError:
+            available = ray.available_resources()
+            line = shortage(bundles, available, self._alive_nodes(), self.placement,
+                            what="the cluster has available")
+            self._release()
+            raise LaunchError(
+                f"{line or 'the placement group for ' + str(len(bundles)) + ' tasks did not fit'} "
+                f"(waited {self.startup_timeout:g}s for room; other jobs may hold it)") from None
+        actors = {}
+        for i, (name, bundle) in enumerate(zip(self.names, bundles)):
+            actors[name] = self._actor(name, i, bundle, PlacementGroupSchedulingStrategy)
+        self.placed = {name: Placed(actors[name], i, 0, "", "") for i, name in
+                       enumerate(self.names)}
+        infos = self._get([actors[n].reserve.remote(0) for n in self.names], "bind their ports")
+        for name, info in zip(self.names, infos):
+            p = self.placed[name]
+            p.ip, p.port, p.node_id = self._node_ip(info["node_id"]), info["port"], info["node_id"]
+        self.tf_configs = plans.tf_configs_at({n: self.placed[n].address for n in self.names})
+        self._save(attempt)
+        nodes = sorted({p.node_id for p in self.placed.values()})
+        self.log(f"[launch] ray: placed in {time.monotonic() - t0:.1f}s ({self.placement}) on "
+                 f"{len(nodes)} node(s): " + ", ".join(
+                     f"{n} {p.address} (node {p.node_id[:8]})" for n, p in self.placed.items()))
+
+    def _actor(self, name: str, bundle: int, resources: dict, strategy_class):
+        return self.actor_class.options(
+            num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0),
+            max_concurrency=4, max_restarts=0,
+            scheduling_strategy=strategy_class(placement_group=self.pg,
+                                               placement_group_bundle_index=bundle),
+        ).remote(name)
+
+    def _get(self, refs, what: str):
+        try:
+            return self.ray.get(refs, timeout=self.startup_timeout)
+        except self.ray.exceptions.GetTimeoutError:
+            self._release()
+            raise LaunchError(f"the Ray actors did not {what} within {self.startup_timeout:g}s; "
+                              "is every node's Python able to import tfdist?") from None
+
+    def _save(self, attempt: int) -> None:
+        launch_dir = self.config.launch_dir
+        plan = plans.ClusterPlan(self.tf_configs)
+        command = processes.task_command(self.config.kind, list(self.config.train_args),
+                                         program=self.config.program)
+        if attempt == 0:
+            processes.save_launch_files(launch_dir, plan, command)
+        else:  # the progress events of every attempt stay (a relaunch appends)
+            for name, tf_config in self.tf_configs.items():
+                processes._write_file(os.path.join(launch_dir, plans.tf_config_file(name)),
+                                      json.dumps(tf_config) + "\n")
+            processes._write_file(os.path.join(launch_dir, "commands.sh"),
+                                  plans.commands_script(plan, command, launch_dir))
+        self.placements.append({n: {"node_id": p.node_id, "address": p.address}
+                                for n, p in self.placed.items()})
+        protocol.write_json_atomic(os.path.join(launch_dir, "ray.json"),
+                                   {"placement": self.placement, "address": self.address,
+                                    "attempts": self.placements})
+
+    # --- each task -----------------------------------------------------------------------
+
+    def start(self, name: str, command: list[str], env: dict[str, str],
+              task_env: dict[str, str]) -> Task:
+        """Start ``name``'s process in its actor (the supervisor's starter). A restart reuses
+        the actor if it lives, else places a new one in the same bundle, on the same port."""
+        placed = self.placed[name]
+        old = self.procs.get(name)
+        if old is not None and old.actor_lost:
+            replaced = self._replace(name, placed)
+            if replaced is not None:
+                return replaced
+        proc = RayProc(self.ray, placed.actor, name, self.log)
+        self.procs[name] = proc
+        job_env = {**{k: v for k, v in env.items() if k in FORWARDED_ENV}, **task_env,
+                   "TF_CONFIG": json.dumps(self.tf_configs[name]), "PYTHONUNBUFFERED": "1"}
+        stream = placed.actor.run.options(num_returns="streaming").remote(
+            command[1:], job_env, os.getcwd())
+        keep: list[str] = []
+        pump = threading.Thread(target=_pump, args=(proc, stream, name, keep), daemon=True)
+        pump.start()
+        if not proc.started.wait(self.startup_timeout):
+            self.log(f"[launch] {name}: its actor did not start the task in "
+                     f"{self.startup_timeout:g}s; counted as lost")
+            proc.kill()
+        if proc.pid is None:
+            proc.pid = -(placed.bundle + 1) * 1000 - len(self.procs)  # never a real pid
+        return Task(name, proc, pump, keep)
+
+    def _replace(self, name: str, placed: Placed) -> Task | None:
+        """A new actor for a lost one, in its bundle, on its port; ``None`` when that worked
+        (``placed`` updated), else a task already lost (its node is gone)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = self.pg.bundle_specs[placed.bundle]
+        actor = self._actor(name, placed.bundle, bundle, PlacementGroupSchedulingStrategy)
+        try:
+            info = self.ray.get(actor.reserve.remote(placed.port), timeout=self.startup_timeout)
+        except Exception as err:  # no room, the port taken, the bundle's node gone
+            info = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+        if "error" not in info:
+            info["ip"] = self._node_ip(info["node_id"])
+        if "error" in info or info["ip"] != placed.ip:
+            why = info.get("error") or (f"its bundle is now on {info['ip']} (node "
+                                        f"{info['node_id'][:8]}), its TF_CONFIG names {placed.ip}")
+            self.log(f"[launch] {name}: cannot replace its actor at {placed.address}: {why}")
+            try:
+                self.ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+            proc = RayProc(self.ray, actor, name, self.log)
+            proc.actor_lost = True
+            proc.pid = -(placed.bundle + 1) * 1000 - len(self.procs)
+            proc.finish(LOST)
+            self.procs[name] = proc
+            done = threading.Thread(target=lambda: None, daemon=True)
+            done.start()  # the supervisor joins every task's pump
+            return Task(name, proc, done, [])
+        placed.actor, placed.node_id = actor, info["node_id"]
+        self.log(f"[launch] {name}: a new Ray actor on node {placed.node_id[:8]}, same address "
+                 f"{placed.address}")
+        return None
+
+
+# What the driver's environment passes to every task (each node has its own otherwise):
+# where the data is, and the tasks' own knobs.
+FORWARDED_ENV = ("TFDS_DATA_DIR", "TF_CPP_MIN_LOG_LEVEL", protocol.EVENTS_ENV)
+
+
+def absolute_model_dir(config: LaunchConfig) -> LaunchConfig:
+    """The model dir as an absolute path in every task's flags: it is the shared path every
+    node writes to, whatever each actor's working directory is."""
+    model_dir = os.path.abspath(config.model_dir)
+    args = list(config.train_args)
+    for i, arg in enumerate(args):
+        if arg == "--model-dir" and i + 1 < len(args):
+            args[i + 1] = model_dir
+        elif arg.startswith("--model-dir="):
+            args[i] = f"--model-dir={model_dir}"
+    return dataclasses.replace(config, model_dir=model_dir, train_args=tuple(args))
+
+
+def run(config: LaunchConfig, request: LaunchRequest, log=None) -> int:
+    """The whole job on Ray: its exit code (as the local launcher decides it)."""
+    log = log or (lambda m: print(m, flush=True))
+    ray = import_ray()
+    config = absolute_model_dir(config)
+    command = processes.task_command(config.kind, list(config.train_args), program=config.program)
+    processes.check_launch_dir(config.launch_dir)
+    os.makedirs(config.launch_dir, exist_ok=True)
+    engine = RayEngine(ray, config, request.address, request.ray_placement, log=log)
+    received: list[int] = []
+    holder: list = []
+
+    def on_signal(signum, _frame):
+        received.append(signum)
+        raise KeyboardInterrupt(signum)
+
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        engine.connect()
+        log(f"[launch] {config.kind.name} on Ray: {', '.join(config.names)}; TF_CONFIGs in "
+            f"{config.launch_dir}/")
+        code = supervisor.run_job(config, command, dict(os.environ), holder, log=log,
+                                  launch_dir=config.launch_dir, engine=engine)
+    except KeyboardInterrupt:
+        log("[launch] interrupted; stopping every task")
+        return supervisor.interrupted(holder, received)
+    finally:
+        engine.close()
+        signal.signal(signal.SIGTERM, previous)
+    log(f"[launch] done: exit code {code}")
+    return code
