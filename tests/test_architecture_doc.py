@@ -37,3 +37,12 @@ def test_the_check_reads_the_real_tree():
             "models/mnist.py"} <= modules
     assert not any(m.startswith(("tests/", "tfdist/bench/peers/")) for m in modules)
     assert len(documented_paths()) > 40
+
+
+def test_test_files_have_unique_names():
+    # The tests folders are not packages: pytest imports each file by its bare name, so two
+    # test_x.py in different folders fail the whole collection.
+    import collections
+
+    names = collections.Counter(p.name for p in (REPO / "tests").rglob("test_*.py"))
+    assert [n for n, c in names.items() if c > 1] == []
