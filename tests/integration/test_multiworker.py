@@ -113,7 +113,7 @@ def _task_pid(model_dir, task_file):
                 cmd = f.read()
         except OSError:
             continue
-        if model_dir.encode() in cmd and b"train.py" in cmd:
+        if model_dir.encode() in cmd and b"tfdist.cli.train" in cmd:  # a launched task
             index = task_file.rsplit("-", 1)[1]
             if f'"type": "worker", "index": {index}'.encode() in env:
                 return int(pid)

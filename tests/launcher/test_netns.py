@@ -68,7 +68,8 @@ def _task_pids(model_dir):
                 cmd = f.read().split(b"\0")
         except OSError:
             continue
-        if any(part.endswith(b"train.py") for part in cmd) and str(model_dir).encode() in cmd:
+        # A task: the launcher runs `python -m tfdist.cli.train`.
+        if b"tfdist.cli.train" in cmd and str(model_dir).encode() in cmd:
             pids.append(int(pid))
     return pids
 
