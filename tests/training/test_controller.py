@@ -72,7 +72,10 @@ def _run(plan, **trainer_options):
         evaluate=lambda *a: pytest.fail("a worker never evaluates"),
         throughput=types.SimpleNamespace(overall=lambda n: (1.0, 2.0)),
         events=types.SimpleNamespace(emit=lambda *a, **k: None))
-    trainer = FakeTrainer(plan=plan, bundle=None, task=None, state=None,
+    # A task without callbacks or a validation split; no model: the fake computes nothing.
+    task = types.SimpleNamespace(task=types.SimpleNamespace(), has_validation=False)
+    trainer = FakeTrainer(plan=plan, bundle=types.SimpleNamespace(strategy=None), task=task,
+                          state=types.SimpleNamespace(model=None, optimizer=None),
                           checkpointer=checkpointer, train_metrics=None, **trainer_options)
     controller = Controller(plan, trainer, checkpointer, reporter, started=0.0)
     return controller, trainer, saved, progress
