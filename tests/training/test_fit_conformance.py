@@ -8,6 +8,8 @@ that every ``compile``/``fit`` argument and step override Keras has is in it.
 
 import functools
 import inspect
+import json
+import os
 import re
 
 import keras
@@ -54,8 +56,9 @@ def plain_fit(name: str) -> dict:
     return fit_tasks.plain_fit(getattr(fit_tasks, name), epochs=EPOCHS, batch_size=BATCH)
 
 
-def _compare(name: str, got: dict, tolerance: float) -> None:
+def _compare(name: str, got: dict, tolerance: float, strategy: str) -> None:
     want = plain_fit(name)
+    _record(name, strategy, got, want)
     # The same names Keras gives (cls_accuracy, reg_mae, ...), loss aside.
     assert set(got["test_metrics"]) == {k for k in want if not k.startswith("val_")} - {
         "loss"}, (got["test_metrics"], want)
@@ -64,6 +67,19 @@ def _compare(name: str, got: dict, tolerance: float) -> None:
         value = (got["test_loss"] if metric == "loss" else got["val_metrics"][metric]
                  if metric.startswith("val_") else got["test_metrics"][metric])
         assert abs(value - want[metric]) <= tolerance, (name, metric, value, want[metric])
+
+
+def _record(name: str, strategy: str, got: dict, want: dict) -> None:
+    """With TFDIST_CONFORMANCE_RECORD=FILE, append each cell's figures (JSON lines):
+    docs/fit-conformance.md's table is filled from them, never typed in."""
+    path = os.environ.get("TFDIST_CONFORMANCE_RECORD")
+    if not path:
+        return
+    row = {"task": name, "strategy": strategy, "fit": want,
+           "library": {**got["test_metrics"], "loss": got["test_loss"],
+                       **(got.get("val_metrics") or {})}}
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def _config(strategy, name, model_dir, **kw):
@@ -87,7 +103,7 @@ def test_one_process_strategies_train_as_fit(tmp_path, capsys, strategy, name):
     from tfdist.training import run
 
     results = run.run(_config(strategy, name, tmp_path))
-    _compare(name, results, SYNC_TOLERANCE)
+    _compare(name, results, SYNC_TOLERANCE, strategy)
     if name == "TWO_OUTPUTS":
         # Keras's names in the progress lines, TensorBoard and results.json.
         out = capsys.readouterr().out
@@ -131,7 +147,7 @@ def test_cluster_strategies_train_as_fit(tmp_path, spawn, strategy, name):
         "--log-every", "60", "--model-dir", str(tmp_path)]))
     assert p.wait(timeout=300) == 0, p.output
     results = read_results(tmp_path)
-    _compare(name, results, PS_TOLERANCE if strategy == "ps" else SYNC_TOLERANCE)
+    _compare(name, results, PS_TOLERANCE if strategy == "ps" else SYNC_TOLERANCE, strategy)
     if strategy == "multiworker":
         hashes = set(re.findall(r"weights_sha256=([0-9a-f]{64})", p.output))
         assert hashes == {results["weights_sha256"]}

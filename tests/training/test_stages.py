@@ -216,3 +216,30 @@ def test_train_refuses_more_stages_than_layers_in_one_line(monkeypatch, capsys, 
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("error: task mnist-logreg: cannot cut its 3 layer(s) into 4 stages")
+
+
+def test_resuming_with_another_stage_count_names_flags_that_exist(tmp_path):
+    # The stage count is recorded, but set by --workers/--pipelines/--stages: the
+    # refusal must name those, not a flag no command has.
+    from tfdist.cli import train as train_cli
+    from tfdist.protocol import ConfigError
+    from tfdist.training import checkpoints
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "checkpoint").write_text("")
+    (tmp_path / checkpoints.RUN_RECORD).write_text('{"pipeline_stages": 2}')
+    with pytest.raises(ConfigError) as got:
+        checkpoints.check_run_record(str(tmp_path), {"pipeline_stages": 3})
+    line = str(got.value)
+    assert "was 2, now 3" in line and "stage count" in line, line
+    # Every flag the line names is one `train.py --help` lists.
+    import contextlib
+    import io
+
+    help_text = io.StringIO()
+    with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit):
+        train_cli.parse_args(["--help"])
+    named = {w.strip("(),;/.") for w in line.split() if w.lstrip("(").startswith("--")}
+    assert {"--pipelines", "--stages"} <= named, line
+    for flag in named:
+        assert flag in help_text.getvalue(), (flag, line)

@@ -242,6 +242,12 @@ def _shown(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+# Recorded values no single flag sets, named by what sets them (the line must name
+# flags that exist).
+_RECORDED_AS = {"pipeline_stages": "the pipeline's stage count (the cluster's workers over "
+                                   "--pipelines, or --stages)"}
+
+
 def check_run_record(model_dir: str, flags: dict) -> None:
     """Refuse to resume a run whose defining flags differ from ``flags``.
 
@@ -275,7 +281,8 @@ def check_run_record(model_dir: str, flags: dict) -> None:
                 if isinstance(was, (int, float)) and isinstance(now, (int, float))
                 and not isinstance(was, bool) else was == now)
         if not same:
-            differ.append(f"--{name.replace('_', '-')} was {_shown(was)}, now {_shown(now)}")
+            differ.append(f"{_RECORDED_AS.get(name, '--' + name.replace('_', '-'))} was "
+                          f"{_shown(was)}, now {_shown(now)}")
     if differ:
         raise ConfigError(
             f"--model-dir {model_dir!r} holds a run made with other flags, and resuming it would "
