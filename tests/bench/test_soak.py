@@ -284,17 +284,21 @@ def test_left_behind_counts_a_marked_process_and_the_namespace_it_holds(spawn, t
 # cause and its mend are in docs/reliability.md ("A finding, mended").
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
-def test_a_three_job_soak_is_correct_and_leaves_nothing(spawn, tmp_path):
+@pytest.mark.parametrize("strategies", [
+    # One job in the default tier (the soak's kind); all three in the long tier.
+    ("ps",), pytest.param(CLUSTER, marks=pytest.mark.long)], ids=["one-job", "three-jobs"])
+def test_a_soak_is_correct_and_leaves_nothing(spawn, tmp_path, strategies):
     out = tmp_path / "soak"
-    proc = spawn([sys.executable, "-m", "tfdist.bench.soak", "--jobs", "3", "--steps", "600",
-                  "--strategies", ",".join(["multiworker", "ps", "ps-sync"]),
+    jobs = len(strategies)
+    proc = spawn([sys.executable, "-m", "tfdist.bench.soak", "--jobs", str(jobs),
+                  "--steps", "600", "--strategies", ",".join(strategies),
                   "--job-timeout", "240", "--out", str(out)])
     code = proc.wait(timeout=400)
     record = json.loads((out / "soak.json").read_text())
     assert code == 0, proc.output[-4000:]
     assert (record["jobs"], record["correct"], record["hung"], record["left_behind"],
-            record["steps_lost_beyond_promise"]) == (3, 3, 0, 0, 0), proc.output[-4000:]
-    assert sorted(j["strategy"] for j in record["per_job"]) == sorted(CLUSTER)
+            record["steps_lost_beyond_promise"]) == (jobs, jobs, 0, 0, 0), proc.output[-4000:]
+    assert sorted(j["strategy"] for j in record["per_job"]) == sorted(strategies)
     assert all(1 <= len(j["faults"]) <= 3 for j in record["per_job"])
     for row in record["table"]:
         assert row["survived"] == row["injected"] and row["correct"] == row["jobs"], row

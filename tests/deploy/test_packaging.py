@@ -261,7 +261,10 @@ print(json.dumps({"none": [here.strategy, here.global_step, here.metrics["accura
 }
 
 
+# Five trainings through the installed wheel (~70 s idle): the long tier; the default
+# tier installs the same wheel and runs its commands (the test above).
 @pytest.mark.multiprocess
+@pytest.mark.long
 @pytest.mark.timeout(420)
 def test_a_users_own_top_level_packages_never_collide(installed, tmp_path):
     """models/, training/, strategies/, launcher/ and protocol.py of the user's own, imported by
