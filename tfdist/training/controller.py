@@ -66,11 +66,9 @@ class Controller:
                                   reporter.evaluator, reporter.checked.task)
                          if self.config.export and trainer.is_chief else None)
         self.export_failed: ExportFailed | None = None
-        # The task's Keras callbacks, on the chief (training.callbacks).
-        self.callbacks = Callbacks(
-            trainer.task.task, trainer.state.model, self.schedule, active=trainer.is_chief,
-            strategy=trainer.bundle.strategy, optimizer=trainer.state.optimizer,
-            shared=not plan.kind.callbacks_refusal and len(plan.kind.training_tasks(self.cfg)) > 1)
+        # The task's Keras callbacks, on the chief (training.callbacks); their
+        # self.model is trainer.local_model().
+        self.callbacks = Callbacks(trainer, self.schedule)
 
     def run(self) -> dict | None:
         """Train to the end; the chief returns the results record's dict.
