@@ -201,7 +201,8 @@ def _rate(optimizer) -> float | None:
                   keras.optimizers.schedules.LearningRateSchedule):
         return None
     try:
-        return float(optimizer.learning_rate)
+        # Through NumPy: float() refuses a MirroredVariable (multiworker's rate).
+        return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
     except Exception:  # pylint: disable=broad-except
         return None
 

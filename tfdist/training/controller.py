@@ -314,7 +314,8 @@ def count_trainable(model) -> int:
 def _rate(optimizer) -> float | None:
     """A task's own optimizer's current rate, where it can be read as a number."""
     try:
-        return float(optimizer.learning_rate)
+        # Through NumPy: float() refuses a MirroredVariable (multiworker's rate).
+        return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
     except Exception:  # pylint: disable=broad-except
         return None
 
