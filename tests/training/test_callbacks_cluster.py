@@ -207,3 +207,21 @@ def test_a_copys_rate_reaches_the_trained_optimizer_and_its_stop_the_run():
     trained.learning_rate = 0.25
     callbacks.train_end({})
     assert float(trainer.copy.optimizer.learning_rate) == 0.25
+
+
+def test_only_pipeline_refuses_a_task_with_callbacks():
+    from tfdist.protocol import ConfigError
+    from tfdist.strategies import kinds
+    from tfdist.training import contract, tasks
+
+    spec = tasks.parse_spec(SPEC + "WITH_CALLBACKS")
+    checked = tasks.inspect(spec, tasks.load(spec), steps_given=False)
+    for name in kinds.names(include_auto=False):
+        kind = kinds.get(name)
+        if kind.pipelined:
+            with pytest.raises(ConfigError) as refused:
+                contract.check(kind, checked)
+            line = str(refused.value)
+            assert "gives callbacks(), which pipeline cannot run" in line and "\n" not in line
+        else:
+            contract.check(kind, checked)  # ps and ps-sync included
