@@ -185,6 +185,14 @@ def test_a_copys_rate_reaches_the_trained_optimizer_and_its_stop_the_run():
             if epoch == 1:
                 self.model.stop_training = True
 
+        def on_train_end(self, logs=None):
+            # As EarlyStopping(restore_best_weights=True): the first epoch's end.
+            self.model.set_weights(self.best)
+
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 0:
+                self.best = self.model.get_weights()
+
     task = _Scheduled([keras.callbacks.LearningRateScheduler(lambda e, lr: [0.5, 0.0][e]),
                        Sees()])
     trainer = _CopyTrainer(task)
@@ -205,8 +213,13 @@ def test_a_copys_rate_reaches_the_trained_optimizer_and_its_stop_the_run():
     assert callbacks.stop_requested() and callbacks.stopped_by == "a callback (model.stop_training)"
     # Someone else changed the trained rate: the copy takes it before the next call.
     trained.learning_rate = 0.25
+    kernel.assign(kernel + 1.0)
     callbacks.train_end({})
     assert float(trainer.copy.optimizer.learning_rate) == 0.25
+    # Weights a callback set on the copy are the trained model's now.
+    for got, want in zip(trainer.trained.get_weights(), trainer.copy.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(trainer.trained.weights[0].numpy(), seen[-1])
 
 
 def test_only_pipeline_refuses_a_task_with_callbacks():

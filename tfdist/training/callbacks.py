@@ -14,12 +14,14 @@ Their ``self.model`` is the trainer's ``local_model()``
 synchronous strategies; under ``ps`` and ``ps-sync``, whose variables live on
 the ps tasks, the chief's copy of the model (plain variables, the one
 evaluation uses), refreshed from the ps before every call that may read it
-(train begin and end, epoch ends, and batch ends when a callback has a
+(train and epoch begins and ends, and batch ends when a callback has a
 batch hook). Only the chief runs the loop there, so nothing is broadcast:
 before each call the copy's optimizer takes the trained optimizer's learning
 rate, and a rate the callbacks set on it (``LearningRateScheduler``,
 ``ReduceLROnPlateau``) is assigned to the trained optimizer (on the ps) right
-after, before the next step is scheduled.
+after, before the next step is scheduled; weights they set on it
+(``EarlyStopping(restore_best_weights=True)``) are assigned to the trained
+model the same way.
 
 Under a strategy of several training tasks in lockstep (``multiworker``) the
 chief's decisions reach every worker: at every epoch begin, progress line and
@@ -32,7 +34,10 @@ by ``training.contract``).
 
 from __future__ import annotations
 
+import numpy as np
+
 from tfdist.protocol import ConfigError
+from tfdist.training.sharding import set_full_weights
 
 
 class Callbacks:
@@ -46,6 +51,7 @@ class Callbacks:
         self._agreed_stop = False
         self._batch_hooks = False
         self._given_rate: float | None = None
+        self._given_weights: list | None = None  # what a refreshed copy was given
         given = getattr(trainer.task.task, "callbacks", None)
         # The trained optimizer: the one whose learning rate the steps read.
         self._optimizer = trainer.state.optimizer
@@ -79,7 +85,7 @@ class Callbacks:
         """``epoch``: 0-based, as fit counts. Every task: a rate set here
         (LearningRateScheduler) trains this epoch on every worker."""
         if self:
-            with self._call(weights=False):
+            with self._call():
                 self.list.on_epoch_begin(epoch)
         self.agree()
 
@@ -103,8 +109,11 @@ class Callbacks:
 
     def _before(self, weights: bool) -> None:
         """The callbacks' model takes the trained weights (``weights``) and learning rate."""
+        self._given_weights = None
         if weights:
             self.model = self._trainer.local_model()  # the same object, refreshed
+            if self.model is not self._trainer.state.model:
+                self._given_weights = self.model.get_weights()
         copy = getattr(self.model, "optimizer", None)
         if copy is None or copy is self._optimizer:
             return
@@ -114,7 +123,13 @@ class Callbacks:
         self._given_rate = _rate(copy)
 
     def _after(self) -> None:
-        """A rate the callbacks set on the copy's optimizer: to the trained optimizer."""
+        """What the callbacks set on a copy (weights, the optimizer's rate): to the
+        trained model and optimizer."""
+        if self._given_weights is not None:
+            now = self.model.get_weights()
+            if any(not np.array_equal(a, b) for a, b in zip(now, self._given_weights)):
+                # EarlyStopping(restore_best_weights=True), or any set_weights.
+                set_full_weights(self._trainer.state.model, now)
         copy = getattr(self.model, "optimizer", None)
         if copy is None or copy is self._optimizer:
             return
