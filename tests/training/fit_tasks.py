@@ -452,3 +452,20 @@ def plain_fit(task, epochs=2, batch_size=64, seed=0):
     # The last epoch's val_* logs, when the task has a validation split.
     out.update({k: v[-1] for k, v in history.history.items() if k.startswith("val_")})
     return out
+
+
+class RestoreBest(Validated):
+    """EarlyStopping(restore_best_weights=True) stops after epoch 2 of 5 and restores
+    epoch 1's weights (the only "improvement" by 1.0); ModelCheckpoint saves each epoch's
+    into ``$FIT_CALLBACKS_DIR``."""
+
+    def callbacks(self):
+        import os
+
+        out = os.environ["FIT_CALLBACKS_DIR"]
+        return [keras.callbacks.EarlyStopping(monitor="val_loss", patience=0, min_delta=1.0,
+                                              restore_best_weights=True),
+                keras.callbacks.ModelCheckpoint(os.path.join(out, "ckpt-{epoch}.keras"))]
+
+
+RESTORE_BEST = RestoreBest()

@@ -238,3 +238,28 @@ def test_only_pipeline_refuses_a_task_with_callbacks():
             assert "gives callbacks(), which pipeline cannot run" in line and "\n" not in line
         else:
             contract.check(kind, checked)  # ps and ps-sync included
+
+
+@pytest.mark.multiprocess
+@pytest.mark.long
+def test_weights_a_callback_restores_on_the_chiefs_copy_reach_the_ps(tmp_path, spawn):
+    """Under ps the callbacks' self.model is a copy: EarlyStopping's restored weights (epoch
+    1's) must still be what is evaluated, hashed and saved."""
+    import keras
+
+    from tfdist.training.evaluation import weights_sha256
+
+    out, run = tmp_path / "callbacks", tmp_path / "run"
+    out.mkdir()
+    p = spawn(launch_cmd("ps", *CLUSTERS["ps"], train_args=[
+        "--task", SPEC + "RESTORE_BEST", "--epochs", "5", "--global-batch-size", "64",
+        "--log-every", "60", "--model-dir", str(run)]),
+        env=child_env(FIT_CALLBACKS_DIR=str(out)))
+    assert p.wait(timeout=300) == 0, p.output[-3000:]
+    results = read_results(run)
+    assert results["stopped_by"] == "EarlyStopping" and results["completed_steps"] == 124
+    first, second = (weights_sha256(keras.saving.load_model(out / f"ckpt-{e}.keras"))
+                     for e in (1, 2))
+    assert first != second
+    assert results["weights_sha256"] == first
+    assert weights_sha256(keras.saving.load_model(run / "model.keras")) == first
