@@ -187,7 +187,11 @@ class _CallbackCall:
 
     def __enter__(self):
         self._paused.__enter__()
-        self._callbacks._before(self._weights)  # pylint: disable=protected-access
+        try:
+            self._callbacks._before(self._weights)  # pylint: disable=protected-access
+        except BaseException as err:
+            self._paused.__exit__(type(err), err, err.__traceback__)
+            raise
         return self
 
     def __exit__(self, *exc):
