@@ -69,7 +69,8 @@ class StrategyKind:
     # a model's own train_step, optimizer options ({option: reason}), and
     # Keras's LossScaleOptimizer. Empty: honoured as model.fit honours it.
     own_train_step_refusal = ""
-    # A task's Keras callbacks run on the chief; "" where they can.
+    # A task's Keras callbacks run on the chief (under ps, on a chief-side copy of
+    # the model: training.callbacks); "" where they can.
     callbacks_refusal = ""
     # compile(jit_compile=True): the replica's step compiled with XLA; "" where it runs.
     jit_compile_refusal = ""
@@ -284,8 +285,6 @@ class ParameterServer(StrategyKind):
     # Measured: "Trying to access resource ... located in device /job:ps".
     jit_compile_refusal = ("an XLA-compiled step cannot read or update variables that live "
                            "on the ps tasks")
-    callbacks_refusal = ("the model's variables live on the ps tasks, where Keras cannot save "
-                         "or evaluate it as a callback's self.model")
     min_ps = 1
 
     def check(self, cfg):

@@ -379,6 +379,61 @@ class WithCallbacks(Validated):
 WITH_CALLBACKS = WithCallbacks()
 
 
+class LoggingRecorder(Recorder):
+    """The custom callback in a launched task: also the learning rate its model's optimizer
+    has at each epoch begin, written to ``calls.json`` in ``out_dir`` at the end."""
+
+    def __init__(self, out_dir):
+        super().__init__()
+        self.out_dir = out_dir
+
+    def on_epoch_begin(self, epoch, logs=None):
+        rate = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+        self.calls.append(("epoch_begin", epoch, rate))
+
+    def on_train_end(self, logs=None):
+        super().on_train_end(logs)
+        import json
+        import os
+
+        with open(os.path.join(self.out_dir, "calls.json"), "w") as f:
+            json.dump(self.calls, f)
+
+
+class AllCallbacks(Validated):
+    """Every callback the issue names, files into ``$FIT_CALLBACKS_DIR`` (5 epochs asked):
+
+    - LearningRateScheduler: the rate 0 from the third epoch (index 2) on, so the weights
+      stop changing there;
+    - ReduceLROnPlateau (val_loss, min_delta 1.0, factor 0.5, patience 0): halves the
+      rate at the end of the second epoch (index 1);
+    - EarlyStopping (val_loss, min_delta 1.0, patience 2): stops after the third epoch,
+      step 186 of 310 (62 steps an epoch at a batch of 64);
+    - ModelCheckpoint (``ckpt-{epoch}.keras``, every epoch), CSVLogger (``log.csv``),
+      TensorBoard (``tb/``) and the custom ``LoggingRecorder`` (``calls.json``).
+    The callbacks are in this order: the recorder sees the rate each epoch begins with
+    before the scheduler sets its own.
+    """
+
+    def callbacks(self):
+        import os
+
+        out = os.environ["FIT_CALLBACKS_DIR"]
+        return [
+            LoggingRecorder(out),
+            keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.0 if epoch >= 2 else lr),
+            keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=0,
+                                              min_delta=1.0),
+            keras.callbacks.EarlyStopping(monitor="val_loss", patience=2, min_delta=1.0),
+            keras.callbacks.ModelCheckpoint(os.path.join(out, "ckpt-{epoch}.keras")),
+            keras.callbacks.CSVLogger(os.path.join(out, "log.csv")),
+            keras.callbacks.TensorBoard(os.path.join(out, "tb")),
+        ]
+
+
+ALL_CALLBACKS = AllCallbacks()
+
+
 def plain_fit(task, epochs=2, batch_size=64, seed=0):
     """Keras's own ``model.fit`` on ``task`` in this process: {metric: value} on the test split."""
     keras.utils.set_random_seed(seed)
@@ -397,3 +452,20 @@ def plain_fit(task, epochs=2, batch_size=64, seed=0):
     # The last epoch's val_* logs, when the task has a validation split.
     out.update({k: v[-1] for k, v in history.history.items() if k.startswith("val_")})
     return out
+
+
+class RestoreBest(Validated):
+    """EarlyStopping(restore_best_weights=True) stops after epoch 2 of 5 and restores
+    epoch 1's weights (the only "improvement" by 1.0); ModelCheckpoint saves each epoch's
+    into ``$FIT_CALLBACKS_DIR``."""
+
+    def callbacks(self):
+        import os
+
+        out = os.environ["FIT_CALLBACKS_DIR"]
+        return [keras.callbacks.EarlyStopping(monitor="val_loss", patience=0, min_delta=1.0,
+                                              restore_best_weights=True),
+                keras.callbacks.ModelCheckpoint(os.path.join(out, "ckpt-{epoch}.keras"))]
+
+
+RESTORE_BEST = RestoreBest()

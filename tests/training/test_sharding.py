@@ -234,3 +234,15 @@ def test_shards_keep_the_whole_kernels_initial_statistics():
     assert kernel.std() == pytest.approx(limit / np.sqrt(3), rel=0.02)
     # A fixed seed is offset per shard, or all shards would start equal.
     assert not np.array_equal(seeded.shards[0].numpy(), seeded.shards[1].numpy())
+
+
+def test_set_full_weights_is_the_inverse_of_full_weights():
+    """A callback's weights on the unsplit copy reach the split model (training.callbacks)."""
+    model = _model(3)
+    whole = [w + 1.0 for w in sharding.full_weights(model)]
+    sharding.set_full_weights(model, whole)
+    got = sharding.full_weights(model)
+    assert len(got) == len(whole)
+    for a, b in zip(got, whole):
+        np.testing.assert_array_equal(a, b)
+    assert len(model.weights) > len(whole)  # shards were there to assign row by row

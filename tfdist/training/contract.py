@@ -141,8 +141,8 @@ def check(kind, checked, gradient_dtype: str = "float32") -> None:
                           "library packs steps into one call itself: compile without it and "
                           f"pass --steps-per-execution {spe}")
     if getattr(task, "callbacks", None) is not None and kind.callbacks_refusal:
-        raise ConfigError(f"{who}the task gives callbacks(), which {kind.name} cannot run yet: "
-                          f"{kind.callbacks_refusal}; train it under none, mirrored or multiworker, or "
+        raise ConfigError(f"{who}the task gives callbacks(), which {kind.name} cannot run: "
+                          f"{kind.callbacks_refusal}; train it under another strategy, or "
                           "remove callbacks() from the task")
     opt = getattr(model, "optimizer", None)
     inner = getattr(opt, "inner_optimizer", None)
@@ -211,9 +211,10 @@ CONTRACT = {
         "batch_size": "mapped: --global-batch-size",
         "epochs": "mapped: --epochs (or --steps)",
         "verbose": "mapped: progress lines every --log-every steps",
-        "callbacks": "honoured: a task's callbacks() on the chief (none, mirrored, "
-                     "multiworker: its stop and learning rate reach every worker); refused "
-                     "under ps, ps-sync",
+        "callbacks": "honoured: a task's callbacks() on the chief (multiworker: its stop "
+                     "and learning rate reach every worker; ps, ps-sync: self.model is a "
+                     "chief-side copy refreshed from the ps, its learning rate assigned to "
+                     "the trained optimizer); refused under pipeline",
         "validation_split": "refused: not offered (give a test split)",
         "validation_data": "mapped: the test split, evaluated every --eval-every steps",
         "shuffle": "honoured: every epoch reshuffled with --seed",

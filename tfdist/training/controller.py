@@ -66,11 +66,9 @@ class Controller:
                                   reporter.evaluator, reporter.checked.task)
                          if self.config.export and trainer.is_chief else None)
         self.export_failed: ExportFailed | None = None
-        # The task's Keras callbacks, on the chief (training.callbacks).
-        self.callbacks = Callbacks(
-            trainer.task.task, trainer.state.model, self.schedule, active=trainer.is_chief,
-            strategy=trainer.bundle.strategy, optimizer=trainer.state.optimizer,
-            shared=not plan.kind.callbacks_refusal and len(plan.kind.training_tasks(self.cfg)) > 1)
+        # The task's Keras callbacks, on the chief (training.callbacks); their
+        # self.model is trainer.local_model().
+        self.callbacks = Callbacks(trainer, self.schedule)
 
     def run(self) -> dict | None:
         """Train to the end; the chief returns the results record's dict.
@@ -316,7 +314,8 @@ def count_trainable(model) -> int:
 def _rate(optimizer) -> float | None:
     """A task's own optimizer's current rate, where it can be read as a number."""
     try:
-        return float(optimizer.learning_rate)
+        # Through NumPy: float() refuses a MirroredVariable (multiworker's rate).
+        return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
     except Exception:  # pylint: disable=broad-except
         return None
 

@@ -187,6 +187,19 @@ class CoordinatedTrainer(Trainer):
     def _metrics(self) -> dict[str, float]:
         return dict(self._last)
 
+    def local_model(self):
+        """The chief's copy of the model (the one evaluation uses), holding the weights
+        the ps tasks hold now: every step counted so far, and any still in flight
+        under ``ps`` (at an epoch end or the end nothing is: the controller drained).
+        Its optimizer's ``iterations`` is the global step, as ``fit``'s would be."""
+        from tfdist.training.evaluation import local_copy
+
+        local = local_copy(self.state.model, self.task.local_model)
+        optimizer = getattr(local, "optimizer", None)
+        if optimizer is not None:
+            optimizer.iterations.assign(int(self.state.global_step.numpy()))
+        return local
+
     def ps_variable_bytes(self) -> dict[str, int]:
         """Bytes of model variables and optimizer slots each ps task holds."""
         state = self.state

@@ -516,3 +516,28 @@ def full_weights(model) -> list:
     if run:
         out.append(np.concatenate(run, axis=0))
     return out
+
+
+def set_full_weights(model, weights: list) -> None:
+    """The inverse of :func:`full_weights`: ``weights`` (the unsplit model's, in its
+    order) assigned to ``model``, each split variable's rows to its shards.
+
+    A callback that changes its (local) ``self.model``'s weights under ps
+    (``EarlyStopping(restore_best_weights=True)``) has them reach the trained model
+    this way (``training.callbacks``).
+    """
+    index, key, run = 0, None, []
+    for var in model.weights:
+        match = SHARD_RE.match(var.path)
+        group = (match.group("head"), match.group("tail")) if match else None
+        if run and group != key:
+            _assign_rows(run, weights[index])
+            index, run = index + 1, []
+        key = group
+        if group is None:
+            var.assign(weights[index])
+            index += 1
+        else:
+            run.append(var)
+    if run:
+        _assign_rows(run, weights[index])

@@ -132,6 +132,9 @@ class SyncTrainer(Trainer):
     def stop_requested(self) -> bool:
         return False  # the preemption handler stops the run itself
 
+    def in_lockstep(self) -> bool:
+        return len(self.bundle.kind.training_tasks(self.cfg)) > 1
+
     def _metrics(self) -> dict[str, float]:
         if self._out is None:
             return {}

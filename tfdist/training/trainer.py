@@ -66,6 +66,24 @@ class Trainer(abc.ABC):
         """Whether a preemption asks the controller to drain, save and stop."""
         return False
 
+    def local_model(self):
+        """The model a Keras callback's ``self.model`` is (``training.callbacks``), holding
+        the trained weights as of now; called on the chief before each callback call that
+        may read them.
+
+        A trainer whose ``state.model`` is trained in this process (the synchronous
+        ones) returns it itself; one whose variables live on the ps tasks returns a
+        chief-side copy (plain variables), refreshed from the ps on every call. A
+        learning rate the callbacks set on the copy's optimizer is given to the trained
+        optimizer by ``training.callbacks``."""
+        return self.state.model
+
+    def in_lockstep(self) -> bool:
+        """Whether other tasks run this same loop, step for step (multiworker's
+        workers): the chief's callbacks' stop and learning rate must then reach them
+        (``training.callbacks``, one all-reduce at each call boundary)."""
+        return False
+
     def progress_fields(self) -> tuple[str, dict]:
         """Extra text for the progress line, and the same as event fields."""
         return "", {}
