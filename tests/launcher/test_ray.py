@@ -6,7 +6,9 @@ node on 127.0.0.2, each its own ``ray start`` process group with its own temp
 dir. Tasks land on both nodes (each task's TF_CONFIG address is its node's);
 a worker's actor killed with ``ray.kill`` is replaced at the same address (ps);
 a whole node killed mid-run ends the attempt and ``--max-restarts`` relaunches
-the job on the node left, from its checkpoint. Nothing is left behind: no
+the job on the node left, from its checkpoint; a ps worker's node killed (chief and
+ps on the head, ``--ray-placement spread-workers``) and the job ends exact on the
+worker left. Nothing is left behind: no
 raylet, GCS, actor or task process, no temp dir.
 """
 

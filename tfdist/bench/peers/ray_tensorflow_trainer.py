@@ -60,6 +60,17 @@ def train_loop_per_worker(config: dict) -> None:
                                workers=len(tf_config["cluster"]["worker"]))
 
 
+def one_line(err: BaseException) -> str:
+    """The worker's own error in Ray's report, on one line (a PerReplica's contents elided)."""
+    import re
+
+    text = " ".join(str(err).split())
+    found = re.findall(r"\b(\w+Error: .*?)(?= \w+Error: |\[Rank |$)", text)
+    line = next((f for f in found if not f.startswith(("WorkerGroupError", "TrainingFailedError"))),
+                found[-1] if found else f"{type(err).__name__}: {text}")
+    return re.sub(r"\(PerReplica:\{.*?\}\)", "(PerReplica:{...})", line)[:300]
+
+
 def main(argv=None) -> int:
     sys.path.insert(0, HERE)
     import peer_lib
@@ -88,12 +99,7 @@ def main(argv=None) -> int:
     try:
         trainer.fit()
     except Exception as err:  # noqa: BLE001 - the peer reports what Ray Train raised, in one line
-        cause = err
-        while cause.__cause__ is not None:
-            cause = cause.__cause__
-        text = str(cause).strip().splitlines()
-        print(f"PEER FAILED {own.keras}: {type(cause).__name__}: "
-              f"{text[-1] if text else ''}", flush=True)
+        print(f"PEER FAILED {own.keras}: {one_line(err)}", flush=True)
         return 1
     finally:
         ray.shutdown()
