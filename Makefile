@@ -30,8 +30,8 @@ test-image: venv
 
 # The Ray tier (README, docs/deployment.md): --engine ray jobs on a real multi-node Ray
 # cluster started here (ray start --head on 127.0.0.3, a node on 127.0.0.2), every
-# strategy, a killed actor, a lost node; and a local Ray instance. About 5 minutes on a
-# 2-core host (7 tests; 12 while other jobs loaded it).
+# strategy, a killed actor, a lost node (multiworker, and a ps worker's); a local Ray
+# instance. 8 tests: 5 min 18 s on a 2-core host at load 2 (9 to 14 min at load 7 to 21).
 test-ray: venv
 	$(PY) -m pytest -q -m ray tests/launcher/test_ray.py
 

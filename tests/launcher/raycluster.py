@@ -106,6 +106,16 @@ class RayCluster:
     def add_node(self, ip: str, num_cpus: int) -> Node:
         return self._start(ip, ["--address", self.address], num_cpus)
 
+    def victim(self) -> Node:
+        """A live node other than the head, one a test may kill (the first such; a new one,
+        on the next loopback address, when every other node is gone)."""
+        alive = [n for n in self.nodes if n.ip != HEAD_IP and n.alive]
+        return alive[0] if alive else self.add_node(self.next_ip(), num_cpus=2)
+
+    def next_ip(self) -> str:
+        used = {int(n.ip.rsplit(".", 1)[1]) for n in self.nodes + self.failed}
+        return f"127.0.0.{max(used | {3}) + 1}"
+
     def leftovers(self) -> list[str]:
         """Live processes of this cluster (by its temp dir, or in a node's process group)."""
         groups = {n.proc.proc.pid for n in self.nodes + self.failed}

@@ -59,6 +59,18 @@ def test_bundles_ps_cpu_only_workers_get_gpus():
         {"CPU": 1.0, "GPU": 1.0}] * 2
 
 
+def test_spread_workers_pins_what_computes_nothing_to_the_head():
+    kind = kinds.get("ps")
+    names = plans.task_names(kind, 2, 2)
+    pinned = dict(zip(names, ray_engine.bundles_for(kind, names, gpus=0, pin_head=True)))
+    on_head = {n for n, b in pinned.items() if ray_engine.HEAD_RESOURCE in b}
+    assert on_head == {"chief:0", "ps:0", "ps:1"}  # the workers may go anywhere
+    mw = kinds.get("multiworker")
+    assert all(ray_engine.HEAD_RESOURCE not in b for b in ray_engine.bundles_for(
+        mw, plans.task_names(mw, 2), gpus=0, pin_head=True))  # every task computes
+    assert ray_engine.PLACEMENTS["spread-workers"] == "SPREAD"
+
+
 def test_shortage_names_what_is_missing():
     bundles = [{"CPU": 1.0}] * 3
     assert ray_engine.shortage(bundles, {"CPU": 2.0}, 1, "spread") == (

@@ -79,9 +79,10 @@ def parse_args(argv=None):
                              "one on this node); without it a local Ray instance is started "
                              "for the job and stopped after")
     engine.add_argument("--ray-placement", default="spread",
-                        choices=("spread", "strict-spread", "pack"),
+                        choices=("spread", "strict-spread", "pack", "spread-workers"),
                         help="with --engine ray: how the placement group (one bundle per "
-                             "task) spreads the tasks over the nodes")
+                             "task) spreads the tasks over the nodes (spread-workers: spread, "
+                             "with ps and a coordinating chief on the head node)")
     job = p.add_argument_group("job control")
     job.add_argument("--timeout", type=float, default=3600.0,
                      help="seconds before the job is stopped")

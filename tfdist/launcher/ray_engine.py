@@ -43,7 +43,15 @@ from tfdist.protocol import Exit
 INSTALL_HINT = "pip install 'tf-distribute-showcase[ray]'"
 ENGINES = ("local", "ray")
 # --ray-placement -> Ray's placement-group strategy.
-PLACEMENTS = {"spread": "SPREAD", "strict-spread": "STRICT_SPREAD", "pack": "PACK"}
+# spread-workers: SPREAD, with the tasks the job cannot lose without a relaunch (ps, a
+# coordinating chief: the roles that compute nothing) pinned to the head node, which the
+# cluster cannot lose anyway; only workers then sit on the nodes that may go.
+PLACEMENTS = {"spread": "SPREAD", "strict-spread": "STRICT_SPREAD", "pack": "PACK",
+              "spread-workers": "SPREAD"}
+HEAD_PINNED = ("spread-workers",)
+# Ray's own marker resource of the head node (1 on it, absent elsewhere): a bundle asking
+# for a sliver of it can only be placed there.
+HEAD_RESOURCE = "node:__internal_head__"
 CPUS_PER_TASK = 1  # each task's bundle; a worker also asks for one GPU when the cluster has GPUs
 # How long the job may wait for its placement group and actors before it is refused.
 STARTUP_TIMEOUT = 60.0
@@ -92,14 +100,19 @@ def import_ray():
     return ray
 
 
-def bundles_for(kind, names: list[str], gpus: float) -> list[dict[str, float]]:
+def bundles_for(kind, names: list[str], gpus: float, pin_head: bool = False
+                ) -> list[dict[str, float]]:
     """One bundle per task (pure): a CPU each; each computing task a GPU when the cluster
-    has any (ps tasks and a coordinating chief stay CPU-only)."""
+    has any (ps tasks and a coordinating chief stay CPU-only); with ``pin_head`` the tasks
+    that compute nothing on the head node."""
     out = []
     for name in names:
         bundle = {"CPU": float(CPUS_PER_TASK)}
-        if gpus >= 1 and name.partition(":")[0] in kind.computing_roles:
+        computes = name.partition(":")[0] in kind.computing_roles
+        if gpus >= 1 and computes:
             bundle["GPU"] = 1.0
+        if pin_head and not computes:
+            bundle[HEAD_RESOURCE] = 0.001
         out.append(bundle)
     return out
 
@@ -350,7 +363,8 @@ class RayEngine:
 
         self._release()
         t0 = time.monotonic()
-        bundles = bundles_for(self.config.kind, self.names, ray.cluster_resources().get("GPU", 0))
+        bundles = bundles_for(self.config.kind, self.names, ray.cluster_resources().get("GPU", 0),
+                              pin_head=self.placement in HEAD_PINNED)
         lacking = shortage(bundles, ray.cluster_resources(), self._alive_nodes(), self.placement)
         if lacking:
             raise LaunchError(lacking)
