@@ -59,6 +59,21 @@ def test_bundles_ps_cpu_only_workers_get_gpus():
         {"CPU": 1.0, "GPU": 1.0}] * 2
 
 
+def test_each_node_shares_its_own_cores_among_its_own_tasks():
+    # Sized by the node each task runs on, never by the driver's machine: two workers on
+    # one 2-core node are pinned apart with a core each; a worker alone on a 32-core node
+    # gets all 32; a ps task serves with one thread.
+    kind = kinds.get("ps")
+    node_of = {"chief:0": "head", "ps:0": "head", "worker:0": "a", "worker:1": "a",
+               "worker:2": "big"}
+    got = ray_engine.node_shares(kind, node_of, {"head": 2, "a": 2, "big": 32})
+    assert got["worker:0"].cpus == (0,) and got["worker:1"].cpus == (1,)
+    assert got["worker:0"].env["TF_NUM_INTRAOP_THREADS"] == "1"
+    assert got["worker:2"].cpus == () and got["worker:2"].env["TF_NUM_INTRAOP_THREADS"] == "32"
+    assert got["ps:0"].env["TF_NUM_INTRAOP_THREADS"] == "1" and got["ps:0"].cpus == ()
+    assert set(got) == set(node_of)
+
+
 def test_spread_workers_pins_what_computes_nothing_to_the_head():
     kind = kinds.get("ps")
     names = plans.task_names(kind, 2, 2)

@@ -193,6 +193,10 @@ class CoreShare:
         return len(self.cpus) or max(1, total)
 
 
+# The environment share_cores sets (TensorFlow's pool sizes).
+THREAD_POOL_ENV = ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
+
+
 def share_cores(kind: StrategyKind, tasks, cpus: int) -> dict[str, CoreShare]:
     """Each task's share of this machine's ``cpus`` cores (pure).
 

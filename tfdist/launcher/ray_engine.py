@@ -135,6 +135,18 @@ def shortage(bundles: list[dict[str, float]], resources: dict, nodes: int, place
     return None
 
 
+def node_shares(kind, node_of: dict[str, str], cpus_of: dict[str, int]
+                ) -> dict[str, processes.CoreShare]:
+    """Each task's thread pools and cores (pure): every Ray node is a host of its own, its
+    tasks sharing its cores exactly as the local launcher shares one machine's
+    (``processes.share_cores``: pools sized to a task's share, busy tasks pinned apart)."""
+    out: dict[str, processes.CoreShare] = {}
+    for node in sorted(set(node_of.values())):
+        here = [n for n in node_of if node_of[n] == node]
+        out.update(processes.share_cores(kind, here, max(1, cpus_of.get(node, 1))))
+    return out
+
+
 class TaskHost:
     """The Ray actor of one TF task: holds its port, runs its ``train.py``, relays its lines.
 
@@ -161,11 +173,11 @@ class TaskHost:
         # The node's address is the driver's to look up (ray.nodes()): the one the
         # node was started with, not whatever this process would guess.
         return {"port": s.getsockname()[1], "node_id": ray.get_runtime_context().get_node_id(),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "cpus": len(os.sched_getaffinity(0))}
 
-    def run(self, argv: list[str], env: dict[str, str], cwd: str):
-        """Start the task (this node's Python), then yield ``{"pid": N}``, each output line,
-        and its exit code last."""
+    def run(self, argv: list[str], env: dict[str, str], cwd: str, cpus: tuple[int, ...] = ()):
+        """Start the task (this node's Python; pinned to ``cpus`` of this node when given),
+        then yield ``{"pid": N}``, each output line, and its exit code last."""
         full = {**os.environ, **env}
         if "OMP_NUM_THREADS" not in env:
             full.pop("OMP_NUM_THREADS", None)  # Ray sets it to the actor's CPUs (1)
@@ -173,7 +185,8 @@ class TaskHost:
             [sys.executable, *argv], env=full, cwd=cwd if os.path.isdir(cwd) else None,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             # Dies with this actor (ray.kill, a lost node): no orphan on the node.
-            start_new_session=True, preexec_fn=processes.die_with_parent)
+            start_new_session=True,
+            preexec_fn=processes.child_setup(processes.Placement(cpus=tuple(cpus))))
         yield {"pid": self.proc.pid}
         for raw in iter(self.proc.stdout.readline, b""):
             yield raw.decode(errors="replace").rstrip("\n")
@@ -296,6 +309,7 @@ class RayEngine:
         self.pg = None
         self.placed: dict[str, Placed] = {}
         self.tf_configs: dict[str, dict] = {}
+        self.cores: dict[str, processes.CoreShare] = {}  # each task's, on its node
         self.procs: dict[str, RayProc] = {}
         self.actor_class = None
         self.local = address is None
@@ -389,6 +403,8 @@ class RayEngine:
         for name, info in zip(self.names, infos):
             p = self.placed[name]
             p.ip, p.port, p.node_id = self._node_ip(info["node_id"]), info["port"], info["node_id"]
+        self.cores = node_shares(self.config.kind, {n: self.placed[n].node_id for n in self.names},
+                                 {info["node_id"]: info["cpus"] for info in infos})
         self.tf_configs = plans.tf_configs_at({n: self.placed[n].address for n in self.names})
         self._save(attempt)
         nodes = sorted({p.node_id for p in self.placed.values()})
@@ -445,10 +461,14 @@ class RayEngine:
                 return replaced
         proc = RayProc(self.ray, placed.actor, name, self.log)
         self.procs[name] = proc
-        job_env = {**{k: v for k, v in env.items() if k in FORWARDED_ENV}, **task_env,
+        share = self.cores[name]
+        # The supervisor sized the thread pools by the driver's cores; the task runs on
+        # its node, whose cores and co-located tasks decide them (node_shares).
+        own = {k: v for k, v in task_env.items() if k not in processes.THREAD_POOL_ENV}
+        job_env = {**{k: v for k, v in env.items() if k in FORWARDED_ENV}, **own, **share.env,
                    "TF_CONFIG": json.dumps(self.tf_configs[name]), "PYTHONUNBUFFERED": "1"}
         stream = placed.actor.run.options(num_returns="streaming").remote(
-            command[1:], job_env, os.getcwd())
+            command[1:], job_env, os.getcwd(), share.cpus)
         keep: list[str] = []
         pump = threading.Thread(target=_pump, args=(proc, stream, name, keep), daemon=True)
         pump.start()
