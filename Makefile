@@ -21,7 +21,7 @@ demo: venv
 	$(PY) launch.py --strategy multiworker --workers 2 -- --epochs 1 --model-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 # The container tier (docs/deployment.md): builds the image with podman (installed
 # with apt where missing; root, Linux) and runs jobs of containers. Several minutes.
