@@ -39,6 +39,8 @@ def test_two_workers_train_to_identical_weights(tmp_path, spawn):
     assert descendants_alive(model_dir) == []
 
 
+# The long tier: make test keeps a sibling of the same kind (CI time)
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_three_workers_uneven_batch_end_cleanly(tmp_path, spawn):
     # 99 = 3 x 33 per replica; 60000 is not a multiple of 99.
@@ -70,6 +72,8 @@ def test_killed_worker_fails_the_job_fast_and_leaves_nothing(tmp_path, spawn):
     assert descendants_alive(model_dir) == []
 
 
+# The long tier: tests/launcher/test_netns.py's SIGTERM test stays in make test (CI time)
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_launcher_sigterm_stops_every_task(tmp_path, spawn):
     model_dir = str(tmp_path / "mwterm")

@@ -40,6 +40,8 @@ def test_one_ps_two_workers_reach_accuracy_with_no_lost_update(tmp_path, spawn):
     assert descendants_alive(model_dir) == []
 
 
+# The long tier: make test splits variables over ps tasks in test_sharding.py (CI time)
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_two_ps_tasks_share_the_variables(tmp_path, spawn):
     model_dir = str(tmp_path / "ps2")

@@ -128,7 +128,8 @@ def _hosts_problem():
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("strategy,launch_args", [
     ("multiworker", ["--workers", "2", "--hosts", "2"]),
-    ("ps", ["--workers", "2", "--ps", "1", "--hosts", "3"]),
+    # The long tier: one strategy in make test (CI time)
+    pytest.param("ps", ["--workers", "2", "--ps", "1", "--hosts", "3"], marks=pytest.mark.long),
 ])
 def test_launch_records_each_hosts_bytes_per_step(strategy, launch_args, tmp_path, spawn):
     from conftest import descendants_alive, launch_cmd, read_results

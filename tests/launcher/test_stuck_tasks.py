@@ -115,6 +115,8 @@ def test_a_hung_task_is_stopped_then_continued_after_its_seconds(tmp_path, spawn
     assert _stopped_with(model_dir) == [] and descendants_alive(model_dir) == []
 
 
+# The long tier: the hung-then-continued test above stays in make test (CI time)
+@pytest.mark.long
 @pytest.mark.timeout(90)
 def test_a_task_hung_for_good_is_continued_before_the_launcher_stops_it(tmp_path, spawn):
     # Hung until the end: the job's --timeout stops it. A stopped task cannot
