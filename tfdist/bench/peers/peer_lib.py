@@ -178,3 +178,33 @@ def write_results(args, peer: str, keras_version: str, clock, accuracy: float,
     os.replace(path + ".tmp", path)
     print("PEER " + json.dumps(record, sort_keys=True), flush=True)
     return record
+
+
+def tutorial_fit(keras, args, peer: str) -> None:
+    """The multi-worker tutorial's ``model.fit`` under ``MultiWorkerMirroredStrategy`` on
+    this process's ``TF_CONFIG``; its worker 0 (the tutorial's chief) writes the record.
+    Shared by the launcher's peer and Ray Train's, so both time the same program."""
+    import tensorflow as tf
+
+    tf_config = json.loads(os.environ["TF_CONFIG"])
+    is_chief = tf_config["task"]["index"] == 0
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    keras.utils.set_random_seed(args.seed)
+    # The tutorial's global batch is the per-worker batch times the workers;
+    # here the library's global batch, split the same way by the strategy.
+    dataset = tfds_train_dataset(args.data_dir, args.global_batch_size, args.seed)
+    # The tutorial's "Dataset sharding" section: MNIST's train split is one
+    # file, so shard by data, not by file.
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    dataset = dataset.with_options(options)
+    with strategy.scope():
+        model = cnn(keras)
+        model.compile(**compile_args(keras, args))
+    clock = epoch_clock(keras)
+    model.fit(dataset, epochs=args.total_steps // args.chunk, steps_per_epoch=args.chunk,
+              callbacks=[clock], verbose=2 if is_chief else 0)
+    if is_chief:
+        accuracy = test_accuracy(keras, model, args.data_dir)
+        write_results(args, peer, keras.__version__ + f" (TF {tf.__version__})", clock, accuracy,
+                      workers=len(tf_config["cluster"]["worker"]))

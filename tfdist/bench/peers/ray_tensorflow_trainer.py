@@ -20,7 +20,6 @@ any extra: CI does not run it). On a running Ray cluster (``--address``), beside
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -33,31 +32,11 @@ def train_loop_per_worker(config: dict) -> None:
     import peer_lib
 
     args = argparse.Namespace(**config["args"])
-    import tensorflow as tf
-
     if config["keras"] == "tf_keras":
         import tf_keras as keras
     else:
         import keras
-    tf_config = json.loads(os.environ["TF_CONFIG"])
-    is_chief = tf_config["task"]["index"] == 0
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    keras.utils.set_random_seed(args.seed)
-    dataset = peer_lib.tfds_train_dataset(args.data_dir, args.global_batch_size, args.seed)
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    dataset = dataset.with_options(options)
-    with strategy.scope():
-        model = peer_lib.cnn(keras)
-        model.compile(**peer_lib.compile_args(keras, args))
-    clock = peer_lib.epoch_clock(keras)
-    model.fit(dataset, epochs=args.total_steps // args.chunk, steps_per_epoch=args.chunk,
-              callbacks=[clock], verbose=2 if is_chief else 0)
-    if is_chief:
-        accuracy = peer_lib.test_accuracy(keras, model, args.data_dir)
-        peer_lib.write_results(args, f"ray-TensorflowTrainer-{config['keras']}",
-                               keras.__version__ + f" (TF {tf.__version__})", clock, accuracy,
-                               workers=len(tf_config["cluster"]["worker"]))
+    peer_lib.tutorial_fit(keras, args, f"ray-TensorflowTrainer-{config['keras']}")
 
 
 def one_line(err: BaseException) -> str:
