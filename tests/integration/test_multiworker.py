@@ -58,8 +58,13 @@ def test_three_workers_uneven_batch_end_cleanly(tmp_path, spawn):
 @pytest.mark.timeout(240)
 def test_killed_worker_fails_the_job_fast_and_leaves_nothing(tmp_path, spawn):
     model_dir = str(tmp_path / "mwkill")
+    # The launcher's temporary directory: worker:1, killed, never removes its
+    # private checkpoints; the launcher must.
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     p = spawn(launch_cmd("multiworker", "--workers", "2", "--timeout", "200", "--grace", "3",
-                         train_args=["--steps", "100000", "--log-every", "20", "--model-dir", model_dir]))
+                         train_args=["--steps", "100000", "--log-every", "20", "--model-dir", model_dir]),
+              env=child_env(TMPDIR=scratch))
     p.wait_for_line(r"^\[worker:1\] step 20/", timeout=150)
     pid = _task_pid(model_dir, "worker-1")
     import os
@@ -70,6 +75,7 @@ def test_killed_worker_fails_the_job_fast_and_leaves_nothing(tmp_path, spawn):
     assert time.monotonic() - killed_at < 60
     assert any("worker:1 exited with code -9" in l for l in p.lines)
     assert descendants_alive(model_dir) == []
+    assert sorted(str(f) for f in scratch.rglob("*")) == []
 
 
 # The long tier: tests/launcher/test_netns.py's SIGTERM test stays in make test (CI time)

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 from tfdist.protocol import Exit
 from tfdist.launcher import memory, network, processes, ray_engine, supervisor
@@ -229,7 +231,7 @@ def run_inside(config: LaunchConfig) -> int:
         raise KeyboardInterrupt(signum)
 
     signal.signal(signal.SIGTERM, on_signal)
-    hosts = None
+    hosts = scratch = None
     try:
         link = None
         if cluster.hosts:
@@ -247,6 +249,12 @@ def run_inside(config: LaunchConfig) -> int:
         log(f"[launch] {config.kind.name}: {', '.join(cluster.names)}; TF_CONFIGs in {launch_dir}/")
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        # Every task's temporary files (a multiworker worker's private
+        # checkpoints, the preemption counter) go under one directory of this
+        # job's, removed when the job ends: a task killed mid-run cannot clean
+        # up after itself.
+        scratch = tempfile.mkdtemp(prefix="tfdist-job-")
+        env["TMPDIR"] = scratch
         code = supervisor.run_job(config, command, env, holder, log=log,
                                   launch_dir=launch_dir, network=hosts, link=link)
     except KeyboardInterrupt:
@@ -255,6 +263,8 @@ def run_inside(config: LaunchConfig) -> int:
     finally:
         if hosts is not None:
             hosts.close()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     log(f"[launch] done: exit code {code}")
     return code
 

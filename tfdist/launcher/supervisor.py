@@ -145,8 +145,15 @@ class Supervisor:
         elif isinstance(action, RestartTask):
             task.pump.join(timeout=5)
             new = self._start(action.task)
-            self.log(f"[launch] restarted {action.task} (pid {new.proc.pid}), same TF_CONFIG"
-                     + (f"; {action.note}" if action.note else ""))
+            ended = new.proc.poll()
+            if ended is not None:
+                # The engine could not start it again (a Ray task whose node is
+                # gone): already ended, so no pid to name.
+                self.log(f"[launch] could not restart {action.task}: it ended at once "
+                         f"(code {ended})")
+            else:
+                self.log(f"[launch] restarted {action.task} (pid {new.proc.pid}), same TF_CONFIG"
+                         + (f"; {action.note}" if action.note else ""))
         elif isinstance(action, SlowTask):
             if self.slowdown is None:
                 raise RuntimeError(f"{action} without a Slowdown")
