@@ -366,7 +366,10 @@ def test_tf_keras_is_imported_by_the_peers_only():
     assert users and all(u.startswith("tfdist/bench/peers/") for u in users), users
 
 
+# The long tier: make test keeps the benchmark's smoke run (same command, tables and
+# plots) and tests/launcher/test_sim_cluster.py's slow ps worker (CI time)
 @pytest.mark.multiprocess
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_scenarios_smoke_slow_worker_writes_tables_and_plots(tmp_path):
     # The scenarios path end to end at its smallest: the baseline and async ps

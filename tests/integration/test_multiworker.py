@@ -13,6 +13,11 @@ from conftest import REPO, child_env, descendants_alive, launch_cmd, read_result
 pytestmark = pytest.mark.multiprocess
 
 
+# The long tier: make test keeps two siblings of the same kind, each launching two
+# workers that must end with identical weights: tests/training/test_task_features.py
+# (the example task, BatchNormalization's statistics included) and
+# tests/launcher/test_sim_cluster.py (over a shaped link) (CI time)
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_two_workers_train_to_identical_weights(tmp_path, spawn):
     model_dir = str(tmp_path / "mw2")

@@ -25,9 +25,10 @@ def _balanced(results, ps):
 
 
 @pytest.mark.multiprocess
-# ps under the long tier: tests/training/test_sharding.py already trains a split
-# table on a ps cluster (and reshards it) in every `make test`.
-@pytest.mark.parametrize("strategy", [pytest.param("ps", marks=pytest.mark.long), "ps-sync"])
+# The long tier: tests/training/test_sharding.py already trains a split table on a
+# ps cluster (and reshards it) in every `make test` (CI time).
+@pytest.mark.long
+@pytest.mark.parametrize("strategy", ["ps", "ps-sync"])
 def test_a_large_embedding_trains_split_over_two_ps(tmp_path, spawn, strategy):
     run = tmp_path / "run"
     p = spawn(launch_cmd(strategy, "--workers", "2", "--ps", "2",

@@ -404,6 +404,8 @@ def test_none_full_disk_keeps_the_checkpoint_and_resumes(tmpfs, spawn):
     assert descendants_alive(str(model_dir)) == []
 
 
+# The long tier: make test keeps the full disk, whose fault takes the same path (CI time)
+@pytest.mark.long
 @pytest.mark.timeout(420)
 def test_none_read_only_mid_run_keeps_the_checkpoint_and_resumes(ext4, spawn):
     model_dir = ext4.mnt / "run"
@@ -430,7 +432,9 @@ def _launch(model_dir, *extra):
                       *extra, train_args=[*TRAIN, "--model-dir", str(model_dir)])
 
 
+# The long tier: make test keeps the same fault in one process (CI time)
 @pytest.mark.multiprocess
+@pytest.mark.long
 @pytest.mark.timeout(480)
 def test_multiworker_full_disk_is_not_relaunched_and_resumes(tmpfs, spawn):
     """The chief (worker:0) writes into --model-dir, worker:1 into a private

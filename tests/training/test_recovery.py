@@ -94,6 +94,8 @@ def test_half_written_checkpoint_is_never_the_one_resumed(trained, capsys):
     assert "ckpt-40" not in index_before
 
 
+# The long tier: make test keeps the corrupt and the half-written checkpoint (CI time)
+@pytest.mark.long
 def test_truncated_checkpoint_without_index_is_skipped_with_a_warning(trained, capsys):
     model_dir = trained()
     ckpt = model_dir / "checkpoints"

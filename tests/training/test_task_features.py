@@ -117,11 +117,11 @@ CLUSTERS = {
 
 
 @pytest.mark.multiprocess
-# ps and ps-sync under the long tier (`make test-long`): about 100 s together.
+# ps and ps-sync under the long tier (`make test-long`): about 60 s together.
 @pytest.mark.parametrize("strategy", ["multiworker", pytest.param("ps", marks=pytest.mark.long),
                                       pytest.param("ps-sync", marks=pytest.mark.long)])
-def test_cluster_strategies_train_the_example_and_the_regression(tmp_path, spawn, strategy):
-    example, regression = tmp_path / "example", tmp_path / "regression"
+def test_cluster_strategies_train_the_example(tmp_path, spawn, strategy):
+    example = tmp_path / "example"
     p = spawn(launch_cmd(strategy, *CLUSTERS[strategy],
                          train_args=["--task", EXAMPLE, "--epochs", "1", "--model-dir", str(example)]))
     assert p.wait(timeout=240) == 0, p.output
@@ -131,6 +131,16 @@ def test_cluster_strategies_train_the_example_and_the_regression(tmp_path, spawn
         # Identical weights on both workers, BatchNormalization's statistics included.
         hashes = set(re.findall(r"weights_sha256=([0-9a-f]{64})", p.output))
         assert hashes == {r["weights_sha256"]}
+
+
+# The long tier: make test trains the regression task in one process
+# (test_one_process_strategies_train_the_example_and_the_regression) and a
+# user's task on a cluster (the example, above) (CI time).
+@pytest.mark.multiprocess
+@pytest.mark.long
+@pytest.mark.parametrize("strategy", list(CLUSTERS))
+def test_cluster_strategies_train_the_regression(tmp_path, spawn, strategy):
+    regression = tmp_path / "regression"
     p = spawn(launch_cmd(strategy, *CLUSTERS[strategy],
                          train_args=["--task", REGRESSION, "--steps", "300",
                                      "--model-dir", str(regression)]))
