@@ -4,10 +4,9 @@ As the "Training a neural network on MNIST with Keras" tutorial does it
 (tfds pipeline: map, cache, shuffle, batch, prefetch; ``compile``/``fit``),
 with the library's CNN and hyperparameters. Compared with ``--strategy none``.
 
-    python bench/peers/keras3_fit.py --epochs 3 --steps-per-execution 10 --model-dir runs/peer-k3
+    python tfdist/bench/peers/keras3_fit.py --epochs 3 --steps-per-execution 10 --model-dir runs/peer-k3
 """
 
-import os
 import sys
 
 import peer_lib
