@@ -400,8 +400,10 @@ def test_chief_preempted_twice_in_a_row_loses_no_step(tmp_path, spawn):
     assert descendants_alive(model_dir) == []
 
 
-# The one scenario in the fast tier (about 23 s here): the others are `make test-long`.
+# The long tier, as the other scenarios: make test keeps the same fault, a ps worker
+# killed mid-run with no step missing (tests/launcher/test_faults.py) (CI time).
 @pytest.mark.multiprocess
+@pytest.mark.long
 @pytest.mark.timeout(200)
 def test_worker_killed_inside_a_multi_step_call_its_call_reruns_elsewhere(tmp_path, spawn):
     # TF: testWorkerPreemptionMidstFunction. Each call runs 20 steps and every
