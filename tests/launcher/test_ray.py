@@ -29,6 +29,26 @@ from raycluster import ENV, HEAD_IP, RayCluster  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.multiprocess]
 
+
+@pytest.fixture(autouse=True)
+def no_scratch_left():
+    """Each job's temporary files (its tasks' TMPDIR) are gone when it ends, a killed
+    actor's and a lost node's included (the nodes here share this host's /tmp)."""
+    import glob
+    import tempfile
+
+    # A multiworker worker's private checkpoints and the preemption counter were
+    # left in /tmp before the tasks had a TMPDIR of the job's.
+    patterns = [os.path.join(tempfile.gettempdir(), p)
+                for p in ("tfdist-ray-*", "ckpt-*", "preemption-*")]
+
+    def present():
+        return {path for pattern in patterns for path in glob.glob(pattern)}
+
+    before = present()
+    yield
+    assert sorted(present() - before) == []
+
 LOGREG = ["--model", "logreg"]  # unless the test gives its own --task
 JOB_TIMEOUT = 240
 

@@ -25,10 +25,12 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -181,6 +183,9 @@ class TaskHost:
         full = {**os.environ, **env}
         if "OMP_NUM_THREADS" not in env:
             full.pop("OMP_NUM_THREADS", None)  # Ray sets it to the actor's CPUs (1)
+        scratch = env.get("TMPDIR")
+        if scratch:
+            os.makedirs(scratch, exist_ok=True)
         self.proc = subprocess.Popen(
             [sys.executable, *argv], env=full, cwd=cwd if os.path.isdir(cwd) else None,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -191,7 +196,10 @@ class TaskHost:
         for raw in iter(self.proc.stdout.readline, b""):
             yield raw.decode(errors="replace").rstrip("\n")
         self.proc.stdout.close()
-        yield self.proc.wait()
+        code = self.proc.wait()
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+        yield code
 
     def signal(self, sig: int, group: bool = True) -> None:
         proc = self.proc
@@ -314,6 +322,12 @@ class RayEngine:
         self.actor_class = None
         self.local = address is None
         self.placements: list[dict] = []  # each attempt's {task: node}, for launch/ray.json
+        # Each task's temporary files (a multiworker worker's private checkpoints)
+        # go under this path on its node: the actor removes its task's when the
+        # task ends, and close() the whole of it here, where a killed actor's or a
+        # lost node's stay behind on a host they share with the driver.
+        self.scratch = os.path.join(tempfile.gettempdir(),
+                                    f"tfdist-ray-{os.getpid()}-{os.urandom(4).hex()}")
 
     # --- the cluster ---------------------------------------------------------------
 
@@ -344,6 +358,7 @@ class RayEngine:
         self._release()
         if self.ray.is_initialized():
             self.ray.shutdown()  # a local instance stops with it
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
     def _release(self) -> None:
         for placed in self.placed.values():
@@ -466,7 +481,8 @@ class RayEngine:
         # its node, whose cores and co-located tasks decide them (node_shares).
         own = {k: v for k, v in task_env.items() if k not in processes.THREAD_POOL_ENV}
         job_env = {**{k: v for k, v in env.items() if k in FORWARDED_ENV}, **own, **share.env,
-                   "TF_CONFIG": json.dumps(self.tf_configs[name]), "PYTHONUNBUFFERED": "1"}
+                   "TF_CONFIG": json.dumps(self.tf_configs[name]), "PYTHONUNBUFFERED": "1",
+                   "TMPDIR": os.path.join(self.scratch, name.replace(":", "-"))}
         stream = placed.actor.run.options(num_returns="streaming").remote(
             command[1:], job_env, os.getcwd(), share.cpus)
         keep: list[str] = []
