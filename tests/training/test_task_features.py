@@ -117,7 +117,7 @@ CLUSTERS = {
 
 
 @pytest.mark.multiprocess
-# ps and ps-sync under the long tier (`make test-long`): about 60 s together.
+# ps and ps-sync under the long tier (`make test-long`).
 @pytest.mark.parametrize("strategy", ["multiworker", pytest.param("ps", marks=pytest.mark.long),
                                       pytest.param("ps-sync", marks=pytest.mark.long)])
 def test_cluster_strategies_train_the_example(tmp_path, spawn, strategy):
