@@ -1,7 +1,7 @@
 """Built-in tasks: the models and data the library ships.
 
 Each is a *task* written against the same public contract as a user's own
-(``training.tasks``): ``build_model()`` returns a compiled Keras 3 model and
+(``training.workload.tasks``): ``build_model()`` returns a compiled Keras 3 model and
 ``dataset(split)`` unbatched ``(features, label)`` examples. No
 ``tf.distribute`` here: the library calls ``build_model`` inside the
 strategy's scope, which is what places the variables.

@@ -1,6 +1,6 @@
 """MNIST as built-in tasks: ``mnist-cnn``, ``mnist-logreg`` and ``mnist-mlp``.
 
-Written against the public task contract (``training.tasks``), as a user's
+Written against the public task contract (``training.workload.tasks``), as a user's
 task is. Images stay uint8 in the data and are scaled by the model's first
 layer: the input pipeline then holds 47 MB for the training split instead
 of 188 MB of float32, and the cast costs the step what it cost the pipeline.

@@ -22,7 +22,7 @@ AUTO = "auto"
 ALL_REDUCE = ("auto", "ring", "nccl")
 
 # The training loops a kind may name (``StrategyKind.trainer``); the
-# training side maps each to its trainer class (training.controller).
+# training side maps each to its trainer class (training.loop.controller).
 LOOPS = ("sync", "ps", "ps-sync", "pipeline")
 
 
@@ -65,12 +65,12 @@ class StrategyKind:
     # parallelism); --micro-batches, --pipelines and --stages apply.
     pipelined = False
     # What of Keras's training contract the strategy cannot honour, each the
-    # reason given in the one line that refuses it (tfdist.training.contract):
+    # reason given in the one line that refuses it (tfdist.training.workload.contract):
     # a model's own train_step, optimizer options ({option: reason}), and
     # Keras's LossScaleOptimizer. Empty: honoured as model.fit honours it.
     own_train_step_refusal = ""
     # A task's Keras callbacks run on the chief (under ps, on a chief-side copy of
-    # the model: training.callbacks); "" where they can.
+    # the model: training.loop.callbacks); "" where they can.
     callbacks_refusal = ""
     # compile(jit_compile=True): the replica's step compiled with XLA; "" where it runs.
     jit_compile_refusal = ""
@@ -346,7 +346,7 @@ class ParameterServer(StrategyKind):
 
 
 class SyncParameterServer(ParameterServer):
-    """TF1's SyncReplicasOptimizer mode on the ps cluster (``training.ps_sync_trainer``).
+    """TF1's SyncReplicasOptimizer mode on the ps cluster (``training.ps.ps_sync_trainer``).
 
     Same tasks as ``ps``; the updates are synchronous: each applied update
     averages exactly K (``--replicas-to-aggregate``) gradients computed on
@@ -390,7 +390,7 @@ class Pipeline(StrategyKind):
     consecutive stages, one per worker, and trains them through one
     ``tf.function`` per step (GPipe: M micro-batches forward, then backward);
     ``--pipelines P`` runs P such copies over P x S workers, data-parallel
-    (``training.pipeline_trainer``). Workers only serve a ``tf.distribute.Server``.
+    (``training.pipeline.pipeline_trainer``). Workers only serve a ``tf.distribute.Server``.
     """
 
     name = "pipeline"

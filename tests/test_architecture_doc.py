@@ -33,7 +33,7 @@ def test_no_line_for_a_module_that_is_gone():
 def test_the_check_reads_the_real_tree():
     modules = tree_modules()
     assert {"train.py", "launch.py", "tfdist/launcher/config.py", "tfdist/cli/bench.py",
-            "tfdist/api.py", "strategies/kinds.py", "tfdist/training/controller.py",
+            "tfdist/api.py", "strategies/kinds.py", "tfdist/training/loop/controller.py",
             "models/mnist.py"} <= modules
     assert not any(m.startswith(("tests/", "tfdist/bench/peers/")) for m in modules)
     assert len(documented_paths()) > 40

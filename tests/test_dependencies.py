@@ -192,8 +192,50 @@ def test_the_graph_covers_the_project():
     graph = import_graph()
     assert {"train", "launch", "bench", "tfdist", "tfdist.api", "tfdist.protocol",
             "tfdist.cli.bench", "tfdist.launcher.config", "tfdist.strategies.kinds",
-            "tfdist.training.controller", "tfdist.models"} <= set(graph)
+            "tfdist.training.loop.controller", "tfdist.models"} <= set(graph)
     assert not any(m.startswith(("tests", "tfdist.bench.peers")) for m in graph)
     assert "tfdist.launcher.config" in graph["tfdist.cli.launch"]
     assert "tfdist.protocol" in graph["tfdist.strategies.tf_config"]
     assert layer("tfdist.cli.train") < layer("tfdist.api") < layer("tfdist.training.plan")
+
+
+# tfdist/training/'s sub-packages: the loop and the workload are shared; each
+# strategy's sub-package is imported only from the entry modules at the top of
+# training (run, plan, assemble), never from another strategy's or the loop.
+TRAINING_SUBPACKAGES = ("loop", "workload", "sync", "ps", "pipeline")
+# (importer, imported) pairs that must never appear.
+FORBIDDEN_SUBPACKAGE_EDGES = {("ps", "pipeline"), ("pipeline", "ps"), ("sync", "ps"),
+                              ("ps", "sync"), ("sync", "pipeline"), ("pipeline", "sync"),
+                              ("loop", "ps"), ("loop", "sync"), ("loop", "pipeline"),
+                              ("workload", "loop"), ("workload", "ps"), ("workload", "sync"),
+                              ("workload", "pipeline")}
+
+
+def training_subpackage(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] == ["tfdist", "training"] and len(parts) > 3 and parts[2] in TRAINING_SUBPACKAGES:
+        return parts[2]
+    return None
+
+
+def sideways_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                  if (training_subpackage(m), training_subpackage(t)) in FORBIDDEN_SUBPACKAGE_EDGES)
+
+
+def test_training_subpackages_import_no_sibling_strategy():
+    assert sideways_imports(import_graph()) == []
+
+
+def test_the_subpackage_rule_can_fail():
+    graph = {"tfdist.training.ps.ps_trainer": {"tfdist.training.pipeline.stages"},
+             "tfdist.training.loop.controller": {"tfdist.training.sync.sync_trainer"},
+             "tfdist.training.assemble": {"tfdist.training.ps.ps_trainer"}}
+    assert sideways_imports(graph) == [
+        "tfdist.training.loop.controller -> tfdist.training.sync.sync_trainer",
+        "tfdist.training.ps.ps_trainer -> tfdist.training.pipeline.stages"]
+
+
+def test_training_top_keeps_at_most_twelve_modules():
+    top = sorted(p.name for p in (REPO / "tfdist" / "training").glob("*.py"))
+    assert len(top) <= 12, top

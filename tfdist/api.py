@@ -184,7 +184,7 @@ class _TaskWithCallbacks:
 
 def _with_callbacks(task, callbacks: list, options: dict):
     if isinstance(task, (str, os.PathLike)):
-        from tfdist.training import tasks
+        from tfdist.training.workload import tasks
 
         try:
             spec = tasks.parse_spec(os.fspath(task), tuple(options.get("task_options") or ()))

@@ -287,14 +287,14 @@ class Results:
     # (--gradient-dtype); the bench's traffic model starts from them.
     trainable_params: int | None = None
     gradient_dtype: str | None = None
-    # --export: the last SavedModel written and checked (training.export):
+    # --export: the last SavedModel written and checked (training.loop.export):
     # {"path": DIR/<global step>, "signature": {"inputs", "outputs"}: {name:
     # {"dtype", "shape"}}, "max_abs_diff" (reloaded vs trained predictions on
     # a test batch), "tolerance", "seconds" (export and check), "check_seconds"
     # (the fresh process reloading it), "bytes"}.
     export: dict | None = None
     # --strategy pipeline: stages, micro-batches, copies, the cut, and each
-    # worker's parameter and optimizer-state bytes (training.pipeline_trainer).
+    # worker's parameter and optimizer-state bytes (training.pipeline.pipeline_trainer).
     pipeline: dict | None = None
     # A task's extra_results(), written at the top level beside the fields above.
     extra: dict = field(default_factory=dict)

@@ -288,4 +288,4 @@ def test_the_build_context_builds_the_package(tmp_path):
     (wheel,) = (tmp_path / "wheel").glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"tfdist/cli/train.py", "tfdist/cli/launch.py", "tfdist/strategies/slurm.py",
-            "tfdist/training/controller.py", "tfdist/protocol.py", "tfdist/models/__init__.py"} <= names
+            "tfdist/training/loop/controller.py", "tfdist/protocol.py", "tfdist/models/__init__.py"} <= names

@@ -209,7 +209,7 @@ def make(classes):
     return model
 ''',
     "training/__init__.py": "",
-    "training/data.py": '''
+    "training/workload/data.py": '''
 import numpy as np
 
 
@@ -229,7 +229,7 @@ import protocol
 from launcher import TEST, TRAIN
 from models.mynet import make
 from strategies import CLASSES
-from training.data import planted
+from training.workload.data import planted
 
 
 def build_model():

@@ -10,7 +10,9 @@ import tensorflow as tf
 
 from tfdist.cli import train
 from tfdist.protocol import Exit
-from tfdist.training import preemption, recovery, rpc
+from tfdist.training.sync import preemption
+from tfdist.training.loop import recovery
+from tfdist.training.ps import rpc
 
 
 def parse_error():
@@ -121,7 +123,7 @@ def test_a_peer_lost_before_training_is_one_error_line_and_75(capsys):
 
 def test_the_ps_trainer_fetches_through_the_retrying_path(monkeypatch):
     """``PsTrainer._collect_one`` (the chief's fetch) survives one InternalError."""
-    from tfdist.training import ps_trainer
+    from tfdist.training.ps import ps_trainer
 
     monkeypatch.setattr(rpc.time, "sleep", lambda s: None)
     monkeypatch.setattr(rpc, "is_worker_failure", lambda err: False)

@@ -132,8 +132,8 @@ def test_no_module_imports_another_modules_private_name():
 
 @pytest.mark.parametrize("name", kinds.names(include_auto=False))
 def test_every_kinds_loop_has_a_trainer_that_implements_the_contract(name):
-    from tfdist.training.controller import TRAINERS
-    from tfdist.training.trainer import Trainer
+    from tfdist.training.assemble import TRAINERS
+    from tfdist.training.loop.trainer import Trainer
 
     kind = kinds.get(name)
     assert kind.trainer in kinds.LOOPS

@@ -8,7 +8,7 @@ from conftest import REPO
 from test_dependencies import KNOWN_EDGES
 
 STRATEGIES = REPO / "strategies"
-# A string that names a module of training/ ("tfdist.training.sync_trainer").
+# A string that names a module of training/ ("tfdist.training.sync.sync_trainer").
 TRAINING_MODULE = re.compile(r"^(tfdist\.)?training(\.\w+)+$")
 
 
@@ -41,6 +41,6 @@ def test_strategies_import_nothing_from_training():
 
 def test_the_string_check_can_fail(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text('TRAINERS = {"sync": ("tfdist.training.sync_trainer", "SyncTrainer")}\n'
+    bad.write_text('TRAINERS = {"sync": ("tfdist.training.sync.sync_trainer", "SyncTrainer")}\n'
                    'NOTE = "training. is fine in prose"\n')
-    assert training_strings(bad) == ["tfdist.training.sync_trainer"]
+    assert training_strings(bad) == ["tfdist.training.sync.sync_trainer"]

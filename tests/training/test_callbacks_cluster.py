@@ -54,7 +54,7 @@ def _scalars(logdir):
 def test_every_named_callback_runs_on_the_chief_and_reaches_training(tmp_path, spawn, strategy):
     import keras
 
-    from tfdist.training.evaluation import weights_sha256
+    from tfdist.training.loop.evaluation import weights_sha256
 
     out, run = tmp_path / "callbacks", tmp_path / "run"
     out.mkdir()
@@ -174,8 +174,8 @@ class _Scheduled:
 def test_a_copys_rate_reaches_the_trained_optimizer_and_its_stop_the_run():
     import keras
 
-    from tfdist.training.callbacks import Callbacks
-    from tfdist.training.schedule import Schedule
+    from tfdist.training.loop.callbacks import Callbacks
+    from tfdist.training.loop.schedule import Schedule
 
     seen = []
 
@@ -225,7 +225,8 @@ def test_a_copys_rate_reaches_the_trained_optimizer_and_its_stop_the_run():
 def test_only_pipeline_refuses_a_task_with_callbacks():
     from tfdist.protocol import ConfigError
     from tfdist.strategies import kinds
-    from tfdist.training import contract, tasks
+    from tfdist.training.workload import contract
+    from tfdist.training.workload import tasks
 
     spec = tasks.parse_spec(SPEC + "WITH_CALLBACKS")
     checked = tasks.inspect(spec, tasks.load(spec), steps_given=False)
@@ -247,7 +248,7 @@ def test_weights_a_callback_restores_on_the_chiefs_copy_reach_the_ps(tmp_path, s
     1's) must still be what is evaluated, hashed and saved."""
     import keras
 
-    from tfdist.training.evaluation import weights_sha256
+    from tfdist.training.loop.evaluation import weights_sha256
 
     out, run = tmp_path / "callbacks", tmp_path / "run"
     out.mkdir()

@@ -9,10 +9,10 @@ import types
 import pytest
 
 from tfdist.training.config import TrainConfig
-from tfdist.training.controller import Controller
+from tfdist.training.loop.controller import Controller
 from tfdist.training.plan import resolve
-from tfdist.training.recovery import Diverged, Preempted
-from tfdist.training.trainer import Trainer
+from tfdist.training.loop.recovery import Diverged, Preempted
+from tfdist.training.loop.trainer import Trainer
 
 
 class FakeTrainer(Trainer):

@@ -1,5 +1,5 @@
 """--export DIR: a SavedModel with a serving signature, written by the chief and
-checked by loading it back (tfdist/training/export.py).
+checked by loading it back (tfdist/training/loop/export.py).
 
 In this process (default tier): a ``none`` run exported into numbered version
 folders, its signature read by ``saved_model_cli``; a task with dict inputs
@@ -20,7 +20,7 @@ import pytest
 from conftest import REPO, read_results
 from tfdist.cli import train
 from tfdist.protocol import Exit
-from tfdist.training import export
+from tfdist.training.loop import export
 from tfdist.training.config import TrainConfig
 
 TASKS = str(REPO / "tests" / "training" / "export_tasks.py")

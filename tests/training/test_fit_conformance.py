@@ -157,7 +157,7 @@ def test_cluster_strategies_train_as_fit(tmp_path, spawn, strategy, name):
 
 
 def _checked(name):
-    from tfdist.training import tasks
+    from tfdist.training.workload import tasks
 
     spec = tasks.parse_spec(SPEC + name)
     return tasks.inspect(spec, tasks.load(spec), steps_given=False)
@@ -181,7 +181,7 @@ def _checked(name):
 def test_what_a_strategy_cannot_honour_is_one_line(strategy, name, says):
     from tfdist.protocol import ConfigError
     from tfdist.strategies import kinds
-    from tfdist.training import contract
+    from tfdist.training.workload import contract
 
     with pytest.raises(ConfigError) as refused:
         contract.check(kinds.get(strategy), _checked(name))
@@ -212,7 +212,7 @@ def test_the_command_refuses_in_one_line_with_exit_2(tmp_path, capsys, argv, say
 
 
 def test_a_model_of_its_own_step_is_found():
-    from tfdist.training import contract
+    from tfdist.training.workload import contract
 
     assert contract.overrides(fit_tasks.FLIPPED_TRAIN_STEP.build_model(), "train_step")
     assert not contract.overrides(fit_tasks.SUBCLASSED.build_model(), "train_step")
@@ -225,7 +225,7 @@ def test_a_model_of_its_own_step_is_found():
 def test_every_compile_and_fit_argument_and_override_is_in_the_table():
     """Keras 3's own signatures, listed: each is honoured (a row of the table) or
     refused in one line; a new Keras argument fails this until it is decided."""
-    from tfdist.training import contract
+    from tfdist.training.workload import contract
 
     doc = (REPO / "docs" / "fit-conformance.md").read_text()
     keras_has = {

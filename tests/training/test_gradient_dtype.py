@@ -50,7 +50,7 @@ def test_refused_dtypes_are_one_line_exit_2_nothing_written(dtype, words, tmp_pa
 
 def test_to_wire_casts_and_keeps_none_float32_untouched():
     import tensorflow as tf
-    from tfdist.training.step import from_wire, to_wire
+    from tfdist.training.loop.step import from_wire, to_wire
 
     g = [tf.constant([1.0, 1 / 3, 1e-30, -2.5e5]), None]
     same = to_wire(g, "float32")

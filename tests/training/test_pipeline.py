@@ -5,7 +5,8 @@ import pytest
 import tensorflow as tf
 
 from tfdist.models import BUILTIN_TASKS, MODEL_ALIASES, MODEL_NAMES
-from tfdist.training import data, tasks
+from tfdist.training.workload import data
+from tfdist.training.workload import tasks
 
 
 def builtin(name):

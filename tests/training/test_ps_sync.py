@@ -89,7 +89,7 @@ def test_the_kind_names_its_trainer_and_is_never_auto():
     from tfdist.strategies import kinds
 
     kind = kinds.get("ps-sync")
-    from tfdist.training.controller import TRAINERS
+    from tfdist.training.assemble import TRAINERS
 
     assert TRAINERS[kind.trainer].__name__ == "PsSyncTrainer"
     assert TRAINERS[kinds.get("ps").trainer].__name__ == "PsTrainer"

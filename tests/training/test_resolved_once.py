@@ -9,7 +9,7 @@ import pytest
 
 from tfdist.strategies import kinds
 from tfdist.training import run as runs
-from tfdist.training import tasks
+from tfdist.training.workload import tasks
 from tfdist.training.config import TrainConfig
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from tfdist.strategies import ConfigError
-from tfdist.training.schedule import Schedule
+from tfdist.training.loop.schedule import Schedule
 
 
 def sched(**kw):

@@ -237,7 +237,7 @@ def test_shards_keep_the_whole_kernels_initial_statistics():
 
 
 def test_set_full_weights_is_the_inverse_of_full_weights():
-    """A callback's weights on the unsplit copy reach the split model (training.callbacks)."""
+    """A callback's weights on the unsplit copy reach the split model (training.loop.callbacks)."""
     model = _model(3)
     whole = [w + 1.0 for w in sharding.full_weights(model)]
     sharding.set_full_weights(model, whole)

@@ -1,4 +1,4 @@
-"""Cutting a model into pipeline stages (``training.stages``), the pipeline
+"""Cutting a model into pipeline stages (``training.pipeline.stages``), the pipeline
 kind's facts, and the pipeline's bad inputs, refused before anything starts."""
 
 import itertools
@@ -12,7 +12,7 @@ from tfdist.launcher import policy
 from tfdist.protocol import ConfigError
 from tfdist.strategies import kinds
 from tfdist.strategies.tf_config import parse_tf_config
-from tfdist.training import stages
+from tfdist.training.pipeline import stages
 from tfdist.training.config import TrainConfig
 from tfdist.training.plan import resolve
 
@@ -223,7 +223,7 @@ def test_resuming_with_another_stage_count_names_flags_that_exist(tmp_path):
     # refusal must name those, not a flag no command has.
     from tfdist.cli import train as train_cli
     from tfdist.protocol import ConfigError
-    from tfdist.training import checkpoints
+    from tfdist.training.loop import checkpoints
 
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "checkpoint").write_text("")

@@ -15,7 +15,7 @@ import tensorflow as tf
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2)
 import keras, numpy as np
-from tfdist.training.sync_trainer import make_statistics_sync
+from tfdist.training.sync.sync_trainer import make_statistics_sync
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 with strategy.scope():
     x = keras.Input((4,))

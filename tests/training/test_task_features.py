@@ -24,7 +24,7 @@ MAE_BOUND = 0.3
 
 
 def _load_example():
-    from tfdist.training import tasks
+    from tfdist.training.workload import tasks
 
     spec = tasks.parse_spec(EXAMPLE)
     return tasks.load(spec), spec
@@ -37,7 +37,7 @@ def test_the_example_states_what_the_tests_check():
 
 
 def test_embedding_gradients_stay_sparse_and_dropout_is_training_only():
-    from tfdist.training.step import forward
+    from tfdist.training.loop.step import forward
 
     task, _ = _load_example()
     model = task.build_model()
@@ -66,7 +66,7 @@ def _check_example(results, model_dir):
     assert not np.allclose(bn.moving_variance.numpy(), 1.0)
     # The test split measured exactly once: Keras's own evaluate of the saved
     # model on it gives the recorded figures (dropout off, BN in inference).
-    from tfdist.training import tasks
+    from tfdist.training.workload import tasks
 
     task = tasks.load(tasks.parse_spec(EXAMPLE))
     again = model.evaluate(task.dataset("test").batch(999), verbose=0, return_dict=True)

@@ -18,7 +18,7 @@ REQUIRED = {
 
 
 def test_flat_scalars_turn_per_worker_fields_into_paths():
-    from tfdist.training.reporting import flat_scalars
+    from tfdist.training.loop.reporting import flat_scalars
 
     fields = {"worker:0": {"accepted": 3, "dropped": 1}, "worker:1": None, "note": "x"}
     assert flat_scalars("train/gradients_per_worker", fields) == {

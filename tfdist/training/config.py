@@ -38,7 +38,7 @@ STUCK_TIMEOUT_RANGE = (2.0, 86400.0)
 # Examples per replica when no --global-batch-size is given (TensorFlow's convention).
 PER_REPLICA_BATCH = 64
 # The flags that define what a run's checkpoints are: resuming with any of
-# them changed would mix two runs (``training.checkpoints.check_run_record``).
+# them changed would mix two runs (``training.loop.checkpoints.check_run_record``).
 # ``total_steps`` is recorded too, but a resume may extend a run.
 DEFINING_FLAGS = ("strategy", "task", "optimizer", "learning_rate", "lr_schedule",
                   "global_batch_size", "seed", "variable_partitioner", "shard_min_bytes",
@@ -75,7 +75,7 @@ class TrainConfig:
     # push to the ps, cast back to float32 where the update is applied.
     gradient_dtype: str = "float32"
     synthetic_data: bool = False
-    # --strategy pipeline (training.stages): micro-batches per step, data-parallel
+    # --strategy pipeline (training.pipeline.stages): micro-batches per step, data-parallel
     # copies of the pipeline, and the stage boundaries (None: balanced).
     micro_batches: int = 1
     pipelines: int = 1
@@ -85,7 +85,7 @@ class TrainConfig:
     variable_partitioner: str | None = None
     shard_min_bytes: int = 1 << 20
     # --export DIR: the chief writes a SavedModel into DIR/<global step>/ at the
-    # end (training.export), and every --export-every steps when given.
+    # end (training.loop.export), and every --export-every steps when given.
     export: str | None = None
     export_every: int | None = None
     dry_run: bool = False
@@ -162,7 +162,7 @@ class TrainConfig:
                 f"--replicas-to-aggregate={self.replicas_to_aggregate} is not allowed; it must "
                 "be at least 1 (gradients averaged into one update)"
             )
-        from tfdist.training.export import check_export_flags
+        from tfdist.training.loop.export import check_export_flags
 
         check_export_flags(self.export, self.export_every)
         if not self.model_dir or not self.model_dir.strip():

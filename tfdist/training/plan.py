@@ -22,13 +22,13 @@ from tfdist.strategies import ALL_REDUCE, check_batch_size, kinds
 from tfdist.strategies.devices import plan_devices
 from tfdist.strategies.kinds import StrategyKind
 from tfdist.strategies.tf_config import ClusterConfig
-from tfdist.training import stages as pipeline_stages
-from tfdist.training import tasks
+from tfdist.training.pipeline import stages as pipeline_stages
+from tfdist.training.workload import tasks
 from tfdist.training.config import (
     DEFAULT_LEARNING_RATE, DEFAULT_LR_SCHEDULE, DEFAULT_OPTIMIZER, DEFINING_FLAGS, MAX_STEPS,
     PER_REPLICA_BATCH, TrainConfig,
 )
-from tfdist.training.tasks import TaskSpec
+from tfdist.training.workload.tasks import TaskSpec
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class RunPlan:
 
     def schedule(self, start_step: int = 0):
         """The run's cadences (calls, logs, evaluations, checkpoints) from ``start_step``."""
-        from tfdist.training.schedule import Schedule
+        from tfdist.training.loop.schedule import Schedule
 
         c = self.config
         return Schedule(

@@ -17,7 +17,8 @@ import sys
 from typing import NamedTuple
 
 from tfdist.protocol import ConfigError, Exit
-from tfdist.training import contract, tasks
+from tfdist.training.workload import contract
+from tfdist.training.workload import tasks
 from tfdist.training.config import TrainConfig, check_model_dir
 from tfdist.training.plan import RunPlan, RunRequest, request, resolve
 
@@ -61,7 +62,7 @@ def preflight(run_request: RunRequest, gpus: list[str] | None = None) -> RunPlan
     if plan.pipeline is not None and kind.reads_data(cfg):
         # More stages than layers, bad --stages, a model that is not a chain:
         # one line now, not after every worker has started.
-        from tfdist.training.stages import check_cut
+        from tfdist.training.pipeline.stages import check_cut
 
         check_cut(plan, tasks.load(spec, plan.config.data_dir))
     return plan
@@ -82,7 +83,7 @@ def check_task_dirs(plan: RunPlan) -> None:
         if plan.config.export is not None:
             check_model_dir(plan.config.export, "--export")
     if kind.role(cfg) != "evaluator" and not kind.serves(cfg):
-        from tfdist.training.checkpoints import check_run_record
+        from tfdist.training.loop.checkpoints import check_run_record
 
         # A resume with other defining flags is refused by --dry-run too.
         check_run_record(plan.config.model_dir, plan.defining_flags())
@@ -132,8 +133,8 @@ def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None
         return None
 
     from tfdist.strategies.server import StartupWatchdog
-    from tfdist.training.checkpoints import RunLock
-    from tfdist.training.controller import train_and_evaluate
+    from tfdist.training.loop.checkpoints import RunLock
+    from tfdist.training.assemble import train_and_evaluate
 
     watchdog = StartupWatchdog(cfg, config.startup_timeout,
                                "connect to every task and run the first step")
@@ -210,13 +211,13 @@ def check_own_port(cfg) -> None:
 
 def failure(err: Exception) -> Failure | None:
     """The exit code and one line for a survived fault; None for anything else (a bug)."""
-    from tfdist.training.recovery import (Diverged, Preempted, StorageFault, TaskLost,
+    from tfdist.training.loop.recovery import (Diverged, Preempted, StorageFault, TaskLost,
                                    cluster_disagreement, storage_fault)
 
     disagreement = cluster_disagreement(err)
     if disagreement is not None:
         return Failure(Exit.BAD_INPUT, f"error: {disagreement}")
-    from tfdist.training.export import ExportFailed
+    from tfdist.training.loop.export import ExportFailed
 
     if isinstance(err, ExportFailed):
         return Failure(Exit.EXPORT, f"error: {err}")

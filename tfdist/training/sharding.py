@@ -524,7 +524,7 @@ def set_full_weights(model, weights: list) -> None:
 
     A callback that changes its (local) ``self.model``'s weights under ps
     (``EarlyStopping(restore_best_weights=True)``) has them reach the trained model
-    this way (``training.callbacks``).
+    this way (``training.loop.callbacks``).
     """
     index, key, run = 0, None, []
     for var in model.weights:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdist.training import contract
+from tfdist.training.workload import contract
 
 
 def _in_memory(source: tf.data.Dataset):

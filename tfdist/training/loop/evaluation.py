@@ -8,7 +8,7 @@ import math
 import keras
 import numpy as np
 
-from tfdist.training import data
+from tfdist.training.workload import data
 
 
 def local_copy(model: keras.Model, local: keras.Model) -> keras.Model:

@@ -56,9 +56,9 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tfdist.training import data
-from tfdist.training.coordinated import CoordinatedTrainer, variables_per_ps
-from tfdist.training.step import after_updates, forward, local_replicas, local_sum, metric_dict
+from tfdist.training.workload import data
+from tfdist.training.ps.coordinated import CoordinatedTrainer, variables_per_ps
+from tfdist.training.loop.step import after_updates, forward, local_replicas, local_sum, metric_dict
 
 # Closures kept in flight per worker: one running, one queued at the
 # coordinator, so a worker never waits on the chief for its next closure.

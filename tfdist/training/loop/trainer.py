@@ -1,12 +1,12 @@
 """The contract between the controller and a trainer (Orbit's ``AbstractTrainer``).
 
-The controller (``training.controller``) owns the outer loop and every
+The controller (``training.loop.controller``) owns the outer loop and every
 cadence; a trainer owns how ``n`` steps run. Each strategy kind names its
 loop (``StrategyKind.trainer``: "sync", "ps" or "ps-sync"); the controller
 maps that to a class implementing this contract.
 
 Trainers are handed ready-made objects: the plan, the strategy bundle, the
-checked task (``training.tasks.CheckedTask``) and its stateless train
+checked task (``training.workload.tasks.CheckedTask``) and its stateless train
 metrics, the state (model, optimizer, counters) and its checkpointer,
 already restored to ``start_step``.
 """
@@ -18,7 +18,7 @@ import contextlib
 
 
 class Trainer(abc.ABC):
-    """What every trainer provides; see ``training.controller.Controller``."""
+    """What every trainer provides; see ``training.loop.controller.Controller``."""
 
     # Errors that mean a peer task went away (the controller turns them into TaskLost).
     peer_errors: tuple[type[BaseException], ...] = ()
@@ -26,7 +26,7 @@ class Trainer(abc.ABC):
     def __init__(self, *, plan, bundle, task, state, checkpointer, start_step: int,
                  train_metrics):
         self.plan, self.bundle, self.task = plan, bundle, task
-        self.train_metrics = train_metrics  # training.step.TrainMetrics
+        self.train_metrics = train_metrics  # training.loop.step.TrainMetrics
         self.config, self.cfg = plan.config, plan.cluster
         self.state, self.checkpointer = state, checkpointer
         self.start_step = self.completed = start_step  # requested steps applied so far
@@ -67,7 +67,7 @@ class Trainer(abc.ABC):
         return False
 
     def local_model(self):
-        """The model a Keras callback's ``self.model`` is (``training.callbacks``), holding
+        """The model a Keras callback's ``self.model`` is (``training.loop.callbacks``), holding
         the trained weights as of now; called on the chief before each callback call that
         may read them.
 
@@ -75,13 +75,13 @@ class Trainer(abc.ABC):
         ones) returns it itself; one whose variables live on the ps tasks returns a
         chief-side copy (plain variables), refreshed from the ps on every call. A
         learning rate the callbacks set on the copy's optimizer is given to the trained
-        optimizer by ``training.callbacks``."""
+        optimizer by ``training.loop.callbacks``."""
         return self.state.model
 
     def in_lockstep(self) -> bool:
         """Whether other tasks run this same loop, step for step (multiworker's
         workers): the chief's callbacks' stop and learning rate must then reach them
-        (``training.callbacks``, one all-reduce at each call boundary)."""
+        (``training.loop.callbacks``, one all-reduce at each call boundary)."""
         return False
 
     def progress_fields(self) -> tuple[str, dict]:

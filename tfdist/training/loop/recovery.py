@@ -1,4 +1,4 @@
-"""Surviving faults: lost tasks and preemption (checkpoints: ``training.checkpoints``).
+"""Surviving faults: lost tasks and preemption (checkpoints: ``training.loop.checkpoints``).
 
 What a fault looks like from inside a task, and what this module turns it into:
 
@@ -16,9 +16,9 @@ What a fault looks like from inside a task, and what this module turns it into:
 
 This module names faults (exception types, and the classification of
 TensorFlow's errors into them). Acting on them is elsewhere, one concern
-each: ``training/rpc.py`` (fetching a step's results, riding out lost
-workers and transient errors), ``training/watchdog.py`` (no step for
-``--stuck-timeout``), ``training/preemption.py`` (SIGTERM under the sync
+each: ``training/ps/rpc.py`` (fetching a step's results, riding out lost
+workers and transient errors), ``training/ps/watchdog.py`` (no step for
+``--stuck-timeout``), ``training/sync/preemption.py`` (SIGTERM under the sync
 strategies) and ``training/noise.py`` (TensorFlow's log records).
 """
 

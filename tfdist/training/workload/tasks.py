@@ -11,13 +11,13 @@ A task is any object (a module, an instance, a class) with:
 
 Elements may also be ``(features, label, sample_weight)`` triples, and
 ``dataset(split)`` may return NumPy arrays (``(x, y)`` or ``(x, y, w)``) as
-``fit`` takes them (``training.contract``).
+``fit`` takes them (``training.workload.contract``).
 
 Optional: ``configure(**options)`` receives ``--task-option KEY=VALUE``
 strings before anything else is called; ``extra_results()`` returns a dict
 merged into ``results.json``; a ``"validation"`` split (a task without one
 returns None or raises KeyError for it); a ``class_weight`` dict; a
-``callbacks()`` method returning Keras callbacks (``training.callbacks``).
+``callbacks()`` method returning Keras callbacks (``training.loop.callbacks``).
 
 ``SPEC`` is a built-in name (``models.BUILTIN_TASKS``), an import path
 ``pkg.mod`` or ``pkg.mod:NAME``, or a file ``path/to/task.py`` (relative to
@@ -298,7 +298,7 @@ def inspect(spec: TaskSpec, task: Any, *, steps_given: bool) -> CheckedTask:
     if getattr(model, "_compile_loss", None) is None:
         raise _err(spec.text, "build_model() returned a model compiled without a loss; pass "
                               "loss=... to model.compile")
-    from tfdist.training import contract
+    from tfdist.training.workload import contract
 
     class_weight = _checked_call(spec, contract.class_weight_of, "class_weight", task)
     sizes = {}
@@ -360,7 +360,7 @@ def _validation(spec, task, model) -> bool:
     """
     import tensorflow as tf
 
-    from tfdist.training import contract
+    from tfdist.training.workload import contract
 
     try:
         ds = task.dataset("validation")

@@ -13,18 +13,14 @@ import signal
 import tensorflow as tf
 
 from tfdist.protocol import ConfigError
-from tfdist.training import data
-from tfdist.training.evaluation import local_copy, weights_sha256
-from tfdist.training.lifetime import keep_alive_until_exit
-from tfdist.training.preemption import preemption_handler
-from tfdist.training.step import make_step_fn, make_train_fn, metric_dict
-from tfdist.training.trainer import Trainer
+from tfdist.training.workload import data
+from tfdist.training.loop.evaluation import local_copy, weights_sha256
+from tfdist.training.loop.lifetime import keep_alive_until_exit
+from tfdist.training.sync.preemption import preemption_handler
+from tfdist.training.loop.step import make_step_fn, make_train_fn, metric_dict
+from tfdist.training.loop.peers import PEER_ERRORS
+from tfdist.training.loop.trainer import Trainer
 
-# Errors that mean a peer went away rather than a bug in this program.
-PEER_ERRORS = (
-    tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError,
-    tf.errors.DeadlineExceededError,
-)
 
 
 def agree_on_start_step(strategy, step: int, me: str, tasks: list[str], model_dir: str) -> None:

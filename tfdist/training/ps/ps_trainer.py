@@ -26,10 +26,10 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tfdist.training import data
-from tfdist.training.coordinated import CoordinatedTrainer, variables_per_ps
-from tfdist.training.rpc import fetch
-from tfdist.training.step import make_step_fn, make_train_fn, metric_dict
+from tfdist.training.workload import data
+from tfdist.training.ps.coordinated import CoordinatedTrainer, variables_per_ps
+from tfdist.training.ps.rpc import fetch
+from tfdist.training.loop.step import make_step_fn, make_train_fn, metric_dict
 
 
 def staleness_stats(values) -> dict:

@@ -10,7 +10,7 @@ boundary, with a checkpoint, the final evaluation and ``results.json`` saying
 which callback stopped it.
 
 Their ``self.model`` is the trainer's ``local_model()``
-(``training.trainer.Trainer``): the trained model itself under the
+(``training.loop.trainer.Trainer``): the trained model itself under the
 synchronous strategies; under ``ps`` and ``ps-sync``, whose variables live on
 the ps tasks, the chief's copy of the model (plain variables, the one
 evaluation uses), refreshed from the ps before every call that may read it
@@ -29,7 +29,7 @@ epoch end, every task takes part in one all-reduce in which only the chief's
 first replica contributes its stop flag and learning rate; every worker then
 stops at the same step and trains at the chief's rate. ``pipeline`` refuses a
 task with callbacks in one line (``StrategyKind.callbacks_refusal``, checked
-by ``training.contract``).
+by ``training.workload.contract``).
 """
 
 from __future__ import annotations

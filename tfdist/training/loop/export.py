@@ -8,7 +8,7 @@ folders TF Serving's model server watches, with a ``serving_default``
 signature whose inputs are named and typed like the model's inputs (a dict
 input keeps its keys).
 
-What is exported is the local copy (``training.evaluation.local_copy``): a
+What is exported is the local copy (``training.loop.evaluation.local_copy``): a
 model the task built outside any strategy, holding the trained weights read
 once, a split variable joined whole (``training.sharding.full_weights``). The
 SavedModel therefore holds plain variables, whatever the strategy: no
@@ -81,7 +81,7 @@ def check_export_flags(export: str | None, export_every: int | None) -> None:
 class Exporter:
     """The chief's exports: when they are due, and each one written and checked.
 
-    ``evaluator``: a callable returning the run's ``training.evaluation.Evaluator``,
+    ``evaluator``: a callable returning the run's ``training.loop.evaluation.Evaluator``,
     whose local model is what is exported; ``task``: the task, whose test
     split's first examples the check runs.
     """
@@ -117,7 +117,7 @@ class Exporter:
 
     def export(self, model, step: int) -> dict:
         """Export ``model``'s current weights (any strategy's) as version ``step``."""
-        from tfdist.training.evaluation import local_copy
+        from tfdist.training.loop.evaluation import local_copy
 
         return self.export_local(local_copy(model, self._evaluator().local), step)
 
@@ -142,7 +142,7 @@ def export_finished_run(config, checked, state, results: dict) -> tuple[dict, Ex
     task is done, or None).
     """
     from tfdist import protocol
-    from tfdist.training.evaluation import Evaluator
+    from tfdist.training.loop.evaluation import Evaluator
 
     evaluator = Evaluator(checked.task, checked.local_model)
     exporter = Exporter(config.export, None, lambda: evaluator, checked.task)
@@ -157,7 +157,7 @@ def export_finished_run(config, checked, state, results: dict) -> tuple[dict, Ex
 
 def test_batch(task, n: int = CHECK_EXAMPLES):
     """The features of the first ``n`` examples of ``task``'s test split (a tensor or a dict)."""
-    from tfdist.training import data
+    from tfdist.training.workload import data
 
     features, _ = next(iter(data.eval_dataset(task, n).take(1)))
     if isinstance(features, dict):

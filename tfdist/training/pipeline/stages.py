@@ -10,7 +10,7 @@ Anything else is refused in one line saying how to provide stages.
 The cutting itself (``PipelinePlan``, ``parse_boundaries``, ``balance``,
 ``check_boundaries``) is pure Python: the plan and its tests need no
 TensorFlow. ``local_stages`` builds the stages as local Keras models (on
-the client); ``training.pipeline_trainer`` places copies of them on the
+the client); ``training.pipeline.pipeline_trainer`` places copies of them on the
 workers.
 """
 

@@ -11,7 +11,7 @@ import time
 import tensorflow as tf
 
 from tfdist import protocol
-from tfdist.training.evaluation import Evaluator, split_metrics
+from tfdist.training.loop.evaluation import Evaluator, split_metrics
 
 SUMMARY_KEYS = (
     "strategy", "model", "num_workers", "num_ps", "replicas_in_sync", "global_steps",

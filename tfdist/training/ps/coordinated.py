@@ -25,10 +25,10 @@ from tfdist import protocol
 from tfdist.protocol import Exit
 from tfdist.strategies.server import CallGuard, exit_now, peer_states, states_text
 from tfdist.training.noise import condense_tf_logs
-from tfdist.training.watchdog import StallWatchdog
+from tfdist.training.ps.watchdog import StallWatchdog
 from tfdist.training.sharding import ps_variable_bytes
-from tfdist.training.sync_trainer import PEER_ERRORS
-from tfdist.training.trainer import Trainer
+from tfdist.training.loop.peers import PEER_ERRORS
+from tfdist.training.loop.trainer import Trainer
 
 # Besides gRPC errors, the coordinator wraps a lost task's errors in these.
 PS_PEER_ERRORS = PEER_ERRORS + (ClosureInputError, ClosureAbortedError)
@@ -192,7 +192,7 @@ class CoordinatedTrainer(Trainer):
         the ps tasks hold now: every step counted so far, and any still in flight
         under ``ps`` (at an epoch end or the end nothing is: the controller drained).
         Its optimizer's ``iterations`` is the global step, as ``fit``'s would be."""
-        from tfdist.training.evaluation import local_copy
+        from tfdist.training.loop.evaluation import local_copy
 
         local = local_copy(self.state.model, self.task.local_model)
         optimizer = getattr(local, "optimizer", None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfdist.training.state import TrainState
+from tfdist.training.loop.state import TrainState
 
 
 class TrainMetrics:

@@ -2,7 +2,7 @@
 
 The chief is a client connected to the workers
 (``StrategyKind.build``: ``experimental_connect_to_cluster``). It cuts the
-task's model into S stages (``training.stages``) and builds stage ``s`` of
+task's model into S stages (``training.pipeline.stages``) and builds stage ``s`` of
 copy ``p`` under ``tf.device`` of worker ``p*S + s``, with its own optimizer
 built in the same scope: the stage's variables and optimizer slots live on
 that task, and only activations and their gradients cross the network.
@@ -29,11 +29,13 @@ import signal
 import keras
 import tensorflow as tf
 
-from tfdist.training import data, stages as stage_cut
-from tfdist.training.state import make_optimizer
-from tfdist.training.step import metric_dict
-from tfdist.training.sync_trainer import PEER_ERRORS
-from tfdist.training.trainer import Trainer
+from tfdist.training.workload import data
+
+from tfdist.training.pipeline import stages as stage_cut
+from tfdist.training.loop.state import make_optimizer
+from tfdist.training.loop.step import metric_dict
+from tfdist.training.loop.peers import PEER_ERRORS
+from tfdist.training.loop.trainer import Trainer
 
 
 def stage_device(worker: int) -> str:
@@ -67,7 +69,7 @@ class StagedModel:
 
 
 class PipelineState:
-    """``training.state.TrainState``'s fields, plus every copy's stages."""
+    """``training.loop.state.TrainState``'s fields, plus every copy's stages."""
 
     def __init__(self, copies, optimizers, devices, cut: str):
         self.copies, self.optimizers, self.devices, self.cut = copies, optimizers, devices, cut

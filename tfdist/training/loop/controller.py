@@ -2,18 +2,17 @@
 
 Orbit's split: the controller owns the loop and decides, through the pure
 ``Schedule``, when to log, evaluate, checkpoint, stop for a preemption and
-end; a trainer (``training.trainer.Trainer``: ``SyncTrainer``, ``PsTrainer``,
+end; a trainer (``training.loop.trainer.Trainer``: ``SyncTrainer``, ``PsTrainer``,
 ``PsSyncTrainer``) owns how ``n`` steps run (``train(n)``) and how
 everything scheduled gets applied (``drain()``).
 
-``train_and_evaluate`` builds the ready-made objects (state, checkpointer,
-trainer, reporter) and hands them to the ``Controller``.
+``training.assemble.train_and_evaluate`` builds the ready-made objects (state,
+checkpointer, trainer, reporter) and hands them to the ``Controller``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import resource
@@ -23,27 +22,14 @@ import keras
 import tensorflow as tf
 
 from tfdist import protocol
-from tfdist.protocol import ConfigError
-from tfdist.training import contract
-from tfdist.training.callbacks import Callbacks
-from tfdist.training.checkpoints import Checkpointer
-from tfdist.training.evaluation import split_metrics, weights_sha256
-from tfdist.training.export import ExportFailed, Exporter, export_finished_run
-from tfdist.training.lifetime import keep_alive_until_exit
-from tfdist.training.ps_sync_trainer import PsSyncTrainer
-from tfdist.training.pipeline_trainer import PipelineTrainer
-from tfdist.training.ps_trainer import PsTrainer
-from tfdist.training.recovery import Diverged, Preempted, storage_fault, task_lost
-from tfdist.training.reporting import Reporter, run_hparams
-from tfdist.training.state import build_state
-from tfdist.training.step import TrainMetrics
-from tfdist.training.sync_trainer import SyncTrainer
-from tfdist.training.trainer import Trainer
-
-# Each strategy kind names its loop (StrategyKind.trainer); the classes live here,
-# on the training side, so strategies/ never names a training module.
-TRAINERS: dict[str, type[Trainer]] = {"sync": SyncTrainer, "ps": PsTrainer,
-                                      "ps-sync": PsSyncTrainer, "pipeline": PipelineTrainer}
+from tfdist.training.workload import contract
+from tfdist.training.loop.callbacks import Callbacks
+from tfdist.training.loop.checkpoints import Checkpointer
+from tfdist.training.loop.evaluation import split_metrics, weights_sha256
+from tfdist.training.loop.export import ExportFailed, Exporter
+from tfdist.training.loop.recovery import Diverged, Preempted, storage_fault, task_lost
+from tfdist.training.loop.reporting import Reporter, run_hparams
+from tfdist.training.loop.trainer import Trainer
 
 
 class Controller:
@@ -60,13 +46,13 @@ class Controller:
         self.startup_seconds = 0.0
         self.steady_from = trainer.start_step
         self.metrics: dict[str, float] = {}  # what the trainer's latest train/drain returned
-        # --export: the chief's SavedModels (training.export); a failed final
+        # --export: the chief's SavedModels (training.loop.export); a failed final
         # export is raised after the end-of-job rendezvous, results written.
         self.exporter = (Exporter(self.config.export, self.config.export_every,
                                   reporter.evaluator, reporter.checked.task)
                          if self.config.export and trainer.is_chief else None)
         self.export_failed: ExportFailed | None = None
-        # The task's Keras callbacks, on the chief (training.callbacks); their
+        # The task's Keras callbacks, on the chief (training.loop.callbacks); their
         # self.model is trainer.local_model().
         self.callbacks = Callbacks(trainer, self.schedule)
 
@@ -318,83 +304,3 @@ def _rate(optimizer) -> float | None:
         return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
     except Exception:  # pylint: disable=broad-except
         return None
-
-
-def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
-                       as_command: bool = False) -> dict | None:
-    """Flax's entry point: build the ready-made objects, run the controller.
-
-    ``checked``: the task, inspected (``training.tasks.CheckedTask``).
-    ``as_command``: the process ends right after this returns (or raises), so
-    the run's TensorFlow objects are never torn down (``training.lifetime``).
-    """
-    started = time.perf_counter()
-    config, cfg = plan.config, plan.cluster
-    trainer = None
-    try:
-        keras.utils.set_random_seed(config.seed)
-        trainer_class = TRAINERS[plan.kind.trainer]
-        # A trainer that places the model itself (pipeline stages) builds its own state.
-        builder = getattr(trainer_class, "build_state", None)
-        state = (builder(plan, checked.task, bundle.strategy) if builder is not None
-                 else build_state(plan, checked.task, bundle.strategy, checked.example))
-        checkpointer = Checkpointer(state, config.model_dir, cfg.is_chief, cfg.task_name,
-                                    run_record=plan.defining_flags())
-        try:
-            start = checkpointer.restore(plan.task.name, plan.total_steps, plan.optimizer.name)
-            trainer = trainer_class(
-                plan=plan, bundle=bundle, task=checked, state=state, checkpointer=checkpointer,
-                start_step=start,
-                train_metrics=TrainMetrics(checked.local_model, checked.own_step_names))
-        except ConfigError:
-            checkpointer.close()  # a worker's private directory
-            raise
-        if already_complete(plan, trainer, started_ok):
-            results = read_results(config) if trainer.is_chief else None
-            failed = None
-            if results is not None and config.export:
-                results, failed = export_finished_run(config, checked, state, results)
-            trainer.end_of_job()
-            if failed is not None:
-                raise failed
-            return results
-        reporter = Reporter(plan, checked, cfg.task_name, trainer.is_chief, trainer.start_step,
-                            started)
-        return Controller(plan, trainer, checkpointer, reporter, started, started_ok).run()
-    finally:
-        if as_command:
-            keep_alive_until_exit(bundle)
-            if trainer is not None:
-                keep_alive_until_exit(trainer)
-
-
-def read_results(config) -> dict | None:
-    try:
-        with open(os.path.join(config.model_dir, "results.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def already_complete(plan, trainer, started_ok=lambda: None) -> bool:
-    """Whether this task resumed a finished run and stops here, results.json untouched.
-
-    Running the controller would write a second results record for zero
-    steps (examples/s 0) over the one that measured the run. Every worker
-    resumed at the same step (checked), so every worker stops here; the chief
-    without a record (it died after the last checkpoint) runs the controller,
-    which evaluates and writes it.
-    """
-    config = plan.config
-    if trainer.start_step < plan.total_steps:
-        return False
-    if trainer.is_chief and read_results(config) is None:
-        return False
-    print(f"the run in {config.model_dir!r} is already complete (step {trainer.start_step} of "
-          f"{plan.total_steps}); its results are kept as they are. Pass a larger --steps or "
-          "--epochs to train on, or a fresh --model-dir to start a new run", flush=True)
-    started_ok()
-    trainer.close(True)
-    protocol.EventLog(config.cluster.task_name).emit(protocol.DONE, trainer.start_step,
-                                                     already_complete=True)
-    return True

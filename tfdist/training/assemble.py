@@ -1,0 +1,116 @@
+"""Build a run's ready-made objects and hand them to the one controller.
+
+Flax's ``train_and_evaluate``: the state, the checkpointer, the strategy's
+trainer (chosen by ``StrategyKind.trainer``) and the reporter, then
+``Controller.run()``. This is the one module that names every trainer, so the
+loop (``training.loop``) never imports a strategy's sub-package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import keras
+
+from tfdist import protocol
+from tfdist.protocol import ConfigError
+from tfdist.training.loop.checkpoints import Checkpointer
+from tfdist.training.loop.controller import Controller
+from tfdist.training.loop.export import export_finished_run
+from tfdist.training.loop.lifetime import keep_alive_until_exit
+from tfdist.training.loop.reporting import Reporter
+from tfdist.training.loop.state import build_state
+from tfdist.training.loop.step import TrainMetrics
+from tfdist.training.loop.trainer import Trainer
+from tfdist.training.pipeline.pipeline_trainer import PipelineTrainer
+from tfdist.training.ps.ps_sync_trainer import PsSyncTrainer
+from tfdist.training.ps.ps_trainer import PsTrainer
+from tfdist.training.sync.sync_trainer import SyncTrainer
+
+# Each strategy kind names its loop (StrategyKind.trainer); the classes are named here,
+# on the training side, so strategies/ never names a training module.
+TRAINERS: dict[str, type[Trainer]] = {"sync": SyncTrainer, "ps": PsTrainer,
+                                      "ps-sync": PsSyncTrainer, "pipeline": PipelineTrainer}
+
+
+
+def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
+                       as_command: bool = False) -> dict | None:
+    """Flax's entry point: build the ready-made objects, run the controller.
+
+    ``checked``: the task, inspected (``training.workload.tasks.CheckedTask``).
+    ``as_command``: the process ends right after this returns (or raises), so
+    the run's TensorFlow objects are never torn down (``training.loop.lifetime``).
+    """
+    started = time.perf_counter()
+    config, cfg = plan.config, plan.cluster
+    trainer = None
+    try:
+        keras.utils.set_random_seed(config.seed)
+        trainer_class = TRAINERS[plan.kind.trainer]
+        # A trainer that places the model itself (pipeline stages) builds its own state.
+        builder = getattr(trainer_class, "build_state", None)
+        state = (builder(plan, checked.task, bundle.strategy) if builder is not None
+                 else build_state(plan, checked.task, bundle.strategy, checked.example))
+        checkpointer = Checkpointer(state, config.model_dir, cfg.is_chief, cfg.task_name,
+                                    run_record=plan.defining_flags())
+        try:
+            start = checkpointer.restore(plan.task.name, plan.total_steps, plan.optimizer.name)
+            trainer = trainer_class(
+                plan=plan, bundle=bundle, task=checked, state=state, checkpointer=checkpointer,
+                start_step=start,
+                train_metrics=TrainMetrics(checked.local_model, checked.own_step_names))
+        except ConfigError:
+            checkpointer.close()  # a worker's private directory
+            raise
+        if already_complete(plan, trainer, started_ok):
+            results = read_results(config) if trainer.is_chief else None
+            failed = None
+            if results is not None and config.export:
+                results, failed = export_finished_run(config, checked, state, results)
+            trainer.end_of_job()
+            if failed is not None:
+                raise failed
+            return results
+        reporter = Reporter(plan, checked, cfg.task_name, trainer.is_chief, trainer.start_step,
+                            started)
+        return Controller(plan, trainer, checkpointer, reporter, started, started_ok).run()
+    finally:
+        if as_command:
+            keep_alive_until_exit(bundle)
+            if trainer is not None:
+                keep_alive_until_exit(trainer)
+
+
+def read_results(config) -> dict | None:
+    try:
+        with open(os.path.join(config.model_dir, "results.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def already_complete(plan, trainer, started_ok=lambda: None) -> bool:
+    """Whether this task resumed a finished run and stops here, results.json untouched.
+
+    Running the controller would write a second results record for zero
+    steps (examples/s 0) over the one that measured the run. Every worker
+    resumed at the same step (checked), so every worker stops here; the chief
+    without a record (it died after the last checkpoint) runs the controller,
+    which evaluates and writes it.
+    """
+    config = plan.config
+    if trainer.start_step < plan.total_steps:
+        return False
+    if trainer.is_chief and read_results(config) is None:
+        return False
+    print(f"the run in {config.model_dir!r} is already complete (step {trainer.start_step} of "
+          f"{plan.total_steps}); its results are kept as they are. Pass a larger --steps or "
+          "--epochs to train on, or a fresh --model-dir to start a new run", flush=True)
+    started_ok()
+    trainer.close(True)
+    protocol.EventLog(config.cluster.task_name).emit(protocol.DONE, trainer.start_step,
+                                                     already_complete=True)
+    return True
