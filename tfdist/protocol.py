@@ -104,6 +104,22 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 # --- progress events ---------------------------------------------------------
 
 EVENTS_ENV = "SHOWCASE_EVENTS"
+# The launcher's elastic membership so far (a JSON list of {"step", "workers",
+# "why"}), given to every task of a re-formed cluster; the chief copies it
+# into results.json (``membership``).
+MEMBERSHIP_ENV = "TFDIST_MEMBERSHIP"
+
+
+def membership_from_env() -> list | None:
+    """The membership the launcher gave this task, or ``None`` (not elastic, or unreadable)."""
+    raw = os.environ.get(MEMBERSHIP_ENV)
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, list) else None
 
 # Event kinds, in the order a run emits them.
 STARTED = "started"  # the first step ran: every peer is connected; data: resumed_from, pid
@@ -296,6 +312,9 @@ class Results:
     # --strategy pipeline: stages, micro-batches, copies, the cut, and each
     # worker's parameter and optimizer-state bytes (training.pipeline.pipeline_trainer).
     pipeline: dict | None = None
+    # launch.py --min-workers: the cluster's size from step 0, each change
+    # with the step it resumed from and why: [{"step", "workers", "why"}].
+    membership: list | None = None
     # A task's extra_results(), written at the top level beside the fields above.
     extra: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
@@ -382,6 +401,10 @@ class LaunchOutcome:
     oom_killed: dict | None = None
     # --restart-tasks: how many times each restarted task was restarted.
     restarts_per_task: dict | None = None
+    # --min-workers: each formation of the cluster ({"step", "workers",
+    # "why", "members", and after a change "steps_redone_at_least" and
+    # "first_step_after_seconds": from the loss or return to its first step).
+    membership: list | None = None
 
     def write(self, path: str) -> None:
         write_json_atomic(path, dataclasses.asdict(self))

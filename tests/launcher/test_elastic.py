@@ -1,0 +1,243 @@
+"""--min-workers: the checks, the members' TF_CONFIGs, the membership hook's
+decisions (no TensorFlow), and a real multiworker job that loses a host for
+good and finishes on the survivors (multiprocess)."""
+
+import json
+import os
+import signal
+import sys
+
+import pytest
+
+from tfdist import protocol
+from tfdist.launcher import elastic, injector as injectors, faults, network
+from tfdist.launcher import plan as plans
+from tfdist.launcher.plan import LaunchError
+from tfdist.launcher.state import JobState, SignalTask, TaskView
+from tfdist.protocol import Exit
+from tfdist.strategies import kinds
+
+MW = kinds.get("multiworker")
+WORKERS = ["worker:0", "worker:1", "worker:2"]
+
+
+@pytest.mark.parametrize("strategy,workers,m,timeout,engine,words", [
+    ("multiworker", 3, 4, None, "local", ["--min-workers=4", "use 1..3"]),
+    ("multiworker", 3, 0, None, "local", ["--min-workers=0", "use 1..3"]),
+    ("multiworker", 1, 1, None, "local", ["--workers=1", "nobody to go on without"]),
+    ("multiworker", 3, 2, 0.0, "local", ["--rejoin-timeout=0", "positive"]),
+    ("multiworker", 3, 2, -3.0, "local", ["--rejoin-timeout=-3", "positive"]),
+    ("multiworker", 3, 2, float("inf"), "local", ["--rejoin-timeout=inf", "finite"]),
+    ("multiworker", 3, None, 5.0, "local", ["--rejoin-timeout=5", "needs --min-workers"]),
+    ("none", 1, 1, None, "local", ["--strategy none", "multiworker"]),
+    ("ps", 3, 2, None, "local", ["--strategy ps", "drop --min-workers"]),
+    ("multiworker", 3, 2, None, "ray", ["--engine ray", "local engine only"]),
+])
+def test_bad_elastic_input_is_one_line(strategy, workers, m, timeout, engine, words):
+    with pytest.raises(LaunchError) as err:
+        elastic.plan_elastic(kinds.get(strategy), workers, m, timeout, engine)
+    text = str(err.value)
+    assert "\n" not in text and all(w in text for w in words), text
+
+
+def test_elastic_plan_defaults_and_none_without_the_flag():
+    assert elastic.plan_elastic(MW, 3, None, None) is None
+    assert elastic.plan_elastic(MW, 3, 2, None) == elastic.ElasticPlan(2, 20.0)
+    assert elastic.plan_elastic(MW, 3, 3, 7.5) == elastic.ElasticPlan(3, 7.5)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--min-workers", "5"], ["--min-workers", "2", "--rejoin-timeout", "0"],
+    ["--rejoin-timeout", "3"],
+])
+def test_the_launcher_refuses_bad_elastic_flags_before_anything_starts(argv, tmp_path, capsys):
+    from tfdist.cli import launch
+
+    model_dir = tmp_path / "run"
+    code = launch.main(["--strategy", "multiworker", "--workers", "3", *argv, "--",
+                        "--model-dir", str(model_dir)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == Exit.BAD_INPUT and len(err) == 1 and err[0].startswith("error: "), err
+    assert not model_dir.exists()
+
+
+def test_member_configs_name_only_the_members_in_order():
+    plan = plans.build_host_cluster(MW, 3, hosts=3)
+    configs = elastic.member_configs(plan.tf_configs, ["worker:0", "worker:2"])
+    addresses = [plan.tf_configs[n]["cluster"]["worker"][i] for i, n in
+                 [(0, "worker:0"), (2, "worker:2")]]
+    assert configs["worker:0"] == {"cluster": {"worker": addresses},
+                                   "task": {"type": "worker", "index": 0}}
+    assert configs["worker:2"] == {"cluster": {"worker": addresses},
+                                   "task": {"type": "worker", "index": 1}}
+
+
+def test_global_batch_is_read_from_the_run_record_unless_a_flag_sets_it(tmp_path):
+    assert elastic.global_batch(str(tmp_path), []) is None
+    (tmp_path / "run.json").write_text(json.dumps({"global_batch_size": 192}))
+    assert elastic.global_batch(str(tmp_path), []) == 192
+    assert elastic.global_batch(str(tmp_path), ["--global-batch-size", "96"]) is None
+
+
+def _state(*exits, pids=(11, 12, 13), names=WORKERS):
+    exits = exits or (None,) * len(names)
+    return JobState(tuple(TaskView(n, p, e) for n, p, e in zip(names, pids, exits)))
+
+
+def _membership(tmp_path, m=2, timeout=5.0):
+    now, lines, down = [0.0], [], set()
+    paths = {n: str(tmp_path / f"{n}.events") for n in WORKERS}
+    mem = elastic.Membership(elastic.ElasticPlan(m, timeout), WORKERS,
+                             {n: i for i, n in enumerate(WORKERS)},
+                             plans.build_host_cluster(MW, 3, hosts=3).tf_configs,
+                             list(paths.values()), log=lines.append, clock=lambda: now[0])
+    mem.new_attempt(lambda: down)
+    return mem, now, lines, down, paths
+
+
+def _emit(path, kind, step):
+    with open(path, "a") as f:
+        f.write(protocol.Event(kind, "worker:0", step, 1000.0 + step).to_json() + "\n")
+
+
+def test_a_host_down_past_the_rejoin_timeout_ends_the_attempt_and_shrinks(tmp_path):
+    mem, now, lines, down, paths = _membership(tmp_path)
+    _emit(paths["worker:0"], protocol.STARTED, 0)
+    _emit(paths["worker:0"], protocol.CHECKPOINT, 100)
+    _emit(paths["worker:0"], protocol.PROGRESS, 150)
+    assert mem(_state()) == []
+    down.add(2)
+    now[0] = 1.0
+    assert mem(_state()) == []  # not yet: it may come back
+    now[0] = 6.0
+    assert mem(_state()) == [SignalTask(n, signal.SIGKILL, pid=p)
+                             for n, p in zip(WORKERS, (11, 12, 13))]
+    code = mem.after_attempt(Exit.TASK_LOST, wait_links=lambda s: pytest.fail("waited"))
+    assert code is None and mem.members == ["worker:0", "worker:1"]
+    assert mem.names == ["worker:0", "worker:1"]
+    assert mem.record() == [
+        {"step": 0, "workers": 3, "why": "start"},
+        {"step": 100, "workers": 2, "why": "worker:2 lost for good (host2 unreachable for 5 s)"}]
+    assert mem.history[-1]["steps_redone_at_least"] == 50
+    assert lines[-1] == ("[launch] worker:2 lost for good (host2 unreachable for 5 s): "
+                         "continuing with 2 workers from step 100 (steps 100-150 redone)")
+    assert json.loads(mem.env()[protocol.MEMBERSHIP_ENV])[-1]["workers"] == 2
+    assert set(mem.configs()) == {"worker:0", "worker:1"}
+
+
+def test_survivors_failing_first_end_the_attempt_at_once_and_the_wait_lets_a_host_back(tmp_path):
+    mem, now, lines, down, paths = _membership(tmp_path, timeout=20.0)
+    down.add(1)
+    assert mem(_state()) == []
+    now[0] = 2.0
+    # The survivors' all-reduce failed before the rejoin timeout: kill the rest now.
+    actions = mem(_state(Exit.TASK_LOST, None, None))
+    assert [a.task for a in actions] == ["worker:1", "worker:2"]
+    waited = []
+
+    def wait_links(seconds):
+        waited.append(seconds)
+        down.clear()  # back within the timeout
+
+    assert mem.after_attempt(Exit.TASK_LOST, wait_links) == Exit.TASK_LOST
+    assert waited == [18.0] and mem.members == WORKERS and len(mem.history) == 1
+
+
+def test_below_min_workers_stops_with_one_line(tmp_path):
+    mem, now, lines, down, paths = _membership(tmp_path, m=3)
+    down.add(0)
+    mem(_state())
+    now[0] = 5.0
+    assert mem(_state())  # ended
+    assert mem.after_attempt(Exit.TASK_LOST, lambda s: None) == Exit.TASK_LOST
+    assert "below --min-workers=3" in lines[-1] and "exit 75" in lines[-1]
+    assert mem.members == WORKERS
+
+
+def test_a_lost_host_back_preempts_the_job_and_it_grows_back(tmp_path):
+    mem, now, lines, down, paths = _membership(tmp_path)
+    down.add(2)
+    mem(_state())
+    now[0] = 5.0
+    mem(_state())
+    assert mem.after_attempt(Exit.TASK_LOST, lambda s: None) is None
+    two = WORKERS[:2]
+    mem.new_attempt(lambda: down)
+    assert mem(_state(names=two, pids=(21, 22))) == []  # still down
+    down.clear()
+    assert mem(_state(names=two, pids=(21, 22))) == []  # not started yet: no handler to save
+    _emit(paths["worker:0"], protocol.STARTED, 100)
+    assert mem(_state(names=two, pids=(21, 22))) == [
+        SignalTask("worker:0", signal.SIGTERM, group=False, pid=21)]
+    assert mem(_state(names=two, pids=(21, 22))) == []  # once
+    _emit(paths["worker:0"], protocol.PREEMPTED, 240)
+    assert mem.after_attempt(Exit.PREEMPTED, lambda s: None) is None
+    assert mem.members == WORKERS
+    assert [h["workers"] for h in mem.history] == [3, 2, 3]
+    assert mem.history[-1]["step"] == 240 and mem.history[-1]["steps_redone_at_least"] == 0
+    assert "worker:2 back (host2 reachable again): growing back to 3 workers from step 240" \
+        in lines[-1]
+
+
+def test_a_preemption_not_ours_and_success_go_on_as_before(tmp_path):
+    mem, now, lines, down, paths = _membership(tmp_path)
+    assert mem.after_attempt(Exit.PREEMPTED, lambda s: None) == Exit.PREEMPTED
+    assert mem.after_attempt(Exit.OK, lambda s: None) == Exit.OK
+    assert len(mem.history) == 1
+
+
+def test_partitions_stay_scheduled_across_elastic_attempts():
+    now = [0.0]
+    inj = injectors.FaultInjector([faults.Fault("partition", "host2", seconds=1.0,
+                                                lift_after=10.0)],
+                                  log=lambda m: None, clock=lambda: now[0])
+    now[0] = 1.0
+    inj(_state())
+    inj.end_attempt(keep_partitions=True)
+    now[0] = 11.0
+    from tfdist.launcher.state import SetLink
+    assert inj(_state()) == [SetLink(2, up=True)]
+    assert inj.records[0]["lifted_by"] == "schedule"
+
+
+# --- a real job -----------------------------------------------------------------------
+
+HOSTS_PROBLEM = network.hosts_problem()
+
+
+def _events(model_dir, name):
+    return protocol.read_all_events(protocol.events_path(os.path.join(model_dir, "launch"), name))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.timeout(420)
+def test_multiworker_loses_a_host_for_good_and_finishes_on_the_survivors(tmp_path, spawn):
+    from conftest import descendants_alive, launch_cmd, read_results
+
+    model_dir = str(tmp_path / "shrink")
+    p = spawn(launch_cmd("multiworker", "--workers", "3", "--hosts", "3", "--min-workers", "2",
+                         "--rejoin-timeout", "5", "--grace", "3", "--timeout", "360",
+                         "--partition", "host2@step=150",
+                         train_args=["--model", "logreg", "--steps", "600", "--log-every", "50",
+                                     "--checkpoint-every", "100", "--model-dir", model_dir]))
+    assert p.wait(400) == 0, p.output
+    lost = [l for l in p.lines if "lost for good" in l]
+    assert len(lost) == 1 and lost[0].startswith(
+        "[launch] worker:2 lost for good (host2 unreachable for 5 s): continuing with 2 "
+        "workers from step "), p.output
+    r = read_results(model_dir)
+    assert r["global_steps"] == 600 and r["replicas_in_sync"] == 2 if "replicas_in_sync" in r \
+        else r["global_steps"] == 600
+    (start, shrunk) = r["membership"]
+    assert start == {"step": 0, "workers": 3, "why": "start"}
+    assert shrunk["workers"] == 2 and shrunk["step"] in (100, 200)
+    with open(os.path.join(model_dir, "launch", "outcome.json")) as f:
+        outcome = json.load(f)
+    assert outcome["exit_code"] == 0
+    assert [m["workers"] for m in outcome["membership"]] == [3, 2]
+    assert outcome["membership"][1]["members"] == ["worker:0", "worker:1"]
+    # The survivors ran the job's rest; the lost worker's process was not started again.
+    assert [e.kind for e in _events(model_dir, "worker:2")].count(protocol.STARTED) == 1
+    assert descendants_alive(model_dir) == []
+    assert sys.executable  # the interpreter the tasks ran

@@ -1,0 +1,260 @@
+"""Elastic membership: a worker lost for good costs its share, not the job.
+
+``--min-workers M`` makes the launcher own which workers form the cluster.
+When a worker's host stays unreachable for ``--rejoin-timeout`` seconds
+(``--partition`` for good), the job is stopped and re-formed with the
+survivors, if at least M remain: each survivor gets a new TF_CONFIG naming
+only the members, the global batch stays the one the run recorded
+(``run.json``: each replica's share grows), the data is sharded over the
+members by TensorFlow's input context, and training resumes from the newest
+checkpoint, so the step count is exact (the steps since that checkpoint are
+redone, and counted). When the lost host is reachable again the job is
+preempted (every worker saves at one agreed step) and re-formed with it, up
+to the original workers, never more. Below M the job stops, exit 75, with
+one line.
+
+``ElasticPlan`` is the checked request (pure); ``Membership`` is the
+supervisor hook and the record of each change (``membership`` in
+results.json and outcome.json).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+from tfdist import protocol
+from tfdist.launcher.plan import LaunchError, tf_configs_at
+from tfdist.launcher.state import JobState, SignalTask
+from tfdist.protocol import Exit
+from tfdist.strategies.kinds import StrategyKind
+
+ROLE = "worker"  # the role whose tasks may leave and rejoin
+DEFAULT_REJOIN_TIMEOUT = 20.0
+# The kinds whose lost workers the launcher re-forms the cluster without.
+ELASTIC_KINDS = ("multiworker",)
+
+
+@dataclass(frozen=True)
+class ElasticPlan:
+    min_workers: int
+    rejoin_timeout: float = DEFAULT_REJOIN_TIMEOUT
+
+
+def plan_elastic(kind: StrategyKind, workers: int, min_workers: int | None,
+                 rejoin_timeout: float | None, engine: str = "local") -> ElasticPlan | None:
+    """``--min-workers``/``--rejoin-timeout`` checked against the job (pure; LaunchError)."""
+    if min_workers is None:
+        if rejoin_timeout is not None:
+            raise LaunchError(f"--rejoin-timeout={rejoin_timeout:g} is how long a lost worker "
+                              "may take to come back before the job goes on without it; it "
+                              "needs --min-workers M: add it, or drop --rejoin-timeout")
+        return None
+    if kind.name not in ELASTIC_KINDS:
+        raise LaunchError(f"--min-workers re-forms the cluster without a lost worker under "
+                          f"--strategy {'|'.join(ELASTIC_KINDS)}, received --strategy "
+                          f"{kind.name}; drop --min-workers (ps and ps-sync carry on "
+                          "without a lost worker in the same cluster; --restart-tasks brings "
+                          "it back)")
+    if engine != "local":
+        raise LaunchError(f"--min-workers is supported by the local engine only, received "
+                          f"--engine {engine}; drop --min-workers or use --engine local")
+    if workers < 2:
+        raise LaunchError(f"--min-workers={min_workers} with --workers={workers}: a job of one "
+                          "worker has nobody to go on without; use --workers 2 or more")
+    if not 1 <= min_workers <= workers:
+        raise LaunchError(f"--min-workers={min_workers} is not allowed with --workers={workers}; "
+                          f"use 1..{workers} (the fewest workers the job may go on with)")
+    timeout = DEFAULT_REJOIN_TIMEOUT if rejoin_timeout is None else rejoin_timeout
+    if not 0 < timeout < math.inf:
+        raise LaunchError(f"--rejoin-timeout={timeout:g} is not allowed; use a positive, "
+                          "finite number of seconds")
+    return ElasticPlan(min_workers, float(timeout))
+
+
+def member_configs(tf_configs: dict[str, dict | None], members: list[str]) -> dict[str, dict]:
+    """Each member's TF_CONFIG for a cluster of only ``members`` (keyed by the
+    launcher's names; the k-th member worker is ``worker:k`` inside; pure)."""
+    addresses: dict[str, str] = {}
+    for name in members:
+        role, _, index = name.partition(":")
+        addresses[name] = tf_configs[name]["cluster"][role][int(index)]
+    renamed: dict[str, str] = {}
+    counts: dict[str, int] = {}
+    for name in members:
+        role = name.partition(":")[0]
+        renamed[name] = f"{role}:{counts.get(role, 0)}"
+        counts[role] = counts.get(role, 0) + 1
+    inner = tf_configs_at({renamed[n]: addresses[n] for n in members})
+    return {n: inner[renamed[n]] for n in members}
+
+
+def global_batch(model_dir: str, train_args: list[str]) -> int | None:
+    """The global batch the run recorded (``run.json``), unless the flags set it."""
+    if any(a == "--global-batch-size" or a.startswith("--global-batch-size=")
+           for a in train_args):
+        return None
+    try:
+        with open(os.path.join(model_dir, "run.json")) as f:
+            value = json.load(f).get("global_batch_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+class Membership:
+    """Which workers form the cluster, each change and why; a supervisor hook.
+
+    Each poll it reads the tasks' progress events (the newest checkpoint, the
+    last step, the first step of each formation) and the simulated hosts'
+    links (``links_down``: a callable, the live supervisor's set). A member
+    whose host has been down for ``rejoin_timeout`` ends the attempt (every
+    task SIGKILLed: the survivors are blocked in a collective); a lost
+    worker whose host is up again preempts the job (SIGTERM: every worker
+    saves at one agreed step), and ``after_attempt`` re-forms the cluster.
+    """
+
+    def __init__(self, plan: ElasticPlan, names: list[str], host_of: dict[str, int],
+                 tf_configs: dict, event_paths=(), log=print, clock=time.monotonic):
+        self.plan, self.log, self.clock = plan, log, clock
+        self.all_names = list(names)
+        self.workers = [n for n in names if n.partition(":")[0] == ROLE]
+        self.members = list(self.workers)
+        self.host_of, self.tf_configs = dict(host_of), tf_configs
+        self.readers = [protocol.EventReader(p) for p in event_paths]
+        self.links_down = lambda: set()
+        self.history: list[dict] = [{"step": 0, "workers": len(self.workers),
+                                     "why": "start", "members": list(self.workers)}]
+        self.checkpoint = 0  # newest checkpoint seen (steps it holds)
+        self.last_step = 0  # newest step any task reported
+        self.down_since: dict[str, float] = {}
+        self.lost: list[str] = []  # members given up on in this attempt
+        self.growing: list[str] = []  # workers coming back: the preemption was ours
+        self.started = False  # the current formation ran its first step
+        self.changed_at: float | None = None  # wall time of the loss or return
+
+    # --- what the supervisor starts ------------------------------------------------
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n in self.all_names if n.partition(":")[0] != ROLE or n in self.members]
+
+    def configs(self) -> dict[str, dict]:
+        keep = [n for n in self.all_names if n in self.names]
+        return member_configs(self.tf_configs, keep)
+
+    def env(self) -> dict[str, str]:
+        """What every task of this formation is told: the membership so far."""
+        return {protocol.MEMBERSHIP_ENV: json.dumps(self.record())}
+
+    def record(self) -> list[dict]:
+        return [{k: v for k, v in h.items() if k in ("step", "workers", "why")}
+                for h in self.history]
+
+    def new_attempt(self, links_down) -> None:
+        self.links_down = links_down
+        self.down_since, self.lost, self.growing, self.started = {}, [], [], False
+
+    # --- the hook --------------------------------------------------------------------
+
+    def _read(self) -> None:
+        for reader in self.readers:
+            for event in reader.read():
+                if not isinstance(event.step, int):
+                    continue
+                if event.kind in (protocol.CHECKPOINT, protocol.PREEMPTED):
+                    self.checkpoint = max(self.checkpoint, event.step)
+                if event.kind in (protocol.PROGRESS, protocol.CHECKPOINT, protocol.STARTED):
+                    self.last_step = max(self.last_step, event.step)
+                if event.kind == protocol.STARTED and not self.started:
+                    self.started = True
+                    if self.changed_at is not None and len(self.history) > 1:
+                        self.history[-1]["first_step_after_seconds"] = round(
+                            event.time - self.changed_at, 1)
+
+    def __call__(self, state: JobState) -> list:
+        self._read()
+        down = self.links_down()
+        now = self.clock()
+        for name in self.members:
+            if self.host_of.get(name) in down:
+                self.down_since.setdefault(name, now)
+            else:
+                self.down_since.pop(name, None)
+        if self.down_since and not self.lost:
+            failed = any(t.exit_code not in (None, 0) for t in state.tasks)
+            waited = now - min(self.down_since.values())
+            if failed or waited >= self.plan.rejoin_timeout:
+                # The survivors are blocked in (or have left) a collective with
+                # the lost one: nothing is saved by waiting; end the attempt.
+                self.lost = sorted(self.down_since, key=self.all_names.index)
+                self.changed_at = time.time() - waited
+                return [SignalTask(t.name, signal.SIGKILL, pid=t.pid)
+                        for t in state.tasks if t.running]
+            return []
+        back = [w for w in self.workers if w not in self.members
+                and self.host_of.get(w) not in down]
+        if back and self.started and not self.growing and not self.down_since:
+            first = next((t for t in state.tasks if t.name in self.members and t.running), None)
+            if first is not None:
+                self.growing = back
+                self.changed_at = time.time()
+                self.log(f"[launch] {', '.join(back)}: host reachable again; every worker "
+                         "saves at one agreed step, then the job re-forms with "
+                         f"{len(self.members) + len(back)} workers")
+                return [SignalTask(first.name, signal.SIGTERM, group=False, pid=first.pid)]
+        return []
+
+    # --- between attempts --------------------------------------------------------------
+
+    def after_attempt(self, code: int, wait_links) -> int | None:
+        """After an attempt ended with ``code``: ``None`` to re-form (the members
+        changed), else the code to go on with as before (relaunch or end).
+
+        ``wait_links(seconds)`` keeps the fault schedule running (a partition
+        lifted when due) while a lost member's host may still come back.
+        """
+        self._read()
+        if code == Exit.PREEMPTED and self.growing:
+            back = self.growing
+            self.members = [w for w in self.workers if w in self.members or w in back]
+            why = (f"{', '.join(back)} back (host{', host'.join(str(self.host_of[w]) for w in back)} "
+                   "reachable again)")
+            self._change(why, back=True)
+            return None
+        if code == Exit.OK or not self.lost:
+            return code
+        down_for = self.clock() - min(self.down_since.values())
+        if down_for < self.plan.rejoin_timeout:
+            wait_links(self.plan.rejoin_timeout - down_for)
+        down = self.links_down()
+        gone = [w for w in self.lost if self.host_of.get(w) in down]
+        if not gone:
+            return code  # back in time: relaunched as any lost task is (--max-restarts)
+        survivors = [w for w in self.members if w not in gone]
+        hosts = ", ".join(f"host{self.host_of[w]}" for w in gone)
+        if len(survivors) < self.plan.min_workers:
+            self.log(f"[launch] {', '.join(gone)} lost for good ({hosts} unreachable for "
+                     f"{self.plan.rejoin_timeout:g} s): {len(survivors)} worker(s) left, below "
+                     f"--min-workers={self.plan.min_workers}; stopping (exit "
+                     f"{int(Exit.TASK_LOST)}): run the same command when capacity is back to "
+                     "resume from the newest checkpoint")
+            return Exit.TASK_LOST
+        self.members = survivors
+        self._change(f"{', '.join(gone)} lost for good ({hosts} unreachable for "
+                     f"{self.plan.rejoin_timeout:g} s)", back=False)
+        return None
+
+    def _change(self, why: str, back: bool) -> None:
+        redone = max(0, self.last_step - self.checkpoint)
+        entry = {"step": self.checkpoint, "workers": len(self.members), "why": why,
+                 "members": list(self.members), "steps_redone_at_least": redone}
+        self.history.append(entry)
+        self.log(f"[launch] {why}: {'growing back to' if back else 'continuing with'} "
+                 f"{len(self.members)} workers from step {self.checkpoint}"
+                 + (f" (steps {self.checkpoint}-{self.last_step} redone)" if redone else ""))
+        self.last_step = self.checkpoint
