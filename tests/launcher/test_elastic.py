@@ -72,6 +72,19 @@ def test_member_configs_name_only_the_members_in_order():
                                    "task": {"type": "worker", "index": 1}}
 
 
+@pytest.mark.parametrize("args,n,expected,said", [
+    (["--steps", "9"], 2, ["--steps", "9"], False),
+    (["--replicas-to-aggregate", "3"], 2, ["--replicas-to-aggregate", "2"], True),
+    (["--replicas-to-aggregate=3"], 2, ["--replicas-to-aggregate=2"], True),
+    (["--replicas-to-aggregate", "2"], 3, ["--replicas-to-aggregate", "2"], False),
+])
+def test_ps_sync_k_is_at_most_the_workers_left(args, n, expected, said):
+    out, line = elastic.aggregate_args(args, n)
+    assert out == expected and (line is not None) == said
+    if said:
+        assert "K = min(K, workers)" in line
+
+
 def test_global_batch_is_read_from_the_run_record_unless_a_flag_sets_it(tmp_path):
     assert elastic.global_batch(str(tmp_path), []) is None
     (tmp_path / "run.json").write_text(json.dumps({"global_batch_size": 192}))
@@ -179,6 +192,26 @@ def test_a_lost_host_back_preempts_the_job_and_it_grows_back(tmp_path):
         in lines[-1]
 
 
+def test_under_ps_sync_the_chief_is_told_to_save_when_a_worker_is_back(tmp_path):
+    names = ["chief:0", "worker:0", "worker:1", "worker:2", "ps:0"]
+    tf_configs = plans.build_host_cluster(kinds.get("ps-sync"), 3, 1, hosts=4).tf_configs
+    down, paths = {3}, [str(tmp_path / "chief.events")]
+    mem = elastic.Membership(elastic.ElasticPlan(2, 1.0), names,
+                             {"chief:0": 0, "ps:0": 0, "worker:0": 1, "worker:1": 2,
+                              "worker:2": 3}, tf_configs, paths, log=lambda m: None,
+                             clock=lambda: 0.0)
+    mem.members = ["worker:0", "worker:1"]  # worker:2 left
+    assert mem.names == ["chief:0", "worker:0", "worker:1", "ps:0"]
+    assert mem.configs()["ps:0"]["cluster"]["worker"] == tf_configs["worker:0"]["cluster"][
+        "worker"][:2]
+    mem.new_attempt(lambda: down)
+    _emit(paths[0], protocol.STARTED, 0)
+    running = _state(names=mem.names, pids=(1, 2, 3, 4))
+    assert mem(running) == []
+    down.clear()
+    assert mem(running) == [SignalTask("chief:0", signal.SIGTERM, group=False, pid=1)]
+
+
 def test_a_preemption_not_ours_and_success_go_on_as_before(tmp_path):
     mem, now, lines, down, paths = _membership(tmp_path)
     assert mem.after_attempt(Exit.PREEMPTED, lambda s: None) == Exit.PREEMPTED
@@ -227,8 +260,8 @@ def test_multiworker_loses_a_host_for_good_and_finishes_on_the_survivors(tmp_pat
         "[launch] worker:2 lost for good (host2 unreachable for 5 s): continuing with 2 "
         "workers from step "), p.output
     r = read_results(model_dir)
-    assert r["global_steps"] == 600 and r["replicas_in_sync"] == 2 if "replicas_in_sync" in r \
-        else r["global_steps"] == 600
+    assert r["global_steps"] == 600 and r["completed_steps"] == 600
+    assert r["global_batch_size"] == 192 and r["replicas_in_sync"] == 2  # 96 per worker now
     (start, shrunk) = r["membership"]
     assert start == {"step": 0, "workers": 3, "why": "start"}
     assert shrunk["workers"] == 2 and shrunk["step"] in (100, 200)

@@ -36,7 +36,7 @@ from tfdist.strategies.kinds import StrategyKind
 ROLE = "worker"  # the role whose tasks may leave and rejoin
 DEFAULT_REJOIN_TIMEOUT = 20.0
 # The kinds whose lost workers the launcher re-forms the cluster without.
-ELASTIC_KINDS = ("multiworker",)
+ELASTIC_KINDS = ("multiworker", "ps-sync")
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,7 @@ def plan_elastic(kind: StrategyKind, workers: int, min_workers: int | None,
     if kind.name not in ELASTIC_KINDS:
         raise LaunchError(f"--min-workers re-forms the cluster without a lost worker under "
                           f"--strategy {'|'.join(ELASTIC_KINDS)}, received --strategy "
-                          f"{kind.name}; drop --min-workers (ps and ps-sync carry on "
-                          "without a lost worker in the same cluster; --restart-tasks brings "
-                          "it back)")
+                          f"{kind.name}; drop --min-workers")
     if engine != "local":
         raise LaunchError(f"--min-workers is supported by the local engine only, received "
                           f"--engine {engine}; drop --min-workers or use --engine local")
@@ -93,6 +91,33 @@ def member_configs(tf_configs: dict[str, dict | None], members: list[str]) -> di
     return {n: inner[renamed[n]] for n in members}
 
 
+def aggregate_args(train_args: list[str], workers: int) -> tuple[list[str], str | None]:
+    """ps-sync's K at ``workers`` workers: K = min(K, workers) (pure).
+
+    Without ``--replicas-to-aggregate`` K is every worker, so it follows the
+    size by itself. Returns the arguments and, when K was lowered, the line
+    saying so.
+    """
+    out = list(train_args)
+    for i, arg in enumerate(out):
+        if arg == "--replicas-to-aggregate" and i + 1 < len(out):
+            at, prefix, value = i + 1, "", out[i + 1]
+        elif arg.startswith("--replicas-to-aggregate="):
+            at, prefix, value = i, "--replicas-to-aggregate=", arg.split("=", 1)[1]
+        else:
+            continue
+        try:
+            k = int(value)
+        except ValueError:
+            return out, None
+        if k > workers:
+            out[at] = f"{prefix}{workers}"
+            return out, (f"--replicas-to-aggregate={k} is more than the {workers} workers "
+                         f"left: K = {workers} at this size (K = min(K, workers))")
+        return out, None
+    return out, None
+
+
 def global_batch(model_dir: str, train_args: list[str]) -> int | None:
     """The global batch the run recorded (``run.json``), unless the flags set it."""
     if any(a == "--global-batch-size" or a.startswith("--global-batch-size=")
@@ -121,6 +146,10 @@ class Membership:
     def __init__(self, plan: ElasticPlan, names: list[str], host_of: dict[str, int],
                  tf_configs: dict, event_paths=(), log=print, clock=time.monotonic):
         self.plan, self.log, self.clock = plan, log, clock
+        # Who is told to save and stop when a worker comes back: the
+        # coordinator if the cluster has one (ps-sync's chief), else a worker
+        # (multiworker's workers agree on the step among themselves).
+        self.saver = next((n for n in names if n.partition(":")[0] == "chief"), None)
         self.all_names = list(names)
         self.workers = [n for n in names if n.partition(":")[0] == ROLE]
         self.members = list(self.workers)
@@ -193,13 +222,17 @@ class Membership:
                 # the lost one: nothing is saved by waiting; end the attempt.
                 self.lost = sorted(self.down_since, key=self.all_names.index)
                 self.changed_at = time.time() - waited
+                self.log(f"[launch] {', '.join(self.lost)} unreachable for {waited:.0f} s"
+                         + (" and the others' all-reduce failed" if failed else "")
+                         + ": stopping this formation of the cluster to re-form it")
                 return [SignalTask(t.name, signal.SIGKILL, pid=t.pid)
                         for t in state.tasks if t.running]
             return []
         back = [w for w in self.workers if w not in self.members
                 and self.host_of.get(w) not in down]
         if back and self.started and not self.growing and not self.down_since:
-            first = next((t for t in state.tasks if t.name in self.members and t.running), None)
+            first = next((t for t in state.tasks if t.running and (
+                t.name == self.saver if self.saver else t.name in self.members)), None)
             if first is not None:
                 self.growing = back
                 self.changed_at = time.time()

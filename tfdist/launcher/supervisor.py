@@ -541,12 +541,15 @@ def _reform(config: LaunchConfig, membership, code: int, sup: Supervisor, inject
         membership.members = before
         return Exit.TASK_LOST
     pinned = ["--global-batch-size", str(batch)] if batch is not None else []
+    args, k_line = elastic.aggregate_args(command, n)
+    if k_line:
+        log(f"[launch] {k_line}")
     if batch is None:
         log("[launch] the run recorded no global batch yet (no run.json): the re-formed "
             "cluster chooses its own (--global-batch-size keeps it fixed)")
     else:
         log(f"[launch] global batch {batch} kept: {batch // n} per worker x {n}")
-    formation.update(tf_configs=membership.configs(), command=[*command, *pinned],
+    formation.update(tf_configs=membership.configs(), command=[*args, *pinned],
                      env=membership.env())
     return None
 
