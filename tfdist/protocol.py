@@ -104,20 +104,21 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 # --- progress events ---------------------------------------------------------
 
 EVENTS_ENV = "SHOWCASE_EVENTS"
-# The launcher's elastic membership so far (a JSON list of {"step", "workers",
-# "why"}), given to every task of a re-formed cluster; the chief copies it
-# into results.json (``membership``).
+# The launcher's elastic membership (``--min-workers``): the path of a JSON
+# file it keeps current, a list of {"step", "workers", "why"} from step 0;
+# the chief copies it into results.json (``membership``) when it writes them.
 MEMBERSHIP_ENV = "TFDIST_MEMBERSHIP"
 
 
 def membership_from_env() -> list | None:
     """The membership the launcher gave this task, or ``None`` (not elastic, or unreadable)."""
-    raw = os.environ.get(MEMBERSHIP_ENV)
-    if not raw:
+    path = os.environ.get(MEMBERSHIP_ENV)
+    if not path:
         return None
     try:
-        value = json.loads(raw)
-    except ValueError:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, ValueError):
         return None
     return value if isinstance(value, list) else None
 

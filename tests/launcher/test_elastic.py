@@ -13,7 +13,7 @@ from tfdist import protocol
 from tfdist.launcher import elastic, injector as injectors, faults, network
 from tfdist.launcher import plan as plans
 from tfdist.launcher.plan import LaunchError
-from tfdist.launcher.state import JobState, SignalTask, TaskView
+from tfdist.launcher.state import JobState, RestartTask, SignalTask, TaskView
 from tfdist.protocol import Exit
 from tfdist.strategies import kinds
 
@@ -30,7 +30,7 @@ WORKERS = ["worker:0", "worker:1", "worker:2"]
     ("multiworker", 3, 2, float("inf"), "local", ["--rejoin-timeout=inf", "finite"]),
     ("multiworker", 3, None, 5.0, "local", ["--rejoin-timeout=5", "needs --min-workers"]),
     ("none", 1, 1, None, "local", ["--strategy none", "multiworker"]),
-    ("ps", 3, 2, None, "local", ["--strategy ps", "drop --min-workers"]),
+    ("mirrored", 1, 1, None, "local", ["--strategy mirrored", "drop --min-workers"]),
     ("multiworker", 3, 2, None, "ray", ["--engine ray", "local engine only"]),
 ])
 def test_bad_elastic_input_is_one_line(strategy, workers, m, timeout, engine, words):
@@ -103,7 +103,8 @@ def _membership(tmp_path, m=2, timeout=5.0):
     mem = elastic.Membership(elastic.ElasticPlan(m, timeout), WORKERS,
                              {n: i for i, n in enumerate(WORKERS)},
                              plans.build_host_cluster(MW, 3, hosts=3).tf_configs,
-                             list(paths.values()), log=lines.append, clock=lambda: now[0])
+                             list(paths.values()), log=lines.append, clock=lambda: now[0],
+                             record_path=str(tmp_path / "membership.json"))
     mem.new_attempt(lambda: down)
     return mem, now, lines, down, paths
 
@@ -134,7 +135,8 @@ def test_a_host_down_past_the_rejoin_timeout_ends_the_attempt_and_shrinks(tmp_pa
     assert mem.history[-1]["steps_redone_at_least"] == 50
     assert lines[-1] == ("[launch] worker:2 lost for good (host2 unreachable for 5 s): "
                          "continuing with 2 workers from step 100 (steps 100-150 redone)")
-    assert json.loads(mem.env()[protocol.MEMBERSHIP_ENV])[-1]["workers"] == 2
+    with open(mem.env()[protocol.MEMBERSHIP_ENV]) as f:
+        assert json.load(f) == mem.record()
     assert set(mem.configs()) == {"worker:0", "worker:1"}
 
 
@@ -210,6 +212,52 @@ def test_under_ps_sync_the_chief_is_told_to_save_when_a_worker_is_back(tmp_path)
     assert mem(running) == []
     down.clear()
     assert mem(running) == [SignalTask("chief:0", signal.SIGTERM, group=False, pid=1)]
+
+
+def test_under_ps_a_worker_whose_host_is_gone_leaves_and_rejoins_when_it_is_back(tmp_path):
+    names = ["chief:0", "worker:0", "worker:1", "ps:0"]
+    tf_configs = plans.build_host_cluster(kinds.get("ps"), 2, 1, hosts=3).tf_configs
+    now, lines, down = [0.0], [], set()
+    mem = elastic.Membership(elastic.ElasticPlan(1, 5.0), names,
+                             {"chief:0": 0, "ps:0": 0, "worker:0": 1, "worker:1": 2},
+                             tf_configs, [], log=lines.append, clock=lambda: now[0],
+                             record_path=str(tmp_path / "m.json"), live=True)
+    mem.new_attempt(lambda: down)
+    pids = (1, 2, 3, 4)
+    assert mem(_state(names=names, pids=pids)) == []
+    down.add(2)
+    assert mem(_state(names=names, pids=pids)) == []  # may come back
+    # The cut-off worker found its chief gone and stopped: it leaves at once.
+    assert mem(_state(None, None, 0, None, names=names, pids=pids)) == []
+    assert mem.members == ["worker:0"] and "worker:1 left (host2 unreachable" in lines[-1]
+    now[0] = 60.0
+    assert mem(_state(None, None, 0, None, names=names, pids=pids)) == []  # 1 >= M: goes on
+    down.clear()
+    assert mem(_state(None, None, 0, None, names=names, pids=pids)) == [
+        RestartTask("worker:1", note="its host is reachable again")]
+    assert mem.members == ["worker:0", "worker:1"]
+    assert [h["workers"] for h in mem.record()] == [2, 1, 2]
+    assert mem.after_attempt(Exit.OK, lambda s: None) == Exit.OK
+    with open(tmp_path / "m.json") as f:
+        assert json.load(f) == mem.record()
+
+
+def test_under_ps_below_min_workers_for_the_rejoin_timeout_stops_the_job(tmp_path):
+    names = ["chief:0", "worker:0", "worker:1", "ps:0"]
+    now, lines, down = [0.0], [], {2}
+    mem = elastic.Membership(elastic.ElasticPlan(2, 5.0), names,
+                             {"chief:0": 0, "ps:0": 0, "worker:0": 1, "worker:1": 2},
+                             plans.build_host_cluster(kinds.get("ps"), 2, 1, hosts=3).tf_configs,
+                             [], log=lines.append, clock=lambda: now[0], live=True)
+    mem.new_attempt(lambda: down)
+    gone = _state(None, None, 0, None, names=names, pids=(1, 2, 3, 4))
+    assert mem(gone) == []
+    now[0] = 4.0
+    assert mem(gone) == []
+    now[0] = 5.0
+    assert [a.task for a in mem(gone)] == ["chief:0", "worker:0", "ps:0"]
+    assert "below --min-workers=2" in lines[-1]
+    assert mem.after_attempt(Exit.TASK_LOST, lambda s: None) == Exit.TASK_LOST
 
 
 def test_a_preemption_not_ours_and_success_go_on_as_before(tmp_path):

@@ -29,14 +29,14 @@ from dataclasses import dataclass
 
 from tfdist import protocol
 from tfdist.launcher.plan import LaunchError, tf_configs_at
-from tfdist.launcher.state import JobState, SignalTask
+from tfdist.launcher.state import JobState, RestartTask, SignalTask
 from tfdist.protocol import Exit
 from tfdist.strategies.kinds import StrategyKind
 
 ROLE = "worker"  # the role whose tasks may leave and rejoin
 DEFAULT_REJOIN_TIMEOUT = 20.0
 # The kinds whose lost workers the launcher re-forms the cluster without.
-ELASTIC_KINDS = ("multiworker", "ps-sync")
+ELASTIC_KINDS = ("multiworker", "ps-sync", "ps")
 
 
 @dataclass(frozen=True)
@@ -144,8 +144,13 @@ class Membership:
     """
 
     def __init__(self, plan: ElasticPlan, names: list[str], host_of: dict[str, int],
-                 tf_configs: dict, event_paths=(), log=print, clock=time.monotonic):
+                 tf_configs: dict, event_paths=(), log=print, clock=time.monotonic,
+                 record_path: str | None = None, live: bool = False):
         self.plan, self.log, self.clock = plan, log, clock
+        self.record_path = record_path  # the file the chief copies into results.json
+        # ps: workers leave and rejoin the running cluster (the coordinator
+        # reschedules a gone worker's steps), no re-formation.
+        self.live = live
         # Who is told to save and stop when a worker comes back: the
         # coordinator if the cluster has one (ps-sync's chief), else a worker
         # (multiworker's workers agree on the step among themselves).
@@ -165,11 +170,15 @@ class Membership:
         self.growing: list[str] = []  # workers coming back: the preemption was ours
         self.started = False  # the current formation ran its first step
         self.changed_at: float | None = None  # wall time of the loss or return
+        self.short_since: float | None = None  # ps: fewer than M workers since
+        self._write()
 
     # --- what the supervisor starts ------------------------------------------------
 
     @property
     def names(self) -> list[str]:
+        if self.live:
+            return list(self.all_names)  # a left worker is started again by the hook
         return [n for n in self.all_names if n.partition(":")[0] != ROLE or n in self.members]
 
     def configs(self) -> dict[str, dict]:
@@ -177,8 +186,17 @@ class Membership:
         return member_configs(self.tf_configs, keep)
 
     def env(self) -> dict[str, str]:
-        """What every task of this formation is told: the membership so far."""
-        return {protocol.MEMBERSHIP_ENV: json.dumps(self.record())}
+        """What every task is told: where the membership is kept."""
+        return {protocol.MEMBERSHIP_ENV: self.record_path} if self.record_path else {}
+
+    def _write(self) -> None:
+        if self.record_path is None:
+            return
+        try:
+            protocol.write_json_atomic(self.record_path, self.record())
+        except OSError as err:
+            self.log(f"[launch] warning: could not write {self.record_path} "
+                     f"({err.strerror or err}); results.json will have no membership")
 
     def record(self) -> list[dict]:
         return [{k: v for k, v in h.items() if k in ("step", "workers", "why")}
@@ -209,6 +227,8 @@ class Membership:
         self._read()
         down = self.links_down()
         now = self.clock()
+        if self.live:
+            return self._live(state, down, now)
         for name in self.members:
             if self.host_of.get(name) in down:
                 self.down_since.setdefault(name, now)
@@ -242,6 +262,61 @@ class Membership:
                 return [SignalTask(first.name, signal.SIGTERM, group=False, pid=first.pid)]
         return []
 
+    def _live(self, state: JobState, down: set, now: float) -> list:
+        """ps: a worker whose host is gone leaves the running job (its steps go
+        to the others), and is started again, same TF_CONFIG, once its host
+        is back; fewer than M workers for ``rejoin_timeout`` ends the job."""
+        if self.lost:
+            return []  # the job is being stopped
+        actions: list = []
+        for name in list(self.members):
+            view = state.task(name)
+            host = self.host_of.get(name)
+            if host not in down:
+                self.down_since.pop(name, None)
+                continue
+            since = self.down_since.setdefault(name, now)
+            ended = view is None or not view.running
+            if not ended and now - since < self.plan.rejoin_timeout:
+                continue
+            if not ended:
+                actions.append(SignalTask(name, signal.SIGKILL, pid=view.pid))
+            self.members.remove(name)
+            self.changed_at = time.time()
+            self._live_change(f"{name} left (host{host} unreachable"
+                              + (", its task ended)" if ended else
+                                 f" for {now - since:.0f} s)"), "going on with")
+        for name in self.workers:
+            if name in self.members or self.host_of.get(name) in down:
+                continue
+            view = state.task(name)
+            if view is not None and view.running:
+                continue
+            self.members = [w for w in self.workers if w in self.members or w == name]
+            self.changed_at = time.time()
+            actions.append(RestartTask(name, note="its host is reachable again"))
+            self._live_change(f"{name} back (host{self.host_of.get(name)} reachable again)",
+                              "growing back to")
+        if len(self.members) >= self.plan.min_workers:
+            self.short_since = None
+        elif self.short_since is None:
+            self.short_since = now
+        elif now - self.short_since >= self.plan.rejoin_timeout:
+            self.lost = [w for w in self.workers if w not in self.members]
+            self.log(f"[launch] {len(self.members)} worker(s) left for "
+                     f"{self.plan.rejoin_timeout:g} s (--rejoin-timeout), below --min-workers="
+                     f"{self.plan.min_workers}; stopping (exit {int(Exit.TASK_LOST)}): run the "
+                     "same command when capacity is back to resume from the newest checkpoint")
+            actions += [SignalTask(t.name, signal.SIGKILL, pid=t.pid)
+                        for t in state.tasks if t.running]
+        return actions
+
+    def _live_change(self, why: str, verb: str) -> None:
+        self.history.append({"step": self.last_step, "workers": len(self.members), "why": why,
+                             "members": list(self.members)})
+        self._write()
+        self.log(f"[launch] {why}: {verb} {len(self.members)} workers at step {self.last_step}")
+
     # --- between attempts --------------------------------------------------------------
 
     def after_attempt(self, code: int, wait_links) -> int | None:
@@ -252,6 +327,8 @@ class Membership:
         lifted when due) while a lost member's host may still come back.
         """
         self._read()
+        if self.live:
+            return Exit.TASK_LOST if self.lost else code
         if code == Exit.PREEMPTED and self.growing:
             back = self.growing
             self.members = [w for w in self.workers if w in self.members or w in back]
@@ -287,6 +364,7 @@ class Membership:
         entry = {"step": self.checkpoint, "workers": len(self.members), "why": why,
                  "members": list(self.members), "steps_redone_at_least": redone}
         self.history.append(entry)
+        self._write()
         self.log(f"[launch] {why}: {'growing back to' if back else 'continuing with'} "
                  f"{len(self.members)} workers from step {self.checkpoint}"
                  + (f" (steps {self.checkpoint}-{self.last_step} redone)" if redone else ""))

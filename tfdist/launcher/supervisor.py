@@ -329,8 +329,10 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
         # VmHWM is read from this host's /proc: not for tasks on other nodes.
         peaks = PeakMemory() if engine is None else PeakMemory(read=lambda pid: None)
 
+        membership = _membership(config, list(paths.values()), launch_dir, log)
         # What each task starts with; --min-workers re-forms change it (_reform).
-        formation = {"tf_configs": config.cluster.tf_configs, "command": command, "env": {}}
+        formation = {"tf_configs": config.cluster.tf_configs, "command": command,
+                     "env": membership.env() if membership is not None else {}}
 
         def starter(name: str) -> Task:
             cmd, task_env = formation["command"], {**task_envs[name], **formation["env"]}
@@ -343,11 +345,6 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
             return processes.start_task(name, formation["tf_configs"][name], cmd, env,
                                         task_env=task_env, place=place)
 
-        membership = None
-        if config.elastic is not None:
-            membership = elastic.Membership(config.elastic, config.names,
-                                            dict(config.cluster.host_of),
-                                            config.cluster.tf_configs, list(paths.values()), log)
 
         # After the link probe (build_hosts), so only the job's bytes count.
         before = _counters(network, log)
@@ -509,6 +506,17 @@ def _attempts(config: LaunchConfig, starter, hooks, restarter, slowdown, holder,
             f"{recovery.max_restarts}) after exit {code}, in {recovery.restart_delay:g}s; "
             "it resumes from its checkpoint")
         time.sleep(recovery.restart_delay)
+
+
+def _membership(config: LaunchConfig, event_paths: list[str], launch_dir: str | None, log):
+    """--min-workers: the membership hook, or ``None``."""
+    if config.elastic is None:
+        return None
+    return elastic.Membership(
+        config.elastic, config.names, dict(config.cluster.host_of), config.cluster.tf_configs,
+        event_paths, log,
+        record_path=os.path.join(launch_dir, "membership.json") if launch_dir else None,
+        live=config.kind.asynchronous)
 
 
 def _reform(config: LaunchConfig, membership, code: int, sup: Supervisor, injector,
