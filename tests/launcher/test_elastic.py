@@ -4,6 +4,7 @@ good and finishes on the survivors (multiprocess)."""
 
 import json
 import os
+import re
 import signal
 import sys
 
@@ -290,35 +291,130 @@ def _events(model_dir, name):
     return protocol.read_all_events(protocol.events_path(os.path.join(model_dir, "launch"), name))
 
 
+def _outcome(model_dir):
+    with open(os.path.join(model_dir, "launch", "outcome.json")) as f:
+        return json.load(f)
+
+
+def _elastic_job(spawn, model_dir, strategy, workers, hosts, partition, *extra, steps=600,
+                 ps=()):
+    from conftest import launch_cmd
+
+    return spawn(launch_cmd(strategy, "--workers", str(workers), *ps, "--hosts", str(hosts),
+                            "--rejoin-timeout", "5", "--timeout", "500",
+                            *(("--partition", partition) if partition else ()), *extra,
+                            train_args=["--model", "logreg", "--steps", str(steps),
+                                        "--log-every", "50", "--checkpoint-every", "100",
+                                        "--model-dir", model_dir]))
+
+
 @pytest.mark.multiprocess
 @pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
-@pytest.mark.timeout(420)
-def test_multiworker_loses_a_host_for_good_and_finishes_on_the_survivors(tmp_path, spawn):
-    from conftest import descendants_alive, launch_cmd, read_results
+@pytest.mark.timeout(300)
+def test_multiworker_loses_a_host_for_good_and_finishes_on_the_survivor(tmp_path, spawn):
+    from conftest import descendants_alive, read_results
 
     model_dir = str(tmp_path / "shrink")
-    p = spawn(launch_cmd("multiworker", "--workers", "3", "--hosts", "3", "--min-workers", "2",
-                         "--rejoin-timeout", "5", "--grace", "3", "--timeout", "360",
-                         "--partition", "host2@step=150",
-                         train_args=["--model", "logreg", "--steps", "600", "--log-every", "50",
-                                     "--checkpoint-every", "100", "--model-dir", model_dir]))
-    assert p.wait(400) == 0, p.output
+    p = _elastic_job(spawn, model_dir, "multiworker", 2, 2, "host1@step=100",
+                     "--min-workers", "1", steps=300)
+    assert p.wait(280) == 0, p.output
     lost = [l for l in p.lines if "lost for good" in l]
     assert len(lost) == 1 and lost[0].startswith(
-        "[launch] worker:2 lost for good (host2 unreachable for 5 s): continuing with 2 "
-        "workers from step "), p.output
+        "[launch] worker:1 lost for good (host1 unreachable for 5 s): continuing with 1 "
+        "workers from step 100"), p.output
     r = read_results(model_dir)
-    assert r["global_steps"] == 600 and r["completed_steps"] == 600
-    assert r["global_batch_size"] == 192 and r["replicas_in_sync"] == 2  # 96 per worker now
-    (start, shrunk) = r["membership"]
-    assert start == {"step": 0, "workers": 3, "why": "start"}
-    assert shrunk["workers"] == 2 and shrunk["step"] in (100, 200)
-    with open(os.path.join(model_dir, "launch", "outcome.json")) as f:
-        outcome = json.load(f)
-    assert outcome["exit_code"] == 0
-    assert [m["workers"] for m in outcome["membership"]] == [3, 2]
-    assert outcome["membership"][1]["members"] == ["worker:0", "worker:1"]
-    # The survivors ran the job's rest; the lost worker's process was not started again.
-    assert [e.kind for e in _events(model_dir, "worker:2")].count(protocol.STARTED) == 1
+    assert r["global_steps"] == r["completed_steps"] == 300
+    # The global batch stayed 128 (64 x 2): the one survivor takes all of it.
+    assert r["global_batch_size"] == 128 and r["replicas_in_sync"] == 1
+    assert r["membership"] == [
+        {"step": 0, "workers": 2, "why": "start"},
+        {"step": 100, "workers": 1, "why": "worker:1 lost for good (host1 unreachable for 5 s)"}]
+    outcome = _outcome(model_dir)
+    assert outcome["exit_code"] == 0 and outcome["membership"][1]["members"] == ["worker:0"]
+    # The lost worker was not started again.
+    assert [e.kind for e in _events(model_dir, "worker:1")].count(protocol.STARTED) == 1
     assert descendants_alive(model_dir) == []
-    assert sys.executable  # the interpreter the tasks ran
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.timeout(900)
+def test_multiworker_3_to_2_for_good_matches_an_uninterrupted_run(tmp_path, spawn):
+    from conftest import descendants_alive, read_results
+
+    whole, shrunk = str(tmp_path / "whole"), str(tmp_path / "shrunk")
+    assert _elastic_job(spawn, whole, "multiworker", 3, 3, None, "--min-workers", "2"
+                        ).wait(400) == 0
+    p = _elastic_job(spawn, shrunk, "multiworker", 3, 3, "host2@step=150", "--min-workers", "2")
+    assert p.wait(450) == 0, p.output
+    a, b = read_results(whole), read_results(shrunk)
+    assert b["global_steps"] == 600 and b["global_batch_size"] == a["global_batch_size"]
+    assert [m["workers"] for m in b["membership"]] == [3, 2]
+    assert a["membership"] == [{"step": 0, "workers": 3, "why": "start"}]
+    assert abs(a["test_accuracy"] - b["test_accuracy"]) <= 0.005, (a["test_accuracy"],
+                                                                   b["test_accuracy"])
+    assert descendants_alive(shrunk) == []
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.timeout(600)
+def test_multiworker_shrinks_then_grows_back_when_the_host_returns(tmp_path, spawn):
+    from conftest import descendants_alive, read_results
+
+    model_dir = str(tmp_path / "grow")
+    p = _elastic_job(spawn, model_dir, "multiworker", 3, 3, "host2@step=150+25",
+                     "--min-workers", "2")
+    assert p.wait(550) == 0, p.output
+    r = read_results(model_dir)
+    assert r["global_steps"] == 600 and r["replicas_in_sync"] == 3
+    assert [m["workers"] for m in r["membership"]] == [3, 2, 3], r["membership"]
+    assert r["membership"][2]["why"] == "worker:2 back (host2 reachable again)"
+    # The grow-back is a preemption: every worker saved at one agreed step, none redone.
+    back = _outcome(model_dir)["membership"][2]
+    assert back["steps_redone_at_least"] == 0 and back["members"] == WORKERS
+    assert any(re.match(r"^\[launch\] worker:2 back \(host2 reachable again\): growing back "
+                        r"to 3 workers from step \d+$", l) for l in p.lines), p.output
+    assert descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.timeout(600)
+def test_ps_sync_3_to_2_with_k_adapted(tmp_path, spawn):
+    from conftest import descendants_alive, read_results
+
+    model_dir = str(tmp_path / "pssync")
+    p = _elastic_job(spawn, model_dir, "ps-sync", 3, 4, "host3@step=150", "--min-workers", "2",
+                     ps=("--ps", "1"))
+    assert p.wait(550) == 0, p.output
+    r = read_results(model_dir)
+    assert r["global_steps"] == 600 and r["global_batch_size"] == 192
+    assert [m["workers"] for m in r["membership"]] == [3, 2]
+    # K = min(K, workers): every update of the smaller cluster averages 2 gradients.
+    assert r["num_workers"] == 2 and r["replicas_to_aggregate"] == 2
+    assert r["aggregated_gradients"] == 2 * r["applied_steps"]
+    assert descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.timeout(600)
+def test_ps_worker_whose_host_is_gone_leaves_and_rejoins_when_it_is_back(tmp_path, spawn):
+    from conftest import descendants_alive, read_results
+
+    model_dir = str(tmp_path / "ps")
+    p = _elastic_job(spawn, model_dir, "ps", 2, 3, "host2@step=300+15", "--min-workers", "1",
+                     ps=("--ps", "1"), steps=3000)
+    assert p.wait(550) == 0, p.output
+    r = read_results(model_dir)
+    assert r["completed_steps"] == r["scheduled_steps"] == 3000
+    assert [m["workers"] for m in r["membership"]] == [2, 1, 2], r["membership"]
+    assert any(l.startswith("[launch] restarted worker:1 (pid ") for l in p.lines), p.output
+    # The rejoined worker ran steps again.
+    assert r["steps_per_worker"]["worker:1"] > 0
+    assert descendants_alive(model_dir) == []
