@@ -321,7 +321,7 @@ def test_multiworker_loses_a_host_for_good_and_finishes_on_the_survivor(tmp_path
     lost = [l for l in p.lines if "lost for good" in l]
     assert len(lost) == 1 and lost[0].startswith(
         "[launch] worker:1 lost for good (host1 unreachable for 5 s): continuing with 1 "
-        "workers from step 100"), p.output
+        "worker from step 100"), p.output
     r = read_results(model_dir)
     assert r["global_steps"] == r["completed_steps"] == 300
     # The global batch stayed 128 (64 x 2): the one survivor takes all of it.

@@ -131,6 +131,10 @@ def global_batch(model_dir: str, train_args: list[str]) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
+def _workers(n: int) -> str:
+    return f"{n} worker" + ("" if n == 1 else "s")
+
+
 class Membership:
     """Which workers form the cluster, each change and why; a supervisor hook.
 
@@ -171,6 +175,7 @@ class Membership:
         self.started = False  # the current formation ran its first step
         self.changed_at: float | None = None  # wall time of the loss or return
         self.short_since: float | None = None  # ps: fewer than M workers since
+        self.back_seen: float | None = None  # a left worker's host first seen up again
         self._write()
 
     # --- what the supervisor starts ------------------------------------------------
@@ -205,6 +210,7 @@ class Membership:
     def new_attempt(self, links_down) -> None:
         self.links_down = links_down
         self.down_since, self.lost, self.growing, self.started = {}, [], [], False
+        self.back_seen = None
 
     # --- the hook --------------------------------------------------------------------
 
@@ -250,12 +256,14 @@ class Membership:
             return []
         back = [w for w in self.workers if w not in self.members
                 and self.host_of.get(w) not in down]
+        if back and self.back_seen is None:
+            self.back_seen = time.time()  # the return, which the grow-back is timed from
         if back and self.started and not self.growing and not self.down_since:
             first = next((t for t in state.tasks if t.running and (
                 t.name == self.saver if self.saver else t.name in self.members)), None)
             if first is not None:
                 self.growing = back
-                self.changed_at = time.time()
+                self.changed_at = self.back_seen
                 self.log(f"[launch] {', '.join(back)}: host reachable again; every worker "
                          "saves at one agreed step, then the job re-forms with "
                          f"{len(self.members) + len(back)} workers")
@@ -315,7 +323,7 @@ class Membership:
         self.history.append({"step": self.last_step, "workers": len(self.members), "why": why,
                              "members": list(self.members)})
         self._write()
-        self.log(f"[launch] {why}: {verb} {len(self.members)} workers at step {self.last_step}")
+        self.log(f"[launch] {why}: {verb} {_workers(len(self.members))} at step {self.last_step}")
 
     # --- between attempts --------------------------------------------------------------
 
@@ -332,8 +340,8 @@ class Membership:
         if code == Exit.PREEMPTED and self.growing:
             back = self.growing
             self.members = [w for w in self.workers if w in self.members or w in back]
-            why = (f"{', '.join(back)} back (host{', host'.join(str(self.host_of[w]) for w in back)} "
-                   "reachable again)")
+            hosts = ", ".join(f"host{self.host_of[w]}" for w in back)
+            why = f"{', '.join(back)} back ({hosts} reachable again)"
             self._change(why, back=True)
             return None
         if code == Exit.OK or not self.lost:
@@ -366,6 +374,6 @@ class Membership:
         self.history.append(entry)
         self._write()
         self.log(f"[launch] {why}: {'growing back to' if back else 'continuing with'} "
-                 f"{len(self.members)} workers from step {self.checkpoint}"
+                 f"{_workers(len(self.members))} from step {self.checkpoint}"
                  + (f" (steps {self.checkpoint}-{self.last_step} redone)" if redone else ""))
         self.last_step = self.checkpoint

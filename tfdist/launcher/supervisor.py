@@ -345,7 +345,6 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
             return processes.start_task(name, formation["tf_configs"][name], cmd, env,
                                         task_env=task_env, place=place)
 
-
         # After the link probe (build_hosts), so only the job's bytes count.
         before = _counters(network, log)
         code, attempt = _attempts(config, starter, [injector, *filter(None, [restarter]), peaks],
@@ -565,6 +564,7 @@ def _reform(config: LaunchConfig, membership, code: int, sup: Supervisor, inject
 def interrupted(holder: list, received: list) -> int:
     """Stop every task after a signal to the launcher; the exit code a shell would report."""
     for sup in holder:
+        sup.keep_links = False  # the launcher ends: every link up again
         sup.stop()
     # As a shell reports a process ended by that signal: 143 for SIGTERM.
     return 128 + received[0] if received else Exit.INTERRUPTED
