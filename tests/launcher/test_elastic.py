@@ -409,10 +409,10 @@ def test_ps_worker_whose_host_is_gone_leaves_and_rejoins_when_it_is_back(tmp_pat
 
     model_dir = str(tmp_path / "ps")
     p = _elastic_job(spawn, model_dir, "ps", 2, 3, "host2@step=300+15", "--min-workers", "1",
-                     ps=("--ps", "1"), steps=3000)
+                     ps=("--ps", "1"), steps=1500)
     assert p.wait(550) == 0, p.output
     r = read_results(model_dir)
-    assert r["completed_steps"] == r["scheduled_steps"] == 3000
+    assert r["completed_steps"] == r["scheduled_steps"] == 1500
     assert [m["workers"] for m in r["membership"]] == [2, 1, 2], r["membership"]
     assert any(l.startswith("[launch] restarted worker:1 (pid ") for l in p.lines), p.output
     # The rejoined worker ran steps again.
