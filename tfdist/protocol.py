@@ -403,7 +403,8 @@ class LaunchOutcome:
     # --restart-tasks: how many times each restarted task was restarted.
     restarts_per_task: dict | None = None
     # --min-workers: each formation of the cluster ({"step", "workers",
-    # "why", "members", and after a change "steps_redone_at_least" and
+    # "why", "members", and after a change "last_step_before" (the last step
+    # a task reported before it), "steps_redone_at_least" and
     # "first_step_after_seconds": from the loss or return to its first step).
     membership: list | None = None
 

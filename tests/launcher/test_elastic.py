@@ -141,6 +141,27 @@ def test_a_host_down_past_the_rejoin_timeout_ends_the_attempt_and_shrinks(tmp_pa
     assert set(mem.configs()) == {"worker:0", "worker:1"}
 
 
+def test_the_step_recorded_is_the_one_the_new_formation_resumed_from(tmp_path):
+    mem, now, lines, down, paths = _membership(tmp_path)
+    _emit(paths["worker:1"], protocol.CHECKPOINT, 200)  # a private save; the chief's was cut
+    _emit(paths["worker:0"], protocol.PROGRESS, 230)
+    down.add(2)
+    mem(_state())
+    now[0] = 5.0
+    mem(_state())
+    assert mem.after_attempt(Exit.TASK_LOST, lambda s: None) is None
+    assert mem.history[-1]["step"] == 200
+    mem.new_attempt(lambda: down)
+    with open(paths["worker:0"], "a") as f:
+        f.write(protocol.Event(protocol.STARTED, "worker:0", 101, 2000.0,
+                               {"resumed_from": 100}).to_json() + "\n")
+    mem(_state(names=WORKERS[:2]))
+    assert mem.record()[-1]["step"] == 100
+    assert mem.history[-1]["steps_redone_at_least"] == 130
+    with open(tmp_path / "membership.json") as f:
+        assert json.load(f)[-1]["step"] == 100
+
+
 def test_survivors_failing_first_end_the_attempt_at_once_and_the_wait_lets_a_host_back(tmp_path):
     mem, now, lines, down, paths = _membership(tmp_path, timeout=20.0)
     down.add(1)

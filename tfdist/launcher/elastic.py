@@ -226,8 +226,20 @@ class Membership:
                 if event.kind == protocol.STARTED and not self.started:
                     self.started = True
                     if self.changed_at is not None and len(self.history) > 1:
-                        self.history[-1]["first_step_after_seconds"] = round(
-                            event.time - self.changed_at, 1)
+                        self._first_step(self.history[-1], event)
+
+    def _first_step(self, entry: dict, event: protocol.Event) -> None:
+        """The new formation's first step: when, and the step it really resumed
+        from (a checkpoint being written when the tasks were stopped is not
+        listed, so the one before it is restored)."""
+        entry["first_step_after_seconds"] = round(event.time - self.changed_at, 1)
+        resumed = event.data.get("resumed_from")
+        if self.live or not isinstance(resumed, int) or resumed == entry["step"]:
+            return
+        entry["step"] = resumed
+        if "last_step_before" in entry:
+            entry["steps_redone_at_least"] = max(0, entry["last_step_before"] - resumed)
+        self._write()
 
     def __call__(self, state: JobState) -> list:
         self._read()
@@ -370,7 +382,8 @@ class Membership:
     def _change(self, why: str, back: bool) -> None:
         redone = max(0, self.last_step - self.checkpoint)
         entry = {"step": self.checkpoint, "workers": len(self.members), "why": why,
-                 "members": list(self.members), "steps_redone_at_least": redone}
+                 "members": list(self.members), "last_step_before": self.last_step,
+                 "steps_redone_at_least": redone}
         self.history.append(entry)
         self._write()
         self.log(f"[launch] {why}: {'growing back to' if back else 'continuing with'} "
