@@ -41,17 +41,25 @@ def test_bad_elastic_input_is_one_line(strategy, workers, m, timeout, engine, wo
     assert "\n" not in text and all(w in text for w in words), text
 
 
+def test_without_simulated_hosts_no_host_can_be_lost_so_it_is_refused():
+    with pytest.raises(LaunchError, match="add --hosts N"):
+        elastic.plan_elastic(MW, 3, 2, None, "local", hosts=0)
+
+
 def test_elastic_plan_defaults_and_none_without_the_flag():
     assert elastic.plan_elastic(MW, 3, None, None) is None
     assert elastic.plan_elastic(MW, 3, 2, None) == elastic.ElasticPlan(2, 20.0)
     assert elastic.plan_elastic(MW, 3, 3, 7.5) == elastic.ElasticPlan(3, 7.5)
 
 
-@pytest.mark.parametrize("argv", [
-    ["--min-workers", "5"], ["--min-workers", "2", "--rejoin-timeout", "0"],
-    ["--rejoin-timeout", "3"],
+@pytest.mark.parametrize("argv,words", [
+    (["--min-workers", "5"], "use 1..3"),
+    (["--min-workers", "2", "--rejoin-timeout", "0"], "--rejoin-timeout=0"),
+    (["--rejoin-timeout", "3"], "needs --min-workers"),
+    (["--min-workers", "2"], "add --hosts N"),
 ])
-def test_the_launcher_refuses_bad_elastic_flags_before_anything_starts(argv, tmp_path, capsys):
+def test_the_launcher_refuses_bad_elastic_flags_before_anything_starts(argv, words, tmp_path,
+                                                                      capsys):
     from tfdist.cli import launch
 
     model_dir = tmp_path / "run"
@@ -59,6 +67,7 @@ def test_the_launcher_refuses_bad_elastic_flags_before_anything_starts(argv, tmp
                         "--model-dir", str(model_dir)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == Exit.BAD_INPUT and len(err) == 1 and err[0].startswith("error: "), err
+    assert words in err[0]
     assert not model_dir.exists()
 
 

@@ -46,7 +46,8 @@ class ElasticPlan:
 
 
 def plan_elastic(kind: StrategyKind, workers: int, min_workers: int | None,
-                 rejoin_timeout: float | None, engine: str = "local") -> ElasticPlan | None:
+                 rejoin_timeout: float | None, engine: str = "local",
+                 hosts: int = 2) -> ElasticPlan | None:
     """``--min-workers``/``--rejoin-timeout`` checked against the job (pure; LaunchError)."""
     if min_workers is None:
         if rejoin_timeout is not None:
@@ -71,6 +72,10 @@ def plan_elastic(kind: StrategyKind, workers: int, min_workers: int | None,
     if not 0 < timeout < math.inf:
         raise LaunchError(f"--rejoin-timeout={timeout:g} is not allowed; use a positive, "
                           "finite number of seconds")
+    if not hosts:
+        raise LaunchError("--min-workers goes on without a worker whose host is lost; on this "
+                          "machine hosts are simulated: add --hosts N (each worker on its own "
+                          "host), or drop --min-workers")
     return ElasticPlan(min_workers, float(timeout))
 
 

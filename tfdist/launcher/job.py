@@ -132,7 +132,7 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
                              slow=list(request.slow) or None, restart_tasks=request.restart_tasks,
                              restart_delay=request.restart_delay, max_restarts=request.max_restarts)
     elastic_plan = elastic.plan_elastic(kind, request.workers, request.min_workers,
-                                        request.rejoin_timeout, request.engine)
+                                        request.rejoin_timeout, request.engine, request.hosts)
     rate = network.parse_rate(request.link_rate) if request.link_rate is not None else None
     roles: dict[str, list[str]] = {}
     for name in cluster.names:
