@@ -30,7 +30,9 @@ WORKERS = ["worker:0", "worker:1", "worker:2"]
     ("multiworker", 3, 2, -3.0, "local", ["--rejoin-timeout=-3", "positive"]),
     ("multiworker", 3, 2, float("inf"), "local", ["--rejoin-timeout=inf", "finite"]),
     ("multiworker", 3, None, 5.0, "local", ["--rejoin-timeout=5", "needs --min-workers"]),
-    ("none", 1, 1, None, "local", ["--strategy none", "multiworker"]),
+    ("none", 1, 1, None, "local", ["--strategy none", "multiworker|ps|ps-sync",
+                                   "one process"]),
+    ("pipeline", 3, 2, None, "local", ["--strategy pipeline", "each holds a stage"]),
     ("mirrored", 1, 1, None, "local", ["--strategy mirrored", "drop --min-workers"]),
     ("multiworker", 3, 2, None, "ray", ["--engine ray", "local engine only"]),
 ])

@@ -31,12 +31,18 @@ from tfdist import protocol
 from tfdist.launcher.plan import LaunchError, tf_configs_at
 from tfdist.launcher.state import JobState, RestartTask, SignalTask
 from tfdist.protocol import Exit
+from tfdist.strategies import kinds
 from tfdist.strategies.kinds import StrategyKind
 
 ROLE = "worker"  # the role whose tasks may leave and rejoin
 DEFAULT_REJOIN_TIMEOUT = 20.0
-# The kinds whose lost workers the launcher re-forms the cluster without.
-ELASTIC_KINDS = ("multiworker", "ps-sync", "ps")
+
+
+def is_elastic(kind: StrategyKind) -> bool:
+    """Whether a job of ``kind`` can go on with fewer workers (pure): several
+    processes whose workers each train on their share of the data; not a
+    model cut into stages, one per worker (each stage is needed)."""
+    return not kind.single_process and not kind.pipelined and ROLE in kind.computing_roles
 
 
 @dataclass(frozen=True)
@@ -55,10 +61,13 @@ def plan_elastic(kind: StrategyKind, workers: int, min_workers: int | None,
                               "may take to come back before the job goes on without it; it "
                               "needs --min-workers M: add it, or drop --rejoin-timeout")
         return None
-    if kind.name not in ELASTIC_KINDS:
-        raise LaunchError(f"--min-workers re-forms the cluster without a lost worker under "
-                          f"--strategy {'|'.join(ELASTIC_KINDS)}, received --strategy "
-                          f"{kind.name}; drop --min-workers")
+    if not is_elastic(kind):
+        able = "|".join(n for n, k in kinds.all_kinds().items() if is_elastic(k))
+        raise LaunchError(f"--min-workers goes on without a lost worker under --strategy "
+                          f"{able}, received --strategy {kind.name}, which "
+                          + ("is one process" if kind.single_process else
+                             "needs every worker (each holds a stage of the model)")
+                          + "; drop --min-workers")
     if engine != "local":
         raise LaunchError(f"--min-workers is supported by the local engine only, received "
                           f"--engine {engine}; drop --min-workers or use --engine local")
