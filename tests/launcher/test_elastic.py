@@ -450,3 +450,23 @@ def test_ps_worker_whose_host_is_gone_leaves_and_rejoins_when_it_is_back(tmp_pat
     # The rejoined worker ran steps again.
     assert r["steps_per_worker"]["worker:1"] > 0
     assert descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.timeout(400)
+def test_below_min_workers_the_job_stops_with_one_line_exit_75(tmp_path, spawn):
+    from conftest import descendants_alive
+
+    model_dir = str(tmp_path / "below")
+    p = _elastic_job(spawn, model_dir, "multiworker", 2, 2, "host1@step=100",
+                     "--min-workers", "2", steps=400)
+    assert p.wait(350) == Exit.TASK_LOST, p.output
+    said = [l for l in p.lines if "below --min-workers" in l]
+    assert said == ["[launch] worker:1 lost for good (host1 unreachable for 5 s): 1 worker(s) "
+                    "left, below --min-workers=2; stopping (exit 75): run the same command "
+                    "when capacity is back to resume from the newest checkpoint"], p.output
+    assert not any("continuing with" in l for l in p.lines)
+    assert [m["workers"] for m in _outcome(model_dir)["membership"]] == [2]
+    assert descendants_alive(model_dir) == []
