@@ -290,9 +290,9 @@ class Membership:
             if first is not None:
                 self.growing = back
                 self.changed_at = self.back_seen
-                self.log(f"[launch] {', '.join(back)}: host reachable again; every worker "
-                         "saves at one agreed step, then the job re-forms with "
-                         f"{len(self.members) + len(back)} workers")
+                self.log(f"[launch] {', '.join(back)}: host reachable again; SIGTERM to "
+                         f"{first.name}: the job checkpoints where it is and stops (exit 42), "
+                         f"then re-forms with {_workers(len(self.members) + len(back))}")
                 return [SignalTask(first.name, signal.SIGTERM, group=False, pid=first.pid)]
         return []
 
