@@ -470,3 +470,24 @@ def test_below_min_workers_the_job_stops_with_one_line_exit_75(tmp_path, spawn):
     assert not any("continuing with" in l for l in p.lines)
     assert [m["workers"] for m in _outcome(model_dir)["membership"]] == [2]
     assert descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.timeout(600)
+def test_ps_sync_grows_back_and_k_follows_the_size(tmp_path, spawn):
+    from conftest import descendants_alive, read_results
+
+    model_dir = str(tmp_path / "pssyncgrow")
+    p = _elastic_job(spawn, model_dir, "ps-sync", 3, 4, "host3@step=150+25",
+                     "--min-workers", "2", ps=("--ps", "1"), steps=900)
+    assert p.wait(550) == 0, p.output
+    r = read_results(model_dir)
+    assert r["global_steps"] == 900 and [m["workers"] for m in r["membership"]] == [3, 2, 3]
+    # The last cluster has every worker again, and K is every worker's.
+    assert r["num_workers"] == 3 and r["replicas_to_aggregate"] == 3
+    assert r["aggregated_gradients"] == 3 * r["applied_steps"]
+    assert any(l.startswith("[launch] worker:2: host reachable again; SIGTERM to chief:0")
+               for l in p.lines), p.output
+    assert descendants_alive(model_dir) == []
