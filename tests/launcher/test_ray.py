@@ -366,9 +366,34 @@ def test_elastic_node_lost_goes_on_smaller_then_grows_back_on_a_new_node(one_cpu
     redone = outcome["membership"][1].get("steps_redone_at_least")
     print(f"\nelastic (ray, multiworker 2 -> 1 -> 2): first step at 1 worker "
           f"{smaller - killed_at:.1f}s after the node was killed; first step at 2 workers "
-          f"{full - joined_at:.1f}s after the new node joined (including the test's hold "
-          f"at step 250); steps redone after the loss: {redone}; load "
-          f"{os.getloadavg()[0]:.1f}\n" + "\n".join(
+          f"{full - joined_at:.1f}s after the new node joined (the test's hold at step 250 "
+          f"released as soon as the launcher's SIGTERM was pending); outcome.json: "
+          f"{[m.get('first_step_after_seconds') for m in outcome['membership']]} s from each "
+          f"change's decision; steps redone after the loss: {redone}; test accuracy "
+          f"{results['test_accuracy']:.4f}; load {os.getloadavg()[0]:.1f}\n" + "\n".join(
               line for line in p.lines if line.startswith("[launch]")))
     assert descendants_alive(str(model_dir)) == []
     assert [line for line in c.leftovers() if victim.temp_dir in line] == []
+
+
+def test_elastic_node_lost_below_min_workers_stops_in_one_line(one_cpu_nodes, spawn, tmp_path):
+    """--min-workers 2 of 2: the node of one worker lost, the live nodes hold one worker:
+    the job stops, exit 75, in one line, without relaunching; nothing left behind."""
+    c = one_cpu_nodes
+    model_dir = tmp_path / "below"
+    p = _launch(spawn, "multiworker", model_dir, "--workers", "2", "--min-workers", "2",
+                "--rejoin-timeout", "60", "--hang", "worker:1@step=110",
+                train_args=["--steps", "400", "--checkpoint-every", "100", "--log-every", "10"],
+                address=c.address)
+    p.wait_for_line(r"\[launch\] fault --hang worker:1@step=110: sent SIGSTOP", JOB_TIMEOUT)
+    assert p.proc.poll() is None, p.output
+    c.nodes[1].kill()
+    assert p.wait(JOB_TIMEOUT) == 75, p.output
+    stops = [line for line in p.lines if "below --min-workers" in line]
+    assert len(stops) == 1 and re.search(
+        r"^\[launch\] worker:[01] lost \(its Ray node \w+ gone\): the live Ray nodes hold 1 "
+        r"worker, below --min-workers=2; stopping \(exit 75\)", stops[0]), p.output
+    assert len(_placement(model_dir)) == 1  # never placed again
+    with open(model_dir / "launch" / "outcome.json") as f:
+        assert [m["workers"] for m in json.load(f)["membership"]] == [2]
+    assert descendants_alive(str(model_dir)) == []
