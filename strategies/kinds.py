@@ -503,13 +503,29 @@ def get(name: str) -> StrategyKind:
         ) from None
 
 
+def auto_choice(cfg: ClusterConfig) -> StrategyKind:
+    """What ``--strategy=auto`` picks for ``cfg``: the lowest-ranked kind that accepts it."""
+    ranked = sorted(_REGISTRY.values(), key=lambda k: k.auto_rank)
+    kind = next((k for k in ranked if k.auto_accepts(cfg)), None)
+    if kind is None:
+        raise ConfigError(f"--strategy=auto found no strategy for roles {sorted(cfg.cluster)}")
+    return kind
+
+
+def auto_note(kind: StrategyKind, cfg: ClusterConfig) -> str:
+    """The one line that says what ``auto`` chose, and why."""
+    workers, ps = cfg.num_workers, cfg.num_ps
+    if cfg.is_local:
+        where = "one process"
+    else:
+        where = f"{workers} worker{'s' * (workers != 1)}" + (f", {ps} ps" if ps else "")
+    return f"--strategy auto: {kind.name} ({where}; give --strategy to choose another)"
+
+
 def resolve(name: str, cfg: ClusterConfig) -> StrategyKind:
     """The kind ``name`` names for ``cfg`` (``auto``: the first that accepts it), checked."""
     if name == AUTO:
-        ranked = sorted(_REGISTRY.values(), key=lambda k: k.auto_rank)
-        kind = next((k for k in ranked if k.auto_accepts(cfg)), None)
-        if kind is None:
-            raise ConfigError(f"--strategy=auto found no strategy for roles {sorted(cfg.cluster)}")
+        kind = auto_choice(cfg)
     elif name in _REGISTRY:
         kind = _REGISTRY[name]
     else:

@@ -62,9 +62,20 @@ EXIT_MEANINGS = {
 }
 
 
-def exit_epilog() -> str:
-    """The exit-code table for ``--help``."""
-    return "exit codes: " + "; ".join(f"{int(c)} {m}" for c, m in EXIT_MEANINGS.items())
+def exit_epilog(codes=None) -> str:
+    """The exit codes for ``--help``, one a line (``codes``: those the command may end with)."""
+    import textwrap
+
+    shown = {c: m for c, m in EXIT_MEANINGS.items() if codes is None or c in codes}
+    return "exit codes:\n" + "\n".join(
+        textwrap.fill(f"  {int(c):>3} {m.replace('`', '')}", width=79, subsequent_indent=" " * 6)
+        for c, m in shown.items())
+
+
+# Where a run writes when no --model-dir is given: train.py, launch.py and the
+# Python API alike (the strategy as resolved: ``auto`` is named by what it chose).
+def default_model_dir(strategy: str) -> str:
+    return os.path.join("runs", strategy)
 
 
 # Why a write into the run directory failed: ``train.py``'s ``error:`` line
@@ -97,8 +108,6 @@ class OneLineParser(argparse.ArgumentParser):
         raise UsageError(f"{message}; see --help")
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as written, and every flag's default in --help."""
 
 
 # --- progress events ---------------------------------------------------------
