@@ -18,8 +18,9 @@ anywhere (a literal in a parser, a function signature, another dataclass)
 and differing fails it.
 
 Conventions: a field whose default is ``None`` says what unset means with
-``unset=`` (shown as its default); a ``bool`` field is a switch
-(``store_true``), a ``tuple[str, ...]`` field a repeatable flag; ``help`` and
+``unset=`` (shown as its default); a ``bool`` field is a switch (its flag
+sets it, or clears it when the default is True: name that flag ``--no-...``
+with ``flag=``), a ``tuple[str, ...]`` field a repeatable flag; ``help`` and
 ``choices`` may be callables, evaluated when the parser is built (for lists
 that live elsewhere, e.g. the registered strategies). Nothing here imports
 TensorFlow or any of the project's packages.
@@ -82,7 +83,7 @@ def help_text(f: dataclasses.Field) -> str:
     """The field's help, with its default said once (a switch or a repeatable flag: none)."""
     meta = f.metadata[_META]
     text = _resolve(meta["help"])
-    if meta["required"] or f.default is False or f.default == ():
+    if meta["required"] or isinstance(f.default, bool) or f.default == ():
         return text
     shown = _resolve(meta["unset"]) if f.default is None else format_default(f.default)
     return f"{text} (default: {shown})" if shown is not None else text
@@ -119,8 +120,8 @@ def add_options(parser, cls, title: str | None = None, *, exclude: Iterable[str]
         if meta["required"]:
             kwargs.update(required=True)
             kwargs.pop("default")
-        if kind == "switch":
-            kwargs["action"] = "store_true"
+        if kind == "switch":  # a default of True: the flag turns it off (--no-...)
+            kwargs["action"] = "store_false" if f.default else "store_true"
         elif kind == "repeat":
             kwargs.update(action="append", default=None)
         else:
@@ -159,7 +160,7 @@ def to_argv(obj, *, exclude: Iterable[str] = ()) -> list[str]:
             for item in ((value,) if isinstance(value, str) else value):
                 argv += [flag, str(item)]
         elif kind == "switch":
-            argv += [flag] if value else []
+            argv.append(flag)  # it differs from the default: the flag flips it
         elif value is not None:
             argv += [flag, str(value)]
     return argv
@@ -219,12 +220,14 @@ def problems(parser: argparse.ArgumentParser, *classes) -> list[str]:
         if flag not in fields:
             continue
         cls, f = fields[flag]
-        if _kind(cls, f)[0] == "repeat" or f.metadata[_META]["required"]:
+        kind = _kind(cls, f)[0]
+        if kind == "repeat" or f.metadata[_META]["required"]:
             continue
         if action.default != f.default:
             found.append(f"{flag}: the parser's default {action.default!r} is not "
                          f"{cls.__name__}.{f.name}'s {f.default!r}")
-        if f.default not in (None, False) and f"(default: {format_default(f.default)})" not in shown:
+        if (kind != "switch" and f.default is not None
+                and f"(default: {format_default(f.default)})" not in shown):
             found.append(f"{flag}: --help does not show {cls.__name__}.{f.name}'s default "
                          f"{format_default(f.default)}: {shown!r}")
     for flag, (cls, f) in fields.items():
