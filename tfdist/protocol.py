@@ -56,7 +56,8 @@ EXIT_MEANINGS = {
                   "previous checkpoint is kept; free space or make it writable, then relaunch",
     Exit.TASK_LOST: ("a peer task was lost, stuck (alive, answering nothing) past "
                      "`--stuck-timeout`, never came, or its RPCs kept failing: relaunch to resume"),
-    Exit.TIMEOUT: "launcher: the job ran past --timeout and was stopped",
+    Exit.TIMEOUT: ("launcher: the job ran past the --timeout given (there is none by default) "
+                   "and was stopped"),
     Exit.INTERRUPTED: "interrupted (Ctrl-C)",
     Exit.TERMINATED: "launcher: SIGTERM; every task was stopped",
 }
