@@ -8,6 +8,14 @@ TF_CONFIG and host), each task's share of the cores, the recovery plan
 (faults, slow-downs, restarts) and the job's limits. Everything below it
 (network, processes, supervisor) takes this object or its parts, never the
 command line.
+
+**Adding a launcher option** (``--min-workers``, ...): one field in the group it
+belongs to (``Cluster``, ``Faults``, ``Recovery``, ``Limits``), declared with
+``tfdist.flags.option(default, help, ...)``. That field is the ``launch.py`` flag
+(built by ``tfdist.cli.launch``, nothing to write there), its ``--help`` line
+and default, and the Python API's argument (``tfdist.Cluster(min_workers=...)``);
+read it as ``request.cluster.min_workers`` in ``launcher.job.build_config``.
+Never repeat its default elsewhere: ``tests/test_options.py`` checks.
 """
 
 from __future__ import annotations

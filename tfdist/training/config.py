@@ -2,7 +2,15 @@
 
 What follows from the flags *and* the cluster, the strategy kind and the
 task (K, the global batch, replicas, steps) is resolved once, into a
-``training.plan.RunPlan``; nothing here imports the strategy kinds.
+``training.plan.RunPlan``.
+
+**Adding a training option** (``--accumulation-steps``, ``--schedule``, ...): one
+field of ``TrainOptions``, declared with ``tfdist.flags.option(default, help,
+group=..., ...)``. That field is ``train.py``'s flag (built by
+``tfdist.cli.train``, nothing to write there), its ``--help`` line and default,
+``tfdist.TrainOptions``'s argument and what ``fit``/``launch`` pass to every
+task; check its value in ``TrainConfig.validate``. Never repeat its default
+elsewhere: ``tests/test_options.py`` checks.
 """
 
 from __future__ import annotations
