@@ -35,6 +35,7 @@ from tfdist.strategies.kinds import StrategyKind
 
 
 ENGINES = ("local", "ray")
+NETWORK = "simulated hosts and network"
 RAY_PLACEMENTS = ("spread", "strict-spread", "pack", "spread-workers")
 
 
@@ -46,19 +47,20 @@ class Cluster:
     ps: int = option(0, "parameter-server tasks (ps, ps-sync; a chief is added to coordinate)",
                      metavar="N")
     chief: bool = option(False, "multiworker: add a separate chief task (it trains too)")
-    host: str = option("localhost", "address written into TF_CONFIG (without --hosts)")
+    host: str = option("localhost", "address written into TF_CONFIG (without --hosts)",
+                       group=NETWORK)
     hosts: int = option(
         0, lambda: "place the tasks on N simulated hosts, each a network namespace with its own "
         f"address ({plans.host_address(0)}, {plans.host_address(1)}, ...) on a private bridge; "
         "coordinating tasks (ps chief, ps) on host 0, workers spread over the others "
-        "(0: every task on this host's loopback)", metavar="N")
+        "(0: every task on this host's loopback)", metavar="N", group=NETWORK)
     link_rate: str | None = option(
         None, "with --hosts: shape every host's link to RATE each way (tc tbf; e.g. 1gbit, "
         "100mbit; no latency emulation), measured once at start", metavar="RATE",
-        unset="links not shaped")
+        group=NETWORK, unset="links not shaped")
     netns: str = option("auto", "run the cluster in a private network namespace, unreachable "
                         "from outside: auto (when the OS allows it; else a warning), on (or "
-                        "fail), off", choices=NETNS_MODES)
+                        "fail), off", choices=NETNS_MODES, group=NETWORK)
     engine: str = option("local", "local: the tasks as processes of this host; ray: each task "
                          "a Ray actor on a Ray cluster (pip install "
                          "'tf-distribute-showcase[ray]')", choices=ENGINES, group="engine")
