@@ -112,7 +112,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         # tfds would read it too; resolved here so the config says where data comes from.
         options["data_dir"] = os.environ.get("TFDS_DATA_DIR") or None
     model = options["model"]
-    if model is not None and options.get("task_given", True):
+    if model is not None and options.get("task_given", options["task"] != TrainConfig.task):
         raise protocol.UsageError(f"--model {model} and --task {options['task']} both given; "
                                   "--model is an alias of --task, pass one of them")
     if model is not None:
