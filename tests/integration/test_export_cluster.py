@@ -5,7 +5,8 @@ what the trained model predicts.
 - ``ps`` with 2 ps and every table and kernel split (``--variable-partitioner
   fixed``): the 300,000-row embedding is exported as one [300000, 8] variable;
 - ``ps-sync``, the same;
-- ``multiworker`` through ``tfdist.fit(workers=2, options=TrainOptions(export=..., export_every=15))``.
+- ``multiworker`` through ``tfdist.fit(workers=2,
+  options=TrainOptions(export=..., export_every=15))``.
 
 All in the long tier (``make test-long``); ``make test`` exports in one process
 (tests/training/test_export.py).
