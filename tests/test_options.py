@@ -189,3 +189,14 @@ def test_every_tfdist_error_starts_the_same_way():
             refuse()
         assert err.value.message.startswith("error: ") and err.value.exit_code == 2
         assert "\n" not in err.value.message
+
+
+def test_auto_says_what_it_chose_once_and_a_named_strategy_says_nothing():
+    chosen = plan.resolve(TrainConfig(task="mnist-logreg", steps=1), gpus=[])
+    assert chosen.kind.name == "mirrored"
+    assert chosen.strategy_note() == ("--strategy auto: mirrored (one process; give --strategy "
+                                      "to choose another)")
+    named = plan.resolve(TrainConfig(task="mnist-logreg", steps=1, strategy="none"), gpus=[])
+    assert named.strategy_note() is None
+    ps = job.auto_cluster(Cluster(workers=2, ps=1))
+    assert kinds.auto_note(kinds.auto_choice(ps), ps).startswith("--strategy auto: ps (2 workers")
