@@ -26,7 +26,7 @@ from typing import Mapping
 
 from tfdist.flags import option, to_argv
 from tfdist.launcher import plan as plans
-from tfdist.launcher.faults import FAULT_SPEC, MAX_TASK_RESTARTS, RecoveryPlan
+from tfdist.launcher.faults import FAULT_SPEC, MAX_TASK_RESTARTS, RESTART_DELAY, RecoveryPlan
 from tfdist.launcher.network import INSIDE_FLAG, NETNS_MODES
 from tfdist.launcher.plan import ClusterPlan
 from tfdist.launcher.processes import CoreShare
@@ -112,7 +112,7 @@ class Recovery:
         False, f"ps, ps-sync: restart a dead worker with its TF_CONFIG (at most "
         f"{MAX_TASK_RESTARTS} times each), and kill and restart one the chief reports stuck, "
         "as a cluster manager's liveness check would")
-    restart_delay: float = option(2.0, "seconds before a task or job is restarted",
+    restart_delay: float = option(RESTART_DELAY, "seconds before a task or job is restarted",
                                   metavar="SECONDS")
     max_restarts: int = option(0, "relaunch a failed or preempted job up to N times with the "
                                "same --model-dir (it resumes from its checkpoint)", metavar="N")
