@@ -246,7 +246,8 @@ def launch(strategy: str = "auto", task=None, *, cluster: Cluster | None = None,
     and their ``link_rate``, ``engine="ray"``, ...); ``faults``: :class:`Faults`
     (``kill=("worker:1@step=100",)``, ``preempt``, ``hang``, ``partition``, ``slow``,
     ``memory_limit``); ``recovery``: :class:`Recovery` (``restart_tasks``,
-    ``max_restarts``, ...); ``limits``: :class:`Limits` (``timeout``: none unless given,
+    ``max_restarts``, ``min_workers``/``rejoin_timeout``: go on without a worker whose host
+    is lost, and with it again when it is back, ...); ``limits``: :class:`Limits` (``timeout``: none unless given,
     ``grace``); ``options``: :class:`TrainOptions`, every task's training options
     (``model_dir`` default ``runs/<strategy>``). ``strategy`` ``auto`` picks as
     ``train.py`` does and says which. Returns the chief's :class:`Result` with each

@@ -9,12 +9,12 @@ TF_CONFIG and host), each task's share of the cores, the recovery plan
 (network, processes, supervisor) takes this object or its parts, never the
 command line.
 
-**Adding a launcher option** (``--min-workers``, ...): one field in the group it
+**Adding a launcher option** (``--min-workers`` was added so): one field in the group it
 belongs to (``Cluster``, ``Faults``, ``Recovery``, ``Limits``), declared with
 ``tfdist.flags.option(default, help, ...)``. That field is the ``launch.py`` flag
 (built by ``tfdist.cli.launch``, nothing to write there), its ``--help`` line
-and default, and the Python API's argument (``tfdist.Cluster(min_workers=...)``);
-read it as ``request.cluster.min_workers`` in ``launcher.job.build_config``.
+and default, and the Python API's argument (``tfdist.Recovery(min_workers=...)``);
+read it as ``request.recovery.min_workers`` in ``launcher.job.build_config``.
 Never repeat its default elsewhere: ``tests/test_options.py`` checks.
 """
 
@@ -26,6 +26,7 @@ from typing import Mapping
 
 from tfdist.flags import option, to_argv
 from tfdist.launcher import plan as plans
+from tfdist.launcher.elastic import DEFAULT_REJOIN_TIMEOUT, ElasticPlan
 from tfdist.launcher.faults import FAULT_SPEC, MAX_TASK_RESTARTS, RESTART_DELAY, RecoveryPlan
 from tfdist.launcher.network import INSIDE_FLAG, NETNS_MODES
 from tfdist.launcher.plan import ClusterPlan
@@ -116,6 +117,17 @@ class Recovery:
                                   metavar="SECONDS")
     max_restarts: int = option(0, "relaunch a failed or preempted job up to N times with the "
                                "same --model-dir (it resumes from its checkpoint)", metavar="N")
+    # Elastic: the fewest workers the job goes on with, and how long a lost
+    # worker's host may stay unreachable before it does (launcher.elastic).
+    min_workers: int | None = option(
+        None, "multiworker: when a worker's host stays unreachable for --rejoin-timeout, "
+        "re-form the job with the survivors (at least M; same global batch, from the newest "
+        "checkpoint), and with the lost worker again when its host is back; below M, exit 75",
+        metavar="M", unset="a lost worker ends the job")
+    rejoin_timeout: float | None = option(
+        None, "with --min-workers: how long a lost worker's host may stay unreachable before "
+        "the job goes on without it", metavar="SECONDS",
+        unset=f"{DEFAULT_REJOIN_TIMEOUT:g}")
 
 
 @dataclass(frozen=True)
@@ -185,6 +197,7 @@ class LaunchConfig:
     launch_argv: tuple[str, ...] = ()  # launch.py's own flags, to re-run it in the namespace
     # --memory-limit: each limited task's bytes (launcher.memory.parse_limits).
     memory_limits: Mapping[str, int] = field(default_factory=dict)
+    elastic: ElasticPlan | None = None  # --min-workers (launcher.elastic)
 
     @property
     def timeout(self) -> float | None:

@@ -20,7 +20,7 @@ import sys
 import tempfile
 
 from tfdist.protocol import Exit, default_model_dir
-from tfdist.launcher import memory, network, processes, ray_engine, supervisor
+from tfdist.launcher import elastic, memory, network, processes, ray_engine, supervisor
 from tfdist.launcher import plan as plans
 from tfdist.launcher.config import Cluster, LaunchConfig, LaunchRequest, Limits
 from tfdist.launcher.faults import plan_recovery
@@ -158,6 +158,9 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
                              partition=list(asked.partition) or None, hosts=request.cluster.hosts,
                              slow=list(asked.slow) or None, restart_tasks=again.restart_tasks,
                              restart_delay=again.restart_delay, max_restarts=again.max_restarts)
+    elastic_plan = elastic.plan_elastic(kind, request.cluster.workers, again.min_workers,
+                                        again.rejoin_timeout, request.cluster.engine,
+                                        request.cluster.hosts)
     link_rate = request.cluster.link_rate
     rate = network.parse_rate(link_rate) if link_rate is not None else None
     roles: dict[str, list[str]] = {}
@@ -178,7 +181,7 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
         limits=request.limits, dry_run=request.dry_run, netns=request.cluster.netns,
         netns_inside=request.netns_inside, link_rate=link_rate, rate_bits=rate,
         launch_argv=tuple(dataclasses.replace(request, strategy=kind.name).to_argv()),
-        memory_limits=limits)
+        memory_limits=limits, elastic=elastic_plan)
 
 
 def decide_network(config: LaunchConfig) -> tuple[bool, str | None]:
