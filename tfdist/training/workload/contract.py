@@ -236,7 +236,8 @@ def finish_training(model, optimizer) -> None:
 CONTRACT = {
     "compile": {
         "optimizer": "honoured: the task's own optimizer trains (a flag may replace it)",
-        "loss": "honoured: Keras's CompileLoss, one or one per output",
+        "loss": "honoured: Keras's CompileLoss, one or one per output; not needed by a "
+                "model with its own train_step or compute_loss (as fit)",
         "loss_weights": "honoured: Keras's CompileLoss",
         "metrics": "honoured: Keras's CompileMetrics, named as fit names them",
         "weighted_metrics": "honoured: with the elements' or class_weight's sample weights",
@@ -268,11 +269,15 @@ CONTRACT = {
         "validation_freq": "mapped: --eval-every",
     },
     "override": {
-        "train_step": "honoured: called inside strategy.run (refused under ps-sync and "
-                      "with --gradient-dtype)",
-        "test_step": "honoured: evaluation is Keras's evaluate on a local copy",
+        "train_step": "honoured: called inside strategy.run, its logs flattened as fit "
+                      "flattens them, features-only data, the other optimizers it applies "
+                      "built and checkpointed (refused under ps-sync, pipeline and with "
+                      "--gradient-dtype)",
+        "test_step": "honoured: evaluation is Keras's evaluate on a local copy; a model Keras "
+                     "cannot evaluate trains and is said not evaluated",
         "predict_step": "honoured: the saved model.keras keeps it",
-        "compute_loss": "honoured: the library's step calls model.compute_loss",
+        "compute_loss": "honoured: the library's step calls model.compute_loss, with or "
+                        "without its training argument (refused under pipeline)",
         "compute_metrics": "honoured: called by a model's own train_step; evaluation uses it",
     },
 }
