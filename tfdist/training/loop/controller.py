@@ -143,7 +143,7 @@ class Controller:
     def _call(self, step: int) -> int:
         n = self.schedule.call_size(step)
         if step % self.schedule.steps_per_epoch == 0:
-            if self.trainer.train_metrics.own_step:
+            if getattr(self.trainer.train_metrics, "own_step", False):
                 # As fit: a model's own step logs its metrics' running means over the epoch.
                 self.trainer.state.model.reset_metrics()
             self.callbacks.epoch_begin(step // self.schedule.steps_per_epoch)
