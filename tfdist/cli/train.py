@@ -112,6 +112,9 @@ def _cluster_flags(cluster, d: TrainConfig) -> None:
     cluster.add_argument("--stages", default=d.stages, metavar="I,J,...",
                          help="pipeline: the first layer of each stage after the first (unset: "
                               "stages balanced by parameter count)")
+    cluster.add_argument("--schedule", default=d.schedule, metavar="gpipe|1f1b",
+                         help="pipeline: each stage's order of forwards and backwards (unset: "
+                              "gpipe; 1f1b holds at most S micro-batches' activations per stage)")
     from tfdist.training.config import GRADIENT_DTYPES
 
     cluster.add_argument("--gradient-dtype", default=d.gradient_dtype, metavar="DTYPE",

@@ -20,6 +20,8 @@ OPTIMIZERS = ("adam", "sgd")
 # Peak rates for the default cosine schedule (chosen in the benchmark notes).
 DEFAULT_LEARNING_RATE = {"adam": 5e-3, "sgd": 0.1}
 LR_SCHEDULES = ("cosine", "constant")
+# --strategy pipeline: the order of each stage's forward and backward slots.
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 # --variable-partitioner (training.sharding.POLICIES; this module imports no TensorFlow).
 PARTITIONERS = ("none", "min-size", "fixed")
 # What gradients cross the network as (--gradient-dtype); updates are float32 whatever it is.
@@ -80,6 +82,7 @@ class TrainConfig:
     micro_batches: int = 1
     pipelines: int = 1
     stages: str | None = None
+    schedule: str | None = None  # PIPELINE_SCHEDULES; None: gpipe
     # Parameter servers: which variables are split over the ps tasks (None:
     # min-size under a strategy with ps, none otherwise) and the minimum size.
     variable_partitioner: str | None = None
@@ -99,7 +102,8 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise ConfigError naming the first bad value; touches nothing."""
         choices = {"optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES,
-                   "variable_partitioner": PARTITIONERS, "gradient_dtype": GRADIENT_DTYPES}
+                   "variable_partitioner": PARTITIONERS, "gradient_dtype": GRADIENT_DTYPES,
+                   "schedule": PIPELINE_SCHEDULES}
         for name, allowed in choices.items():
             value = getattr(self, name)
             if value is not None and value not in allowed:
