@@ -7,10 +7,11 @@ copy ``p`` under ``tf.device`` of worker ``p*S + s``, with its own optimizer
 built in the same scope: the stage's variables and optimizer slots live on
 that task, and only activations and their gradients cross the network.
 
-A step is one ``tf.function`` (GPipe): the global batch is split into
-P x M micro-batches; each copy pushes its M micro-batches forward through
-its stages, then backward in reverse order, each stage's gradients
-accumulated on its own task. With ``P > 1`` each stage's accumulated
+A step is one ``tf.function`` call: the global batch is split into P x M
+micro-batches; each stage runs its forwards and backwards in its schedule's
+order (``--schedule``: GPipe, every forward then every backward; or 1F1B),
+chained on its own task and stamped there (busy time per stage), each
+stage's gradients accumulated on its own task. With ``P > 1`` each stage's accumulated
 gradients are averaged over its P copies on the first copy's task and the
 same average is applied by every copy's optimizer (identical weights and
 slots, so the copies stay identical). One update per step: the same math as
@@ -333,10 +334,7 @@ def _task(device: str) -> str:
     return f"worker:{found.group(2)}" if found and found.group(1) == "worker" else "client"
 
 
-_DEBUG = False
-
-
-def count_transfers(concrete, collectors_cross: bool = False) -> dict:
+def count_transfers(concrete) -> dict:
     """The tensors that cross between tasks in one step, read from the traced
     step function: each (tensor, consuming task) pair whose producer runs on
     another task is one send/receive pair, as TensorFlow's graph partitioner
@@ -371,16 +369,13 @@ def count_transfers(concrete, collectors_cross: bool = False) -> dict:
         name = inp.lstrip("^").split(":")[0]
         if name in resources:
             continue  # a handle: the op runs beside the variable
-        if inp.startswith("^") and dst in collectors and not collectors_cross:
+        if inp.startswith("^") and dst in collectors:
             # Automatic control dependencies' "run every stateful op" collector:
             # the call's control outputs, which each task keeps for itself.
             continue
         src = device.get(name, "client")  # the loop's other arguments are the client's
         if src != device[dst]:
             (control if inp.startswith("^") else pairs).add((inp.lstrip("^"), device[dst]))
-    if _DEBUG:
-        for pair in sorted(pairs | control):
-            print("transfer", pair, device.get(pair[0].split(":")[0], "client"))
     kinds = {"between_stages": 0, "from_client": 0, "to_client": 0}
     for inp, dst in pairs | control:
         src = device.get(inp.split(":")[0], "client")
