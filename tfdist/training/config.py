@@ -30,6 +30,8 @@ OPTIMIZERS = ("adam", "sgd")
 # Peak rates for the default cosine schedule (chosen in the benchmark notes).
 DEFAULT_LEARNING_RATE = {"adam": 5e-3, "sgd": 0.1}
 LR_SCHEDULES = ("cosine", "constant")
+# --strategy pipeline: the order of each stage's forward and backward slots.
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 # --variable-partitioner (training.sharding.POLICIES; this module imports no TensorFlow).
 PARTITIONERS = ("none", "min-size", "fixed")
 # What gradients cross the network as (--gradient-dtype); updates are float32 whatever it is.
@@ -165,6 +167,10 @@ class TrainOptions:
     stages: str | None = option(
         None, "pipeline: the first layer of each stage after the first", metavar="I,J,...",
         group="cluster", unset="stages balanced by parameter count")
+    schedule: str | None = option(
+        None, "pipeline: each stage's order of forwards and backwards (1f1b holds at most S "
+        "micro-batches' activations per stage)", metavar="gpipe|1f1b", group="cluster",
+        unset="gpipe")
     # Parameter servers: which variables are split over the ps tasks (None:
     # min-size under a strategy with ps, none otherwise) and the minimum size.
     variable_partitioner: str | None = option(
@@ -222,7 +228,8 @@ class TrainConfig(TrainOptions):
     def validate(self) -> None:
         """Raise ConfigError naming the first bad value; touches nothing."""
         choices = {"optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES,
-                   "variable_partitioner": PARTITIONERS, "gradient_dtype": GRADIENT_DTYPES}
+                   "variable_partitioner": PARTITIONERS, "gradient_dtype": GRADIENT_DTYPES,
+                   "schedule": PIPELINE_SCHEDULES}
         for name, allowed in choices.items():
             value = getattr(self, name)
             if value is not None and value not in allowed:

@@ -243,7 +243,8 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
             f"{flag}={value} means {total} steps, more than the {MAX_STEPS} a run may ask for; "
             f"use fewer (one epoch is {steps_per_epoch} steps)")
     pipeline = (pipeline_stages.make_plan(cfg.num_tasks("worker"), config.micro_batches,
-                                          config.pipelines, config.stages, batch)
+                                          config.pipelines, config.stages, batch,
+                                          config.schedule)
                 if kind.pipelined else None)
     return RunPlan(
         pipeline=pipeline,
@@ -259,7 +260,8 @@ def _no_pipeline_flags(config: TrainConfig, kind: StrategyKind) -> None:
     """--micro-batches, --pipelines and --stages are refused where nothing is pipelined."""
     given = [f"--{name.replace('_', '-')} {value}" for name, value, unset in (
         ("micro_batches", config.micro_batches, 1), ("pipelines", config.pipelines, 1),
-        ("stages", config.stages, None)) if value != unset]
+        ("stages", config.stages, None), ("schedule", config.schedule, None))
+        if value != unset]
     if given:
         able = "|".join(name for name, other in kinds.all_kinds().items() if other.pipelined)
         raise ConfigError(
