@@ -75,6 +75,10 @@ class StrategyKind:
     # compile(jit_compile=True): the replica's step compiled with XLA; "" where it runs.
     jit_compile_refusal = ""
     optimizer_refusals: Mapping[str, str] = {}
+    # Optimizer options refused only for a model with its own train_step (the
+    # library's step accumulates gradients itself; a model's own step leaves
+    # it to Keras's optimizer).
+    own_step_optimizer_refusals: Mapping[str, str] = {}
     loss_scale_refusal = ""
     # Elements with sample weights (or a task's class_weight); "" where honoured.
     sample_weight_refusal = ""
@@ -162,7 +166,8 @@ def _cluster_resolver(cfg: ClusterConfig):
 
 # Keras's gradient accumulation all-reduces inside a tf.cond, which an
 # all-reduce strategy cannot trace (model.fit fails the same way under
-# MirroredStrategy: "merge_call called while defining a new graph").
+# MirroredStrategy: "merge_call called while defining a new graph"). The
+# library's own step accumulates without it; a model's own train_step does not.
 _ACCUMULATION_IN_COND = {
     "gradient_accumulation_steps": "Keras's accumulation all-reduces the gradients inside a "
     "tf.cond, which tf.distribute cannot trace (model.fit fails the same way under "
@@ -190,7 +195,7 @@ class NoStrategy(StrategyKind):
 class Mirrored(StrategyKind):
     name = "mirrored"
     summary = "MirroredStrategy: every local GPU (or the CPU) in one process"
-    optimizer_refusals = _ACCUMULATION_IN_COND
+    own_step_optimizer_refusals = _ACCUMULATION_IN_COND
     single_process = True
 
     def check(self, cfg):
@@ -213,7 +218,7 @@ class MultiWorker(StrategyKind):
     # Measured on CPU: the step's collective all-reduce inside XLA is UnimplementedError.
     jit_compile_refusal = ("XLA cannot compile the step's cross-worker all-reduce here "
                            "(UnimplementedError)")
-    optimizer_refusals = _ACCUMULATION_IN_COND
+    own_step_optimizer_refusals = _ACCUMULATION_IN_COND
 
     def check(self, cfg):
         if cfg.num_ps:
@@ -281,7 +286,7 @@ class ParameterServer(StrategyKind):
     serving_roles = ("worker", "ps")
     restartable_roles = ("worker",)
     asynchronous = True
-    optimizer_refusals = _ACCUMULATION_IN_COND
+    own_step_optimizer_refusals = _ACCUMULATION_IN_COND
     # Measured: "Trying to access resource ... located in device /job:ps".
     jit_compile_refusal = ("an XLA-compiled step cannot read or update variables that live "
                            "on the ps tasks")

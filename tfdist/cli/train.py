@@ -154,6 +154,12 @@ def _training_flags(train, d: TrainConfig) -> None:
                            f"{v:g} for {k}" for k, v in DEFAULT_LEARNING_RATE.items()) + ")")
     train.add_argument("--lr-schedule", default=None, choices=LR_SCHEDULES,
                        help="cosine (default): decay to 0 over the run")
+    train.add_argument("--gradient-accumulation-steps", type=int,
+                       default=d.gradient_accumulation_steps, metavar="N",
+                       help="each replica sums its gradients over N batches and the update "
+                            "(one all-reduce, one push to the ps) applies their mean, as Keras's "
+                            "gradient_accumulation_steps: a step is N batches (unset: the task "
+                            "optimizer's own, else 1)")
     train.add_argument("--seed", type=int, default=d.seed,
                        help="initial weights and data order (ps workers shuffle on their own)")
     train.add_argument("--steps-per-execution", type=int, default=d.steps_per_execution,

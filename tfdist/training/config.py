@@ -42,7 +42,7 @@ PER_REPLICA_BATCH = 64
 # ``total_steps`` is recorded too, but a resume may extend a run.
 DEFINING_FLAGS = ("strategy", "task", "optimizer", "learning_rate", "lr_schedule",
                   "global_batch_size", "seed", "variable_partitioner", "shard_min_bytes",
-                  "pipeline_stages")
+                  "pipeline_stages", "gradient_accumulation_steps")
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,10 @@ class TrainConfig:
     # What gradients cross the network as: cast before the all-reduce or the
     # push to the ps, cast back to float32 where the update is applied.
     gradient_dtype: str = "float32"
+    # Batches whose gradients each replica sums locally before one update (one
+    # all-reduce, one push to the ps): Keras's gradient_accumulation_steps.
+    # None: the task's optimizer's own (1 without one); 1: none.
+    gradient_accumulation_steps: int | None = None
     synthetic_data: bool = False
     # --strategy pipeline (training.pipeline.stages): micro-batches per step, data-parallel
     # copies of the pipeline, and the stage boundaries (None: balanced).
@@ -157,6 +161,11 @@ class TrainConfig:
         if self.shard_min_bytes < 0:
             raise ConfigError(f"--shard-min-bytes={self.shard_min_bytes} is not allowed; use 0 "
                               "or more bytes")
+        if self.gradient_accumulation_steps is not None and self.gradient_accumulation_steps < 1:
+            raise ConfigError(
+                f"--gradient-accumulation-steps={self.gradient_accumulation_steps} is not "
+                "allowed; use a whole number of batches, at least 1 (1: no accumulation)"
+            )
         if self.replicas_to_aggregate is not None and self.replicas_to_aggregate < 1:
             raise ConfigError(
                 f"--replicas-to-aggregate={self.replicas_to_aggregate} is not allowed; it must "

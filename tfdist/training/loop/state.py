@@ -28,6 +28,12 @@ def make_optimizer(name: str, learning_rate: float, schedule: str = "constant",
     return keras.optimizers.SGD(lr)
 
 
+def _without_accumulation(optimizer) -> None:
+    for o in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if o is not None and getattr(o, "gradient_accumulation_steps", None):
+            o.gradient_accumulation_steps = None
+
+
 @dataclass
 class TrainState:
     """Model, optimizer and counters, created under one strategy scope."""
@@ -69,8 +75,17 @@ def build_state(plan, task, strategy, example=None) -> TrainState:
         opt = model.optimizer
         if plan.optimizer.library:
             o = plan.optimizer
-            opt = make_optimizer(o.name, o.learning_rate, o.schedule, plan.total_steps)
+            # A schedule counts batches (loop.step.schedule_in_batches), as Keras's
+            # does with gradient accumulation: N of them per step.
+            opt = make_optimizer(o.name, o.learning_rate, o.schedule,
+                                 plan.total_steps * plan.accumulation_steps)
             model.optimizer = opt
+        if plan.accumulation_steps > 1 or plan.config.gradient_accumulation_steps is not None:
+            # The library's step sums the gradients of the step's batches and
+            # applies their mean once (loop.step): Keras's own accumulation
+            # would all-reduce inside a tf.cond that tf.distribute cannot trace.
+            # Its iterations then count updates, as Keras's do with accumulation.
+            _without_accumulation(opt)
         # Optimizer slots must exist before a checkpoint restore can fill them.
         opt.build(model.trainable_variables)
         if plan.kind.min_ps:
