@@ -193,6 +193,11 @@ def _output_flags(out, d: TrainConfig) -> None:
                           "cannot)")
     out.add_argument("--export-every", type=int, default=d.export_every, metavar="N",
                      help="with --export: also export every N steps (the end always exports)")
+    out.add_argument("--profile-steps", default=d.profile_steps, metavar="A:B",
+                     help="a TensorFlow profiler trace of steps A to B (as a slice of the "
+                          "run's steps) for every task, in <model-dir>/logs/profile-<task>/: "
+                          "TensorBoard's Profile tab (tensorboard-plugin-profile) shows each "
+                          "task's timeline")
     out.add_argument("--verbose", action="store_true",
                      help="keep TensorFlow's own start-up and C++ log lines (hidden by default)")
     out.add_argument("--dry-run", action="store_true",

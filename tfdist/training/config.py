@@ -92,6 +92,9 @@ class TrainConfig:
     # end (training.loop.export), and every --export-every steps when given.
     export: str | None = None
     export_every: int | None = None
+    # --profile-steps A:B: a TensorFlow profiler trace of those steps, per task,
+    # in the run's TensorBoard logs (training.loop.profiling).
+    profile_steps: str | None = None
     dry_run: bool = False
     cluster: ClusterConfig = field(default=LOCAL)
 
@@ -172,8 +175,10 @@ class TrainConfig:
                 "be at least 1 (gradients averaged into one update)"
             )
         from tfdist.training.loop.export import check_export_flags
+        from tfdist.training.loop.profiling import parse_steps
 
         check_export_flags(self.export, self.export_every)
+        parse_steps(self.profile_steps)
         if not self.model_dir or not self.model_dir.strip():
             raise ConfigError(
                 f"--model-dir={self.model_dir!r} is empty; pass a directory path "
