@@ -20,6 +20,11 @@ from tfdist.strategies.tf_config import TRAINING_ROLES, ClusterConfig, ConfigErr
 
 AUTO = "auto"
 ALL_REDUCE = ("auto", "ring", "nccl")
+# --all-reduce-bucket: gradients are all-reduced in buckets of about this many
+# bytes, last layers first, each bucket's collective started as soon as its
+# gradients exist (TensorFlow's CommunicationOptions.bytes_per_pack: the list is
+# reversed, then packed). Chosen by measurement (docs/performance.md).
+DEFAULT_BUCKET_BYTES = 256 * 1024
 
 # The training loops a kind may name (``StrategyKind.trainer``); the
 # training side maps each to its trainer class (training.loop.controller).
@@ -82,6 +87,8 @@ class StrategyKind:
     loss_scale_refusal = ""
     # Elements with sample weights (or a task's class_weight); "" where honoured.
     sample_weight_refusal = ""
+    # Gradients all-reduced between processes in buckets (--all-reduce-bucket applies).
+    buckets_all_reduce = False
 
     # --- the cluster ------------------------------------------------------
 
@@ -130,7 +137,8 @@ class StrategyKind:
 
     # --- building ---------------------------------------------------------
 
-    def build(self, cfg: ClusterConfig, *, all_reduce: str = "auto") -> StrategyBundle:
+    def build(self, cfg: ClusterConfig, *, all_reduce: str = "auto",
+              bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> StrategyBundle:
         raise NotImplementedError
 
     def detect_stuck_after(self, cfg: ClusterConfig, seconds: float) -> None:
@@ -186,7 +194,7 @@ class NoStrategy(StrategyKind):
     def replicas(self, cfg, local_gpus):
         return 1  # one device, whatever the host has
 
-    def build(self, cfg, *, all_reduce="auto"):
+    def build(self, cfg, *, all_reduce="auto", bucket_bytes=DEFAULT_BUCKET_BYTES):
         import tensorflow as tf
 
         return StrategyBundle(self, tf.distribute.get_strategy())
@@ -206,7 +214,7 @@ class Mirrored(StrategyKind):
     def auto_accepts(self, cfg):
         return True
 
-    def build(self, cfg, *, all_reduce="auto"):
+    def build(self, cfg, *, all_reduce="auto", bucket_bytes=DEFAULT_BUCKET_BYTES):
         import tensorflow as tf
 
         return StrategyBundle(self, tf.distribute.MirroredStrategy())
@@ -219,6 +227,7 @@ class MultiWorker(StrategyKind):
     jit_compile_refusal = ("XLA cannot compile the step's cross-worker all-reduce here "
                            "(UnimplementedError)")
     own_step_optimizer_refusals = _ACCUMULATION_IN_COND
+    buckets_all_reduce = True
 
     def check(self, cfg):
         if cfg.num_ps:
@@ -241,7 +250,7 @@ class MultiWorker(StrategyKind):
         duty = "write checkpoints, logs and results" if cfg.is_chief else "keep checkpoints private"
         return f"train on its data shard with all-reduce every step; {duty}"
 
-    def build(self, cfg, *, all_reduce="auto"):
+    def build(self, cfg, *, all_reduce="auto", bucket_bytes=DEFAULT_BUCKET_BYTES):
         import tensorflow as tf
 
         if all_reduce not in ALL_REDUCE:
@@ -249,7 +258,11 @@ class MultiWorker(StrategyKind):
                 f"unknown --all-reduce {all_reduce!r}; allowed: {', '.join(ALL_REDUCE)}"
             )
         impl = tf.distribute.experimental.CommunicationImplementation
+        # Keras's optimizer all-reduces with the strategy's options: the
+        # gradients reversed (last layers first, as the backward pass makes
+        # them) and packed into buckets, one collective each, ordered as made.
         options = tf.distribute.experimental.CommunicationOptions(
+            bytes_per_pack=bucket_bytes,
             implementation={"auto": impl.AUTO, "ring": impl.RING, "nccl": impl.NCCL}[all_reduce]
         )
         return StrategyBundle(self, tf.distribute.MultiWorkerMirroredStrategy(
@@ -337,7 +350,7 @@ class ParameterServer(StrategyKind):
         # retrying, so the coordinator can reschedule the closure elsewhere.
         return {"GRPC_FAIL_FAST": "use_caller"}
 
-    def build(self, cfg, *, all_reduce="auto"):
+    def build(self, cfg, *, all_reduce="auto", bucket_bytes=DEFAULT_BUCKET_BYTES):
         if cfg.task_type != "chief":
             raise ConfigError(
                 f"the ps strategy object is built by the chief only; this task is "
@@ -456,7 +469,7 @@ class Pipeline(StrategyKind):
         # A lost stage task fails the step's RPC at once rather than retrying.
         return {"GRPC_FAIL_FAST": "use_caller"}
 
-    def build(self, cfg, *, all_reduce="auto"):
+    def build(self, cfg, *, all_reduce="auto", bucket_bytes=DEFAULT_BUCKET_BYTES):
         if cfg.task_type != "chief":
             raise ConfigError(
                 f"the pipeline is built by the chief only; this task is {cfg.task_name}, "

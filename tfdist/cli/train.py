@@ -86,6 +86,14 @@ def _cluster_flags(cluster, d: TrainConfig) -> None:
                          help="where this task learns the cluster")
     cluster.add_argument("--all-reduce", default=d.all_reduce, choices=ALL_REDUCE,
                          help="multiworker's collective implementation")
+    from tfdist.strategies.kinds import DEFAULT_BUCKET_BYTES
+
+    cluster.add_argument("--all-reduce-bucket", default=d.all_reduce_bucket, metavar="SIZE",
+                         help="multiworker: gradients are all-reduced in buckets of about SIZE "
+                              "bytes (k, m: KiB, MiB), last layers first, each bucket's "
+                              "collective starting as soon as the backward pass has made its "
+                              f"gradients (default {DEFAULT_BUCKET_BYTES // 1024}k; larger than "
+                              "the model: one all-reduce after the whole backward pass)")
     cluster.add_argument("--startup-timeout", type=float, default=d.startup_timeout,
                          help="seconds to wait for the other tasks before giving up")
     from tfdist.training.config import STUCK_TIMEOUT_RANGE

@@ -65,6 +65,9 @@ class TrainConfig:
     eval_every: int = 0  # steps between test-set evaluations on the chief; 0: at the end only
     checkpoint_every: int | None = None  # steps; epoch ends and the end always checkpoint
     all_reduce: str = "auto"
+    # --all-reduce-bucket SIZE (bytes; k/m suffixes: KiB, MiB): multiworker's gradient
+    # buckets, all-reduced last layers first as the backward pass makes them. None: the default.
+    all_reduce_bucket: str | None = None
     startup_timeout: float = 120.0
     # Seconds a live task may go without progress before the job treats it
     # as stuck (docs/reliability.md: what each strategy does then).
@@ -97,6 +100,11 @@ class TrainConfig:
     profile_steps: str | None = None
     dry_run: bool = False
     cluster: ClusterConfig = field(default=LOCAL)
+
+    @property
+    def bucket_bytes(self) -> int | None:
+        """--all-reduce-bucket in bytes (None: the strategy's default)."""
+        return parse_size(self.all_reduce_bucket, "--all-reduce-bucket")
 
     @property
     def optimizer_overridden(self) -> bool:
@@ -174,6 +182,7 @@ class TrainConfig:
                 f"--replicas-to-aggregate={self.replicas_to_aggregate} is not allowed; it must "
                 "be at least 1 (gradients averaged into one update)"
             )
+        self.bucket_bytes  # one line if not a positive size
         from tfdist.training.loop.export import check_export_flags
         from tfdist.training.loop.profiling import parse_steps
 
@@ -189,6 +198,25 @@ class TrainConfig:
                 f"--model-dir {self.model_dir!r} exists and is not a directory; "
                 "pass a directory path (it is created if missing)"
             )
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20}
+
+
+def parse_size(text: str | None, flag: str) -> int | None:
+    """``"262144"``, ``"256k"``, ``"1m"`` -> bytes (k: KiB, m: MiB); ConfigError unless positive."""
+    if text is None:
+        return None
+    raw = str(text).strip().lower().removesuffix("b").removesuffix("i")
+    unit = raw[-1:] if raw[-1:] in ("k", "m") else ""
+    try:
+        value = float(raw[:len(raw) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value >= 1):
+        raise ConfigError(f"{flag} {text!r} is not a positive size; give bytes, or KiB/MiB "
+                          "with k/m (e.g. 262144, 256k, 1m)")
+    return int(value)
 
 
 def check_model_dir(path: str, flag: str = "--model-dir") -> None:

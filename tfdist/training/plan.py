@@ -210,6 +210,12 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
         raise ConfigError(f"unknown --all-reduce {config.all_reduce!r}; allowed: "
                           f"{', '.join(ALL_REDUCE)}")
     k = _gradients_per_update(config, kind, cfg)
+    if config.all_reduce_bucket is not None and not kind.buckets_all_reduce:
+        able = "|".join(name for name, other in kinds.all_kinds().items()
+                        if other.buckets_all_reduce)
+        raise ConfigError(
+            f"--all-reduce-bucket applies to --strategy {able} only (gradients all-reduced "
+            f"between processes), received --strategy {kind.name}; drop the flag")
     devices = plan_devices(kind.gpu_roles(), cfg, gpus)
     replicas = kind.replicas(cfg, len(devices["visible_gpus"]))
     if kind.pipelined:

@@ -144,7 +144,8 @@ def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None
     # The strategy first: MultiWorkerMirroredStrategy configures collectives
     # before the runtime starts, and checking the task runs TensorFlow ops.
     kind.detect_stuck_after(cfg, config.stuck_timeout)
-    bundle = kind.build(cfg, all_reduce=config.all_reduce)
+    bundle = kind.build(cfg, all_reduce=config.all_reduce,
+                        **({"bucket_bytes": config.bucket_bytes} if config.bucket_bytes else {}))
     checked = tasks.inspect(spec, task if task is not None else tasks.load(spec, config.data_dir),
                             steps_given=config.steps is not None)
     contract.check(kind, checked, config.gradient_dtype)
