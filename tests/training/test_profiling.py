@@ -59,5 +59,16 @@ def test_every_multiworker_worker_writes_its_trace(tmp_path, spawn):
         "--task", SPEC + "BLOBS", "--steps", "40", "--global-batch-size", "64",
         "--profile-steps", "20:25", "--model-dir", str(tmp_path)]))
     assert p.wait(timeout=300) == 0, p.output
-    for task in ("chief-0", "worker-0"):
+    for task in ("worker-0", "worker-1"):
+        assert len(_traces(tmp_path, task)) == 1, (task, os.listdir(tmp_path / "logs"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.long
+def test_under_ps_the_chief_takes_every_serving_tasks_trace(tmp_path, spawn):
+    p = spawn(launch_cmd("ps", "--workers", "2", "--ps", "1", train_args=[
+        "--task", SPEC + "BLOBS", "--steps", "60", "--global-batch-size", "64",
+        "--profile-steps", "30:40", "--model-dir", str(tmp_path)]))
+    assert p.wait(timeout=300) == 0, p.output
+    for task in ("chief-0", "worker-0", "worker-1", "ps-0"):
         assert len(_traces(tmp_path, task)) == 1, (task, os.listdir(tmp_path / "logs"))

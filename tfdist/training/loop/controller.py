@@ -100,7 +100,10 @@ class Controller:
                                 trainer.completed, self.checkpointer.saved_at) from None
         finally:
             if self.profiler is not None:
-                self.profiler.stop()  # a run shorter than B, or one that failed
+                # A run shorter than B, or one that failed; the serving tasks'
+                # traces are waited for here, as the chief's own work.
+                with trainer.paused():
+                    self.profiler.close()
             trainer.close(finished)
         train_seconds, examples_per_sec = self.reporter.throughput.overall(trainer.completed)
         if not trainer.is_chief:
@@ -152,10 +155,12 @@ class Controller:
         if self.profiler is None:
             self.metrics = self.trainer.train(n)
             return step + n
-        self.profiler.before_call(step, n)
+        with self.trainer.paused():  # starting the profiler takes a while
+            self.profiler.before_call(step, n)
         with self.profiler.step_marker(step):
             self.metrics = self.trainer.train(n)
-        self.profiler.after_call(step + n, self._drain)
+        with self.trainer.paused():
+            self.profiler.after_call(step + n, self._drain)
         return step + n
 
     def _drain(self) -> None:

@@ -107,10 +107,17 @@ class StepProfiler:
 
         tf.profiler.experimental.stop()
         self.state = "done"
-        for t in self._threads:
-            t.join(timeout=60)
         print(f"{self.task_name}: profile of steps {self.first}:{self.last} written to "
               f"{log_dir(self.model_dir, self.task_name)}", flush=True)
+
+
+    def close(self) -> None:
+        """Wait for the serving tasks' traces (they run for a set time, while the
+        steps go on; waiting for them mid-run would stall the chief)."""
+        self.stop()
+        for t in self._threads:
+            t.join(timeout=120)
+        self._threads = []
 
 
 def _trace_remote(name: str, address: str, model_dir: str, millis: int) -> None:
