@@ -32,7 +32,7 @@ def test_one_step_of_n_batches_is_kerass_accumulated_update():
     (Adam's moments and bias correction, a schedule's step, clipping of the mean)."""
     import tensorflow as tf
 
-    from tfdist.training.loop.state import _without_accumulation
+    from tfdist.training.loop.state import without_accumulation
     from tfdist.training.loop.step import TrainMetrics, make_step_fn
 
     n, batch = 4, 32
@@ -47,7 +47,7 @@ def test_one_step_of_n_batches_is_kerass_accumulated_update():
     ours = _model(0, accumulation=n)
     assert [w.tolist() for w in ours.get_weights()] != [
         w.tolist() for w in keras_model.get_weights()]  # trained above, not yet here
-    _without_accumulation(ours.optimizer)
+    without_accumulation(ours.optimizer)
     ours.optimizer.build(ours.trainable_variables)
 
     class State:

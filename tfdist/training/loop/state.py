@@ -28,7 +28,8 @@ def make_optimizer(name: str, learning_rate: float, schedule: str = "constant",
     return keras.optimizers.SGD(lr)
 
 
-def _without_accumulation(optimizer) -> None:
+def without_accumulation(optimizer) -> None:
+    """Keras's own gradient accumulation off (the library's step accumulates)."""
     for o in (optimizer, getattr(optimizer, "inner_optimizer", None)):
         if o is not None and getattr(o, "gradient_accumulation_steps", None):
             o.gradient_accumulation_steps = None
@@ -85,7 +86,7 @@ def build_state(plan, task, strategy, example=None) -> TrainState:
             # applies their mean once (loop.step): Keras's own accumulation
             # would all-reduce inside a tf.cond that tf.distribute cannot trace.
             # Its iterations then count updates, as Keras's do with accumulation.
-            _without_accumulation(opt)
+            without_accumulation(opt)
         # Optimizer slots must exist before a checkpoint restore can fill them.
         opt.build(model.trainable_variables)
         if plan.kind.min_ps:
