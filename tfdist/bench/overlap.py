@@ -1,11 +1,12 @@
 """When each gradient bucket's all-reduce ran against the backward pass, from a profile.
 
-``python -m tfdist.bench.overlap RUN_DIR/logs/profile-worker-1 [--png PICTURE]``
+``python -m tfdist.bench.overlap RUN_DIR/logs/profile-worker-1 ... [--png PICTURE]``
 reads a task's ``--profile-steps`` trace (TensorFlow's XSpace) and prints, per
 step, the backward pass (the ops TensorFlow names ``gradient_tape/...``: their
 first start and last end) and each all-reduce bucket's collective (start, end),
 in milliseconds from the step's first backward op, and how much of the
-transfers ran while backward ops were still running. ``--png`` draws one step.
+transfers ran while backward ops were still running. ``--png`` draws each
+trace's median step, one panel per trace.
 """
 
 from __future__ import annotations
@@ -80,22 +81,28 @@ def steps(evs) -> list[dict]:
     return out
 
 
-def draw(step: dict, path: str, title: str) -> None:
+def draw(panels: list[tuple[str, dict]], path: str) -> None:
+    """One step per panel (title, step row), on one time axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [("backward pass", [step["backward"]], "tab:blue")] + [
-        (f"bucket {i + 1} all-reduce", [b], "tab:orange")
-        for i, b in enumerate(step["buckets"])]
-    fig, ax = plt.subplots(figsize=(7, 0.5 + 0.45 * len(rows)))
-    for y, (label, spans, color) in enumerate(rows):
-        ax.broken_barh([(s, e - s) for s, e in spans], (y - 0.35, 0.7), color=color)
-    ax.set_yticks(range(len(rows)), [r[0] for r in rows])
-    ax.invert_yaxis()
-    ax.set_xlabel("ms from the step's first backward op")
-    ax.set_title(title, fontsize=9)
+    heights = [1 + len(step["buckets"]) for _, step in panels]
+    fig, axes = plt.subplots(len(panels), 1, sharex=True, squeeze=False,
+                             figsize=(7.5, 0.9 + 0.42 * sum(heights)),
+                             gridspec_kw={"height_ratios": heights})
+    for ax, (title, step) in zip(axes[:, 0], panels):
+        rows = [("backward pass", step["backward"], "tab:blue")] + [
+            (f"bucket {i + 1} all-reduce", b, "tab:orange")
+            for i, b in enumerate(step["buckets"])]
+        for y, (_, (start, end), color) in enumerate(rows):
+            ax.broken_barh([(start, end - start)], (y - 0.35, 0.7), color=color)
+        ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(f"{title}: {step['overlapped_ms']:.0f} of {step['transfer_ms']:.0f} ms "
+                     "of transfer under the backward pass", fontsize=9)
+    axes[-1, 0].set_xlabel("ms from the step's first backward op")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -103,19 +110,25 @@ def draw(step: dict, path: str, title: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("profile_dir", help="a task's <model-dir>/logs/profile-<task> directory")
-    p.add_argument("--png", help="draw the median step (by transfer overlapped) here")
-    p.add_argument("--title", default="")
+    p.add_argument("profile_dir", nargs="+",
+                   help="a task's <model-dir>/logs/profile-<task> directory (several: one panel each)")
+    p.add_argument("--png", help="draw each trace's median step (by transfer overlapped) here")
+    p.add_argument("--label", action="append", default=[],
+                   help="a panel's title, one per profile directory")
     args = p.parse_args(argv)
-    try:
-        rows = steps(events(args.profile_dir))
-    except FileNotFoundError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps(rows, indent=None))
-    if args.png and rows:
-        middle = sorted(rows, key=lambda r: r["overlapped_ms"])[len(rows) // 2]
-        draw(middle, args.png, args.title)
+    panels = []
+    for i, path in enumerate(args.profile_dir):
+        try:
+            rows = steps(events(path))
+        except FileNotFoundError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(json.dumps({"profile": path, "steps": rows}))
+        if rows:
+            middle = sorted(rows, key=lambda r: r["overlapped_ms"])[len(rows) // 2]
+            panels.append((args.label[i] if i < len(args.label) else path, middle))
+    if args.png and panels:
+        draw(panels, args.png)
     return 0
 
 
