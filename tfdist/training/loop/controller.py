@@ -276,6 +276,7 @@ class Controller:
             trainable_params=count_trainable(model),
             gradient_dtype=config.gradient_dtype,
             gradient_accumulation_steps=plan.accumulation_steps,
+            membership=protocol.membership_from_env(),
             extra=dict(info.extra_results, **validation_results(reporter.val_curve),
                        **({"stopped_by": self.callbacks.stopped_by}
                           if self.callbacks.stopped_by else {})),
