@@ -129,3 +129,22 @@ def test_the_flag_trains_a_built_in_style_run_under_mirrored(tmp_path):
     assert results["completed_steps"] == 4000 // 100
     assert results["gradient_accumulation_steps"] == 2
     assert results["test_accuracy"] > 0.8
+
+
+def test_row_sparse_gradients_stay_row_sparse_when_summed():
+    """An Embedding's gradient (IndexedSlices): the mean of N keeps only the rows touched."""
+    import tensorflow as tf
+
+    from tfdist.training.loop.step import accumulate
+
+    def one_batch(rows):
+        g = tf.IndexedSlices(tf.ones([2, 3]), rows, tf.constant([10, 3], tf.int64))
+        return [g, tf.ones([3])], tf.constant(1.0), tf.zeros([0])
+
+    grads, loss, _ = tf.function(lambda: accumulate(
+        one_batch, [(tf.constant([1, 2]),), (tf.constant([2, 5]),)]))()
+    assert isinstance(grads[0], tf.IndexedSlices)
+    dense = tf.convert_to_tensor(grads[0]).numpy()
+    assert dense[2].tolist() == [1.0] * 3 and dense[1].tolist() == [0.5] * 3
+    assert dense[0].tolist() == [0.0] * 3 and float(loss) == 1.0
+    assert grads[1].numpy().tolist() == [1.0] * 3

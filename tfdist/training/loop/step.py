@@ -100,7 +100,8 @@ def accumulate(one_batch, batches):
     """
     total, loss_sum, value_sum = None, 0.0, 0.0
     for batch in batches:
-        with tf.control_dependencies([g for g in total or () if g is not None]):
+        with tf.control_dependencies([getattr(g, "values", g) for g in total or ()
+                                      if g is not None]):
             grads, loss, values = one_batch(*batch)
         if total is None:
             total = list(grads)
