@@ -74,6 +74,8 @@ class StrategyKind:
     # a model's own train_step, optimizer options ({option: reason}), and
     # Keras's LossScaleOptimizer. Empty: honoured as model.fit honours it.
     own_train_step_refusal = ""
+    # A model's own compute_loss (the library's step calls it); "" where honoured.
+    own_compute_loss_refusal = ""
     # A task's Keras callbacks run on the chief (under ps, on a chief-side copy of
     # the model: training.loop.callbacks); "" where they can.
     callbacks_refusal = ""
@@ -422,6 +424,9 @@ class Pipeline(StrategyKind):
     # chief's own step over stages that each have their own optimizer.
     own_train_step_refusal = ("the chief runs its own GPipe step over the model's stages, and a "
                               "model's train_step needs the whole model, which no task holds")
+    own_compute_loss_refusal = ("the chief's GPipe step applies the compiled loss to the last "
+                                "stage's output, and a model's compute_loss needs the whole "
+                                "model, which no task holds")
     jit_compile_refusal = "its step spans several tasks' devices, which one XLA cluster cannot"
     callbacks_refusal = "the model lives in stages on the workers; callbacks are not wired to it"
     optimizer_refusals = {

@@ -254,7 +254,7 @@ class Results:
     eval_curve: list
     eval_seconds: float
     test_accuracy: float | None  # None for a task without an accuracy metric
-    test_loss: float
+    test_loss: float | None  # None: not evaluated (Keras's evaluate cannot run on the model)
     weights_sha256: str
     tf_version: str
     keras_version: str
