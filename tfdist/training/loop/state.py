@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from tfdist.protocol import ConfigError
 from tfdist.training import sharding
+from tfdist.training.workload import contract
 
 
 def make_optimizer(name: str, learning_rate: float, schedule: str = "constant",
@@ -26,6 +27,13 @@ def make_optimizer(name: str, learning_rate: float, schedule: str = "constant",
     if name == "adam":
         return keras.optimizers.Adam(lr)
     return keras.optimizers.SGD(lr)
+
+
+def without_accumulation(optimizer) -> None:
+    """Keras's own gradient accumulation off (the library's step accumulates)."""
+    for o in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if o is not None and getattr(o, "gradient_accumulation_steps", None):
+            o.gradient_accumulation_steps = None
 
 
 @dataclass
@@ -42,14 +50,22 @@ class TrainState:
     checkpoint: tf.train.Checkpoint
 
 
-def build_state(plan, task, strategy, example=None) -> TrainState:
+def build_state(plan, task, strategy, example=None, own_optimizers=None) -> TrainState:
     """The task's model, the plan's optimizer and the step counters, in ``strategy``'s scope.
 
     ``example``: a batch of one training element (``CheckedTask.example``).
     A model not built yet (subclassed: its layers make their variables on
     the first call) is called on its features before the optimizer is
     built, as ``fit`` builds it on the first batch; otherwise the optimizer
-    would know none of its variables.
+    would know none of its variables. A model without a ``call`` of its own
+    (a GAN's, whose ``train_step`` calls its sub-models) is not called.
+
+    ``own_optimizers`` (``CheckedTask.own_optimizers``): the other optimizers
+    the model's own ``train_step`` applies (a GAN's ``d_optimizer``,
+    ``g_optimizer``), each built here with the variables it updates: their
+    slots are made where the strategy puts variables (replicated, or on the
+    ps), before a checkpoint restore fills them, and the checkpoint holds
+    them (the model tracks its attributes).
     """
     policy = sharding.ShardingPolicy(plan.sharding.partitioner, plan.sharding.num_shards,
                                      plan.sharding.min_bytes)
@@ -64,15 +80,27 @@ def build_state(plan, task, strategy, example=None) -> TrainState:
                 model = task.build_model()
         except sharding.ShardingError as err:
             raise ConfigError(f"task {plan.task.name}: {err}") from None
-        if example is not None and (not model.built or not model.trainable_variables):
-            model(example[0], training=False)
+        if example is not None and (not model.built or not model.trainable_variables) and (
+                contract.overrides(model, "call") or not model.trainable_variables):
+            model(contract.features_of(example), training=False)
         opt = model.optimizer
         if plan.optimizer.library:
             o = plan.optimizer
-            opt = make_optimizer(o.name, o.learning_rate, o.schedule, plan.total_steps)
+            # A schedule counts batches (loop.step.schedule_in_batches), as Keras's
+            # does with gradient accumulation: N of them per step.
+            opt = make_optimizer(o.name, o.learning_rate, o.schedule,
+                                 plan.total_steps * plan.accumulation_steps)
             model.optimizer = opt
+        if plan.accumulation_steps > 1 or plan.config.gradient_accumulation_steps is not None:
+            # The library's step sums the gradients of the step's batches and
+            # applies their mean once (loop.step): Keras's own accumulation
+            # would all-reduce inside a tf.cond that tf.distribute cannot trace.
+            # Its iterations then count updates, as Keras's do with accumulation.
+            without_accumulation(opt)
         # Optimizer slots must exist before a checkpoint restore can fill them.
         opt.build(model.trainable_variables)
+        for attr, positions in (own_optimizers or {}).items():
+            getattr(model, attr).build([model.trainable_variables[i] for i in positions])
         if plan.kind.min_ps:
             # On the ps, row-sparse gradients update only their rows (Adagrad;
             # SGD already does); replicated variables keep Keras's own update.
@@ -89,6 +117,13 @@ def build_state(plan, task, strategy, example=None) -> TrainState:
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
     # Split variables are saved whole, so a run resumes on another number of ps.
+    # A keras.random.SeedGenerator's state (a GAN's noise) is not reached through
+    # the model's checkpoint dependencies; saved beside it, a resumed run draws
+    # the noise an uninterrupted one would have.
+    seeds = {"seed_states": seed_states} if (seed_states := [
+        v for v in model.non_trainable_variables
+        if v.path.endswith("seed_generator_state")]) else {}
     checkpoint = tf.train.Checkpoint(**sharding.checkpoint_objects(model, opt),
-                                     global_step=global_step, completed_steps=completed_steps)
+                                     global_step=global_step, completed_steps=completed_steps,
+                                     **seeds)
     return TrainState(model, opt, global_step, completed_steps, checkpoint)

@@ -7,10 +7,13 @@ optimizers are used as they are.
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
 from tfdist.training.loop.state import TrainState
+from tfdist.training.workload import contract
 
 
 class TrainMetrics:
@@ -25,16 +28,19 @@ class TrainMetrics:
     ``names`` are Keras's own (``CompileMetrics.result()``'s keys): with
     several outputs ``cls_accuracy``, ``reg_mae``, ``cls_weighted_accuracy``.
     A model with its own ``train_step`` gives its own names (``own_names``:
-    the keys its step returned when the task was checked, "loss" aside).
+    the keys its step returned when the task was checked, flattened as
+    Keras flattens them, "loss" aside); ``has_loss``: whether it logs a
+    "loss" at all (a GAN logs ``d_loss`` and ``g_loss``).
     """
 
     def __init__(self, local_model: keras.Model, own_names: tuple[str, ...] | None = None):
         self.compiled = getattr(local_model, "_compile_metrics", None)
         self.names: tuple[str, ...] = ()
         self.own_step = own_names is not None
+        self.has_loss = not self.own_step or "loss" in own_names
         self._initial: list = []
         if self.own_step:
-            self.names = tuple(own_names)
+            self.names = tuple(n for n in own_names if n != "loss")
         elif self.compiled is not None and self.compiled.built:
             self.compiled.reset_state()
             self.names = tuple(self.compiled.result())
@@ -50,10 +56,19 @@ class TrainMetrics:
         return tf.stack([tf.cast(tf.reshape(result[n], []), tf.float32) for n in self.names])
 
     def logged_values(self, logs: dict) -> tf.Tensor:
-        """A model's own train_step's logs, as a float32 vector in ``names`` order."""
+        """A model's own train_step's logs (flattened: ``contract.flat_logs``;
+        tensors or Python numbers), as a float32 vector in ``names`` order."""
         if not self.names:
             return tf.zeros([0], tf.float32)
-        return tf.stack([tf.cast(tf.reshape(logs[n], []), tf.float32) for n in self.names])
+        return tf.stack([tf.reshape(tf.cast(logs[n], tf.float32), []) for n in self.names])
+
+    def logs(self, loss, values) -> dict[str, float]:
+        """A call's output as the progress line's logs: ``metric_dict``, without the
+        "loss" of a model's own step that logs none."""
+        out = metric_dict(loss, self.names, values)
+        if not self.has_loss:
+            del out["loss"]
+        return out
 
 
 def forward(model: keras.Model, features, labels, sample_weight=None):
@@ -66,7 +81,7 @@ def forward(model: keras.Model, features, labels, sample_weight=None):
     as ``fit`` does.
     """
     y_pred = model(features, training=True)
-    loss = model.compute_loss(features, labels, y_pred, sample_weight, training=True)
+    loss = contract.compute_loss(model, features, labels, y_pred, sample_weight, training=True)
     return y_pred, loss
 
 
@@ -86,8 +101,93 @@ def from_wire(grads, dtype=tf.float32) -> list:
     return [None if g is None else tf.cast(g, dtype) for g in grads]
 
 
-def make_step_fn(state: TrainState, metrics: TrainMetrics, gradient_dtype: str = "float32"):
+def accumulate(one_batch, batches):
+    """``one_batch(*batch) -> (gradients, loss, metric values)`` over each of
+    ``batches``, as their means: Keras's accumulation ((sum of N gradients) / N,
+    then one update), local to the replica, so one update communicates once.
+
+    Each batch starts after the previous one's gradients are added, so at most
+    one batch's activations are alive at a time (the memory one batch needs,
+    which is what accumulation is for); N is small, so the loop is unrolled:
+    no control flow for tf.distribute to trace through.
+    """
+    total, loss_sum, value_sum = None, 0.0, 0.0
+    for batch in batches:
+        with tf.control_dependencies([getattr(g, "values", g) for g in total or ()
+                                      if g is not None]):
+            grads, loss, values = one_batch(*batch)
+        if total is None:
+            total = list(grads)
+        else:
+            total = [_add(t, g) for t, g in zip(total, grads)]
+        loss_sum, value_sum = loss_sum + loss, value_sum + values
+    n = len(batches)
+    return [_scale(g, 1.0 / n) for g in total], loss_sum / n, value_sum / n
+
+
+class _BatchSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """A schedule read at the batch count: update k (from 0) of N batches is
+    batch k*N + N - 1, where Keras's accumulating optimizer reads its schedule."""
+
+    def __init__(self, inner, batches: int):
+        self.inner, self.batches = inner, batches
+
+    def __call__(self, step):
+        return self.inner(step * self.batches + (self.batches - 1))
+
+    def get_config(self):
+        return self.inner.get_config()
+
+
+@contextlib.contextmanager
+def schedule_in_batches(optimizer, batches: int):
+    """While an update is traced, the optimizer's learning-rate schedule counts
+    batches, as Keras's does with ``gradient_accumulation_steps`` (its schedule
+    reads the batch counter; Adam's bias correction the update counter, which
+    the optimizer's own ``iterations`` stay). The saved optimizer keeps its own
+    schedule: only the traced update reads the shifted one."""
+    swapped = []
+    if batches > 1:
+        for o in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+            rate = getattr(o, "_learning_rate", None)
+            if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+                swapped.append((o, rate))
+                o._learning_rate = _BatchSchedule(rate, batches)
+    try:
+        yield
+    finally:
+        for o, rate in swapped:
+            o._learning_rate = rate
+
+
+def _add(a, b):
+    """Two gradients of one variable added; row-sparse ones stay row-sparse."""
+    if a is None:
+        return None
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0),
+                                tf.concat([a.indices, b.indices], 0), a.dense_shape)
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+
+
+def _scale(g, factor: float):
+    if g is None:
+        return None
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype), g.indices,
+                                g.dense_shape)
+    return g * tf.cast(factor, g.dtype)
+
+
+def make_step_fn(state: TrainState, metrics: TrainMetrics, gradient_dtype: str = "float32",
+                 accumulation: int = 1):
     """One replica's step: forward, loss, gradients, update, metric values.
+
+    ``accumulation`` N > 1: the step takes N batches, sums their gradients
+    locally and applies the mean once (``accumulate``), Keras's
+    ``gradient_accumulation_steps`` without its ``tf.cond``; the optimizer's
+    own accumulation is off (``loop.state``), so its ``iterations`` count
+    updates, as Keras's do then (Adam's bias correction, a schedule's step).
 
     With a 16-bit ``gradient_dtype`` the gradients reach ``apply_gradients``
     in 16 bits. Keras's optimizer all-reduces what it is given (under
@@ -101,14 +201,22 @@ def make_step_fn(state: TrainState, metrics: TrainMetrics, gradient_dtype: str =
     if metrics.own_step:
         return _own_step_fn(model, metrics)
 
-    def step_fn(features, labels, sample_weight=None):
+    def one_batch(features, labels, sample_weight=None):
         with tf.GradientTape() as tape:
             y_pred, loss = forward(model, features, labels, sample_weight)
             scaled = optimizer.scale_loss(loss)  # a LossScaleOptimizer's scaling; else loss
         grads = tape.gradient(scaled, model.trainable_variables)
+        return grads, loss, metrics.batch_values(labels, y_pred, sample_weight)
+
+    def step_fn(*batches):
+        if accumulation == 1:
+            grads, loss, values = one_batch(*batches)
+        else:
+            grads, loss, values = accumulate(one_batch, batches)
         grads = to_wire(grads, gradient_dtype)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss, metrics.batch_values(labels, y_pred, sample_weight)
+        with schedule_in_batches(optimizer, accumulation):
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss, values
 
     if getattr(model, "jit_compile", False):
         # As fit compiles its step under jit_compile=True: the replica's
@@ -121,20 +229,22 @@ def _own_step_fn(model: keras.Model, metrics: TrainMetrics):
     """The model's own ``train_step``, called in replica context as ``fit`` calls it
     under MirroredStrategy (``strategy.run(train_step, (data,))``).
 
-    Its logs are the model's stateful metrics (running means); the loss is
-    divided by the replicas in sync, so ``make_train_fn``'s sum over the
-    replicas gives their mean, as for the library's own step's scaled loss.
+    Its logs are the model's stateful metrics (running means), flattened as
+    Keras flattens them (``compile_metrics`` -> ``mae``); the loss is divided
+    by the replicas in sync, so ``make_train_fn``'s sum over the replicas
+    gives their mean, as for the library's own step's scaled loss (0 when
+    the step logs no "loss": ``TrainMetrics.logs`` leaves it out).
     """
 
-    def step_fn(*data):
-        logs = model.train_step(data)  # the batch as the dataset yields it
-        if not isinstance(logs, dict) or "loss" not in logs:
-            raise ValueError("the model's train_step must return a dict of logs with a "
-                             "'loss', as Keras's does")
+    def step_fn(data):
+        logs = contract.flat_logs(model.train_step(data))  # the batch as the dataset yields it
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        loss = tf.cast(tf.reshape(logs["loss"], []), tf.float32) / replicas
+        loss = tf.constant(0.0)
+        if metrics.has_loss:
+            loss = tf.reshape(tf.cast(logs["loss"], tf.float32), []) / replicas
         return loss, metrics.logged_values(logs)
 
+    step_fn.takes_batch = True  # called with the batch whole (make_train_fn)
     return step_fn
 
 
@@ -166,7 +276,7 @@ def after_updates(variables) -> list[tf.Tensor]:
 
 
 def make_train_fn(strategy, step_fn, state: TrainState, num_metrics: int,
-                  steps_by_worker: tf.Variable | None = None):
+                  steps_by_worker: tf.Variable | None = None, batches_per_step: int = 1):
     """``train_fn(iterator, num_steps)``: ``num_steps`` steps in one call.
 
     Packing several steps into one ``tf.function`` call (``--steps-per-execution``)
@@ -176,6 +286,7 @@ def make_train_fn(strategy, step_fn, state: TrainState, num_metrics: int,
     reading ``global_step`` and applying its own update (always 0 when
     synchronous). ``steps_by_worker`` (ps only): one count per worker, added
     to by the worker that ran the call once its steps are done.
+    ``batches_per_step``: batches one step takes (gradient accumulation).
     """
     global_step, variables = state.global_step, state.model.trainable_variables
     replicas = local_replicas(strategy)
@@ -192,7 +303,14 @@ def make_train_fn(strategy, step_fn, state: TrainState, num_metrics: int,
             # The step's parameter reads must come after this read for the
             # staleness figure to mean what it says.
             with tf.control_dependencies([read_at]):
-                loss, values = strategy.run(step_fn, args=next(iterator))
+                if batches_per_step == 1:
+                    batch = next(iterator)
+                    # A model's own step takes the batch as the dataset yields it:
+                    # a tuple, or features alone.
+                    args = (batch,) if getattr(step_fn, "takes_batch", False) else batch
+                else:  # the library's own step, accumulating N batches
+                    args = tuple(next(iterator) for _ in range(batches_per_step))
+                loss, values = strategy.run(step_fn, args=args)
             # Without this, only same-variable ordering holds: the counter's
             # increment could run before the update it counts and the
             # staleness figure would read ~0 whatever the overlap

@@ -29,7 +29,7 @@ import tensorflow as tf
 from tfdist.training.workload import data
 from tfdist.training.ps.coordinated import CoordinatedTrainer, variables_per_ps
 from tfdist.training.ps.rpc import fetch
-from tfdist.training.loop.step import make_step_fn, make_train_fn, metric_dict
+from tfdist.training.loop.step import make_step_fn, make_train_fn
 
 
 def staleness_stats(values) -> dict:
@@ -163,9 +163,10 @@ class PsTrainer(CoordinatedTrainer):
             lambda: strategy.distribute_datasets_from_function(dataset_fn)
         ))
         self._train_fn = make_train_fn(
-            strategy, make_step_fn(state, train_metrics, self.config.gradient_dtype), state,
+            strategy, make_step_fn(state, train_metrics, self.config.gradient_dtype,
+                                   plan.accumulation_steps), state,
             len(train_metrics.names),
-            steps_by_worker=self.steps_by_worker,
+            steps_by_worker=self.steps_by_worker, batches_per_step=plan.accumulation_steps,
         )
         # Enough closures in flight to keep every worker busy while we read results.
         self.max_in_flight = 4 * max(1, len(self.workers))
@@ -207,7 +208,7 @@ class PsTrainer(CoordinatedTrainer):
             self.completed += n
             return
         self._staleness.append(result["staleness"])
-        self._last = metric_dict(result["loss"], self.metric_names, result["metrics"])
+        self._last = self.train_metrics.logs(result["loss"], result["metrics"])
         self.completed += n
 
     def _fetch(self, remote, n: int):
