@@ -11,13 +11,13 @@ from tfdist.strategies.kinds import StrategyBundle
 from tfdist.strategies.tf_config import ClusterConfig, ConfigError
 
 
-def make_strategy(name: str, cfg: ClusterConfig, *, all_reduce: str = "auto") -> StrategyBundle:
+def make_strategy(name: str, cluster: ClusterConfig, *, all_reduce: str = "auto") -> StrategyBundle:
     """Build the ``tf.distribute`` strategy ``name`` (or ``auto``) names for this task.
 
     For a parameter-server kind this must run on the chief (the coordinator);
     ps and worker tasks only serve (see ``strategies.server``).
     """
-    return kinds.resolve(name, cfg).build(cfg, all_reduce=all_reduce)
+    return kinds.resolve(name, cluster).build(cluster, all_reduce=all_reduce)
 
 
 def check_batch_size(global_batch_size: int, replicas: int) -> None:

@@ -23,7 +23,7 @@ def test_events_round_trip_and_a_reader_sees_each_once(tmp_path):
     log.emit(protocol.PROGRESS, 10, loss=0.5, total=100)
     log.emit(protocol.CHECKPOINT, 20, path="x")
     events = reader.read()
-    assert [(e.kind, e.task, e.step) for e in events] == [
+    assert [(e.kind, e.member, e.step) for e in events] == [
         ("progress", "worker:0", 10), ("checkpoint", "worker:0", 20)]
     assert events[0].data == {"loss": 0.5, "total": 100}
     assert reader.read() == []

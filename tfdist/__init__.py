@@ -30,13 +30,13 @@ if not _os.path.isdir(_os.path.join(_here, "strategies")) and _os.path.isfile(
     __path__.append(_root)  # noqa: F821 (a package's own __path__)
 
 __version__ = "0.2.0"
-__all__ = ["fit", "launch", "Result", "TaskOutcome", "TfdistError", "__version__"]
+__all__ = ["fit", "launch", "Result", "MemberOutcome", "TfdistError", "__version__"]
 
 
 def __getattr__(name):
     # Lazy: `import tfdist` stays cheap and TensorFlow-free (the launcher,
     # the benchmark and every ps task import it before TensorFlow, if ever).
-    if name in ("fit", "launch", "Result", "TaskOutcome", "TfdistError"):
+    if name in ("fit", "launch", "Result", "MemberOutcome", "TfdistError"):
         from tfdist import api
 
         return getattr(api, name)

@@ -31,10 +31,10 @@ class TfdistError(Exception):
 
 
 @dataclass(frozen=True)
-class TaskOutcome:
-    """One cluster task of a launched job, from the launcher's records."""
+class MemberOutcome:
+    """One cluster member of a launched job, from the launcher's records."""
 
-    task: str  # "chief:0", "worker:1", ...
+    member: str  # "chief:0", "worker:1", ...
     steps: int | None = None  # steps it ran (computing tasks)
     share: float | None = None  # its fraction of the job's steps
     peak_rss_bytes: int | None = None
@@ -43,12 +43,12 @@ class TaskOutcome:
 
 @dataclass(frozen=True)
 class Result:
-    """What a finished run wrote: the results record, its paths and, launched, each task."""
+    """What a finished run wrote: the results record, its paths and, launched, each member."""
 
     model_dir: str
     record: Mapping[str, Any]  # results.json, as written (protocol.Results)
     exit_code: int = Exit.OK
-    tasks: tuple[TaskOutcome, ...] = ()  # empty in one process
+    members: tuple[MemberOutcome, ...] = ()  # empty in one process
     launch: Mapping[str, Any] | None = None  # launch/outcome.json, when launched
 
     @property
@@ -81,11 +81,11 @@ class Result:
             outcome = json.load(f)
         per_task, rss = outcome.get("per_task") or {}, outcome.get("peak_rss_bytes") or {}
         restarts = outcome.get("restarts_per_task") or {}
-        tasks = tuple(TaskOutcome(task=name, steps=(per_task.get(name) or {}).get("steps"),
+        members = tuple(MemberOutcome(member=name, steps=(per_task.get(name) or {}).get("steps"),
                                   share=(per_task.get(name) or {}).get("share"),
                                   peak_rss_bytes=rss.get(name), restarts=restarts.get(name, 0))
                       for name in sorted(set(per_task) | set(rss)))
-        return cls(model_dir=model_dir, record=record, exit_code=exit_code, tasks=tasks,
+        return cls(model_dir=model_dir, record=record, exit_code=exit_code, members=members,
                    launch=outcome)
 
 
@@ -244,7 +244,7 @@ def launch(strategy: str, *, workers: int = 2, ps: int = 0, chief: bool = False,
     chief's :class:`Result` with each task's outcome; raises :class:`TfdistError`.
     """
     from tfdist.launcher.config import LaunchRequest
-    from tfdist.launcher.job import TaskCheckFailed, run_request
+    from tfdist.launcher.job import MemberCheckFailed, run_request
     from tfdist.launcher.plan import LaunchError
 
     _check_options(options)
@@ -267,7 +267,7 @@ def launch(strategy: str, *, workers: int = 2, ps: int = 0, chief: bool = False,
                           f"of {', '.join(kinds.names(include_auto=False))}", Exit.BAD_INPUT)
     try:
         code = run_request(request)
-    except TaskCheckFailed as err:
+    except MemberCheckFailed as err:
         raise TfdistError(err.line, err.code) from None
     except LaunchError as err:
         raise TfdistError(f"error: {err}", Exit.BAD_INPUT) from None
@@ -278,4 +278,4 @@ def launch(strategy: str, *, workers: int = 2, ps: int = 0, chief: bool = False,
     return Result.from_model_dir(model_dir, exit_code=code)
 
 
-__all__ = ["fit", "launch", "Result", "TaskOutcome", "TfdistError"]
+__all__ = ["fit", "launch", "Result", "MemberOutcome", "TfdistError"]

@@ -123,7 +123,7 @@ EVENT_KINDS = (STARTED, PROGRESS, EVAL, CHECKPOINT, PREEMPTED, LOST, DIVERGED, D
 @dataclass(frozen=True)
 class Event:
     kind: str
-    task: str
+    member: str  # "chief:0", "worker:1", ...
     step: int | None = None
     time: float = 0.0
     data: dict = field(default_factory=dict)
@@ -136,21 +136,23 @@ class Event:
         raw = json.loads(line)
         if not isinstance(raw, dict) or raw.get("kind") not in EVENT_KINDS:
             raise ValueError(f"not a progress event: {line[:120]!r}")
-        return cls(kind=raw["kind"], task=str(raw.get("task", "")), step=raw.get("step"),
+        # "task": the member's key in files written before it was named "member".
+        member = raw.get("member", raw.get("task", ""))
+        return cls(kind=raw["kind"], member=str(member), step=raw.get("step"),
                    time=float(raw.get("time", 0.0)), data=dict(raw.get("data") or {}))
 
 
 class EventLog:
     """Appends this task's events to ``$SHOWCASE_EVENTS``; does nothing when unset."""
 
-    def __init__(self, task: str, path: str | None = None):
-        self.task = task
+    def __init__(self, member: str, path: str | None = None):
+        self.member = member
         self.path = path if path is not None else os.environ.get(EVENTS_ENV) or None
 
     def emit(self, kind: str, step: int | None = None, **data: Any) -> None:
         if self.path is None:
             return
-        event = Event(kind, self.task, step, time.time(), _finite(data))
+        event = Event(kind, self.member, step, time.time(), _finite(data))
         # One write of one line with O_APPEND: readers never see half an event
         # from another writer, and a partial last line only while it is written.
         with open(self.path, "a") as f:
@@ -192,8 +194,8 @@ class EventReader:
         return events
 
 
-def events_path(launch_dir: str, task: str) -> str:
-    return os.path.join(launch_dir, "events", f"{task.replace(':', '-')}.jsonl")
+def events_path(launch_dir: str, member: str) -> str:
+    return os.path.join(launch_dir, "events", f"{member.replace(':', '-')}.jsonl")
 
 
 def read_all_events(path: str) -> list[Event]:

@@ -44,7 +44,7 @@ class AlwaysFailing:
 
 def _fetch(remote, **kw):
     sleeps, lines = [], []
-    out = rpc.fetch(remote, deadline=float("inf"), task="chief:0", sleep=sleeps.append,
+    out = rpc.fetch(remote, deadline=float("inf"), member="chief:0", sleep=sleeps.append,
                          log=lines.append, worker_failure=lambda err: False, **kw)
     return out, sleeps, lines
 
@@ -131,7 +131,7 @@ def test_the_ps_trainer_fetches_through_the_retrying_path(monkeypatch):
         "staleness": [0, 1], "loss": 0.25, "metrics": []})
     fake = types.SimpleNamespace(
         _pending=collections.deque([(remote, 5)]), patience=10.0, _stall=None,
-        cfg=types.SimpleNamespace(task_name="chief:0"), _staleness=[], metric_names=[],
+        cluster=types.SimpleNamespace(member_name="chief:0"), _staleness=[], metric_names=[],
         completed=0, unfetched_steps=0, _fetcher=ps_trainer.Fetcher())
     # The trainer's own waiting and fetching (on the fetcher's thread), not stand-ins.
     for name in ("_wait_or_reroute", "_fetch"):

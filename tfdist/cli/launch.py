@@ -28,7 +28,7 @@ from tfdist import protocol
 from tfdist.launcher import plan as plans
 from tfdist.launcher.config import LaunchRequest
 from tfdist.launcher.faults import FAULT_SPEC, MAX_TASK_RESTARTS
-from tfdist.launcher.job import TaskCheckFailed, run_request
+from tfdist.launcher.job import MemberCheckFailed, run_request
 from tfdist.launcher.network import INSIDE_FLAG, NETNS_MODES
 from tfdist.launcher.plan import LaunchError
 from tfdist.protocol import Exit
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
         return Exit.BAD_INPUT
     try:
         return run_request(request_from_args(args, train_args))
-    except TaskCheckFailed as err:
+    except MemberCheckFailed as err:
         print(err.line, file=sys.stderr)
         return err.code
     except LaunchError as err:

@@ -28,7 +28,7 @@ from tfdist.strategies import kinds
 from tfdist.strategies.kinds import StrategyKind
 
 
-class TaskCheckFailed(LaunchError):
+class MemberCheckFailed(LaunchError):
     """A task's own check refused the job: its line (as the task printed it) and exit code."""
 
     def __init__(self, line: str, code: int):
@@ -166,17 +166,17 @@ def decide_network(config: LaunchConfig) -> tuple[bool, str | None]:
 
 def show_plan(cluster: plans.ClusterPlan, checks: list[processes.TaskCheck]) -> None:
     """``--dry-run``: each task's address and duty, then the job's figures."""
-    width = max(len(c.task) for c in checks)
+    width = max(len(c.member) for c in checks)
     for c in checks:
         if c.plan is None:
-            print(f"{c.task:<{width}}  {c.error}")
+            print(f"{c.member:<{width}}  {c.error}")
             continue
         address = ""
         if c.plan.get("cluster"):
-            role, _, index = c.task.partition(":")
+            role, _, index = c.member.partition(":")
             address = c.plan["cluster"][role][int(index)]
-        host = f" on {cluster.where(c.task)}" if cluster.hosts else ""
-        print(f"{c.task:<{width}}  {address}{host}: {c.plan['action']}")
+        host = f" on {cluster.where(c.member)}" if cluster.hosts else ""
+        print(f"{c.member:<{width}}  {address}{host}: {c.plan['action']}")
     chief = next((c.plan for c in checks if c.plan and c.plan.get("is_chief")), None)
     if chief is not None:
         k = chief.get("gradients_per_update", 1)
@@ -209,8 +209,8 @@ def preflight(config: LaunchConfig) -> int | None:
     if failed:
         if not config.dry_run:
             same = all(c.error == failed[0].error for c in failed)
-            raise TaskCheckFailed(failed[0].error if same
-                                  else f"{failed[0].task}: {failed[0].error}", failed[0].code)
+            raise MemberCheckFailed(failed[0].error if same
+                                  else f"{failed[0].member}: {failed[0].error}", failed[0].code)
         return failed[0].code
     return Exit.OK if config.dry_run else None
 

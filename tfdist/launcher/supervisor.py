@@ -25,8 +25,8 @@ from tfdist.launcher import policy, processes
 from tfdist.launcher import traffic as trafficlib
 from tfdist.launcher.config import LaunchConfig
 from tfdist.launcher.memory import MemoryLimits, PeakMemory
-from tfdist.launcher.processes import Placement, Task
-from tfdist.launcher.state import JobState, RestartTask, SetLink, SignalTask, SlowTask, TaskView
+from tfdist.launcher.processes import Placement, MemberProcess
+from tfdist.launcher.state import JobState, RestartMember, SetLink, SignalMember, SlowMember, MemberView
 from tfdist.protocol import Exit
 from tfdist.strategies.kinds import StrategyKind
 
@@ -72,14 +72,14 @@ def storage_line(name: str, lines: list[str], relaunches: bool = False) -> str:
 class Supervisor:
     """One attempt of the job: its processes, their exits, the hooks' actions."""
 
-    def __init__(self, kind: StrategyKind, starter: Callable[[str], Task], log=print,
+    def __init__(self, kind: StrategyKind, starter: Callable[[str], MemberProcess], log=print,
                  grace: float = 5.0, poll: float = 0.1, slowdown=None, attempt: int = 0,
                  network=None, relaunches: bool = False):
         self.kind, self.starter, self.log = kind, starter, log
         self.relaunches = relaunches  # --max-restarts has relaunches left
         self.grace, self.poll, self.slowdown, self.attempt = grace, poll, slowdown, attempt
         self.network = network  # SimulatedHosts, for --partition
-        self.tasks: dict[str, Task] = {}
+        self.members: dict[str, MemberProcess] = {}
         self.exits: dict[str, int | None] = {}
         self.starts: dict[str, int] = {}
         # What stop() must undo whatever happens: tasks hung by SIGSTOP (their
@@ -93,21 +93,21 @@ class Supervisor:
         for name in names:
             self._start(name)
 
-    def _start(self, name: str) -> Task:
-        task = self.starter(name)
-        self.tasks[name] = task
+    def _start(self, name: str) -> MemberProcess:
+        member = self.starter(name)
+        self.members[name] = member
         self.exits[name] = None
         self.starts[name] = self.starts.get(name, 0) + 1
         if self.slowdown is not None:
-            self.slowdown.attach(name, task.proc.pid)
-        return task
+            self.slowdown.attach(name, member.proc.pid)
+        return member
 
     def state(self) -> JobState:
-        return JobState(tuple(TaskView(n, t.proc.pid, self.exits[n], self.starts[n])
-                              for n, t in self.tasks.items()), self.attempt)
+        return JobState(tuple(MemberView(n, t.proc.pid, self.exits[n], self.starts[n])
+                              for n, t in self.members.items()), self.attempt)
 
     def reap(self) -> None:
-        for name, t in self.tasks.items():
+        for name, t in self.members.items():
             if self.exits[name] is None and (code := t.proc.poll()) is not None:
                 self.exits[name] = code
                 self.hung.pop(name, None)
@@ -125,41 +125,41 @@ class Supervisor:
             self.network.set_link(action.host, action.up)
             (self.links_down.discard if action.up else self.links_down.add)(action.host)
             return
-        task = self.tasks.get(action.task)
-        if task is None:
+        member = self.members.get(action.member)
+        if member is None:
             return
-        if isinstance(action, SignalTask):
-            if task.proc.poll() is not None or (action.pid is not None and action.pid != task.proc.pid):
+        if isinstance(action, SignalMember):
+            if member.proc.poll() is not None or (action.pid is not None and action.pid != member.proc.pid):
                 return  # gone, or already replaced by a restart
             if action.sig == signal.SIGSTOP:
-                self.hung[action.task] = task.proc.pid
+                self.hung[action.member] = member.proc.pid
                 if self.slowdown is not None:
-                    self.slowdown.hold(action.task, task.proc.pid, held=True)
+                    self.slowdown.hold(action.member, member.proc.pid, held=True)
             if action.group:
-                processes.signal_group(task.proc, action.sig)
+                processes.signal_group(member.proc, action.sig)
             else:
-                task.proc.send_signal(action.sig)
-            if action.sig == signal.SIGCONT and self.hung.pop(action.task, None) is not None \
+                member.proc.send_signal(action.sig)
+            if action.sig == signal.SIGCONT and self.hung.pop(action.member, None) is not None \
                     and self.slowdown is not None:
-                self.slowdown.hold(action.task, task.proc.pid, held=False)
-        elif isinstance(action, RestartTask):
-            task.pump.join(timeout=5)
-            new = self._start(action.task)
+                self.slowdown.hold(action.member, member.proc.pid, held=False)
+        elif isinstance(action, RestartMember):
+            member.pump.join(timeout=5)
+            new = self._start(action.member)
             ended = new.proc.poll()
             if ended is not None:
                 # The engine could not start it again (a Ray task whose node is
                 # gone): already ended, so no pid to name.
-                self.log(f"[launch] could not restart {action.task}: it ended at once "
+                self.log(f"[launch] could not restart {action.member}: it ended at once "
                          f"(code {ended})")
             else:
-                self.log(f"[launch] restarted {action.task} (pid {new.proc.pid}), same TF_CONFIG"
+                self.log(f"[launch] restarted {action.member} (pid {new.proc.pid}), same TF_CONFIG"
                          + (f"; {action.note}" if action.note else ""))
-        elif isinstance(action, SlowTask):
+        elif isinstance(action, SlowMember):
             if self.slowdown is None:
                 raise RuntimeError(f"{action} without a Slowdown")
-            self.slowdown.activate(action.task, action.fraction)
-            if task.proc.poll() is None:
-                self.slowdown.attach(action.task, task.proc.pid)
+            self.slowdown.activate(action.member, action.fraction)
+            if member.proc.poll() is None:
+                self.slowdown.attach(action.member, member.proc.pid)
         else:
             raise TypeError(f"unknown action {action!r}")
 
@@ -169,16 +169,16 @@ class Supervisor:
         self.lift_all()
         if self.slowdown is not None:
             self.slowdown.resume()  # a stopped process cannot act on SIGTERM
-        processes.stop_tasks(list(self.tasks.values()), grace=self.grace)
+        processes.stop_members(list(self.members.values()), grace=self.grace)
 
     def lift_all(self) -> None:
         """Undo every hang and partition still on: a stopped process cannot
         act on SIGTERM, and a relaunch needs its links."""
         for name, pid in list(self.hung.items()):
             self.log(f"[launch] {name} (pid {pid}) is still hung: SIGCONT before stopping it")
-            task = self.tasks.get(name)
-            if task is not None and task.proc.pid == pid:
-                processes.signal_group(task.proc, signal.SIGCONT)  # its engine's way (Ray: the actor)
+            member = self.members.get(name)
+            if member is not None and member.proc.pid == pid:
+                processes.signal_group(member.proc, signal.SIGCONT)  # its engine's way (Ray: the actor)
             else:
                 try:
                     os.killpg(pid, signal.SIGCONT)
@@ -214,13 +214,13 @@ class Supervisor:
                         # itself; a SIGTERM now would be read as another notice.
                         self.log("[launch] job preempted: waiting for every task to checkpoint "
                                  "and exit")
-                        processes.wait_all(list(self.tasks.values()), self.grace)
+                        processes.wait_all(list(self.members.values()), self.grace)
                         self.reap()
                     elif code != 0:
                         self.log(f"[launch] job failed (exit {code}); stopping the other tasks")
                     else:
                         # Servers notice the chief is gone and exit on their own.
-                        processes.wait_all(list(self.tasks.values()), self.grace)
+                        processes.wait_all(list(self.members.values()), self.grace)
                     return code
                 if time.monotonic() > deadline:
                     self.log(f"[launch] error: job still running after --timeout={timeout:g}s; "
@@ -324,14 +324,14 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
         # VmHWM is read from this host's /proc: not for tasks on other nodes.
         peaks = PeakMemory() if engine is None else PeakMemory(read=lambda pid: None)
 
-        def starter(name: str) -> Task:
+        def starter(name: str) -> MemberProcess:
             if engine is not None:
                 return engine.start(name, command, env, task_envs[name])
             place = Placement(
                 netns=network.netns(config.cluster.host_of[name]) if network is not None else None,
                 cgroup=slowdown.cgroup_for(name) if slowdown is not None else None,
                 memory_cgroup=limits.cgroup_for(name), cpus=cores[name].cpus)
-            return processes.start_task(name, config.cluster.tf_configs[name], command, env,
+            return processes.start_member(name, config.cluster.tf_configs[name], command, env,
                                         task_env=task_envs[name], place=place)
 
         # After the link probe (build_hosts), so only the job's bytes count.
@@ -428,8 +428,8 @@ def _hooks(config: LaunchConfig, slowdown, event_paths: list[str], log):
     recovery = config.recovery
     for slow in recovery.slow:
         if slow.from_start:
-            slowdown.activate(slow.task, slow.fraction)
-            log(f"[launch] slow: {slowdown.describe(slow.task)}")
+            slowdown.activate(slow.member, slow.fraction)
+            log(f"[launch] slow: {slowdown.describe(slow.member)}")
     injector = FaultInjector(
         [*recovery.faults, *(s for s in recovery.slow if not s.from_start)],
         log=log, grace=config.grace, event_paths=event_paths)

@@ -45,7 +45,7 @@ def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
     the run's TensorFlow objects are never torn down (``training.loop.lifetime``).
     """
     started = time.perf_counter()
-    config, cfg = plan.config, plan.cluster
+    config, cluster = plan.config, plan.cluster
     trainer = None
     try:
         keras.utils.set_random_seed(config.seed)
@@ -54,7 +54,7 @@ def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
         builder = getattr(trainer_class, "build_state", None)
         state = (builder(plan, checked.task, bundle.strategy) if builder is not None
                  else build_state(plan, checked.task, bundle.strategy, checked.example))
-        checkpointer = Checkpointer(state, config.model_dir, cfg.is_chief, cfg.task_name,
+        checkpointer = Checkpointer(state, config.model_dir, cluster.is_chief, cluster.member_name,
                                     run_record=plan.defining_flags())
         try:
             start = checkpointer.restore(plan.task.name, plan.total_steps, plan.optimizer.name)
@@ -74,7 +74,7 @@ def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
             if failed is not None:
                 raise failed
             return results
-        reporter = Reporter(plan, checked, cfg.task_name, trainer.is_chief, trainer.start_step,
+        reporter = Reporter(plan, checked, cluster.member_name, trainer.is_chief, trainer.start_step,
                             started)
         return Controller(plan, trainer, checkpointer, reporter, started, started_ok).run()
     finally:
@@ -111,6 +111,6 @@ def already_complete(plan, trainer, started_ok=lambda: None) -> bool:
           "--epochs to train on, or a fresh --model-dir to start a new run", flush=True)
     started_ok()
     trainer.close(True)
-    protocol.EventLog(config.cluster.task_name).emit(protocol.DONE, trainer.start_step,
+    protocol.EventLog(config.cluster.member_name).emit(protocol.DONE, trainer.start_step,
                                                      already_complete=True)
     return True

@@ -44,9 +44,9 @@ def preflight(run_request: RunRequest, gpus: list[str] | None = None) -> RunPlan
     imported and inspected here (TensorFlow is imported for that, and to
     list GPUs when ``gpus`` is None). Writes nothing.
     """
-    cfg, kind, spec = run_request.config.cluster, run_request.kind, run_request.task
+    cluster, kind, spec = run_request.config.cluster, run_request.kind, run_request.task
     train_n, test_n = tasks.static_sizes(spec)
-    if train_n is None and kind.reads_data(cfg):
+    if train_n is None and kind.reads_data(cluster):
         checked = tasks.inspect(spec, tasks.load(spec, run_request.config.data_dir),
                                 steps_given=run_request.config.steps is not None)
         contract.check(kind, checked, run_request.config.gradient_dtype)
@@ -59,7 +59,7 @@ def preflight(run_request: RunRequest, gpus: list[str] | None = None) -> RunPlan
         gpus = _physical_gpus()
     plan = resolve(run_request, gpus, train_examples=train_n, test_examples=test_n)
     check_task_dirs(plan)
-    if plan.pipeline is not None and kind.reads_data(cfg):
+    if plan.pipeline is not None and kind.reads_data(cluster):
         # More stages than layers, bad --stages, a model that is not a chain:
         # one line now, not after every worker has started.
         from tfdist.training.pipeline.stages import check_cut
@@ -76,13 +76,13 @@ def _with_steps(config: TrainConfig) -> TrainConfig:
 
 def check_task_dirs(plan: RunPlan) -> None:
     """The chief's run directory is writable, and a resume keeps the run's defining flags."""
-    cfg, kind = plan.cluster, plan.kind
-    if cfg.is_chief:
+    cluster, kind = plan.cluster, plan.kind
+    if cluster.is_chief:
         # The chief writes there; an unusable path fails now, not after TF starts.
         check_model_dir(plan.config.model_dir)
         if plan.config.export is not None:
             check_model_dir(plan.config.export, "--export")
-    if kind.role(cfg) != "evaluator" and not kind.serves(cfg):
+    if kind.role(cluster) != "evaluator" and not kind.serves(cluster):
         from tfdist.training.loop.checkpoints import check_run_record
 
         # A resume with other defining flags is refused by --dry-run too.
@@ -103,45 +103,45 @@ def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None
         print(json.dumps(preflight(run_request).describe(), indent=None, sort_keys=True),
               flush=True)
         return None
-    cfg, kind, spec = config.cluster, run_request.kind, run_request.task
+    cluster, kind, spec = config.cluster, run_request.kind, run_request.task
     # Everything that can be checked without starting TensorFlow's runtime
     # first (its start-up takes seconds): flags, the run directory and its
     # record, this task's port. None of them writes anything.
     if task is None and tasks.static_sizes(spec)[0] is not None:
         preflight(run_request, gpus=[])
-    evaluator = kind.role(cfg) == "evaluator"
-    if not cfg.is_local and not evaluator:
-        check_own_port(cfg)
-    gpus = _physical_gpus() if kind.role(cfg) in kind.gpu_roles() else []
+    evaluator = kind.role(cluster) == "evaluator"
+    if not cluster.is_local and not evaluator:
+        check_own_port(cluster)
+    gpus = _physical_gpus() if kind.role(cluster) in kind.gpu_roles() else []
     for name, value in kind.process_env().items():
         os.environ.setdefault(name, value)
 
     from tfdist.strategies.devices import configure_devices
 
-    if kind.reads_data(cfg) and task is None and tasks.reads_tfds(spec):
+    if kind.reads_data(cluster) and task is None and tasks.reads_tfds(spec):
         # One clear line if the data is missing, truncated or corrupt (both
         # splits), read without starting the runtime.
         tasks.load(spec, config.data_dir).check_data()
-    configure_devices(kind.gpu_roles(), cfg)
+    configure_devices(kind.gpu_roles(), cluster)
     if evaluator:
-        print(f"{cfg.task_name}: {kind.duty(cfg)}; exiting", flush=True)
+        print(f"{cluster.member_name}: {kind.duty(cluster)}; exiting", flush=True)
         return None
-    if kind.serves(cfg):
+    if kind.serves(cluster):
         from tfdist.strategies.server import serve
 
-        serve(cfg, startup_timeout=config.startup_timeout)
+        serve(cluster, startup_timeout=config.startup_timeout)
         return None
 
     from tfdist.strategies.server import StartupWatchdog
     from tfdist.training.loop.checkpoints import RunLock
     from tfdist.training.assemble import train_and_evaluate
 
-    watchdog = StartupWatchdog(cfg, config.startup_timeout,
+    watchdog = StartupWatchdog(cluster, config.startup_timeout,
                                "connect to every task and run the first step")
     # The strategy first: MultiWorkerMirroredStrategy configures collectives
     # before the runtime starts, and checking the task runs TensorFlow ops.
-    kind.detect_stuck_after(cfg, config.stuck_timeout)
-    bundle = kind.build(cfg, all_reduce=config.all_reduce)
+    kind.detect_stuck_after(cluster, config.stuck_timeout)
+    bundle = kind.build(cluster, all_reduce=config.all_reduce)
     checked = tasks.inspect(spec, task if task is not None else tasks.load(spec, config.data_dir),
                             steps_given=config.steps is not None)
     contract.check(kind, checked, config.gradient_dtype)
@@ -157,7 +157,7 @@ def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None
               f"({opt.schedule}) instead of the optimizer it compiled, as the flags ask",
               flush=True)
     lock = None
-    if cfg.is_chief:
+    if cluster.is_chief:
         # The first thing written: a second job on this directory stops here.
         os.makedirs(config.model_dir, exist_ok=True)
         lock = RunLock(config.model_dir)
@@ -168,7 +168,7 @@ def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None
             lock.release()
 
 
-def check_own_port(cfg) -> None:
+def check_own_port(cluster) -> None:
     """Refuse to start when this task's port is already taken on this host.
 
     TensorFlow's server listens on every interface, so a port held on any of
@@ -180,7 +180,7 @@ def check_own_port(cfg) -> None:
     import errno
     import socket
 
-    port = int(cfg.address.rpartition(":")[2])
+    port = int(cluster.address.rpartition(":")[2])
     probes = [(socket.AF_INET, "")]
     if socket.has_ipv6:
         probes.append((socket.AF_INET6, "::"))
@@ -203,8 +203,8 @@ def check_own_port(cfg) -> None:
                        "TF_CONFIG, or another program)" if err.errno == errno.EADDRINUSE
                        else f"not available ({err.strerror})")
                 raise ConfigError(
-                    f"{cfg.task_name} cannot listen on port {port} (its TF_CONFIG address "
-                    f"{cfg.address}): the port is {why}; give every task its own TF_CONFIG "
+                    f"{cluster.member_name} cannot listen on port {port} (its TF_CONFIG address "
+                    f"{cluster.address}): the port is {why}; give every task its own TF_CONFIG "
                     "task and port, or free the port"
                 ) from None
 

@@ -36,7 +36,7 @@ class Controller:
     def __init__(self, plan, trainer: Trainer, checkpointer: Checkpointer, reporter: Reporter,
                  started: float, started_ok=lambda: None):
         self.plan, self.config, self.trainer = plan, plan.config, trainer
-        self.kind, self.replicas, self.cfg = plan.kind, plan.replicas, plan.cluster
+        self.kind, self.replicas, self.cluster = plan.kind, plan.replicas, plan.cluster
         self.checkpointer, self.reporter = checkpointer, reporter
         self.started = started
         self.started_ok = started_ok
@@ -67,7 +67,7 @@ class Controller:
         try:
             return self._run()
         except Exception as err:  # pylint: disable=broad-except
-            fault = storage_fault(err, task=self.cfg.task_name,
+            fault = storage_fault(err, member=self.cluster.member_name,
                                   checkpoint_step=self.checkpointer.resume_step)
             if fault is None:
                 raise
@@ -91,9 +91,9 @@ class Controller:
                                           resumed_from=trainer.start_step)
                 raise
             except trainer.peer_errors as err:
-                if self.cfg.is_local:
+                if self.cluster.is_local:
                     raise
-                raise task_lost(err, self.cfg, "training" if begun else "starting",
+                raise task_lost(err, self.cluster, "training" if begun else "starting",
                                 trainer.completed, self.checkpointer.saved_at) from None
         finally:
             trainer.close(finished)
@@ -228,8 +228,8 @@ class Controller:
             optimizer=opt.name if opt.library else type(trainer.state.optimizer).__name__.lower(),
             learning_rate=opt.learning_rate if opt.library else _rate(trainer.state.optimizer),
             lr_schedule=opt.schedule if opt.library else "task's own",
-            num_workers=len(self.kind.training_tasks(self.cfg)),
-            num_ps=self.cfg.num_ps,
+            num_workers=len(self.kind.training_members(self.cluster)),
+            num_ps=self.cluster.num_ps,
             replicas_in_sync=self.replicas,
             global_batch_size=plan.global_batch_size,
             steps_per_execution=config.steps_per_execution,

@@ -91,13 +91,13 @@ def run_hparams(plan) -> dict:
 class Reporter:
     """Progress lines and events on every task; TensorBoard on the chief only."""
 
-    def __init__(self, plan, checked, task: str, is_chief: bool, start_step: int,
+    def __init__(self, plan, checked, member: str, is_chief: bool, start_step: int,
                  started: float | None = None):
         self.plan, self.checked = plan, checked
         self.total = plan.total_steps
         self.epoch_of = plan.schedule(start_step).epoch
         self.throughput = Throughput(plan.global_batch_size, start_step)
-        self.events = protocol.EventLog(task)
+        self.events = protocol.EventLog(member)
         self.writer = (
             tf.summary.create_file_writer(os.path.join(plan.config.model_dir, "logs"))
             if is_chief else None

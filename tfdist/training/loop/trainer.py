@@ -27,10 +27,10 @@ class Trainer(abc.ABC):
                  train_metrics):
         self.plan, self.bundle, self.task = plan, bundle, task
         self.train_metrics = train_metrics  # training.loop.step.TrainMetrics
-        self.config, self.cfg = plan.config, plan.cluster
+        self.config, self.cluster = plan.config, plan.cluster
         self.state, self.checkpointer = state, checkpointer
         self.start_step = self.completed = start_step  # requested steps applied so far
-        self.is_chief = self.cfg.is_chief
+        self.is_chief = self.cluster.is_chief
 
     @property
     def metric_names(self) -> tuple[str, ...]:

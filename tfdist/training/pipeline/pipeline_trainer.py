@@ -298,7 +298,7 @@ class PipelineTrainer(Trainer):
                     if name in {n for n, _ in self.state.devices[0]})
         return {
             "global_steps": int(self.state.global_step.numpy()),
-            "steps_per_worker": {name: ran for name in self.bundle.kind.training_tasks(self.cfg)},
+            "steps_per_worker": {name: ran for name in self.bundle.kind.training_members(self.cluster)},
             "pipeline": {
                 **self.plan.pipeline.describe(),
                 "cut": self.state.cut,

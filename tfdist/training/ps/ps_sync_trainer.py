@@ -526,7 +526,7 @@ class PsSyncTrainer(CoordinatedTrainer):
                 "worker": name, "at_step": self.completed,
                 "waited_seconds": round(time.monotonic() - since, 1), "rerouted_steps": 0,
                 "came_back": False, "steps_after": None, "outcome": "left out"})
-        print(f"warning: {self.cfg.task_name}: {self._scheduled - last} closure(s) had not "
+        print(f"warning: {self.cluster.member_name}: {self._scheduled - last} closure(s) had not "
               f"ended {self.patience:g}s (--stuck-timeout) after the last update; stuck: "
               f"{', '.join(stuck) or 'none found'}; the run ends without waiting for them "
               f"(gradients they computed: "

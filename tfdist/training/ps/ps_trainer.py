@@ -221,7 +221,7 @@ class PsTrainer(CoordinatedTrainer):
         count as applied, without their loss and metrics.
         """
         deadline = time.monotonic() + self.patience
-        self._fetcher.submit(lambda: fetch(remote, deadline, task=self.cfg.task_name))
+        self._fetcher.submit(lambda: fetch(remote, deadline, member=self.cluster.member_name))
         since = time.monotonic()
         while True:
             try:
@@ -235,7 +235,7 @@ class PsTrainer(CoordinatedTrainer):
             if stuck:
                 self._fetcher.abandon()
                 self.report_stuck([name.split(" ")[0] for name in stuck])
-                print(f"warning: {self.cfg.task_name}: a finished call's results are held by "
+                print(f"warning: {self.cluster.member_name}: a finished call's results are held by "
                       f"{', '.join(stuck)}, which accepts connections but has answered nothing "
                       f"for {waited:.0f}s (--stuck-timeout={self.patience:g}); its {n} step(s) "
                       "are applied, their loss and metrics not counted", flush=True)
@@ -282,7 +282,7 @@ class PsTrainer(CoordinatedTrainer):
         for name in names:
             count = counts[self.workers.index(name)] if counts and name in self.workers else None
             self._stuck.append(StuckWorker(name, self.completed, waited, n, remote, count))
-        print(f"warning: {self.cfg.task_name}: {', '.join(stuck)} accepts connections but has "
+        print(f"warning: {self.cluster.member_name}: {', '.join(stuck)} accepts connections but has "
               f"answered nothing for {waited:.0f}s (--stuck-timeout={self.patience:g}); "
               f"rerunning its {n} step(s) from step {self.completed} on the other workers, "
               "which get all further steps until it answers again", flush=True)
