@@ -98,7 +98,7 @@ def test_different_ports_or_hosts_are_not_duplicates():
     assert cluster.num_workers == 4
 
 
-@pytest.mark.parametrize("cluster,task", [
+@pytest.mark.parametrize("cluster,role", [
     ({"chief": ["localhost:1"], "ps": ["localhost:2"]}, "chief"),
     ({"ps": ["localhost:2"]}, "ps"),
     ({"chief": ["localhost:1"], "ps": ["localhost:2"], "evaluator": ["localhost:3"]}, "evaluator"),
