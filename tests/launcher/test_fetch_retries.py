@@ -1,5 +1,5 @@
 """Transient RPC errors on the ps chief's fetch path are retried, then end the job
-with one line and exit 75 (issue: gRPC status 13 "Unable to parse request"
+with one line and exit 75 (seen: gRPC status 13 "Unable to parse request"
 while copying a finished closure's outputs). Fake remote values, no cluster."""
 
 import collections

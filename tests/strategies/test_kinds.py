@@ -98,7 +98,7 @@ def _project_modules():
 
 
 def test_no_strategy_name_is_compared_outside_strategies():
-    # The issue's grep, over the project's own files only: a virtualenv in
+    # A grep for compared strategy names, over the project's own files only: a virtualenv in
     # the checkout holds other projects' "== \"ps\"".
     compared = re.compile(r'== "(ps|multiworker|mirrored)"')
     outside = [f"{path.relative_to(REPO)}:{n}: {line.strip()}"

@@ -234,7 +234,7 @@ def test_fuzzed_text_is_a_config_or_one_line():
     "localhost:99999", "localhost:-1", "localhost:x", "localhost:", ":", "", "[::1]:99999", "[::1]:", "[:1",
 ])
 def test_reachable_never_raises(address):
-    # Issue 19: a UnicodeError from the idna codec escaped and killed the watchdog.
+    # A UnicodeError from the idna codec once escaped and killed the watchdog.
     assert reachable(address, timeout=0.2) is False
 
 

@@ -352,16 +352,7 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
     if injector.waiting:
         log("[launch] never due (the job ended first): "
             + ", ".join(str(f) for f in injector.waiting))
-    if peaks.peaks:
-        log(f"[launch] peak memory (resident): {peaks.describe()}")
-    if limited:
-        log("[launch] most memory charged, of its --memory-limit: " + ", ".join(
-            f"{n} {r['max_usage_bytes'] / 2**20:.0f} of {r['limit_bytes'] / 2**20:.0f} MiB"
-            for n, r in limited.items() if r["max_usage_bytes"] is not None))
-    for name, count in oom.items():
-        log(f"[launch] {name} was ended by the kernel's OOM killer {count} time(s): its "
-            f"--memory-limit of {config.memory_limits[name] / 2**20:.0f} MiB is too small "
-            "for what it holds (more ps tasks split the variables further)")
+    _log_memory(config, peaks, limited, oom, log)
     rates = worker_rates(config.kind, paths) if paths else {}
     if rates:
         log(f"[launch] per worker: {describe_rates(rates)}")
@@ -373,23 +364,39 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
         log(trafficlib.describe(traffic))
     if launch_dir is not None and os.path.isdir(launch_dir):
         plan, slowed = config.cluster, [str(s) for s in recovery.slow]
-        path = os.path.join(launch_dir, "outcome.json")
-        try:
-            protocol.LaunchOutcome(
-                int(code), list(injector.fired), restarts, attempt, per_task=rates or None,
-                hosts={n: plan.where(n) for n in names} if plan.hosts else None,
-                link=link, slowed=slowed or None, faults=list(injector.records) or None,
-                traffic=traffic, peak_rss_bytes=peaks.peaks or None,
-                memory_limits=limited or None, oom_killed=oom or None,
-                restarts_per_task=dict(restarter.restarts) if restarter is not None and
-                restarter.restarts else None,
-            ).write(path)
-        except OSError as err:
-            # The run directory full or read-only (often why the job ended):
-            # the job's exit code says what happened all the same.
-            log(f"[launch] warning: could not write {path} ({err.strerror or err}); the "
-                f"job's exit code is {int(code)} all the same")
+        _write_outcome(os.path.join(launch_dir, "outcome.json"), protocol.LaunchOutcome(
+            int(code), list(injector.fired), restarts, attempt, per_task=rates or None,
+            hosts={n: plan.where(n) for n in names} if plan.hosts else None,
+            link=link, slowed=slowed or None, faults=list(injector.records) or None,
+            traffic=traffic, peak_rss_bytes=peaks.peaks or None,
+            memory_limits=limited or None, oom_killed=oom or None,
+            restarts_per_task=dict(restarter.restarts) if restarter is not None and
+            restarter.restarts else None), log)
     return code
+
+
+def _log_memory(config: LaunchConfig, peaks, limited: dict, oom: dict, log) -> None:
+    """The launcher's lines on memory: each member's peak, its limit's use, its OOM kills."""
+    if peaks.peaks:
+        log(f"[launch] peak memory (resident): {peaks.describe()}")
+    if limited:
+        log("[launch] most memory charged, of its --memory-limit: " + ", ".join(
+            f"{n} {r['max_usage_bytes'] / 2**20:.0f} of {r['limit_bytes'] / 2**20:.0f} MiB"
+            for n, r in limited.items() if r["max_usage_bytes"] is not None))
+    for name, count in oom.items():
+        log(f"[launch] {name} was ended by the kernel's OOM killer {count} time(s): its "
+            f"--memory-limit of {config.memory_limits[name] / 2**20:.0f} MiB is too small "
+            "for what it holds (more ps tasks split the variables further)")
+
+
+def _write_outcome(path: str, outcome: protocol.LaunchOutcome, log) -> None:
+    try:
+        outcome.write(path)
+    except OSError as err:
+        # The run directory full or read-only (often why the job ended):
+        # the job's exit code says what happened all the same.
+        log(f"[launch] warning: could not write {path} ({err.strerror or err}); the "
+            f"job's exit code is {outcome.exit_code} all the same")
 
 
 def _counters(network, log) -> dict | None:
