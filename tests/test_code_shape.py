@@ -9,6 +9,7 @@ import subprocess
 from conftest import REPO
 
 MAX_FUNCTION_LINES = 80
+DOCSTRING_FROM_LINES = 100  # a class this long says what it owns
 ISSUE_NUMBER = re.compile(r"(?<![\w-])issues?[\s#:-]*\d+", re.IGNORECASE)
 
 
@@ -31,8 +32,26 @@ def long_functions(sources: dict[str, str], limit: int = MAX_FUNCTION_LINES) -> 
     return sorted(found)
 
 
+def undocumented_classes(sources: dict[str, str], lines: int = DOCSTRING_FROM_LINES) -> list[str]:
+    """``path:name`` for every class of at least ``lines`` lines without a docstring."""
+    return sorted(f"{path}:{node.name}" for path, text in sources.items()
+                  for node in ast.walk(ast.parse(text, path))
+                  if isinstance(node, ast.ClassDef) and not ast.get_docstring(node)
+                  and node.end_lineno - node.lineno + 1 >= lines)
+
+
+def _code() -> dict[str, str]:
+    return {p: (REPO / p).read_text() for p in _tracked("*.py") if not p.startswith("tests/")}
+
+
+def test_every_large_class_says_what_it_owns():
+    assert undocumented_classes(_code()) == []
+    assert undocumented_classes({"a.py": "class A:\n" + "    x = 1\n" * 99}) == ["a.py:A"]
+    assert undocumented_classes({"a.py": "class A:\n    \"\"\"Owns x.\"\"\"\n" + "    x = 1\n" * 99}) == []
+
+
 def test_no_function_outside_the_tests_is_over_80_lines():
-    sources = {p: (REPO / p).read_text() for p in _tracked("*.py") if not p.startswith("tests/")}
+    sources = _code()
     assert len(sources) > 80  # the real tree: tfdist/, strategies/, models/, the commands
     assert long_functions(sources) == []
 

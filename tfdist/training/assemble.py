@@ -21,7 +21,6 @@ from tfdist.training.loop.controller import Controller
 from tfdist.training.loop.export import export_finished_run
 from tfdist.training.loop.lifetime import keep_alive_until_exit
 from tfdist.training.loop.reporting import Reporter
-from tfdist.training.loop.state import build_state
 from tfdist.training.loop.step import TrainMetrics
 from tfdist.training.loop.trainer import Trainer
 from tfdist.training.pipeline.pipeline_trainer import PipelineTrainer
@@ -50,10 +49,7 @@ def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
     try:
         keras.utils.set_random_seed(config.seed)
         trainer_class = TRAINERS[plan.kind.trainer]
-        # A trainer that places the model itself (pipeline stages) builds its own state.
-        builder = getattr(trainer_class, "build_state", None)
-        state = (builder(plan, checked.task, bundle.strategy) if builder is not None
-                 else build_state(plan, checked.task, bundle.strategy, checked.example))
+        state = trainer_class.build_state(plan, checked.task, bundle.strategy, checked.example)
         checkpointer = Checkpointer(state, config.model_dir, cluster.is_chief, cluster.member_name,
                                     run_record=plan.defining_flags())
         try:

@@ -47,6 +47,11 @@ DEFINING_FLAGS = ("strategy", "task", "optimizer", "learning_rate", "lr_schedule
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """``train.py``'s flags as one frozen object (the API builds the same): what to train,
+    how long, with what optimizer and batch, where to write, every cadence and fault
+    setting, and the cluster read once. Owns checking each flag on its own
+    (``validate``); what needs the cluster, kind or task is ``training.plan``'s."""
+
     strategy: str = "auto"
     task: str = DEFAULT_TASK  # a built-in name, pkg.mod[:NAME] or path/to/task.py
     task_options: tuple[str, ...] = ()  # --task-option KEY=VALUE, for the task's configure()

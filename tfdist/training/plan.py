@@ -62,6 +62,11 @@ class ShardingPlan:
 
 @dataclass(frozen=True)
 class RunPlan:
+    """A run resolved once, passed down frozen: the flags, the cluster, the strategy kind,
+    the task's spec and sizes, K, the global batch, replicas, steps and epochs, the
+    optimizer, sharding and the pipeline's cut. Owns every derived number; nothing
+    after it resolves again (``--dry-run`` prints it)."""
+
     config: TrainConfig
     cluster: ClusterConfig
     kind: StrategyKind

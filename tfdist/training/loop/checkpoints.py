@@ -113,6 +113,21 @@ class Checkpointer:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def save_model(model, model_dir: str) -> None:
+    """``model_dir/model.keras``, whole or not at all: saved beside it and renamed over,
+    so a full disk leaves the previous file whole."""
+    final = os.path.join(model_dir, "model.keras")
+    partial = os.path.join(model_dir, f"model.tmp{os.getpid()}.keras")
+    try:
+        model.save(partial)
+        os.replace(partial, final)
+    except OSError:
+        try:
+            os.unlink(partial)
+        except OSError:
+            pass
+        raise
+
 def _candidates(ckpt_dir: str) -> list[str]:
     """Checkpoint prefixes in ``ckpt_dir``, newest first.
 

@@ -15,24 +15,29 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import resource
 import time
-
-import keras
-import tensorflow as tf
 
 from tfdist import protocol
 from tfdist.training.workload import contract
 from tfdist.training.loop.callbacks import Callbacks
-from tfdist.training.loop.checkpoints import Checkpointer
-from tfdist.training.loop.evaluation import split_metrics, weights_sha256
+from tfdist.training.loop.checkpoints import Checkpointer, save_model
+from tfdist.training.loop.evaluation import split_metrics
 from tfdist.training.loop.export import ExportFailed, Exporter
 from tfdist.training.loop.recovery import Diverged, Preempted, storage_fault, task_lost
-from tfdist.training.loop.reporting import Reporter, run_hparams
+from tfdist.training.loop.reporting import Reporter, RunTimes, results_record, run_hparams
 from tfdist.training.loop.trainer import Trainer
 
 
 class Controller:
+    """The one outer loop of a run, for every strategy (Orbit's ``Controller``).
+
+    Owns every cadence through the plan's ``Schedule`` (call sizes, progress lines,
+    evaluations, checkpoints, the end), the run's clock (start-up, steady state), the
+    finite-loss check, preemption and early stops, and the chief's final outputs
+    (``_finish``). Owns no step: the ``Trainer`` it is handed runs them; the
+    checkpointer, reporter, callbacks and exporter are its tools.
+    """
+
     def __init__(self, plan, trainer: Trainer, checkpointer: Checkpointer, reporter: Reporter,
                  started: float, started_ok=lambda: None):
         self.plan, self.config, self.trainer = plan, plan.config, trainer
@@ -210,97 +215,34 @@ class Controller:
         raise Preempted(done)
 
     def _finish(self, train_seconds: float, examples_per_sec: float) -> dict:
-        """Evaluate a local copy of the weights; write the chief's outputs."""
-        plan, config, trainer, reporter = self.plan, self.config, self.trainer, self.reporter
+        """Evaluate a local copy of the weights; write the chief's outputs, in order:
+        the results record (``reporting.results_record``), ``model.keras`` (saved whole
+        or not at all, ``checkpoints.save_model``), the export, ``results.json``."""
+        trainer, reporter, model_dir = self.trainer, self.reporter, self.config.model_dir
         seconds = reporter.clock()
         values = reporter.evaluator()(trainer.state.model)
         model = reporter.evaluator().local
-        loss, test_metrics = split_metrics(values)
-        ran = trainer.completed - trainer.start_step
-        specific = trainer.result_fields(ran)
-        reporter.add_point(specific["global_steps"], test_metrics, seconds)
-        info = trainer.task.info
-        opt = plan.optimizer
-        results = protocol.Results(
-            strategy=self.kind.name,
-            model=plan.task.name,
-            task=plan.task.name,
-            optimizer=opt.name if opt.library else type(trainer.state.optimizer).__name__.lower(),
-            learning_rate=opt.learning_rate if opt.library else _rate(trainer.state.optimizer),
-            lr_schedule=opt.schedule if opt.library else "task's own",
-            num_workers=len(self.kind.training_members(self.cluster)),
-            num_ps=self.cluster.num_ps,
-            replicas_in_sync=self.replicas,
-            global_batch_size=plan.global_batch_size,
-            steps_per_execution=config.steps_per_execution,
-            seed=config.seed,
-            completed_steps=trainer.completed,
-            steps_this_run=ran,
-            resumed_from_step=trainer.start_step,
-            startup_seconds=round(self.startup_seconds, 3),
-            train_seconds=round(train_seconds, 3),
-            steady_steps=trainer.completed - self.steady_from,
-            examples_per_sec=examples_per_sec,
-            wall_seconds=round(time.perf_counter() - self.started, 3),
-            eval_curve=reporter.curve,
-            eval_seconds=round(reporter.eval_seconds, 3),
-            test_accuracy=test_metrics.get("accuracy"),
-            test_loss=loss,
-            test_metrics=test_metrics,
-            train_examples=info.train_examples,
-            test_examples=info.test_examples,
-            weights_sha256=weights_sha256(model),
-            tf_version=tf.__version__,
-            keras_version=keras.__version__,
-            # Linux reports ru_maxrss in KiB.
-            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            trainable_params=count_trainable(model),
-            gradient_dtype=config.gradient_dtype,
-            extra=dict(info.extra_results, **validation_results(reporter.val_curve),
-                       **({"stopped_by": self.callbacks.stopped_by}
-                          if self.callbacks.stopped_by else {})),
-            **specific,
-        )
-        # Beside and renamed over: a full disk leaves the previous model.keras whole.
-        final = os.path.join(config.model_dir, "model.keras")
-        partial = os.path.join(config.model_dir, f"model.tmp{os.getpid()}.keras")
-        try:
-            model.save(partial)
-            os.replace(partial, final)
-        except OSError:
-            try:
-                os.unlink(partial)
-            except OSError:
-                pass
-            raise
-        if self.exporter is not None:
-            try:
-                export = self.exporter.export_local(model, specific["global_steps"])
-                results = dataclasses.replace(results, export=export)
-            except ExportFailed as err:
-                self.export_failed = err  # raised once every task is done
-        results.write(os.path.join(config.model_dir, "results.json"))
+        specific = trainer.result_fields(trainer.completed - trainer.start_step)
+        reporter.add_point(specific["global_steps"], split_metrics(values)[1], seconds)
+        times = RunTimes(startup=self.startup_seconds, train=train_seconds,
+                         wall=time.perf_counter() - self.started,
+                         steady_steps=trainer.completed - self.steady_from,
+                         examples_per_sec=examples_per_sec)
+        results = results_record(self.plan, trainer, reporter, model, values, specific, times,
+                                 self.callbacks.stopped_by)
+        save_model(model, model_dir)
+        results = self._export(model, specific["global_steps"], results)
+        results.write(os.path.join(model_dir, "results.json"))
         reporter.final(results.to_dict())
         return results.to_dict()
 
-
-def validation_results(curve: list[dict]) -> dict:
-    """The validation split's last ``val_*`` values and its curve, for results.json."""
-    if not curve:
-        return {}
-    last = {k: v for k, v in curve[-1].items() if k.startswith("val_")}
-    return {"val_metrics": last, "val_curve": curve}
-
-
-def count_trainable(model) -> int:
-    """Trainable parameters: the elements of every trainable weight (a split one counted once)."""
-    return int(sum(math.prod(w.shape) for w in model.trainable_weights))
-
-
-def _rate(optimizer) -> float | None:
-    """A task's own optimizer's current rate, where it can be read as a number."""
-    try:
-        # Through NumPy: float() refuses a MirroredVariable (multiworker's rate).
-        return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
-    except Exception:  # pylint: disable=broad-except
-        return None
+    def _export(self, model, step: int, results: protocol.Results) -> protocol.Results:
+        """``--export``: the SavedModel of ``model`` at ``step``, its record in ``results``;
+        a failure is kept and raised once every task is done."""
+        if self.exporter is None:
+            return results
+        try:
+            return dataclasses.replace(results, export=self.exporter.export_local(model, step))
+        except ExportFailed as err:
+            self.export_failed = err
+            return results

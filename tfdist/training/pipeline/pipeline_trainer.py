@@ -221,10 +221,14 @@ def make_pipeline_step(state: PipelineState, compile_loss, metrics, micro_batche
 
 
 class PipelineTrainer(Trainer):
+    """``pipeline`` on the chief: owns the model's stages placed on the workers (and their
+    optimizers, per copy), the GPipe step over micro-batches, keeping the copies
+    identical, and the per-worker parameter and optimizer bytes of the results."""
+
     peer_errors = PEER_ERRORS
 
     @staticmethod
-    def build_state(plan, task, strategy):
+    def build_state(plan, task, strategy, example=None):
         return build_pipeline_state(plan, task, strategy)
 
     def __init__(self, *, plan, bundle, task, state, checkpointer, start_step, train_metrics):

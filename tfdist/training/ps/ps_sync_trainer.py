@@ -322,6 +322,12 @@ def make_aggregate_fn(q: SyncQueues, optimizer, variables, global_step, k: int, 
 
 
 class PsSyncTrainer(CoordinatedTrainer):
+    """``ps-sync`` on the chief: owns the token and gradient queues on ps:0, the worker and
+    aggregate closures built over them, the K-gradient updates and every gradient's count
+    (accepted, dropped, skipped), and the reissue of a step's tokens when an update stalls.
+    What it shares with ``ps`` (the workers, SIGTERM, the stall watchdog, guarded saves)
+    is ``CoordinatedTrainer``'s."""
+
     def __init__(self, *, plan, bundle, task, state, checkpointer, start_step, train_metrics):
         super().__init__(plan=plan, bundle=bundle, task=task, state=state,
                          checkpointer=checkpointer, start_step=start_step,

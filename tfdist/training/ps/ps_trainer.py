@@ -136,6 +136,11 @@ def _is_ready(remote) -> bool:
 
 
 class PsTrainer(CoordinatedTrainer):
+    """``ps`` on the chief: owns the closures scheduled on the workers and the in-flight
+    window, fetching their results (loss, metrics, staleness) as they complete, the
+    per-worker step counts and re-executed steps, and the rerouting of a stuck worker's
+    call. What it shares with ``ps-sync`` is ``CoordinatedTrainer``'s."""
+
     # The main thread reroutes a stuck worker's call, or gives up its
     # results, at --stuck-timeout, and probing the peers takes up to 4 s
     # more on a busy host; the watchdog is the fallback.

@@ -75,6 +75,10 @@ def make_statistics_sync(strategy, variables):
 
 
 class SyncTrainer(Trainer):
+    """``none``, ``mirrored``, ``multiworker``: every task runs every step in lockstep.
+    Owns the distributed dataset and its iterator, the compiled call of ``n`` steps, the
+    agreed start step, TensorFlow's preemption handler and the end-of-job barrier."""
+
     peer_errors = PEER_ERRORS
 
     def __init__(self, *, plan, bundle, task, state, checkpointer, start_step, train_metrics):
