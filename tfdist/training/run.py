@@ -90,27 +90,39 @@ def check_task_dirs(plan: RunPlan) -> None:
 
 
 def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None:
-    """Run this task's part of the job; the chief returns the results dict.
+    """Run this member's part of the job; the chief returns the results dict.
 
     Raises ConfigError for bad input before anything is written.
     ``as_command``: the process ends right after (``python train.py``).
     ``task``: a task object to train instead of ``config.task`` (``tfdist.fit``
     in one process).
+
+    The way in, each step once and in this order: the flags read into one
+    request → the checks that need no runtime → the member's duty if it does
+    not train (serve, or exit) → the strategy, the task inspected, one plan →
+    the trainer, under the run lock.
     """
-    # The flags read once: checked, the kind chosen, the task named; passed down from here.
     run_request = request(config, task)
     if config.dry_run:
         print(json.dumps(preflight(run_request).describe(), indent=None, sort_keys=True),
               flush=True)
         return None
-    cluster, kind, spec = config.cluster, run_request.kind, run_request.task
-    # Everything that can be checked without starting TensorFlow's runtime
-    # first (its start-up takes seconds): flags, the run directory and its
-    # record, this task's port. None of them writes anything.
+    gpus = prepare_process(run_request, task)
+    if serve_or_skip(run_request):
+        return None
+    plan, bundle, checked, started_ok = build_and_plan(run_request, task, gpus)
+    return train_locked(plan, bundle, checked, started_ok, as_command)
+
+
+def prepare_process(run_request: RunRequest, task=None) -> list[str]:
+    """Everything checked without starting TensorFlow's runtime (its start-up takes
+    seconds): flags, the run directory and its record, this member's port, the data;
+    then the process's environment and devices. Writes nothing; the GPUs to use."""
+    config, kind, spec = run_request.config, run_request.kind, run_request.task
+    cluster = config.cluster
     if task is None and tasks.static_sizes(spec)[0] is not None:
         preflight(run_request, gpus=[])
-    evaluator = kind.role(cluster) == "evaluator"
-    if not cluster.is_local and not evaluator:
+    if not cluster.is_local and kind.role(cluster) != "evaluator":
         check_own_port(cluster)
     gpus = _physical_gpus() if kind.role(cluster) in kind.gpu_roles() else []
     for name, value in kind.process_env().items():
@@ -123,19 +135,31 @@ def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None
         # splits), read without starting the runtime.
         tasks.load(spec, config.data_dir).check_data()
     configure_devices(kind.gpu_roles(), cluster)
-    if evaluator:
+    return gpus
+
+
+def serve_or_skip(run_request: RunRequest) -> bool:
+    """A member that does not train does its duty here (an evaluator exits, a ps or a
+    worker under ps serves until the chief is gone); True when it did."""
+    cluster, kind = run_request.config.cluster, run_request.kind
+    if kind.role(cluster) == "evaluator":
         print(f"{cluster.member_name}: {kind.duty(cluster)}; exiting", flush=True)
-        return None
+        return True
     if kind.serves(cluster):
         from tfdist.strategies.server import serve
 
-        serve(cluster, startup_timeout=config.startup_timeout)
-        return None
+        serve(cluster, startup_timeout=run_request.config.startup_timeout)
+        return True
+    return False
 
+
+def build_and_plan(run_request: RunRequest, task, gpus: list[str]):
+    """The strategy built, the task inspected under it, the one ``RunPlan``: (plan, the
+    strategy bundle, the checked task, the start-up watchdog's ``done``)."""
     from tfdist.strategies.server import StartupWatchdog
-    from tfdist.training.loop.checkpoints import RunLock
-    from tfdist.training.assemble import train_and_evaluate
 
+    config, kind, spec = run_request.config, run_request.kind, run_request.task
+    cluster = config.cluster
     watchdog = StartupWatchdog(cluster, config.startup_timeout,
                                "connect to every task and run the first step")
     # The strategy first: MultiWorkerMirroredStrategy configures collectives
@@ -156,13 +180,22 @@ def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None
         print(f"task {spec.name}: training with --optimizer {opt.name} at {opt.learning_rate:g} "
               f"({opt.schedule}) instead of the optimizer it compiled, as the flags ask",
               flush=True)
+    return plan, bundle, checked, watchdog.done
+
+
+def train_locked(plan: RunPlan, bundle, checked, started_ok, as_command: bool) -> dict | None:
+    """The trainer and its controller (``training.assemble``); the chief holds
+    ``<model-dir>/.lock`` meanwhile (the first thing a run writes)."""
+    from tfdist.training.assemble import train_and_evaluate
+    from tfdist.training.loop.checkpoints import RunLock
+
     lock = None
-    if cluster.is_chief:
+    if plan.cluster.is_chief:
         # The first thing written: a second job on this directory stops here.
-        os.makedirs(config.model_dir, exist_ok=True)
-        lock = RunLock(config.model_dir)
+        os.makedirs(plan.config.model_dir, exist_ok=True)
+        lock = RunLock(plan.config.model_dir)
     try:
-        return train_and_evaluate(plan, bundle, checked, watchdog.done, as_command=as_command)
+        return train_and_evaluate(plan, bundle, checked, started_ok, as_command=as_command)
     finally:
         if lock is not None:
             lock.release()
