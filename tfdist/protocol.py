@@ -204,7 +204,10 @@ def read_all_events(path: str) -> list[Event]:
 
 # --- the results record ---------------------------------------------------------
 
-SCHEMA_VERSION = 1
+# 2: ``model`` is gone (it held the task's name, as ``task`` does); a version-1 record is
+# read with its ``model`` as ``task`` where ``task`` is missing.
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -216,7 +219,6 @@ class Results:
     """
 
     strategy: str
-    model: str  # the task's name (kept from before tasks: readers of older records use it)
     optimizer: str
     learning_rate: float | None  # None: a task's own optimizer whose rate is not a number
     lr_schedule: str
@@ -312,10 +314,16 @@ class Results:
     @classmethod
     def from_dict(cls, data: dict) -> "Results":
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_SCHEMA_VERSIONS:
             raise ValueError(
-                f"results schema_version {version!r}, this code reads {SCHEMA_VERSION}"
+                f"results schema_version {version!r}, this code reads "
+                f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}"
             )
+        if version == 1:  # its "model" held the task's name
+            model = data.get("model")
+            data = {k: v for k, v in data.items() if k != "model"}
+            data["task"] = data.get("task") or model
+        data = {**data, "schema_version": SCHEMA_VERSION}
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         extra = {k: v for k, v in data.items() if k not in names}
         return cls(**{k: v for k, v in data.items() if k in names}, extra=extra)

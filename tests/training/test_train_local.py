@@ -61,7 +61,7 @@ def test_logreg_sgd_learns(tmp_path):
         log_every=50, steps_per_execution=10, model_dir=str(tmp_path / "lr"),
         data_dir=os.environ.get("TFDS_DATA_DIR"),
     ))
-    assert results["strategy"] == "mirrored" and results["model"] == "mnist-logreg"
+    assert results["strategy"] == "mirrored" and results["task"] == "mnist-logreg"
     assert results["test_accuracy"] > 0.85
 
 

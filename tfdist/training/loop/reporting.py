@@ -18,7 +18,7 @@ from tfdist import protocol
 from tfdist.training.loop.evaluation import Evaluator, split_metrics, weights_sha256
 
 SUMMARY_KEYS = (
-    "strategy", "model", "num_workers", "num_ps", "replicas_in_sync", "global_steps",
+    "strategy", "task", "num_workers", "num_ps", "replicas_in_sync", "global_steps",
     "test_accuracy", "test_loss", "examples_per_sec", "wall_seconds", "weights_sha256",
 )
 
@@ -256,7 +256,6 @@ def results_record(plan, trainer, reporter, model, values: dict, specific: dict,
     info, opt, config, cluster = trainer.task.info, plan.optimizer, plan.config, plan.cluster
     return protocol.Results(
         strategy=plan.kind.name,
-        model=plan.task.name,
         task=plan.task.name,
         optimizer=opt.name if opt.library else type(trainer.state.optimizer).__name__.lower(),
         learning_rate=opt.learning_rate if opt.library else _rate(trainer.state.optimizer),
