@@ -75,7 +75,7 @@ def test_results_record_round_trips_with_its_schema_version(tmp_path):
     path = str(tmp_path / "results.json")
     _results().write(path)
     data = json.loads(open(path).read())
-    assert data["schema_version"] == protocol.SCHEMA_VERSION
+    assert data["schema_version"] == protocol.RESULTS_SCHEMA_VERSION
     assert protocol.Results.load(path) == _results()
     data["schema_version"] = 999
     with pytest.raises(ValueError, match="schema_version 999"):

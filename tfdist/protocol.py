@@ -221,9 +221,10 @@ def read_all_events(path: str) -> list[Event]:
 
 # --- the results record ---------------------------------------------------------
 
-# 2: ``model`` is gone (it held the task's name, as ``task`` does); a version-1 record is
-# read with its ``model`` as ``task`` where ``task`` is missing.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 1  # the launcher's outcome record
+# results.json. 2: ``model`` is gone (it held the task's name, as ``task`` does); a
+# version-1 record is read with its ``model`` as ``task`` where ``task`` is missing.
+RESULTS_SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
 
 
@@ -322,7 +323,7 @@ class Results:
     membership: list | None = None
     # A task's extra_results(), written at the top level beside the fields above.
     extra: dict = field(default_factory=dict)
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = RESULTS_SCHEMA_VERSION
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -343,7 +344,7 @@ class Results:
             model = data.get("model")
             data = {k: v for k, v in data.items() if k != "model"}
             data["task"] = data.get("task") or model
-        data = {**data, "schema_version": SCHEMA_VERSION}
+        data = {**data, "schema_version": RESULTS_SCHEMA_VERSION}
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         extra = {k: v for k, v in data.items() if k not in names}
         return cls(**{k: v for k, v in data.items() if k in names}, extra=extra)
