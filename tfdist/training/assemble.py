@@ -49,7 +49,8 @@ def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
     try:
         keras.utils.set_random_seed(config.seed)
         trainer_class = TRAINERS[plan.kind.trainer]
-        state = trainer_class.build_state(plan, checked.task, bundle.strategy, checked.example)
+        state = trainer_class.build_state(plan, checked.task, bundle.strategy, checked.example,
+                                          checked.own_optimizers)
         checkpointer = Checkpointer(state, config.model_dir, cluster.is_chief, cluster.member_name,
                                     run_record=plan.defining_flags())
         try:

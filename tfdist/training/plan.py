@@ -134,6 +134,12 @@ class RunPlan:
                 f"x {self.global_batch_size // per_replica} (TensorFlow's "
                 "convention; --global-batch-size sets it)")
 
+    def strategy_note(self) -> str | None:
+        """The chief's line naming the strategy ``--strategy=auto`` chose (once per run)."""
+        if self.config.strategy != kinds.AUTO or not self.cluster.is_chief:
+            return None
+        return kinds.auto_note(self.kind, self.cluster)
+
     def describe(self) -> dict:
         """The plan as ``--dry-run`` prints it (JSON)."""
         cluster, kind = self.cluster, self.kind
@@ -184,6 +190,7 @@ def request(config: TrainConfig, task_object=None) -> RunRequest:
     instead of ``config.task``'s spec string."""
     config.validate()
     kind = kinds.resolve(config.strategy, config.cluster)
+    config = config.with_model_dir(kind.name)
     spec = (tasks.parse_spec(config.task, config.task_options) if task_object is None
             else tasks.object_spec(task_object, config.task))
     return RunRequest(config=config, kind=kind, task=spec)
@@ -241,7 +248,8 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
             f"{flag}={value} means {total} steps, more than the {MAX_STEPS} a run may ask for; "
             f"use fewer (one epoch is {steps_per_epoch} steps)")
     pipeline = (pipeline_stages.make_plan(cluster.num_members("worker"), config.micro_batches,
-                                          config.pipelines, config.stages, batch)
+                                          config.pipelines, config.stages, batch,
+                                          config.schedule)
                 if kind.pipelined else None)
     return RunPlan(
         pipeline=pipeline,
@@ -257,7 +265,8 @@ def _no_pipeline_flags(config: TrainConfig, kind: StrategyKind) -> None:
     """--micro-batches, --pipelines and --stages are refused where nothing is pipelined."""
     given = [f"--{name.replace('_', '-')} {value}" for name, value, unset in (
         ("micro_batches", config.micro_batches, 1), ("pipelines", config.pipelines, 1),
-        ("stages", config.stages, None)) if value != unset]
+        ("stages", config.stages, None), ("schedule", config.schedule, None))
+        if value != unset]
     if given:
         able = "|".join(name for name, other in kinds.all_kinds().items() if other.pipelined)
         raise ConfigError(

@@ -21,7 +21,7 @@ from tfdist import protocol
 from tfdist.training.workload import contract
 from tfdist.training.loop.callbacks import Callbacks
 from tfdist.training.loop.checkpoints import Checkpointer, save_model
-from tfdist.training.loop.evaluation import split_metrics
+from tfdist.training.loop.evaluation import local_copy, split_metrics
 from tfdist.training.loop.export import ExportFailed, Exporter
 from tfdist.training.loop.recovery import Diverged, Preempted, storage_fault, task_lost
 from tfdist.training.loop.reporting import Reporter, RunTimes, results_record, run_hparams
@@ -148,6 +148,9 @@ class Controller:
     def _call(self, step: int) -> int:
         n = self.schedule.call_size(step)
         if step % self.schedule.steps_per_epoch == 0:
+            if getattr(self.trainer.train_metrics, "own_step", False):
+                # As fit: a model's own step logs its metrics' running means over the epoch.
+                self.trainer.state.model.reset_metrics()
             self.callbacks.epoch_begin(step // self.schedule.steps_per_epoch)
         self.metrics = self.trainer.train(n)
         return step + n
@@ -220,7 +223,13 @@ class Controller:
         or not at all, ``checkpoints.save_model``), the export, ``results.json``."""
         trainer, reporter, model_dir = self.trainer, self.reporter, self.config.model_dir
         seconds = reporter.clock()
-        values = reporter.evaluator()(trainer.state.model)
+        not_evaluated = trainer.task.not_evaluated
+        if not_evaluated is None:
+            values = reporter.evaluator()(trainer.state.model)
+        else:  # Keras's evaluate cannot run on it: the weights only, said in one line
+            values = {}
+            local_copy(trainer.state.model, reporter.evaluator().local)
+            print(f"not evaluated: {not_evaluated}", flush=True)
         model = reporter.evaluator().local
         specific = trainer.result_fields(trainer.completed - trainer.start_step)
         reporter.add_point(specific["global_steps"], split_metrics(values)[1], seconds)
@@ -229,7 +238,7 @@ class Controller:
                          steady_steps=trainer.completed - self.steady_from,
                          examples_per_sec=examples_per_sec)
         results = results_record(self.plan, trainer, reporter, model, values, specific, times,
-                                 self.callbacks.stopped_by)
+                                 self.callbacks.stopped_by, self.metrics, not_evaluated)
         save_model(model, model_dir)
         results = self._export(model, specific["global_steps"], results)
         results.write(os.path.join(model_dir, "results.json"))

@@ -170,7 +170,11 @@ class Reporter:
         return self._eval
 
     def evaluate(self, step: int, model) -> None:
-        """Every test metric now; its time is left out of every rate and clock."""
+        """Every test metric now; its time is left out of every rate and clock.
+
+        Nothing for a model Keras's evaluate cannot run on (the end of the run says so)."""
+        if self.checked.not_evaluated is not None:
+            return
         t0, seconds = time.perf_counter(), self.clock()
         loss, metrics = split_metrics(self.evaluator()(model))
         self.add_point(step, metrics, seconds)
@@ -189,7 +193,10 @@ class Reporter:
 
     def validate(self, step: int, model) -> dict[str, float]:
         """The validation split's loss and metrics now, as fit's ``val_*`` logs; a line,
-        an event, TensorBoard's ``val/`` scalars; its time left out of every rate."""
+        an event, TensorBoard's ``val/`` scalars; its time left out of every rate.
+        Nothing (no ``val_*``) for a model Keras's evaluate cannot run on."""
+        if self.checked.not_evaluated is not None:
+            return {}
         t0 = time.perf_counter()
         if self._val is None:
             self._val = Evaluator(self.checked.task, self.checked.local_model,
@@ -227,7 +234,8 @@ class Reporter:
             with self.writer.as_default(step=results["global_steps"]):
                 for name, value in (results.get("test_metrics") or {}).items():
                     tf.summary.scalar(f"test/{name}", value)
-                tf.summary.scalar("test/loss", results["test_loss"])
+                if results["test_loss"] is not None:  # None: not evaluated
+                    tf.summary.scalar("test/loss", results["test_loss"])
             self.writer.close()
         print(summary_line(results), flush=True)
         self.events.emit(protocol.DONE, results["completed_steps"],
@@ -247,11 +255,16 @@ class RunTimes:
 
 
 def results_record(plan, trainer, reporter, model, values: dict, specific: dict,
-                   times: RunTimes, stopped_by: str | None = None) -> protocol.Results:
+                   times: RunTimes, stopped_by: str | None = None,
+                   train_metrics: dict | None = None,
+                   not_evaluated: str | None = None) -> protocol.Results:
     """The chief's results record: the plan's settings, the trainer's counts and
-    ``specific`` fields, the final evaluation ``values`` of ``model`` (the local copy),
-    the reporter's curves and ``times``."""
+    ``specific`` fields, the final evaluation ``values`` of ``model`` (the local copy;
+    none when ``not_evaluated`` says why), the last training logs, the reporter's
+    curves and ``times``."""
     loss, test_metrics = split_metrics(values)
+    if not_evaluated is not None:
+        loss = None
     ran = trainer.completed - trainer.start_step
     info, opt, config, cluster = trainer.task.info, plan.optimizer, plan.config, plan.cluster
     return protocol.Results(
@@ -290,7 +303,10 @@ def results_record(plan, trainer, reporter, model, values: dict, specific: dict,
         gradient_dtype=config.gradient_dtype,
         membership=protocol.membership_from_env(),
         extra=dict(info.extra_results, **validation_results(reporter.val_curve),
-                   **({"stopped_by": stopped_by} if stopped_by else {})),
+                   **({"stopped_by": stopped_by} if stopped_by else {}),
+                   # The last training logs, as fit's History ends with them.
+                   train_metrics={k: round(v, 6) for k, v in (train_metrics or {}).items()},
+                   **({"not_evaluated": not_evaluated} if not_evaluated else {})),
         **specific,
     )
 
