@@ -39,8 +39,8 @@ from tfdist.launcher import plan as plans
 from tfdist.launcher import elastic, processes, supervisor
 from tfdist.launcher.config import ENGINES, LaunchConfig, LaunchRequest
 from tfdist.launcher.plan import LaunchError
-from tfdist.launcher.processes import Task
-from tfdist.launcher.state import JobState, SignalTask
+from tfdist.launcher.processes import MemberProcess
+from tfdist.launcher.state import JobState, SignalMember
 from tfdist.protocol import Exit
 
 INSTALL_HINT = "pip install 'tf-distribute-showcase[ray]'"
@@ -498,7 +498,7 @@ class RayEngine:
     # --- each task -----------------------------------------------------------------------
 
     def start(self, name: str, command: list[str], env: dict[str, str],
-              task_env: dict[str, str]) -> Task:
+              task_env: dict[str, str]) -> MemberProcess:
         """Start ``name``'s process in its actor (the supervisor's starter). A restart reuses
         the actor if it lives, else places a new one in the same bundle, on the same port."""
         placed = self.placed[name]
@@ -527,9 +527,9 @@ class RayEngine:
             proc.kill()
         if proc.pid is None:
             proc.pid = -(placed.bundle + 1) * 1000 - len(self.procs)  # never a real pid
-        return Task(name, proc, pump, keep)
+        return MemberProcess(name, proc, pump, keep)
 
-    def _replace(self, name: str, placed: Placed) -> Task | None:
+    def _replace(self, name: str, placed: Placed) -> MemberProcess | None:
         """A new actor for a lost one, in its bundle, on its port; ``None`` when that worked
         (``placed`` updated), else a task already lost (its node is gone)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -557,7 +557,7 @@ class RayEngine:
             self.procs[name] = proc
             done = threading.Thread(target=lambda: None, daemon=True)
             done.start()  # the supervisor joins every task's pump
-            return Task(name, proc, done, [])
+            return MemberProcess(name, proc, done, [])
         placed.actor, placed.node_id = actor, info["node_id"]
         self.log(f"[launch] {name}: a new Ray actor on node {placed.node_id[:8]}, same address "
                  f"{placed.address}")
@@ -604,13 +604,13 @@ class NodeMembership(elastic.Membership):
             self.lost_at, self.changed_at = now, time.time()
             self.log(f"[launch] {', '.join(self.lost)}: Ray actor lost: stopping this formation "
                      "of the cluster to re-form it on the nodes left")
-            return [SignalTask(t.name, signal.SIGKILL, pid=t.pid)
-                    for t in state.tasks if t.running]
+            return [SignalMember(t.name, signal.SIGKILL, pid=t.pid)
+                    for t in state.members if t.running]
         if (len(self.members) < len(self.workers) and self.started and not self.growing
                 and self.looked == now):
             room = self.engine.room_for(self.all_names)
             if room > len(self.members):
-                first = next((t for t in state.tasks if t.running and t.name in self.members),
+                first = next((t for t in state.members if t.running and t.name in self.members),
                              None)
                 if first is not None:
                     self.growing = self.workers[len(self.members):room]
@@ -618,7 +618,7 @@ class NodeMembership(elastic.Membership):
                     self.log(f"[launch] the live Ray nodes hold {_workers(room)} again; SIGTERM "
                              f"to {first.name}: the job checkpoints where it is and stops "
                              f"(exit 42), then re-forms with {_workers(room)}")
-                    return [SignalTask(first.name, signal.SIGTERM, group=False, pid=first.pid)]
+                    return [SignalMember(first.name, signal.SIGTERM, group=False, pid=first.pid)]
         return []
 
     def _gone(self, dead: set[str]) -> bool:
