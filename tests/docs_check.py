@@ -234,6 +234,63 @@ def check_prose_flags(text: str) -> list[str]:
     return problems
 
 
+# --- the Python API in the documents ------------------------------------------------------
+
+def _api_keywords(name: str) -> tuple[set[str], bool]:
+    """The keywords ``tfdist.<name>`` takes, and whether it takes more (``**options``)."""
+    import inspect
+
+    import tfdist
+
+    params = inspect.signature(getattr(tfdist, name)).parameters.values()
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return named, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _option_names() -> set[str] | None:
+    """The training options ``**options`` stands for, where the API says which they are."""
+    from tfdist import api
+
+    fields = getattr(api, "_train_config_fields", None)
+    return set(fields()) if fields else None
+
+
+def check_python_calls(text: str) -> list[str]:
+    """Every keyword of a ``tfdist.fit(...)``/``tfdist.launch(...)`` in a python block exists."""
+    import ast
+
+    blocks, _ = split_code(text)
+    problems = []
+    for lang, body in blocks:
+        if lang != "python":
+            continue
+        try:
+            tree = ast.parse(body)
+        except SyntaxError:
+            continue  # a shortened example (`...` inside a call)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "tfdist"):
+                continue
+            import tfdist
+
+            name = node.func.attr
+            if not hasattr(tfdist, name):
+                problems.append(f"tfdist.{name}: no such name in tfdist")
+                continue
+            if not callable(getattr(tfdist, name)) or isinstance(getattr(tfdist, name), type):
+                continue
+            named, more = _api_keywords(name)
+            options = _option_names() if more else set()
+            for kw in node.keywords:
+                if kw.arg is None or kw.arg in named:
+                    continue
+                if more and (options is None or kw.arg in options):
+                    continue
+                problems.append(f"tfdist.{name}(): no keyword {kw.arg}")
+    return problems
+
+
 # --- links, anchors and file names ----------------------------------------------------------
 
 LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -308,7 +365,8 @@ def check_file_names(text: str, doc: Path) -> list[str]:
 # --- docs/reference.md's flag tables --------------------------------------------------------
 
 REFERENCE = REPO / "docs" / "reference.md"
-TABLES = {"train.py": "train", "launch.py": "launch", "bench.py": "bench"}
+TABLES = {"train.py": "train", "launch.py": "launch", "bench.py": "bench",
+          "tfdist.bench.soak": "tfdist.bench.soak"}
 REGION = re.compile(r"(<!-- flags: (\S+) -->\n)(.*?)(<!-- /flags -->)", re.S)
 
 

@@ -32,6 +32,11 @@ def test_flags_named_in_prose_exist(doc):
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=IDS)
+def test_python_examples_call_the_api_as_it_is(doc):
+    assert dc.check_python_calls(doc.read_text()) == []
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=IDS)
 def test_links_and_anchors_resolve(doc):
     assert dc.check_links(doc.read_text(), doc) == []
 
@@ -111,6 +116,16 @@ def test_good_command_lines_pass():
 def test_a_flag_in_prose_that_no_command_has_is_named():
     found = dc.check_prose_flags("so `--ps-shards > 1` is refused, and `--stuck-timeout` bounds it")
     assert found == ["no command has the flag --ps-shards (in: `--ps-shards > 1`)"]
+
+
+def test_a_python_example_with_a_keyword_the_api_lacks_is_named():
+    text = ("```python\nimport tfdist\n"
+            "tfdist.fit('mnist-cnn', strategy='none', steps=10, model_dir='runs/a')\n"
+            "tfdist.fit('mnist-cnn', stpes=10)\ntfdist.launch('ps', workers=2, kil=['worker:1@20'])\n"
+            "tfdist.fitt('x')\n```\n")
+    assert dc.check_python_calls(text) == ["tfdist.fit(): no keyword stpes",
+                                            "tfdist.launch(): no keyword kil",
+                                            "tfdist.fitt: no such name in tfdist"]
 
 
 def test_a_broken_link_or_anchor_is_named():
