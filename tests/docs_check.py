@@ -116,7 +116,8 @@ OTHER_PROGRAMS = ("python", "pip", "podman", "docker", "kubectl", "ray", "srun",
 # --- pieces of a markdown document ----------------------------------------------------------
 
 FENCE = re.compile(r"^(```|~~~)([^\n]*)\n(.*?)^\1[ \t]*$", re.S | re.M)
-INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
+# A span may wrap onto the next line, never across a blank one.
+INLINE = re.compile(r"(?<!`)`((?:[^`\n]|\n(?![ \t]*\n))+)`(?!`)")
 
 
 def split_code(text: str) -> tuple[list[tuple[str, str]], str]:
@@ -134,7 +135,7 @@ def command_texts(text: str) -> list[str]:
         if lang in ("python", "json", "yaml", "toml"):
             continue
         out += body.replace("\\\n", " ").splitlines()
-    out += INLINE.findall(prose)
+    out += [" ".join(span.split()) for span in INLINE.findall(prose)]
     return out
 
 
@@ -226,6 +227,7 @@ def check_prose_flags(text: str) -> list[str]:
     known = all_flags() | OTHER_PROGRAMS_FLAGS
     problems = []
     for span in INLINE.findall(prose):
+        span = " ".join(span.split())
         if PROGRAM.search(span) or span.split()[0] in OTHER_PROGRAMS:
             continue  # a whole command: check_commands reads ours against their own parsers
         for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", span):
@@ -278,9 +280,10 @@ def check_python_calls(text: str) -> list[str]:
             if not hasattr(tfdist, name):
                 problems.append(f"tfdist.{name}: no such name in tfdist")
                 continue
-            if not callable(getattr(tfdist, name)) or isinstance(getattr(tfdist, name), type):
+            try:
+                named, more = _api_keywords(name)  # a function, or a typed group's class
+            except (TypeError, ValueError):
                 continue
-            named, more = _api_keywords(name)
             options = _option_names() if more else set()
             for kw in node.keywords:
                 if kw.arg is None or kw.arg in named:
@@ -351,6 +354,7 @@ def check_file_names(text: str, doc: Path) -> list[str]:
     _, prose = split_code(text)
     problems = []
     for span in INLINE.findall(prose):
+        span = " ".join(span.split())
         for word in span.split():
             word = word.rstrip(":,;.)").split(":")[0]
             if (not PATHLIKE.match(word) or word.startswith(NOT_REPO) or PLACEHOLDER.search(word)

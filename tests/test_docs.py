@@ -90,6 +90,8 @@ PLANTED = [
     ("`tfdist-train --strategy=none --learnin-rate 0.1`", "train: no flag --learnin-rate"),
     ("```\nbench.py --suite scenarios --no-such-study   # a comment --ignored\n```",
      "bench: no flag --no-such-study"),
+    ("a span that wraps, `launch.py --strategy ps --hosts 3\n  --no-such-flag`, is read whole",
+     "launch: no flag --no-such-flag"),
     ("`python -m training.prepare_data`", "python -m training.prepare_data: no such module"),
     ("`python -m tfdist.bench.soak --runs 3`", "tfdist.bench.soak: no flag --runs"),
     ("`python launch.py --strategy ps --program bench/peers/tf_keras_ps.py -- --epochs 1`",

@@ -82,6 +82,7 @@ def _on_one_machine(processes, model_dir: Path):
 
 @pytest.mark.long
 @pytest.mark.multiprocess
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", ["multiworker", "ps"])
 def test_the_walkthrough_runs_with_every_host_on_this_machine(strategy, tmp_path, spawn):
     processes = _on_one_machine(walkthrough_layouts()[strategy], tmp_path / "run")
@@ -107,6 +108,7 @@ def test_the_walkthrough_runs_with_every_host_on_this_machine(strategy, tmp_path
 
 @pytest.mark.long
 @pytest.mark.multiprocess
+@pytest.mark.timeout(1200)
 def test_the_notebook_runs(tmp_path):
     p = Proc([sys.executable, str(NOTEBOOK)], child_env(), cwd=tmp_path)  # its runs/ in tmp_path
     try:
