@@ -349,20 +349,29 @@ FILE_SUFFIXES = (".py", ".md", ".json", ".yaml", ".yml", ".sh", ".sbatch", ".png
 NOT_REPO = ("runs/", "/", "~", "tmp/", "launch/", "path/to/", "tensorflow/", "keras/", "ray/")
 
 
+def _missing(word: str, doc: Path) -> bool:
+    word = word.rstrip(":,;.)").split(":")[0]
+    if (not PATHLIKE.match(word) or word.startswith(NOT_REPO) or PLACEHOLDER.search(word)
+            or not (word.endswith(FILE_SUFFIXES) or word.endswith("/"))):
+        return False
+    # Inside the package, docs may name a module from tfdist/ (`launcher/job.py`).
+    return not any((base / word).exists() for base in (REPO, doc.parent, REPO / "tfdist"))
+
+
 def check_file_names(text: str, doc: Path) -> list[str]:
-    """A repository path in inline code (`tfdist/launcher/plan.py`) names a file that exists."""
-    _, prose = split_code(text)
+    """A repository path in inline code (`tfdist/launcher/plan.py`) or in a shell block
+    (`cat TF_CONFIG_examples/ps/chief-0.json`) names a file that exists."""
+    blocks, prose = split_code(text)
     problems = []
     for span in INLINE.findall(prose):
         span = " ".join(span.split())
-        for word in span.split():
-            word = word.rstrip(":,;.)").split(":")[0]
-            if (not PATHLIKE.match(word) or word.startswith(NOT_REPO) or PLACEHOLDER.search(word)
-                    or not (word.endswith(FILE_SUFFIXES) or word.endswith("/"))):
-                continue
-            # Inside the package, docs may name a module from tfdist/ (`launcher/job.py`).
-            if not any((base / word).exists() for base in (REPO, doc.parent, REPO / "tfdist")):
-                problems.append(f"no file {word} (in: `{span}`)")
+        problems += [f"no file {w.rstrip(':,;.)').split(':')[0]} (in: `{span}`)"
+                     for w in span.split() if _missing(w, doc)]
+    for lang, body in blocks:
+        if lang in ("bash", "sh", "shell", "console", ""):
+            for line in body.replace("\\\n", " ").splitlines():
+                problems += [f"no file {w} (in: {line.strip()})"
+                             for w in re.split(r"[\s\"'()=$]+", line) if _missing(w, doc)]
     return problems
 
 

@@ -147,6 +147,10 @@ def test_a_missing_file_named_in_code_is_named():
     found = dc.check_file_names("see `tfdist/launcher/plan.py: place_tasks`, `launcher/job.py`"
                                 " and `tfdist/launcher/gone.py`, `runs/x/results.json`", doc)
     assert found == ["no file tfdist/launcher/gone.py (in: `tfdist/launcher/gone.py`)"]
+    block = '```bash\nTF_CONFIG="$(cat TF_CONFIG_examples/ps/chief-9.json)" tfdist-train --dry-run\n```\n'
+    assert dc.check_file_names(block, doc) == [
+        'no file TF_CONFIG_examples/ps/chief-9.json (in: TF_CONFIG="$(cat '
+        'TF_CONFIG_examples/ps/chief-9.json)" tfdist-train --dry-run)']
 
 
 def test_a_table_missing_a_flag_is_not_the_generated_one():
