@@ -79,6 +79,10 @@ def test_the_readme_starts_with_what_a_newcomer_needs():
     head = "\n".join(lines[:80])
     for needed in ("pip install", "tfdist.fit(", "make demo", "make test"):
         assert needed in head, needed
+    text = "\n".join(lines)
+    unlinked = [d.name for d in sorted((REPO / "docs").glob("*.md"))
+                if f"](docs/{d.name})" not in text]
+    assert unlinked == [], "the README's Where to go next must link every doc"
 
 
 # --- each check fails on a planted bad document --------------------------------------------
