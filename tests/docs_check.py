@@ -120,10 +120,16 @@ FENCE = re.compile(r"^(```|~~~)([^\n]*)\n(.*?)^\1[ \t]*$", re.S | re.M)
 INLINE = re.compile(r"(?<!`)`((?:[^`\n]|\n(?![ \t]*\n))+)`(?!`)")
 
 
+# An indented block: lines of 4 or more leading spaces after a blank line, not in a list.
+INDENTED = re.compile(r"(?<=\n\n)((?:(?: {4}|\t)(?![ \t]*[-*+] |[ \t]*\d+\. ).*(?:\n|$))+)")
+
+
 def split_code(text: str) -> tuple[list[tuple[str, str]], str]:
-    """(each fenced block's language and body, the prose with those blocks blanked)."""
+    """(each code block's language and body, the prose with those blocks blanked)."""
     blocks = [(m.group(2).strip(), m.group(3)) for m in FENCE.finditer(text)]
     prose = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    blocks += [("", m.group(1)) for m in INDENTED.finditer(prose)]
+    prose = INDENTED.sub(lambda m: "\n" * m.group(0).count("\n"), prose)
     return blocks, prose
 
 

@@ -96,6 +96,8 @@ PLANTED = [
      "bench: no flag --no-such-study"),
     ("a span that wraps, `launch.py --strategy ps --hosts 3\n  --no-such-flag`, is read whole",
      "launch: no flag --no-such-flag"),
+    ("an indented block:\n\n    python bench.py --suite scenarios --links-only\n\nafter it",
+     "bench: no flag --links-only"),
     ("`python -m training.prepare_data`", "python -m training.prepare_data: no such module"),
     ("`python -m tfdist.bench.soak --runs 3`", "tfdist.bench.soak: no flag --runs"),
     ("`python launch.py --strategy ps --program bench/peers/tf_keras_ps.py -- --epochs 1`",
