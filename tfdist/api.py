@@ -230,7 +230,8 @@ def launch(strategy: str, *, workers: int = 2, ps: int = 0, chief: bool = False,
            task: str | None = None, model_dir: str | None = None, hosts: int = 0,
            link_rate: str | None = None, kill=(), preempt=(), hang=(), partition=(), slow=(),
            memory_limit=(), restart_tasks: bool = False, restart_delay: float = 2.0,
-           max_restarts: int = 0, timeout: float = 3600.0, grace: float = 10.0,
+           max_restarts: int = 0, min_workers: int | None = None,
+           rejoin_timeout: float | None = None, timeout: float = 3600.0, grace: float = 10.0,
            netns: str = "auto", engine: str = "local", address: str | None = None,
            ray_placement: str = "spread", **options) -> Result:
     """Run a simulated cluster of real processes on this machine, as ``tfdist-launch`` does.
@@ -238,9 +239,10 @@ def launch(strategy: str, *, workers: int = 2, ps: int = 0, chief: bool = False,
     The launcher's features as typed arguments: ``hosts``/``link_rate`` (simulated hosts
     and shaped links), faults (``kill=["worker:1@step=100"]``, ``preempt``, ``hang``,
     ``partition``, ``slow``, ``memory_limit``) and recovery (``restart_tasks``,
-    ``max_restarts``); ``engine="ray"`` runs each task as a Ray actor (``address``: a
-    running cluster, else a local instance; ``ray_placement``); ``options`` are every
-    task's training options. Returns the
+    ``max_restarts``; ``min_workers``/``rejoin_timeout``: go on without a worker
+    whose host is lost, and with it again when it is back); ``engine="ray"`` runs
+    each task as a Ray actor (``address``: a running cluster, else a local instance;
+    ``ray_placement``); ``options`` are every task's training options. Returns the
     chief's :class:`Result` with each task's outcome; raises :class:`TfdistError`.
     """
     from tfdist.launcher.config import LaunchRequest
@@ -257,6 +259,7 @@ def launch(strategy: str, *, workers: int = 2, ps: int = 0, chief: bool = False,
         kill=as_tuple(kill), preempt=as_tuple(preempt), hang=as_tuple(hang),
         partition=as_tuple(partition), slow=as_tuple(slow), memory_limit=as_tuple(memory_limit),
         restart_tasks=restart_tasks, restart_delay=restart_delay, max_restarts=max_restarts,
+        min_workers=min_workers, rejoin_timeout=rejoin_timeout,
         engine=engine, address=address, ray_placement=ray_placement,
         train_args=(*_train_args(None if task is None else _task_spec(task), options),
                     "--model-dir", model_dir))

@@ -104,6 +104,23 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 # --- progress events ---------------------------------------------------------
 
 EVENTS_ENV = "SHOWCASE_EVENTS"
+# The launcher's elastic membership (``--min-workers``): the path of a JSON
+# file it keeps current, a list of {"step", "workers", "why"} from step 0;
+# the chief copies it into results.json (``membership``) when it writes them.
+MEMBERSHIP_ENV = "TFDIST_MEMBERSHIP"
+
+
+def membership_from_env() -> list | None:
+    """The membership the launcher gave this task, or ``None`` (not elastic, or unreadable)."""
+    path = os.environ.get(MEMBERSHIP_ENV)
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, list) else None
 
 # Event kinds, in the order a run emits them.
 STARTED = "started"  # the first step ran: every peer is connected; data: resumed_from, pid
@@ -296,6 +313,9 @@ class Results:
     # --strategy pipeline: stages, micro-batches, copies, the cut, and each
     # worker's parameter and optimizer-state bytes (training.pipeline.pipeline_trainer).
     pipeline: dict | None = None
+    # launch.py --min-workers: the cluster's size from step 0, each change
+    # with the step it resumed from and why: [{"step", "workers", "why"}].
+    membership: list | None = None
     # A task's extra_results(), written at the top level beside the fields above.
     extra: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
@@ -382,6 +402,11 @@ class LaunchOutcome:
     oom_killed: dict | None = None
     # --restart-tasks: how many times each restarted task was restarted.
     restarts_per_task: dict | None = None
+    # --min-workers: each formation of the cluster ({"step", "workers",
+    # "why", "members", and after a change "last_step_before" (the last step
+    # a task reported before it), "steps_redone_at_least" and
+    # "first_step_after_seconds": from the loss or return to its first step).
+    membership: list | None = None
 
     def write(self, path: str) -> None:
         write_json_atomic(path, dataclasses.asdict(self))

@@ -27,6 +27,7 @@ import sys
 from tfdist import protocol
 from tfdist.launcher import plan as plans
 from tfdist.launcher.config import LaunchRequest
+from tfdist.launcher.elastic import DEFAULT_REJOIN_TIMEOUT
 from tfdist.launcher.faults import FAULT_SPEC, MAX_TASK_RESTARTS
 from tfdist.launcher.job import TaskCheckFailed, run_request
 from tfdist.launcher.network import INSIDE_FLAG, NETNS_MODES
@@ -146,6 +147,15 @@ def add_recovery_args(p) -> None:
     p.add_argument("--max-restarts", type=int, default=0,
                    help="relaunch a failed or preempted job up to N times with the same "
                         "--model-dir (it resumes from its checkpoint)")
+    p.add_argument("--min-workers", type=int, default=None, metavar="M",
+                   help="multiworker: when a worker's host stays unreachable for "
+                        "--rejoin-timeout, re-form the job with the survivors (at least M; "
+                        "same global batch, from the newest checkpoint), and with the lost "
+                        "worker again when its host is back; below M, exit 75")
+    p.add_argument("--rejoin-timeout", type=float, default=None, metavar="SECONDS",
+                   help=f"with --min-workers: how long a lost worker's host may stay "
+                        f"unreachable before the job goes on without it (default "
+                        f"{DEFAULT_REJOIN_TIMEOUT:g})")
 
 
 def main(argv=None) -> int:

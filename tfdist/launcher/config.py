@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Mapping
 
+from tfdist.launcher.elastic import ElasticPlan
 from tfdist.launcher.faults import RecoveryPlan
 from tfdist.launcher.plan import ClusterPlan
 from tfdist.launcher.processes import CoreShare
@@ -49,6 +50,10 @@ class LaunchRequest:
     restart_tasks: bool = False
     restart_delay: float = 2.0
     max_restarts: int = 0
+    # Elastic: the fewest workers the job goes on with, and how long a lost
+    # worker's host may stay unreachable before it does (launcher.elastic).
+    min_workers: int | None = None
+    rejoin_timeout: float | None = None
     engine: str = "local"  # "ray": every task a Ray actor (launcher.ray_engine)
     address: str | None = None  # --address: a running Ray cluster (None: a local instance)
     ray_placement: str = "spread"
@@ -96,6 +101,7 @@ class LaunchConfig:
     launch_argv: tuple[str, ...] = ()  # launch.py's own flags, to re-run it in the namespace
     # --memory-limit: each limited task's bytes (launcher.memory.parse_limits).
     memory_limits: Mapping[str, int] = field(default_factory=dict)
+    elastic: ElasticPlan | None = None  # --min-workers (launcher.elastic)
 
     @property
     def launch_dir(self) -> str:

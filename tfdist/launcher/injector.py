@@ -212,14 +212,19 @@ class FaultInjector:
         self._lasting = keep
         return actions
 
-    def end_attempt(self) -> None:
+    def end_attempt(self, keep_partitions: bool = False) -> None:
         """The supervisor has continued every stopped task and raised every
         link (``Supervisor.stop``): the hangs and partitions still on are
-        recorded as lifted by that cleanup."""
+        recorded as lifted by that cleanup. ``keep_partitions``: the links
+        stayed down (``--min-workers``), so partitions stay on schedule."""
         now = round(self.clock() - self.started, 2)
-        for _, _, record in self._lasting:
-            record.update(lifted_at_seconds=now, lifted_by="launcher cleanup")
-        self._lasting = []
+        keep = []
+        for item in self._lasting:
+            if keep_partitions and item[0].action == "partition":
+                keep.append(item)
+                continue
+            item[2].update(lifted_at_seconds=now, lifted_by="launcher cleanup")
+        self._lasting = keep
 
     def _enforce_grace(self, state: JobState) -> list:
         """A preempted task still running ``--grace`` s later is SIGKILLed, as

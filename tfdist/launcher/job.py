@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 from tfdist.protocol import Exit
-from tfdist.launcher import memory, network, processes, ray_engine, supervisor
+from tfdist.launcher import elastic, memory, network, processes, ray_engine, supervisor
 from tfdist.launcher import plan as plans
 from tfdist.launcher.config import LaunchConfig, LaunchRequest
 from tfdist.launcher.faults import plan_recovery
@@ -131,6 +131,8 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
                              partition=list(request.partition) or None, hosts=request.hosts,
                              slow=list(request.slow) or None, restart_tasks=request.restart_tasks,
                              restart_delay=request.restart_delay, max_restarts=request.max_restarts)
+    elastic_plan = elastic.plan_elastic(kind, request.workers, request.min_workers,
+                                        request.rejoin_timeout, request.engine, request.hosts)
     rate = network.parse_rate(request.link_rate) if request.link_rate is not None else None
     roles: dict[str, list[str]] = {}
     for name in cluster.names:
@@ -149,7 +151,8 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
         train_args=tuple(train_args), model_dir=model_dir, program=program,
         timeout=request.timeout, grace=request.grace, dry_run=request.dry_run, netns=request.netns,
         netns_inside=request.netns_inside, link_rate=request.link_rate, rate_bits=rate,
-        launch_argv=tuple(request.to_argv()), memory_limits=limits)
+        launch_argv=tuple(request.to_argv()), memory_limits=limits,
+        elastic=elastic_plan)
 
 
 def decide_network(config: LaunchConfig) -> tuple[bool, str | None]:

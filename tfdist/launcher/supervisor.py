@@ -21,7 +21,7 @@ from tfdist.launcher import faults as faultlib
 from tfdist.launcher.injector import FaultInjector
 from tfdist.launcher.restarter import TaskRestarter
 from tfdist.launcher.slowdown import Slowdown
-from tfdist.launcher import policy, processes
+from tfdist.launcher import elastic, policy, processes
 from tfdist.launcher import traffic as trafficlib
 from tfdist.launcher.config import LaunchConfig
 from tfdist.launcher.memory import MemoryLimits, PeakMemory
@@ -74,7 +74,7 @@ class Supervisor:
 
     def __init__(self, kind: StrategyKind, starter: Callable[[str], Task], log=print,
                  grace: float = 5.0, poll: float = 0.1, slowdown=None, attempt: int = 0,
-                 network=None, relaunches: bool = False):
+                 network=None, relaunches: bool = False, links_down=()):
         self.kind, self.starter, self.log = kind, starter, log
         self.relaunches = relaunches  # --max-restarts has relaunches left
         self.grace, self.poll, self.slowdown, self.attempt = grace, poll, slowdown, attempt
@@ -85,7 +85,10 @@ class Supervisor:
         # What stop() must undo whatever happens: tasks hung by SIGSTOP (their
         # pid), hosts whose link is down.
         self.hung: dict[str, int] = {}
-        self.links_down: set[int] = set()
+        self.links_down: set[int] = set(links_down)
+        # --min-workers: a host cut off for good stays cut off between
+        # attempts (the job re-forms without it); lifted when the job ends.
+        self.keep_links = False
 
     # --- processes ---------------------------------------------------------------
 
@@ -185,6 +188,8 @@ class Supervisor:
                 except (ProcessLookupError, PermissionError):
                     pass
             del self.hung[name]
+        if self.keep_links:
+            return
         for host in sorted(self.links_down):
             self.log(f"[launch] host{host}'s link is still down: bringing it up")
             try:
@@ -324,21 +329,28 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
         # VmHWM is read from this host's /proc: not for tasks on other nodes.
         peaks = PeakMemory() if engine is None else PeakMemory(read=lambda pid: None)
 
+        membership = _membership(config, list(paths.values()), launch_dir, log)
+        # What each task starts with; --min-workers re-forms change it (_reform).
+        formation = {"tf_configs": config.cluster.tf_configs, "command": command,
+                     "env": membership.env() if membership is not None else {}}
+
         def starter(name: str) -> Task:
+            cmd, task_env = formation["command"], {**task_envs[name], **formation["env"]}
             if engine is not None:
-                return engine.start(name, command, env, task_envs[name])
+                return engine.start(name, cmd, env, task_env)
             place = Placement(
                 netns=network.netns(config.cluster.host_of[name]) if network is not None else None,
                 cgroup=slowdown.cgroup_for(name) if slowdown is not None else None,
                 memory_cgroup=limits.cgroup_for(name), cpus=cores[name].cpus)
-            return processes.start_task(name, config.cluster.tf_configs[name], command, env,
-                                        task_env=task_envs[name], place=place)
+            return processes.start_task(name, formation["tf_configs"][name], cmd, env,
+                                        task_env=task_env, place=place)
 
         # After the link probe (build_hosts), so only the job's bytes count.
         before = _counters(network, log)
         code, attempt = _attempts(config, starter, [injector, *filter(None, [restarter]), peaks],
                                   restarter, slowdown, holder, log, network=network,
-                                  injector=injector, engine=engine)
+                                  injector=injector, engine=engine, membership=membership,
+                                  formation=formation, command=command)
         after = _counters(network, log) if before is not None else None
         oom, limited = limits.oom_killed(), limits.record()
     finally:
@@ -347,6 +359,9 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
         if limits is not None:
             limits.close()
     restarts = sum(restarter.restarts.values()) if restarter is not None else 0
+    if membership is not None and len(membership.history) > 1:
+        log("[launch] membership: " + " -> ".join(
+            f"{h['workers']} from step {h['step']}" for h in membership.history))
     log(f"[launch] recovery: faults injected {len(injector.fired)}, task restarts {restarts}, "
         f"job relaunches {attempt}")
     if injector.waiting:
@@ -383,6 +398,7 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
                 memory_limits=limited or None, oom_killed=oom or None,
                 restarts_per_task=dict(restarter.restarts) if restarter is not None and
                 restarter.restarts else None,
+                membership=membership.history if membership is not None else None,
             ).write(path)
         except OSError as err:
             # The run directory full or read-only (often why the job ended):
@@ -441,24 +457,47 @@ def _hooks(config: LaunchConfig, slowdown, event_paths: list[str], log):
 
 
 def _attempts(config: LaunchConfig, starter, hooks, restarter, slowdown, holder,
-              log, network=None, injector=None, engine=None) -> tuple[int, int]:
-    """Run the job, relaunching it under ``--max-restarts``: its last code and the relaunches."""
-    recovery, attempt = config.recovery, 0
+              log, network=None, injector=None, engine=None, membership=None,
+              formation=None, command=None) -> tuple[int, int]:
+    """Run the job, relaunching it under ``--max-restarts``: its last code and the relaunches.
+
+    Under ``--min-workers`` (``membership``) an attempt may end in a re-formed
+    cluster instead (``_reform``), which is not a relaunch.
+    """
+    recovery, attempt, reforms, links = config.recovery, 0, 0, set()
     while True:
         if restarter is not None:
             restarter.new_attempt()
         sup = Supervisor(config.kind, starter, log=log, grace=config.grace,
-                         slowdown=slowdown, attempt=attempt, network=network,
-                         relaunches=attempt < recovery.max_restarts)
+                         slowdown=slowdown, attempt=attempt + reforms, network=network,
+                         relaunches=attempt < recovery.max_restarts, links_down=links)
         holder[:] = [sup]
         if engine is not None:
-            engine.new_attempt(attempt)
-        sup.start(config.names)
+            engine.new_attempt(attempt + reforms)
+        names, attempt_hooks = config.names, hooks
+        if membership is not None:
+            sup.keep_links = True
+            membership.new_attempt(lambda: sup.links_down)
+            names, attempt_hooks = membership.names, [*hooks, membership]
+        sup.start(names)
         try:
-            code = sup.run(config.timeout, hooks)
+            code = sup.run(config.timeout, attempt_hooks)
         finally:
             if injector is not None:
-                injector.end_attempt()  # sup.run's stop() lifted what was still on
+                # sup.run's stop() lifted what was still on (a partition for
+                # good stays under --min-workers: the job re-forms without it).
+                injector.end_attempt(keep_partitions=membership is not None)
+        if membership is not None:
+            code = _reform(config, membership, code, sup, injector, formation, command, log)
+            if code is None:
+                reforms += 1
+                links = set(sup.links_down)
+                continue
+            sup.keep_links = False
+            sup.lift_all()
+            links = set()
+            if injector is not None:
+                injector.end_attempt()
         if not faultlib.should_relaunch(code, attempt, recovery.max_restarts):
             return code, attempt
         attempt += 1
@@ -468,9 +507,64 @@ def _attempts(config: LaunchConfig, starter, hooks, restarter, slowdown, holder,
         time.sleep(recovery.restart_delay)
 
 
+def _membership(config: LaunchConfig, event_paths: list[str], launch_dir: str | None, log):
+    """--min-workers: the membership hook, or ``None``."""
+    if config.elastic is None:
+        return None
+    return elastic.Membership(
+        config.elastic, config.names, dict(config.cluster.host_of), config.cluster.tf_configs,
+        event_paths, log,
+        record_path=os.path.join(launch_dir, "membership.json") if launch_dir else None,
+        live=config.kind.asynchronous)
+
+
+def _reform(config: LaunchConfig, membership, code: int, sup: Supervisor, injector,
+            formation: dict, command: list[str], log) -> int | None:
+    """After an elastic attempt: ``None`` when the cluster is re-formed (the
+    next attempt starts the new members), else the code to go on with."""
+    def wait_links(seconds: float) -> None:
+        # The fault schedule goes on while a lost host may come back.
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if injector is not None:
+                for action in injector(JobState((), sup.attempt)):
+                    if isinstance(action, SetLink):
+                        sup.apply(action)
+            if not any(membership.host_of.get(w) in sup.links_down for w in membership.lost):
+                return
+            time.sleep(sup.poll)
+
+    before = list(membership.members)
+    code = membership.after_attempt(code, wait_links)
+    if code is not None:
+        return code
+    batch = elastic.global_batch(config.model_dir, list(config.train_args))
+    n = len(membership.members)
+    if batch is not None and batch % n:
+        log(f"[launch] the run's global batch {batch} does not divide over {n} workers: "
+            f"cannot keep it at this size; stopping (exit {int(Exit.TASK_LOST)}); run the "
+            "same command with all workers to resume, or give --global-batch-size a "
+            f"multiple of every size down to --min-workers")
+        membership.members = before
+        return Exit.TASK_LOST
+    pinned = ["--global-batch-size", str(batch)] if batch is not None else []
+    args, k_line = elastic.aggregate_args(command, n)
+    if k_line:
+        log(f"[launch] {k_line}")
+    if batch is None:
+        log("[launch] the run recorded no global batch yet (no run.json): the re-formed "
+            "cluster chooses its own (--global-batch-size keeps it fixed)")
+    else:
+        log(f"[launch] global batch {batch} kept: {batch // n} per worker x {n}")
+    formation.update(tf_configs=membership.configs(), command=[*args, *pinned],
+                     env=membership.env())
+    return None
+
+
 def interrupted(holder: list, received: list) -> int:
     """Stop every task after a signal to the launcher; the exit code a shell would report."""
     for sup in holder:
+        sup.keep_links = False  # the launcher ends: every link up again
         sup.stop()
     # As a shell reports a process ended by that signal: 143 for SIGTERM.
     return 128 + received[0] if received else Exit.INTERRUPTED

@@ -256,6 +256,7 @@ class Controller:
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             trainable_params=count_trainable(model),
             gradient_dtype=config.gradient_dtype,
+            membership=protocol.membership_from_env(),
             extra=dict(info.extra_results, **validation_results(reporter.val_curve),
                        **({"stopped_by": self.callbacks.stopped_by}
                           if self.callbacks.stopped_by else {})),

@@ -1,0 +1,493 @@
+"""--min-workers: the checks, the members' TF_CONFIGs, the membership hook's
+decisions (no TensorFlow), and a real multiworker job that loses a host for
+good and finishes on the survivors (multiprocess)."""
+
+import json
+import os
+import re
+import signal
+import sys
+
+import pytest
+
+from tfdist import protocol
+from tfdist.launcher import elastic, injector as injectors, faults, network
+from tfdist.launcher import plan as plans
+from tfdist.launcher.plan import LaunchError
+from tfdist.launcher.state import JobState, RestartTask, SignalTask, TaskView
+from tfdist.protocol import Exit
+from tfdist.strategies import kinds
+
+MW = kinds.get("multiworker")
+WORKERS = ["worker:0", "worker:1", "worker:2"]
+
+
+@pytest.mark.parametrize("strategy,workers,m,timeout,engine,words", [
+    ("multiworker", 3, 4, None, "local", ["--min-workers=4", "use 1..3"]),
+    ("multiworker", 3, 0, None, "local", ["--min-workers=0", "use 1..3"]),
+    ("multiworker", 1, 1, None, "local", ["--workers=1", "nobody to go on without"]),
+    ("multiworker", 3, 2, 0.0, "local", ["--rejoin-timeout=0", "positive"]),
+    ("multiworker", 3, 2, -3.0, "local", ["--rejoin-timeout=-3", "positive"]),
+    ("multiworker", 3, 2, float("inf"), "local", ["--rejoin-timeout=inf", "finite"]),
+    ("multiworker", 3, None, 5.0, "local", ["--rejoin-timeout=5", "needs --min-workers"]),
+    ("none", 1, 1, None, "local", ["--strategy none", "multiworker|ps|ps-sync",
+                                   "one process"]),
+    ("pipeline", 3, 2, None, "local", ["--strategy pipeline", "each holds a stage"]),
+    ("mirrored", 1, 1, None, "local", ["--strategy mirrored", "drop --min-workers"]),
+    ("multiworker", 3, 2, None, "ray", ["--engine ray", "local engine only"]),
+])
+def test_bad_elastic_input_is_one_line(strategy, workers, m, timeout, engine, words):
+    with pytest.raises(LaunchError) as err:
+        elastic.plan_elastic(kinds.get(strategy), workers, m, timeout, engine)
+    text = str(err.value)
+    assert "\n" not in text and all(w in text for w in words), text
+
+
+def test_without_simulated_hosts_no_host_can_be_lost_so_it_is_refused():
+    with pytest.raises(LaunchError, match="add --hosts N"):
+        elastic.plan_elastic(MW, 3, 2, None, "local", hosts=0)
+
+
+def test_elastic_plan_defaults_and_none_without_the_flag():
+    assert elastic.plan_elastic(MW, 3, None, None) is None
+    assert elastic.plan_elastic(MW, 3, 2, None) == elastic.ElasticPlan(2, 20.0)
+    assert elastic.plan_elastic(MW, 3, 3, 7.5) == elastic.ElasticPlan(3, 7.5)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--min-workers", "5"], "use 1..3"),
+    (["--min-workers", "2", "--rejoin-timeout", "0"], "--rejoin-timeout=0"),
+    (["--rejoin-timeout", "3"], "needs --min-workers"),
+    (["--min-workers", "2"], "add --hosts N"),
+])
+def test_the_launcher_refuses_bad_elastic_flags_before_anything_starts(argv, words, tmp_path,
+                                                                      capsys):
+    from tfdist.cli import launch
+
+    model_dir = tmp_path / "run"
+    code = launch.main(["--strategy", "multiworker", "--workers", "3", *argv, "--",
+                        "--model-dir", str(model_dir)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == Exit.BAD_INPUT and len(err) == 1 and err[0].startswith("error: "), err
+    assert words in err[0]
+    assert not model_dir.exists()
+
+
+def test_member_configs_name_only_the_members_in_order():
+    plan = plans.build_host_cluster(MW, 3, hosts=3)
+    configs = elastic.member_configs(plan.tf_configs, ["worker:0", "worker:2"])
+    addresses = [plan.tf_configs[n]["cluster"]["worker"][i] for i, n in
+                 [(0, "worker:0"), (2, "worker:2")]]
+    assert configs["worker:0"] == {"cluster": {"worker": addresses},
+                                   "task": {"type": "worker", "index": 0}}
+    assert configs["worker:2"] == {"cluster": {"worker": addresses},
+                                   "task": {"type": "worker", "index": 1}}
+
+
+@pytest.mark.parametrize("args,n,expected,said", [
+    (["--steps", "9"], 2, ["--steps", "9"], False),
+    (["--replicas-to-aggregate", "3"], 2, ["--replicas-to-aggregate", "2"], True),
+    (["--replicas-to-aggregate=3"], 2, ["--replicas-to-aggregate=2"], True),
+    (["--replicas-to-aggregate", "2"], 3, ["--replicas-to-aggregate", "2"], False),
+])
+def test_ps_sync_k_is_at_most_the_workers_left(args, n, expected, said):
+    out, line = elastic.aggregate_args(args, n)
+    assert out == expected and (line is not None) == said
+    if said:
+        assert "K = min(K, workers)" in line
+
+
+def test_global_batch_is_read_from_the_run_record_unless_a_flag_sets_it(tmp_path):
+    assert elastic.global_batch(str(tmp_path), []) is None
+    (tmp_path / "run.json").write_text(json.dumps({"global_batch_size": 192}))
+    assert elastic.global_batch(str(tmp_path), []) == 192
+    assert elastic.global_batch(str(tmp_path), ["--global-batch-size", "96"]) is None
+
+
+def _state(*exits, pids=(11, 12, 13), names=WORKERS):
+    exits = exits or (None,) * len(names)
+    return JobState(tuple(TaskView(n, p, e) for n, p, e in zip(names, pids, exits)))
+
+
+def _membership(tmp_path, m=2, timeout=5.0):
+    now, lines, down = [0.0], [], set()
+    paths = {n: str(tmp_path / f"{n}.events") for n in WORKERS}
+    mem = elastic.Membership(elastic.ElasticPlan(m, timeout), WORKERS,
+                             {n: i for i, n in enumerate(WORKERS)},
+                             plans.build_host_cluster(MW, 3, hosts=3).tf_configs,
+                             list(paths.values()), log=lines.append, clock=lambda: now[0],
+                             record_path=str(tmp_path / "membership.json"))
+    mem.new_attempt(lambda: down)
+    return mem, now, lines, down, paths
+
+
+def _emit(path, kind, step):
+    with open(path, "a") as f:
+        f.write(protocol.Event(kind, "worker:0", step, 1000.0 + step).to_json() + "\n")
+
+
+def test_a_host_down_past_the_rejoin_timeout_ends_the_attempt_and_shrinks(tmp_path):
+    mem, now, lines, down, paths = _membership(tmp_path)
+    _emit(paths["worker:0"], protocol.STARTED, 0)
+    _emit(paths["worker:0"], protocol.CHECKPOINT, 100)
+    _emit(paths["worker:0"], protocol.PROGRESS, 150)
+    assert mem(_state()) == []
+    down.add(2)
+    now[0] = 1.0
+    assert mem(_state()) == []  # not yet: it may come back
+    now[0] = 6.0
+    assert mem(_state()) == [SignalTask(n, signal.SIGKILL, pid=p)
+                             for n, p in zip(WORKERS, (11, 12, 13))]
+    code = mem.after_attempt(Exit.TASK_LOST, wait_links=lambda s: pytest.fail("waited"))
+    assert code is None and mem.members == ["worker:0", "worker:1"]
+    assert mem.names == ["worker:0", "worker:1"]
+    assert mem.record() == [
+        {"step": 0, "workers": 3, "why": "start"},
+        {"step": 100, "workers": 2, "why": "worker:2 lost for good (host2 unreachable for 5 s)"}]
+    assert mem.history[-1]["steps_redone_at_least"] == 50
+    assert lines[-1] == ("[launch] worker:2 lost for good (host2 unreachable for 5 s): "
+                         "continuing with 2 workers from step 100 (steps 100-150 redone)")
+    with open(mem.env()[protocol.MEMBERSHIP_ENV]) as f:
+        assert json.load(f) == mem.record()
+    assert set(mem.configs()) == {"worker:0", "worker:1"}
+
+
+def test_the_step_recorded_is_the_one_the_new_formation_resumed_from(tmp_path):
+    mem, now, lines, down, paths = _membership(tmp_path)
+    _emit(paths["worker:1"], protocol.CHECKPOINT, 200)  # a private save; the chief's was cut
+    _emit(paths["worker:0"], protocol.PROGRESS, 230)
+    down.add(2)
+    mem(_state())
+    now[0] = 5.0
+    mem(_state())
+    assert mem.after_attempt(Exit.TASK_LOST, lambda s: None) is None
+    assert mem.history[-1]["step"] == 200
+    mem.new_attempt(lambda: down)
+    with open(paths["worker:0"], "a") as f:
+        f.write(protocol.Event(protocol.STARTED, "worker:0", 101, 2000.0,
+                               {"resumed_from": 100}).to_json() + "\n")
+    mem(_state(names=WORKERS[:2]))
+    assert mem.record()[-1]["step"] == 100
+    assert mem.history[-1]["steps_redone_at_least"] == 130
+    with open(tmp_path / "membership.json") as f:
+        assert json.load(f)[-1]["step"] == 100
+
+
+def test_survivors_failing_first_end_the_attempt_at_once_and_the_wait_lets_a_host_back(tmp_path):
+    mem, now, lines, down, paths = _membership(tmp_path, timeout=20.0)
+    down.add(1)
+    assert mem(_state()) == []
+    now[0] = 2.0
+    # The survivors' all-reduce failed before the rejoin timeout: kill the rest now.
+    actions = mem(_state(Exit.TASK_LOST, None, None))
+    assert [a.task for a in actions] == ["worker:1", "worker:2"]
+    waited = []
+
+    def wait_links(seconds):
+        waited.append(seconds)
+        down.clear()  # back within the timeout
+
+    assert mem.after_attempt(Exit.TASK_LOST, wait_links) == Exit.TASK_LOST
+    assert waited == [18.0] and mem.members == WORKERS and len(mem.history) == 1
+
+
+def test_below_min_workers_stops_with_one_line(tmp_path):
+    mem, now, lines, down, paths = _membership(tmp_path, m=3)
+    down.add(0)
+    mem(_state())
+    now[0] = 5.0
+    assert mem(_state())  # ended
+    assert mem.after_attempt(Exit.TASK_LOST, lambda s: None) == Exit.TASK_LOST
+    assert "below --min-workers=3" in lines[-1] and "exit 75" in lines[-1]
+    assert mem.members == WORKERS
+
+
+def test_a_lost_host_back_preempts_the_job_and_it_grows_back(tmp_path):
+    mem, now, lines, down, paths = _membership(tmp_path)
+    down.add(2)
+    mem(_state())
+    now[0] = 5.0
+    mem(_state())
+    assert mem.after_attempt(Exit.TASK_LOST, lambda s: None) is None
+    two = WORKERS[:2]
+    mem.new_attempt(lambda: down)
+    assert mem(_state(names=two, pids=(21, 22))) == []  # still down
+    down.clear()
+    assert mem(_state(names=two, pids=(21, 22))) == []  # not started yet: no handler to save
+    _emit(paths["worker:0"], protocol.STARTED, 100)
+    assert mem(_state(names=two, pids=(21, 22))) == [
+        SignalTask("worker:0", signal.SIGTERM, group=False, pid=21)]
+    assert mem(_state(names=two, pids=(21, 22))) == []  # once
+    _emit(paths["worker:0"], protocol.PREEMPTED, 240)
+    assert mem.after_attempt(Exit.PREEMPTED, lambda s: None) is None
+    assert mem.members == WORKERS
+    assert [h["workers"] for h in mem.history] == [3, 2, 3]
+    assert mem.history[-1]["step"] == 240 and mem.history[-1]["steps_redone_at_least"] == 0
+    assert "worker:2 back (host2 reachable again): growing back to 3 workers from step 240" \
+        in lines[-1]
+
+
+def test_under_ps_sync_the_chief_is_told_to_save_when_a_worker_is_back(tmp_path):
+    names = ["chief:0", "worker:0", "worker:1", "worker:2", "ps:0"]
+    tf_configs = plans.build_host_cluster(kinds.get("ps-sync"), 3, 1, hosts=4).tf_configs
+    down, paths = {3}, [str(tmp_path / "chief.events")]
+    mem = elastic.Membership(elastic.ElasticPlan(2, 1.0), names,
+                             {"chief:0": 0, "ps:0": 0, "worker:0": 1, "worker:1": 2,
+                              "worker:2": 3}, tf_configs, paths, log=lambda m: None,
+                             clock=lambda: 0.0)
+    mem.members = ["worker:0", "worker:1"]  # worker:2 left
+    assert mem.names == ["chief:0", "worker:0", "worker:1", "ps:0"]
+    assert mem.configs()["ps:0"]["cluster"]["worker"] == tf_configs["worker:0"]["cluster"][
+        "worker"][:2]
+    mem.new_attempt(lambda: down)
+    _emit(paths[0], protocol.STARTED, 0)
+    running = _state(names=mem.names, pids=(1, 2, 3, 4))
+    assert mem(running) == []
+    down.clear()
+    assert mem(running) == [SignalTask("chief:0", signal.SIGTERM, group=False, pid=1)]
+
+
+def test_under_ps_a_worker_whose_host_is_gone_leaves_and_rejoins_when_it_is_back(tmp_path):
+    names = ["chief:0", "worker:0", "worker:1", "ps:0"]
+    tf_configs = plans.build_host_cluster(kinds.get("ps"), 2, 1, hosts=3).tf_configs
+    now, lines, down = [0.0], [], set()
+    mem = elastic.Membership(elastic.ElasticPlan(1, 5.0), names,
+                             {"chief:0": 0, "ps:0": 0, "worker:0": 1, "worker:1": 2},
+                             tf_configs, [], log=lines.append, clock=lambda: now[0],
+                             record_path=str(tmp_path / "m.json"), live=True)
+    mem.new_attempt(lambda: down)
+    pids = (1, 2, 3, 4)
+    assert mem(_state(names=names, pids=pids)) == []
+    down.add(2)
+    assert mem(_state(names=names, pids=pids)) == []  # may come back
+    # The cut-off worker found its chief gone and stopped: it leaves at once.
+    assert mem(_state(None, None, 0, None, names=names, pids=pids)) == []
+    assert mem.members == ["worker:0"] and "worker:1 left (host2 unreachable" in lines[-1]
+    now[0] = 60.0
+    assert mem(_state(None, None, 0, None, names=names, pids=pids)) == []  # 1 >= M: goes on
+    down.clear()
+    assert mem(_state(None, None, 0, None, names=names, pids=pids)) == [
+        RestartTask("worker:1", note="its host is reachable again")]
+    assert mem.members == ["worker:0", "worker:1"]
+    assert [h["workers"] for h in mem.record()] == [2, 1, 2]
+    assert mem.after_attempt(Exit.OK, lambda s: None) == Exit.OK
+    with open(tmp_path / "m.json") as f:
+        assert json.load(f) == mem.record()
+
+
+def test_under_ps_below_min_workers_for_the_rejoin_timeout_stops_the_job(tmp_path):
+    names = ["chief:0", "worker:0", "worker:1", "ps:0"]
+    now, lines, down = [0.0], [], {2}
+    mem = elastic.Membership(elastic.ElasticPlan(2, 5.0), names,
+                             {"chief:0": 0, "ps:0": 0, "worker:0": 1, "worker:1": 2},
+                             plans.build_host_cluster(kinds.get("ps"), 2, 1, hosts=3).tf_configs,
+                             [], log=lines.append, clock=lambda: now[0], live=True)
+    mem.new_attempt(lambda: down)
+    gone = _state(None, None, 0, None, names=names, pids=(1, 2, 3, 4))
+    assert mem(gone) == []
+    now[0] = 4.0
+    assert mem(gone) == []
+    now[0] = 5.0
+    assert [a.task for a in mem(gone)] == ["chief:0", "worker:0", "ps:0"]
+    assert "below --min-workers=2" in lines[-1]
+    assert mem.after_attempt(Exit.TASK_LOST, lambda s: None) == Exit.TASK_LOST
+
+
+def test_a_preemption_not_ours_and_success_go_on_as_before(tmp_path):
+    mem, now, lines, down, paths = _membership(tmp_path)
+    assert mem.after_attempt(Exit.PREEMPTED, lambda s: None) == Exit.PREEMPTED
+    assert mem.after_attempt(Exit.OK, lambda s: None) == Exit.OK
+    assert len(mem.history) == 1
+
+
+def test_partitions_stay_scheduled_across_elastic_attempts():
+    now = [0.0]
+    inj = injectors.FaultInjector([faults.Fault("partition", "host2", seconds=1.0,
+                                                lift_after=10.0)],
+                                  log=lambda m: None, clock=lambda: now[0])
+    now[0] = 1.0
+    inj(_state())
+    inj.end_attempt(keep_partitions=True)
+    now[0] = 11.0
+    from tfdist.launcher.state import SetLink
+    assert inj(_state()) == [SetLink(2, up=True)]
+    assert inj.records[0]["lifted_by"] == "schedule"
+
+
+# --- a real job -----------------------------------------------------------------------
+
+HOSTS_PROBLEM = network.hosts_problem()
+
+
+def _events(model_dir, name):
+    return protocol.read_all_events(protocol.events_path(os.path.join(model_dir, "launch"), name))
+
+
+def _outcome(model_dir):
+    with open(os.path.join(model_dir, "launch", "outcome.json")) as f:
+        return json.load(f)
+
+
+def _elastic_job(spawn, model_dir, strategy, workers, hosts, partition, *extra, steps=600,
+                 ps=()):
+    from conftest import launch_cmd
+
+    return spawn(launch_cmd(strategy, "--workers", str(workers), *ps, "--hosts", str(hosts),
+                            "--rejoin-timeout", "5", "--timeout", "500",
+                            *(("--partition", partition) if partition else ()), *extra,
+                            train_args=["--model", "logreg", "--steps", str(steps),
+                                        "--log-every", "50", "--checkpoint-every", "100",
+                                        "--model-dir", model_dir]))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.timeout(300)
+def test_multiworker_loses_a_host_for_good_and_finishes_on_the_survivor(tmp_path, spawn):
+    from conftest import descendants_alive, read_results
+
+    model_dir = str(tmp_path / "shrink")
+    p = _elastic_job(spawn, model_dir, "multiworker", 2, 2, "host1@step=100",
+                     "--min-workers", "1", steps=300)
+    assert p.wait(280) == 0, p.output
+    lost = [l for l in p.lines if "lost for good" in l]
+    assert len(lost) == 1 and lost[0].startswith(
+        "[launch] worker:1 lost for good (host1 unreachable for 5 s): continuing with 1 "
+        "worker from step 100"), p.output
+    r = read_results(model_dir)
+    assert r["global_steps"] == r["completed_steps"] == 300
+    # The global batch stayed 128 (64 x 2): the one survivor takes all of it.
+    assert r["global_batch_size"] == 128 and r["replicas_in_sync"] == 1
+    assert r["membership"] == [
+        {"step": 0, "workers": 2, "why": "start"},
+        {"step": 100, "workers": 1, "why": "worker:1 lost for good (host1 unreachable for 5 s)"}]
+    outcome = _outcome(model_dir)
+    assert outcome["exit_code"] == 0 and outcome["membership"][1]["members"] == ["worker:0"]
+    # The lost worker was not started again.
+    assert [e.kind for e in _events(model_dir, "worker:1")].count(protocol.STARTED) == 1
+    assert descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.timeout(900)
+def test_multiworker_3_to_2_for_good_matches_an_uninterrupted_run(tmp_path, spawn):
+    from conftest import descendants_alive, read_results
+
+    whole, shrunk = str(tmp_path / "whole"), str(tmp_path / "shrunk")
+    assert _elastic_job(spawn, whole, "multiworker", 3, 3, None, "--min-workers", "2"
+                        ).wait(400) == 0
+    p = _elastic_job(spawn, shrunk, "multiworker", 3, 3, "host2@step=150", "--min-workers", "2")
+    assert p.wait(450) == 0, p.output
+    a, b = read_results(whole), read_results(shrunk)
+    assert b["global_steps"] == 600 and b["global_batch_size"] == a["global_batch_size"]
+    assert [m["workers"] for m in b["membership"]] == [3, 2]
+    assert a["membership"] == [{"step": 0, "workers": 3, "why": "start"}]
+    assert abs(a["test_accuracy"] - b["test_accuracy"]) <= 0.005, (a["test_accuracy"],
+                                                                   b["test_accuracy"])
+    assert descendants_alive(shrunk) == []
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.timeout(600)
+def test_multiworker_shrinks_then_grows_back_when_the_host_returns(tmp_path, spawn):
+    from conftest import descendants_alive, read_results
+
+    model_dir = str(tmp_path / "grow")
+    p = _elastic_job(spawn, model_dir, "multiworker", 3, 3, "host2@step=150+25",
+                     "--min-workers", "2")
+    assert p.wait(550) == 0, p.output
+    r = read_results(model_dir)
+    assert r["global_steps"] == 600 and r["replicas_in_sync"] == 3
+    assert [m["workers"] for m in r["membership"]] == [3, 2, 3], r["membership"]
+    assert r["membership"][2]["why"] == "worker:2 back (host2 reachable again)"
+    # The grow-back is a preemption: every worker saved at one agreed step, none redone.
+    back = _outcome(model_dir)["membership"][2]
+    assert back["steps_redone_at_least"] == 0 and back["members"] == WORKERS
+    assert any(re.match(r"^\[launch\] worker:2 back \(host2 reachable again\): growing back "
+                        r"to 3 workers from step \d+$", l) for l in p.lines), p.output
+    assert descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.timeout(600)
+def test_ps_sync_3_to_2_with_k_adapted(tmp_path, spawn):
+    from conftest import descendants_alive, read_results
+
+    model_dir = str(tmp_path / "pssync")
+    p = _elastic_job(spawn, model_dir, "ps-sync", 3, 4, "host3@step=150", "--min-workers", "2",
+                     ps=("--ps", "1"))
+    assert p.wait(550) == 0, p.output
+    r = read_results(model_dir)
+    assert r["global_steps"] == 600 and r["global_batch_size"] == 192
+    assert [m["workers"] for m in r["membership"]] == [3, 2]
+    # K = min(K, workers): every update of the smaller cluster averages 2 gradients.
+    assert r["num_workers"] == 2 and r["replicas_to_aggregate"] == 2
+    assert r["aggregated_gradients"] == 2 * r["applied_steps"]
+    assert descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.timeout(600)
+def test_ps_worker_whose_host_is_gone_leaves_and_rejoins_when_it_is_back(tmp_path, spawn):
+    from conftest import descendants_alive, read_results
+
+    model_dir = str(tmp_path / "ps")
+    p = _elastic_job(spawn, model_dir, "ps", 2, 3, "host2@step=300+15", "--min-workers", "1",
+                     ps=("--ps", "1"), steps=1500)
+    assert p.wait(550) == 0, p.output
+    r = read_results(model_dir)
+    assert r["completed_steps"] == r["scheduled_steps"] == 1500
+    assert [m["workers"] for m in r["membership"]] == [2, 1, 2], r["membership"]
+    assert any(l.startswith("[launch] restarted worker:1 (pid ") for l in p.lines), p.output
+    # The rejoined worker ran steps again.
+    assert r["steps_per_worker"]["worker:1"] > 0
+    assert descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.timeout(400)
+def test_below_min_workers_the_job_stops_with_one_line_exit_75(tmp_path, spawn):
+    from conftest import descendants_alive
+
+    model_dir = str(tmp_path / "below")
+    p = _elastic_job(spawn, model_dir, "multiworker", 2, 2, "host1@step=100",
+                     "--min-workers", "2", steps=400)
+    assert p.wait(350) == Exit.TASK_LOST, p.output
+    said = [l for l in p.lines if "below --min-workers" in l]
+    assert said == ["[launch] worker:1 lost for good (host1 unreachable for 5 s): 1 worker(s) "
+                    "left, below --min-workers=2; stopping (exit 75): run the same command "
+                    "when capacity is back to resume from the newest checkpoint"], p.output
+    assert not any("continuing with" in l for l in p.lines)
+    assert [m["workers"] for m in _outcome(model_dir)["membership"]] == [2]
+    assert descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.timeout(600)
+def test_ps_sync_grows_back_and_k_follows_the_size(tmp_path, spawn):
+    from conftest import descendants_alive, read_results
+
+    model_dir = str(tmp_path / "pssyncgrow")
+    p = _elastic_job(spawn, model_dir, "ps-sync", 3, 4, "host3@step=150+25",
+                     "--min-workers", "2", ps=("--ps", "1"), steps=900)
+    assert p.wait(550) == 0, p.output
+    r = read_results(model_dir)
+    assert r["global_steps"] == 900 and [m["workers"] for m in r["membership"]] == [3, 2, 3]
+    # The last cluster has every worker again, and K is every worker's.
+    assert r["num_workers"] == 3 and r["replicas_to_aggregate"] == 3
+    assert r["aggregated_gradients"] == 3 * r["applied_steps"]
+    assert any(l.startswith("[launch] worker:2: host reachable again; SIGTERM to chief:0")
+               for l in p.lines), p.output
+    assert descendants_alive(model_dir) == []
