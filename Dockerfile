@@ -59,7 +59,7 @@ RUN pip install --no-deps --no-build-isolation .
 # A TensorFlow server runs whatever graph it is sent: the process it lives
 # in should be able to do as little as possible.
 USER 1000
-# train.py's default --model-dir (runs/default) is relative: /workspace is the
+# train.py's default --model-dir (runs/<strategy>) is relative: /workspace is the
 # trainer's, so a run without a volume still has somewhere to write.
 WORKDIR /workspace
 # The port every TF_CONFIG in k8s/ uses (also Kubeflow's default); slurm/

@@ -11,6 +11,7 @@
 import os
 
 import tfdist
+from tfdist import TrainOptions
 
 HERE = os.path.dirname(os.path.abspath(__file__)) if "__file__" in globals() else "examples"
 CUSTOM_TASK = os.path.join(HERE, "custom_task.py")  # your own model and data: a file
@@ -19,10 +20,11 @@ CUSTOM_TASK = os.path.join(HERE, "custom_task.py")  # your own model and data: a
 # ## One process
 #
 # `strategy="none"` is one process with no distribution strategy (`"mirrored"` would
-# take every local GPU). A `Result` holds the run's `results.json` record.
+# take every local GPU). `TrainOptions` holds train.py's flags by their Python names.
+# A `Result` holds the run's `results.json` record.
 
 # %%
-one = tfdist.fit("mnist-cnn", strategy="none", steps=200, model_dir="runs/one")
+one = tfdist.fit("mnist-cnn", strategy="none", options=TrainOptions(steps=200, model_dir="runs/one"))
 print(one.metrics["accuracy"], one.global_step, one.paths["model"])
 
 # %% [markdown]
@@ -32,19 +34,24 @@ print(one.metrics["accuracy"], one.global_step, one.paths["model"])
 # as `tfdist-launch` does; `multiworker` all-reduces the gradients every step.
 
 # %%
-two = tfdist.fit("mnist-cnn", strategy="multiworker", workers=2, steps=200, model_dir="runs/two")
+two = tfdist.fit("mnist-cnn", strategy="multiworker", workers=2,
+                 options=TrainOptions(steps=200, model_dir="runs/two"))
 print([(t.task, t.steps) for t in two.tasks])
 
 # %% [markdown]
 # ## Your own task, asynchronous parameter servers, and a worker killed mid-run
 #
-# `tfdist.launch` takes the launcher's options: here worker:1 is killed at step 150 and
-# restarted (`restart_tasks`); under `ps` the other worker runs on meanwhile, and every
-# scheduled step is still applied once.
+# `tfdist.launch` takes the launcher's options as typed groups, the same fields as
+# launch.py's flags: here worker:1 is killed at step 150 and restarted (`Recovery`'s
+# `restart_tasks`); under `ps` the other worker runs on meanwhile, and every scheduled
+# step is still applied once.
 
 # %%
-ps = tfdist.launch("ps", workers=2, ps=1, task=CUSTOM_TASK, steps=300,
-                   model_dir="runs/ps", kill=["worker:1@step=150"], restart_tasks=True)
+from tfdist import Cluster, Faults, Recovery
+
+ps = tfdist.launch("ps", CUSTOM_TASK, cluster=Cluster(workers=2, ps=1),
+                   faults=Faults(kill=("worker:1@step=150",)), recovery=Recovery(restart_tasks=True),
+                   options=TrainOptions(steps=300, model_dir="runs/ps"))
 print(ps.metrics["accuracy"], ps.global_step, {t.task: t.restarts for t in ps.tasks})
 
 # %% [markdown]
@@ -55,6 +62,6 @@ print(ps.metrics["accuracy"], ps.global_step, {t.task: t.restarts for t in ps.ta
 
 # %%
 try:
-    tfdist.fit("mnist-cnn", strategy="none", steps=-1, model_dir="runs/bad")
+    tfdist.fit("mnist-cnn", strategy="none", options=TrainOptions(steps=-1, model_dir="runs/bad"))
 except tfdist.TfdistError as err:
     print(err, "exit code", err.exit_code)

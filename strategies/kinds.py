@@ -69,6 +69,8 @@ class StrategyKind:
     # a model's own train_step, optimizer options ({option: reason}), and
     # Keras's LossScaleOptimizer. Empty: honoured as model.fit honours it.
     own_train_step_refusal = ""
+    # A model's own compute_loss (the library's step calls it); "" where honoured.
+    own_compute_loss_refusal = ""
     # A task's Keras callbacks run on the chief (under ps, on a chief-side copy of
     # the model: training.loop.callbacks); "" where they can.
     callbacks_refusal = ""
@@ -404,6 +406,9 @@ class Pipeline(StrategyKind):
     # chief's own step over stages that each have their own optimizer.
     own_train_step_refusal = ("the chief runs its own GPipe step over the model's stages, and a "
                               "model's train_step needs the whole model, which no task holds")
+    own_compute_loss_refusal = ("the chief's GPipe step applies the compiled loss to the last "
+                                "stage's output, and a model's compute_loss needs the whole "
+                                "model, which no task holds")
     jit_compile_refusal = "its step spans several tasks' devices, which one XLA cluster cannot"
     callbacks_refusal = "the model lives in stages on the workers; callbacks are not wired to it"
     optimizer_refusals = {
@@ -503,13 +508,29 @@ def get(name: str) -> StrategyKind:
         ) from None
 
 
+def auto_choice(cfg: ClusterConfig) -> StrategyKind:
+    """What ``--strategy=auto`` picks for ``cfg``: the lowest-ranked kind that accepts it."""
+    ranked = sorted(_REGISTRY.values(), key=lambda k: k.auto_rank)
+    kind = next((k for k in ranked if k.auto_accepts(cfg)), None)
+    if kind is None:
+        raise ConfigError(f"--strategy=auto found no strategy for roles {sorted(cfg.cluster)}")
+    return kind
+
+
+def auto_note(kind: StrategyKind, cfg: ClusterConfig) -> str:
+    """The one line that says what ``auto`` chose, and why."""
+    workers, ps = cfg.num_workers, cfg.num_ps
+    if cfg.is_local:
+        where = "one process"
+    else:
+        where = f"{workers} worker{'s' * (workers != 1)}" + (f", {ps} ps" if ps else "")
+    return f"--strategy auto: {kind.name} ({where}; give --strategy to choose another)"
+
+
 def resolve(name: str, cfg: ClusterConfig) -> StrategyKind:
     """The kind ``name`` names for ``cfg`` (``auto``: the first that accepts it), checked."""
     if name == AUTO:
-        ranked = sorted(_REGISTRY.values(), key=lambda k: k.auto_rank)
-        kind = next((k for k in ranked if k.auto_accepts(cfg)), None)
-        if kind is None:
-            raise ConfigError(f"--strategy=auto found no strategy for roles {sorted(cfg.cluster)}")
+        kind = auto_choice(cfg)
     elif name in _REGISTRY:
         kind = _REGISTRY[name]
     else:

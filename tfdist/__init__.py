@@ -5,14 +5,18 @@ detail behind it::
 
     import tfdist
 
-    result = tfdist.fit("mnist-logreg", strategy="none", steps=200, model_dir="runs/a")
-    result = tfdist.fit("path/to/task.py", workers=2, ps=1, steps=200, model_dir="runs/b")
+    result = tfdist.fit("mnist-logreg", strategy="none",
+                        options=tfdist.TrainOptions(steps=200, model_dir="runs/a"))
+    result = tfdist.fit("path/to/task.py", workers=2, ps=1,
+                        options=tfdist.TrainOptions(steps=200, model_dir="runs/b"))
     print(result.metrics["accuracy"], result.global_step)
 
 ``fit`` runs one process (``none``, ``mirrored``) or, with ``workers=N``, a
 local cluster of real processes as ``tfdist-launch`` starts it; ``launch``
-takes the launcher's options (simulated hosts, links, faults). Both return a
-:class:`Result` and raise :class:`TfdistError` (one line and an exit code).
+takes the launcher's options as typed groups (``Cluster``: simulated hosts and
+links; ``Faults``; ``Recovery``; ``Limits``). ``TrainOptions`` are train.py's
+flags, typed. Both return a :class:`Result` and raise :class:`TfdistError`
+(one line, starting ``error:``, and an exit code).
 Importing this package imports neither TensorFlow nor Keras.
 """
 
@@ -30,13 +34,15 @@ if not _os.path.isdir(_os.path.join(_here, "strategies")) and _os.path.isfile(
     __path__.append(_root)  # noqa: F821 (a package's own __path__)
 
 __version__ = "0.2.0"
-__all__ = ["fit", "launch", "Result", "TaskOutcome", "TfdistError", "__version__"]
+_API = ("fit", "launch", "Result", "TaskOutcome", "TfdistError", "TrainOptions", "Cluster",
+        "Faults", "Recovery", "Limits")
+__all__ = [*_API, "__version__"]
 
 
 def __getattr__(name):
     # Lazy: `import tfdist` stays cheap and TensorFlow-free (the launcher,
     # the benchmark and every ps task import it before TensorFlow, if ever).
-    if name in ("fit", "launch", "Result", "TaskOutcome", "TfdistError"):
+    if name in _API:
         from tfdist import api
 
         return getattr(api, name)

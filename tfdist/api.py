@@ -2,7 +2,10 @@
 
 The commands are a thin layer over the same library calls: ``fit`` in one
 process is ``tfdist-train`` (``tfdist.training.run``), ``fit(workers=N)`` and
-``launch`` are ``tfdist-launch`` (``tfdist.launcher.job``). Every refusal the
+``launch`` are ``tfdist-launch`` (``tfdist.launcher.job``). Their options are
+the commands' flags as typed groups (``TrainOptions``: train.py's; ``Cluster``,
+``Faults``, ``Recovery``, ``Limits``: launch.py's), declared once
+(``tfdist.flags``): the same names, the same defaults. Every refusal the
 commands print as one ``error:`` line is raised here as :class:`TfdistError`
 with that line and the command's exit code; nothing here reads ``sys.argv``.
 """
@@ -14,17 +17,25 @@ import inspect
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from tfdist import protocol
 from tfdist.protocol import ConfigError, Exit
 
+if TYPE_CHECKING:  # the groups' modules load when a run starts: `import tfdist` stays cheap
+    from tfdist.launcher.config import Cluster, Faults, Limits, Recovery
+    from tfdist.training.config import TrainOptions
+
 
 class TfdistError(Exception):
     """A run that could not start or did not finish: the one line and the exit code
-    the command line would have ended with (``protocol.Exit``)."""
+    the command line would have ended with (``protocol.Exit``). Every message starts
+    with ``error: ``, as the commands' lines do."""
+
+    PREFIX = "error: "
 
     def __init__(self, message: str, exit_code: int):
+        message = message if message.startswith(self.PREFIX) else self.PREFIX + message
         super().__init__(message)
         self.message = message
         self.exit_code = int(exit_code)
@@ -89,18 +100,15 @@ class Result:
                    launch=outcome)
 
 
-def _train_config_fields() -> set[str]:
-    from tfdist.training.config import TrainConfig
-
-    return {f.name for f in dataclasses.fields(TrainConfig)} - {"cluster", "dry_run"}
-
-
-def _check_options(options: Mapping[str, Any]) -> None:
-    known = _train_config_fields()
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise TfdistError(f"unknown option {unknown[0]!r}; fit and launch take the training "
-                          f"options {', '.join(sorted(known))}", Exit.BAD_INPUT)
+def _typed(value, cls, name: str):
+    """``value`` as the typed group ``cls`` (None: its defaults); TfdistError otherwise."""
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        raise TfdistError(f"{name}= takes a tfdist.{cls.__name__}(...), not "
+                          f"{type(value).__name__}; e.g. {name}=tfdist.{cls.__name__}("
+                          f"{next(iter(dataclasses.fields(cls))).name}=...)", Exit.BAD_INPUT)
+    return value
 
 
 def _task_spec(task) -> str:
@@ -120,53 +128,47 @@ def _task_spec(task) -> str:
         "or tfdist.fit('package.module:NAME', ...)", Exit.BAD_INPUT)
 
 
-def _train_args(task: str | None, options: Mapping[str, Any]) -> tuple[str, ...]:
-    """Training options as every task's ``tfdist-train`` flags."""
-    args: list[str] = []
-    if task is not None:
-        args += ["--task", task]
-    for name, value in options.items():
-        flag = "--" + name.replace("_", "-")
-        if name == "task_options":
-            for item in ([value] if isinstance(value, str) else value):
-                args += ["--task-option", str(item)]
-        elif isinstance(value, bool):
-            args += [flag] if value else []
-        elif value is not None:
-            args += [flag, str(value)]
-    return tuple(args)
+def _train_args(task: str | None, options) -> tuple[str, ...]:
+    """Training options as every task's ``tfdist-train`` flags (``tfdist.flags.to_argv``)."""
+    from tfdist import flags
+
+    return (*(("--task", task) if task is not None else ()), *flags.to_argv(options))
 
 
-def fit(task="mnist-cnn", strategy: str | None = None, *, workers: int = 0, ps: int = 0,
-        chief: bool = False, model_dir: str | None = None, callbacks=None,
-        **options) -> Result:
+def fit(task="mnist-cnn", strategy: str = "auto", *, workers: int = 0, ps: int = 0,
+        chief: bool = False, options: TrainOptions | None = None, callbacks=None) -> Result:
     """Train ``task`` and evaluate it; the run's :class:`Result`.
 
     ``task``: a built-in name, ``"package.module[:NAME]"``, ``"path/to/task.py"``, or (in
-    one process) the task object itself. Without ``workers``, one process: ``strategy``
-    ``none`` (default) or ``mirrored``. With ``workers=N`` (and ``ps=M``), a local cluster
-    of real processes as ``tfdist-launch`` starts it (``strategy`` defaults to
-    ``multiworker``, or ``ps`` with ps tasks). ``options``: the training options
-    (``steps``, ``epochs``, ``seed``, ``global_batch_size``, ``task_options``, ...).
+    one process) the task object itself. Without ``workers``, one process; with
+    ``workers=N`` (and ``ps=M``, ``chief=True``), a local cluster of real processes as
+    ``tfdist-launch`` starts it. ``strategy``: as ``train.py --strategy``; ``auto`` picks
+    as train.py does (ps with ps tasks, multiworker with several workers, else
+    mirrored) and says which in one line. ``options``: a :class:`TrainOptions`, the
+    training options (``steps``, ``epochs``, ``seed``, ``model_dir``: default
+    ``runs/<strategy>``, ...), each one of ``train.py``'s flags.
     ``callbacks``: Keras callbacks, as ``model.fit(callbacks=...)`` (one process; a
     cluster's tasks take them from the task's own ``callbacks()``).
     Raises :class:`TfdistError`.
     """
-    _check_options(options)
+    from tfdist.launcher.config import Cluster
+    from tfdist.training.config import TrainOptions
+
+    options = _typed(options, TrainOptions, "options")
     if callbacks is not None and workers:
-        raise TfdistError("error: callbacks=[...] are objects of this process, which a "
+        raise TfdistError("callbacks=[...] are objects of this process, which a "
                           "cluster's tasks cannot receive; give the task a callbacks() "
                           "method instead", Exit.BAD_INPUT)
     if callbacks is not None:
-        task = _with_callbacks(task, list(callbacks), options)
+        task, options = _with_callbacks(task, list(callbacks), options)
     if workers:
-        name = _task_spec(task)
-        return launch(strategy or ("ps" if ps else "multiworker"), workers=workers, ps=ps,
-                      chief=chief, task=name, model_dir=model_dir, **options)
+        return launch(strategy, _task_spec(task), cluster=Cluster(workers=workers, ps=ps,
+                                                                  chief=chief),
+                      options=options)
     if ps or chief:
         raise TfdistError(f"ps={ps}, chief={chief} need a cluster: give workers=N too",
                           Exit.BAD_INPUT)
-    return _fit_here(task, strategy or "none", model_dir, options)
+    return _fit_here(task, strategy, options)
 
 
 class _TaskWithCallbacks:
@@ -182,42 +184,50 @@ class _TaskWithCallbacks:
         return self._callbacks
 
 
-def _with_callbacks(task, callbacks: list, options: dict):
+def _with_callbacks(task, callbacks: list, options):
+    """The task with ``callbacks`` as its own, and the options left to apply."""
     if isinstance(task, (str, os.PathLike)):
         from tfdist.training.workload import tasks
 
         try:
-            spec = tasks.parse_spec(os.fspath(task), tuple(options.get("task_options") or ()))
-            loaded = tasks.load(spec, options.get("data_dir"))
+            spec = tasks.parse_spec(os.fspath(task), tuple(options.task_options))
+            loaded = tasks.load(spec, options.data_dir)
         except ConfigError as err:
-            raise TfdistError(f"error: {err}", Exit.BAD_INPUT) from None
-        options.pop("task_options", None)  # the task is configured already
-        return _TaskWithCallbacks(loaded, callbacks, os.fspath(task))
+            raise TfdistError(str(err), Exit.BAD_INPUT) from None
+        # The task is configured already.
+        return (_TaskWithCallbacks(loaded, callbacks, os.fspath(task)),
+                dataclasses.replace(options, task_options=()))
     return _TaskWithCallbacks(task, callbacks,
-                              getattr(task, "__name__", None) or type(task).__name__)
+                              getattr(task, "__name__", None) or type(task).__name__), options
 
 
-def _fit_here(task, strategy: str, model_dir: str | None, options: dict) -> Result:
+def _fit_here(task, strategy: str, options) -> Result:
     from tfdist.strategies import kinds
+    from tfdist.strategies.tf_config import LOCAL
     from tfdist.training.config import TrainConfig
     from tfdist.training.run import failure, run
 
     one_process = sorted(n for n, k in kinds.all_kinds().items() if k.single_process)
-    if strategy not in one_process:
+    try:
+        kind = kinds.resolve(strategy, LOCAL) if strategy in kinds.names() else None
+    except ConfigError:
+        kind = None
+    if kind is None or not kind.single_process:
         raise TfdistError(
-            f"strategy {strategy!r} in this process: it needs a cluster; use one of "
-            f"{', '.join(one_process)}, or give workers=N for a local cluster", Exit.BAD_INPUT)
-    if model_dir is None:
-        model_dir = os.path.join("runs", strategy)
+            f"strategy {strategy!r} in this process: it needs a cluster or is not known; use "
+            f"auto or one of {', '.join(one_process)}, or give workers=N for a local cluster",
+            Exit.BAD_INPUT)
+    # The one rule (protocol.default_model_dir), as train.py resolves it; ``auto`` stays
+    # auto so the run itself says, once, what it chose.
+    model_dir = options.model_dir or protocol.default_model_dir(kind.name)
     obj = None if isinstance(task, (str, os.PathLike)) else task
     name = (os.fspath(task) if obj is None else
             getattr(task, "__name__", None) or type(task).__name__)
     try:
-        record = run(TrainConfig(strategy=strategy, task=name, model_dir=model_dir,
-                                 **{k: tuple(v) if k == "task_options" else v
-                                    for k, v in options.items()}), task=obj)
+        record = run(TrainConfig.from_options(options, strategy=strategy, task=name,
+                                              model_dir=model_dir), task=obj)
     except (ConfigError, protocol.UsageError) as err:
-        raise TfdistError(f"error: {err}", Exit.BAD_INPUT) from None
+        raise TfdistError(str(err), Exit.BAD_INPUT) from None
     except Exception as err:
         found = failure(err)
         if found is None:
@@ -226,59 +236,61 @@ def _fit_here(task, strategy: str, model_dir: str | None, options: dict) -> Resu
     return Result(model_dir=model_dir, record=record)
 
 
-def launch(strategy: str, *, workers: int = 2, ps: int = 0, chief: bool = False,
-           task: str | None = None, model_dir: str | None = None, hosts: int = 0,
-           link_rate: str | None = None, kill=(), preempt=(), hang=(), partition=(), slow=(),
-           memory_limit=(), restart_tasks: bool = False, restart_delay: float = 2.0,
-           max_restarts: int = 0, min_workers: int | None = None,
-           rejoin_timeout: float | None = None, timeout: float = 3600.0, grace: float = 10.0,
-           netns: str = "auto", engine: str = "local", address: str | None = None,
-           ray_placement: str = "spread", **options) -> Result:
+def launch(strategy: str = "auto", task=None, *, cluster: Cluster | None = None,
+           faults: Faults | None = None, recovery: Recovery | None = None,
+           limits: Limits | None = None, options: TrainOptions | None = None) -> Result:
     """Run a simulated cluster of real processes on this machine, as ``tfdist-launch`` does.
 
-    The launcher's features as typed arguments: ``hosts``/``link_rate`` (simulated hosts
-    and shaped links), faults (``kill=["worker:1@step=100"]``, ``preempt``, ``hang``,
-    ``partition``, ``slow``, ``memory_limit``) and recovery (``restart_tasks``,
-    ``max_restarts``; ``min_workers``/``rejoin_timeout``: go on without a worker
-    whose host is lost, and with it again when it is back); ``engine="ray"`` runs
-    each task as a Ray actor (``address``: a running cluster, else a local instance;
-    ``ray_placement``); ``options`` are every task's training options. Returns the
-    chief's :class:`Result` with each task's outcome; raises :class:`TfdistError`.
+    Each argument is one typed group, the same fields as ``launch.py``'s flags:
+    ``cluster``: a :class:`Cluster` (``workers``, ``ps``, ``chief``, simulated ``hosts``
+    and their ``link_rate``, ``engine="ray"``, ...); ``faults``: :class:`Faults`
+    (``kill=("worker:1@step=100",)``, ``preempt``, ``hang``, ``partition``, ``slow``,
+    ``memory_limit``); ``recovery``: :class:`Recovery` (``restart_tasks``,
+    ``max_restarts``, ``min_workers``/``rejoin_timeout``: go on without a worker whose host
+    is lost, and with it again when it is back, ...); ``limits``: :class:`Limits` (``timeout``: none unless given,
+    ``grace``); ``options``: :class:`TrainOptions`, every task's training options
+    (``model_dir`` default ``runs/<strategy>``). ``strategy`` ``auto`` picks as
+    ``train.py`` does and says which. Returns the chief's :class:`Result` with each
+    task's outcome; raises :class:`TfdistError`.
     """
-    from tfdist.launcher.config import LaunchRequest
-    from tfdist.launcher.job import TaskCheckFailed, run_request
+    from tfdist.launcher.config import Cluster, Faults, LaunchRequest, Limits, Recovery
+    from tfdist.launcher.job import TaskCheckFailed, choose_kind, run_request
     from tfdist.launcher.plan import LaunchError
+    from tfdist.training.config import TrainOptions
 
-    _check_options(options)
-    if model_dir is None:
-        model_dir = os.path.join("runs", strategy)
-    as_tuple = lambda v: (v,) if isinstance(v, str) else tuple(v)  # noqa: E731
+    options = _typed(options, TrainOptions, "options")
     request = LaunchRequest(
-        strategy=strategy, workers=workers, ps=ps, chief=chief, hosts=hosts,
-        link_rate=link_rate, netns=netns, timeout=timeout, grace=grace,
-        kill=as_tuple(kill), preempt=as_tuple(preempt), hang=as_tuple(hang),
-        partition=as_tuple(partition), slow=as_tuple(slow), memory_limit=as_tuple(memory_limit),
-        restart_tasks=restart_tasks, restart_delay=restart_delay, max_restarts=max_restarts,
-        min_workers=min_workers, rejoin_timeout=rejoin_timeout,
-        engine=engine, address=address, ray_placement=ray_placement,
-        train_args=(*_train_args(None if task is None else _task_spec(task), options),
-                    "--model-dir", model_dir))
-    from tfdist.strategies import kinds
-
-    if strategy not in kinds.names(include_auto=False):
-        raise TfdistError(f"error: strategy {strategy!r} is not one the launcher runs; use one "
-                          f"of {', '.join(kinds.names(include_auto=False))}", Exit.BAD_INPUT)
+        strategy=strategy, cluster=_typed(cluster, Cluster, "cluster"),
+        faults=_typed(faults, Faults, "faults"), recovery=_typed(recovery, Recovery, "recovery"),
+        limits=_typed(limits, Limits, "limits"),
+        train_args=_train_args(None if task is None else _task_spec(task), options))
     try:
+        kind = choose_kind(request)
         code = run_request(request)
     except TaskCheckFailed as err:
         raise TfdistError(err.line, err.code) from None
-    except LaunchError as err:
-        raise TfdistError(f"error: {err}", Exit.BAD_INPUT) from None
+    except (LaunchError, ConfigError) as err:
+        raise TfdistError(str(err), Exit.BAD_INPUT) from None
+    model_dir = options.model_dir or protocol.default_model_dir(kind.name)
     if code != Exit.OK:
         meaning = protocol.EXIT_MEANINGS.get(code, "the job failed")
-        raise TfdistError(f"error: the {strategy} job in {model_dir} ended with exit code "
+        raise TfdistError(f"the {kind.name} job in {model_dir} ended with exit code "
                           f"{int(code)} ({meaning}); its tasks' lines above say why", code)
     return Result.from_model_dir(model_dir, exit_code=code)
 
 
-__all__ = ["fit", "launch", "Result", "TaskOutcome", "TfdistError"]
+def __getattr__(name):
+    # The typed groups, imported when first named (tfdist/__init__.py exports them).
+    if name in ("Cluster", "Faults", "Recovery", "Limits"):
+        from tfdist.launcher import config
+
+        return getattr(config, name)
+    if name == "TrainOptions":
+        from tfdist.training.config import TrainOptions
+
+        return TrainOptions
+    raise AttributeError(f"module 'tfdist.api' has no attribute {name!r}")
+
+
+__all__ = ["fit", "launch", "Result", "TaskOutcome", "TfdistError", "Cluster", "Faults",
+           "Recovery", "Limits", "TrainOptions"]

@@ -56,15 +56,27 @@ EXIT_MEANINGS = {
                   "previous checkpoint is kept; free space or make it writable, then relaunch",
     Exit.TASK_LOST: ("a peer task was lost, stuck (alive, answering nothing) past "
                      "`--stuck-timeout`, never came, or its RPCs kept failing: relaunch to resume"),
-    Exit.TIMEOUT: "launcher: the job ran past --timeout and was stopped",
+    Exit.TIMEOUT: ("launcher: the job ran past the --timeout given (there is none by default) "
+                   "and was stopped"),
     Exit.INTERRUPTED: "interrupted (Ctrl-C)",
     Exit.TERMINATED: "launcher: SIGTERM; every task was stopped",
 }
 
 
-def exit_epilog() -> str:
-    """The exit-code table for ``--help``."""
-    return "exit codes: " + "; ".join(f"{int(c)} {m}" for c, m in EXIT_MEANINGS.items())
+def exit_epilog(codes=None) -> str:
+    """The exit codes for ``--help``, one a line (``codes``: those the command may end with)."""
+    import textwrap
+
+    shown = {c: m for c, m in EXIT_MEANINGS.items() if codes is None or c in codes}
+    return "exit codes:\n" + "\n".join(
+        textwrap.fill(f"  {int(c):>3} {m.replace('`', '')}", width=79, subsequent_indent=" " * 6)
+        for c, m in shown.items())
+
+
+# Where a run writes when no --model-dir is given: train.py, launch.py and the
+# Python API alike (the strategy as resolved: ``auto`` is named by what it chose).
+def default_model_dir(strategy: str) -> str:
+    return os.path.join("runs", strategy)
 
 
 # Why a write into the run directory failed: ``train.py``'s ``error:`` line
@@ -97,8 +109,6 @@ class OneLineParser(argparse.ArgumentParser):
         raise UsageError(f"{message}; see --help")
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as written, and every flag's default in --help."""
 
 
 # --- progress events ---------------------------------------------------------
@@ -254,7 +264,7 @@ class Results:
     eval_curve: list
     eval_seconds: float
     test_accuracy: float | None  # None for a task without an accuracy metric
-    test_loss: float
+    test_loss: float | None  # None: not evaluated (Keras's evaluate cannot run on the model)
     weights_sha256: str
     tf_version: str
     keras_version: str

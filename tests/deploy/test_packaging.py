@@ -247,10 +247,11 @@ import json
 import tfdist
 import task
 
-here = tfdist.fit("task.py", strategy="none", steps=60, model_dir="api-none")
-cluster = tfdist.fit(task, workers=2, steps=60, model_dir="api-mw")
+here = tfdist.fit("task.py", strategy="none",
+                  options=tfdist.TrainOptions(steps=60, model_dir="api-none"))
+cluster = tfdist.fit(task, workers=2, options=tfdist.TrainOptions(steps=60, model_dir="api-mw"))
 try:
-    tfdist.fit(lambda: None, workers=2, steps=1)
+    tfdist.fit(lambda: None, workers=2, options=tfdist.TrainOptions(steps=1))
 except tfdist.TfdistError as err:
     refused = [err.exit_code, err.message]
 print(json.dumps({"none": [here.strategy, here.global_step, here.metrics["accuracy"]],

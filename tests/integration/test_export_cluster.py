@@ -5,7 +5,8 @@ what the trained model predicts.
 - ``ps`` with 2 ps and every table and kernel split (``--variable-partitioner
   fixed``): the 300,000-row embedding is exported as one [300000, 8] variable;
 - ``ps-sync``, the same;
-- ``multiworker`` through ``tfdist.fit(workers=2, export=..., export_every=15)``.
+- ``multiworker`` through ``tfdist.fit(workers=2,
+  options=TrainOptions(export=..., export_every=15))``.
 
 All in the long tier (``make test-long``); ``make test`` exports in one process
 (tests/training/test_export.py).
@@ -76,8 +77,9 @@ def test_multiworker_exports_every_n_steps_through_fit_with_workers(tmp_path, ca
     import tfdist
 
     run, out = tmp_path / "run", tmp_path / "export"
-    result = tfdist.fit(SAMPLES + ":REGRESSION", workers=2, strategy="multiworker", steps=40,
-                        log_every=20, model_dir=str(run), export=str(out), export_every=15)
+    result = tfdist.fit(SAMPLES + ":REGRESSION", workers=2, strategy="multiworker",
+                        options=tfdist.TrainOptions(steps=40, log_every=20, model_dir=str(run),
+                                                    export=str(out), export_every=15))
     record = result.record["export"]
     assert result.strategy == "multiworker" and record["path"] == str(out / "40")
     assert result.record["global_steps"] == 40

@@ -18,7 +18,7 @@ from tfdist import protocol
 from tfdist.launcher import cgroups, faults, network, processes, supervisor
 from tfdist.launcher import injector as injectors, restarter as restarters, slowdown as slowdowns
 from tfdist.launcher import plan as plans
-from tfdist.launcher.config import LaunchConfig
+from tfdist.launcher.config import LaunchConfig, Limits
 from tfdist.launcher.state import JobState, RestartTask, SignalTask, SlowTask, TaskView
 from tfdist.strategies import kinds, parse_tf_config
 
@@ -383,7 +383,7 @@ def test_a_relaunched_job_starts_its_slowed_task_in_the_cgroup_again(tmp_path, c
     recovery = _recovery(plan.tf_configs, strategy="mirrored", slow=["local:0=0.5"],
                          max_restarts=1, restart_delay=0)
     config = LaunchConfig(kind=kinds.get("mirrored"), cluster=plan, recovery=recovery,
-                          grace=2.0, timeout=30.0)
+                          limits=Limits(grace=2.0, timeout=30.0))
     launch_dir = tmp_path / "launch"
     processes.save_launch_files(str(launch_dir), plan, ["unused"])
     logs = []

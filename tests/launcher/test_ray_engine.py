@@ -12,7 +12,7 @@ import pytest
 from tfdist.cli import launch as launch_cli
 from tfdist.launcher import plan as plans
 from tfdist.launcher import ray_engine
-from tfdist.launcher.config import LaunchRequest
+from tfdist.launcher.config import Cluster, Faults, LaunchRequest
 from tfdist.launcher.job import build_config, run_request
 from tfdist.launcher.plan import LaunchError
 from tfdist.protocol import Exit
@@ -24,24 +24,30 @@ def test_flags_reach_the_request():
                                          "--address", "auto", "--ray-placement", "strict-spread",
                                          "--", "--steps", "5"])
     request = launch_cli.request_from_args(args, train)
-    assert (request.engine, request.address, request.ray_placement) == ("ray", "auto",
+    cluster = request.cluster
+    assert (cluster.engine, cluster.address, cluster.ray_placement) == ("ray", "auto",
                                                                          "strict-spread")
-    assert LaunchRequest(strategy="ps").engine == "local"
+    assert LaunchRequest(strategy="ps").cluster.engine == "local"
 
 
-@pytest.mark.parametrize("request_kwargs, words", [
-    (dict(engine="ray", hosts=3), "--hosts does not apply with --engine ray"),
-    (dict(engine="ray", slow=("worker:0=0.5",)), "--slow does not apply"),
-    (dict(engine="ray", memory_limit=("ps=1G",)), "--memory-limit does not apply"),
-    (dict(engine="ray", dry_run=True), "--dry-run does not apply"),
-    (dict(engine="ray", host="10.0.0.5"), "--host does not apply"),
-    (dict(address="auto"), "--address auto names a Ray cluster; add --engine ray"),
-    (dict(ray_placement="pack"), "--ray-placement pack places Ray actors; add --engine ray"),
-    (dict(engine="ray", ray_placement="diagonal"), "--ray-placement 'diagonal' is not known"),
-    (dict(engine="yarn"), "--engine 'yarn' is not known; use one of local, ray"),
+RAY = dict(engine="ray")
+
+
+@pytest.mark.parametrize("cluster, faults, dry_run, words", [
+    (dict(RAY, hosts=3), {}, False, "--hosts does not apply with --engine ray"),
+    (RAY, dict(slow=("worker:0=0.5",)), False, "--slow does not apply"),
+    (RAY, dict(memory_limit=("ps=1G",)), False, "--memory-limit does not apply"),
+    (RAY, {}, True, "--dry-run does not apply"),
+    (dict(RAY, host="10.0.0.5"), {}, False, "--host does not apply"),
+    (dict(address="auto"), {}, False, "--address auto names a Ray cluster; add --engine ray"),
+    (dict(ray_placement="pack"), {}, False,
+     "--ray-placement pack places Ray actors; add --engine ray"),
+    (dict(RAY, ray_placement="diagonal"), {}, False, "--ray-placement 'diagonal' is not known"),
+    (dict(engine="yarn"), {}, False, "--engine 'yarn' is not known; use one of local, ray"),
 ])
-def test_what_the_engine_refuses_is_one_line(request_kwargs, words):
-    request = LaunchRequest(strategy="ps", ps=1, **request_kwargs)
+def test_what_the_engine_refuses_is_one_line(cluster, faults, dry_run, words):
+    request = LaunchRequest(strategy="ps", cluster=Cluster(ps=1, **cluster),
+                            faults=Faults(**faults), dry_run=dry_run)
     with pytest.raises(LaunchError) as err:
         build_config(request)
     assert words in str(err.value) and "\n" not in str(err.value)
@@ -109,7 +115,7 @@ def test_tf_configs_from_placed_addresses_match_the_local_launchers():
 
 def test_model_dir_made_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    config = build_config(LaunchRequest(strategy="ps", ps=1, engine="ray",
+    config = build_config(LaunchRequest(strategy="ps", cluster=Cluster(ps=1, engine="ray"),
                                         train_args=("--model-dir", "runs/x", "--steps", "3")))
     out = ray_engine.absolute_model_dir(config)
     assert out.model_dir == str(tmp_path / "runs/x")
@@ -133,16 +139,17 @@ def test_missing_ray_is_one_line_exit_2(monkeypatch, capsys):
     assert err == ("error: --engine ray needs Ray, which is not installed here; install it: "
                    "pip install 'tf-distribute-showcase[ray]'")
     with pytest.raises(LaunchError):
-        run_request(LaunchRequest(strategy="ps", ps=1, engine="ray"))
+        run_request(LaunchRequest(strategy="ps", cluster=Cluster(ps=1, engine="ray")))
 
 
 def test_python_api_takes_the_engine():
     import tfdist
 
+    options = tfdist.TrainOptions(steps=3, model_dir="/nonexistent/x")
     with pytest.raises(tfdist.TfdistError) as err:
-        tfdist.launch("ps", ps=1, engine="ray", hosts=2, steps=3, model_dir="/nonexistent/x")
+        tfdist.launch("ps", cluster=tfdist.Cluster(ps=1, engine="ray", hosts=2), options=options)
     assert err.value.exit_code == Exit.BAD_INPUT
     assert "--hosts does not apply with --engine ray" in err.value.message
     with pytest.raises(tfdist.TfdistError) as err:
-        tfdist.launch("ps", ps=1, address="auto", steps=3, model_dir="/nonexistent/x")
+        tfdist.launch("ps", cluster=tfdist.Cluster(ps=1, address="auto"), options=options)
     assert "add --engine ray" in err.value.message

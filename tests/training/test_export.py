@@ -3,11 +3,12 @@ checked by loading it back (tfdist/training/loop/export.py).
 
 In this process (default tier): a ``none`` run exported into numbered version
 folders, its signature read by ``saved_model_cli``; a task with dict inputs
-through ``tfdist.fit(export=...)``; a model that cannot be served. The flag
+through ``tfdist.fit(options=TrainOptions(export=...))``; a model that cannot be served. The flag
 checks and the comparison as units. Clusters of real processes:
 tests/integration/test_export_cluster.py.
 """
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -88,12 +89,13 @@ def test_dict_inputs_keep_their_names_through_fit_and_a_finished_run_exports_on_
     from export_tasks import DICT_INPUTS
 
     run, out = tmp_path / "run", tmp_path / "export"
-    trained = tfdist.fit(DICT_INPUTS, strategy="none", steps=40, log_every=20, model_dir=str(run))
+    options = tfdist.TrainOptions(steps=40, log_every=20, model_dir=str(run))
+    trained = tfdist.fit(DICT_INPUTS, strategy="none", options=options)
     assert trained.record["export"] is None and not out.exists()
     # The same run again with export=: already complete, so no step is trained;
     # its final weights are exported and its results gain the record.
-    result = tfdist.fit(DICT_INPUTS, strategy="none", steps=40, log_every=20, model_dir=str(run),
-                        export=str(out))
+    result = tfdist.fit(DICT_INPUTS, strategy="none",
+                        options=dataclasses.replace(options, export=str(out)))
     assert result.record["weights_sha256"] == trained.record["weights_sha256"]
     assert result.record["steps_this_run"] == trained.record["steps_this_run"] == 40
     record = result.record["export"]

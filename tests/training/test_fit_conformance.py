@@ -279,7 +279,8 @@ def test_the_python_api_takes_callbacks_as_fit_does(tmp_path):
 
     recorder = fit_tasks.Recorder()
     r = tfdist.fit(fit_tasks.VALIDATED, strategy="mirrored", callbacks=[recorder],
-                   model_dir=str(tmp_path), epochs=1, global_batch_size=BATCH)
+                   options=tfdist.TrainOptions(model_dir=str(tmp_path), epochs=1,
+                                               global_batch_size=BATCH))
     assert [c[0] for c in recorder.calls][:2] == ["train_begin", "epoch_begin"]
     assert "val_accuracy" in [c for c in recorder.calls if c[0] == "epoch_end"][0][2]
     assert r.global_step == 62

@@ -101,11 +101,12 @@ def test_fit_runs_a_task_object_in_process(tmp_path):
     import tfdist
     from tests.training.sample_tasks import Regression
 
-    r = tfdist.fit(Regression(), strategy="none", steps=300, model_dir=str(tmp_path / "r"))
+    r = tfdist.fit(Regression(), strategy="none",
+                   options=tfdist.TrainOptions(steps=300, model_dir=str(tmp_path / "r")))
     _check_regression(r.record)
     assert r.record["task"] == "Regression" and r.global_step == 300
     with pytest.raises(tfdist.TfdistError, match="needs a cluster") as refused:
-        tfdist.fit(Regression(), strategy="multiworker", steps=1)
+        tfdist.fit(Regression(), strategy="multiworker", options=tfdist.TrainOptions(steps=1))
     assert refused.value.exit_code == 2
 
 

@@ -1,43 +1,106 @@
-"""The benchmark's flags as one frozen object (``bench/cli.py`` builds it once)."""
+"""The benchmark's flags as one frozen object (``tfdist.cli.bench`` builds it once).
+
+Each field is one ``bench.py`` flag, declared once with ``tfdist.flags.option``
+(its default and help here, nowhere else): a new benchmark option is one field.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tfdist.flags import option
+
+SCENARIOS_GROUP = "--suite scenarios (the flags above set the uniform accuracy runs)"
+
+
+def _kinds() -> str:
+    from tfdist.bench.common import KINDS
+
+    return ",".join(KINDS)
+
+
+def _models() -> tuple[str, ...]:
+    from tfdist.models import MODEL_NAMES
+
+    return tuple(MODEL_NAMES)
+
+
+def _scenarios_help() -> str:
+    from tfdist.bench.scenario_plan import SCENARIOS, STUDIES
+
+    return (f"comma-separated subset of the scenarios {','.join(SCENARIOS)} and the studies "
+            f"{','.join(STUDIES)} (sparse: the ctr task under each strategy; scaling: 1-4 "
+            "workers on 100 Mbit/s links; model-parallel: the pipeline on a model made for "
+            "cutting)")
+
 
 @dataclass(frozen=True)
 class BenchConfig:
     # Every run's work (both suites; the scenarios' uniform accuracy runs).
-    model: str = "cnn"
-    epochs: int = 3
-    steps: int | None = None  # overrides epochs
-    global_batch_size: int = 128
-    seed: int = 42
-    steps_per_execution: int = 10
-    eval_every: int = 234
-    log_every: int = 200
-    workers: str = "2"  # worker counts for multiworker and ps, e.g. "1,2,4"
-    repeats: int = 2
-    only: str | None = None  # a comma-separated subset of common.KINDS
-    target: float = 0.99
-    data_dir: str | None = None
-    out: str = "results"
-    run_timeout: float = 900.0
-    suite: str = "default"  # or "scenarios"
+    model: str = option("cnn", "the built-in model every run trains (train.py --model)",
+                        choices=_models)
+    epochs: int = option(3, "epochs of each run", metavar="N")
+    steps: int | None = option(None, "total steps of each run; overrides --epochs", metavar="N",
+                               unset="--epochs' steps")
+    global_batch_size: int = option(128, "global batch of every run", metavar="N")
+    seed: int = option(42, "every run's seed", metavar="N")
+    steps_per_execution: int = option(10, "steps per tf.function call in every run",
+                                      metavar="N")
+    eval_every: int = option(234, "steps between test evaluations (the accuracy curves)",
+                             metavar="N")
+    log_every: int = option(200, "steps between progress lines", metavar="N")
+    workers: str = option("2", "worker counts for multiworker and ps, e.g. 1,2,4 (a scaling "
+                          "curve)", metavar="N[,N...]")
+    repeats: int = option(2, "runs of each configuration, interleaved; a row shows the best",
+                          metavar="N")
+    only: str | None = option(None, lambda: f"comma-separated subset of {_kinds()}",
+                              metavar="KIND[,KIND...]", unset="all of them")
+    target: float = option(0.99, "test accuracy for time-to-target", metavar="ACCURACY")
+    data_dir: str | None = option(None, "tfds data dir (train.py --data-dir)", metavar="DIR",
+                                  unset="TFDS_DATA_DIR, else tfds's own")
+    out: str = option("results", "where results, tables and plots are written", metavar="DIR")
+    run_timeout: float = option(900.0, "seconds one run may take before it is stopped",
+                                metavar="SECONDS")
+    suite: str = option("default", "the suite to run: default, every strategy on a uniform "
+                        "cluster; or scenarios, which strategy when (slow worker, slow links, "
+                        "more workers, tutorial peers, staleness)",
+                        choices=("default", "scenarios"))
     # --suite scenarios only.
-    scenarios: str | None = None
-    short_steps: int = 200
-    short_scenarios: str = "uniform,slow,links,more"
-    accuracy_steps: int = 160
-    accuracy_eval_every: int = 40
-    scenario_target: float = 0.97
-    peers: bool = True
-    peer_repeats: int = 2
-    staleness_workers: str = "1,2,4"
-    staleness_lrs: str = "0.05,0.5,2"
-    staleness_steps: int = 300
-    sparse_steps: int = 400
-    sparse_global_batch: int = 512
-    scaling_workers: str = "1,2,3,4"
-    scaling_steps: int = 200
-    report_only: bool = False
+    scenarios: str | None = option(None, _scenarios_help, metavar="NAME[,NAME...]",
+                                   group=SCENARIOS_GROUP, unset="all")
+    short_steps: int = option(200, "steps of each throughput run (0: no throughput pass)",
+                              metavar="N", group=SCENARIOS_GROUP)
+    short_scenarios: str = option(
+        "uniform,slow,links,more", "scenarios whose cells also get a short throughput run (a "
+        "second measurement, interleaved); the others run each cell once ('' for none)",
+        metavar="NAME[,NAME...]", group=SCENARIOS_GROUP)
+    accuracy_steps: int = option(160, "steps of the accuracy runs of the scenarios other than "
+                                 "uniform", metavar="N", group=SCENARIOS_GROUP)
+    accuracy_eval_every: int = option(40, "steps between test evaluations in those runs",
+                                      metavar="N", group=SCENARIOS_GROUP)
+    scenario_target: float = option(0.97, "test accuracy for time-to-target in the scenarios "
+                                     "other than uniform", metavar="ACCURACY",
+                                     group=SCENARIOS_GROUP)
+    peers: bool = option(True, "leave out the tutorial peers (tfdist/bench/peers/)",
+                         flag="--no-peers", group=SCENARIOS_GROUP)
+    peer_repeats: int = option(2, "rounds of each peer and the run it is compared with "
+                               "(interleaved; each side's best counts)", metavar="N",
+                               group=SCENARIOS_GROUP)
+    staleness_workers: str = option("1,2,4", "async ps worker counts of the staleness study "
+                                    "('' to skip it)", metavar="N[,N...]",
+                                    group=SCENARIOS_GROUP)
+    staleness_lrs: str = option("0.05,0.5,2", "the staleness study's SGD learning rates",
+                                metavar="RATE[,RATE...]", group=SCENARIOS_GROUP)
+    staleness_steps: int = option(300, "steps of each staleness study run", metavar="N",
+                                  group=SCENARIOS_GROUP)
+    sparse_steps: int = option(400, "steps of each sparse study run", metavar="N",
+                               group=SCENARIOS_GROUP)
+    sparse_global_batch: int = option(512, "global batch of the sparse study (the same under "
+                                      "every strategy)", metavar="N", group=SCENARIOS_GROUP)
+    scaling_workers: str = option("1,2,3,4", "worker counts of the scaling study",
+                                  metavar="N[,N...]", group=SCENARIOS_GROUP)
+    scaling_steps: int = option(200, "steps of each scaling study run", metavar="N",
+                                group=SCENARIOS_GROUP)
+    report_only: bool = option(False, "run nothing: write scenarios.md and the plots again "
+                               "from <out>/scenarios.json (a finished suite's figures)",
+                               group=SCENARIOS_GROUP)

@@ -8,19 +8,137 @@ TF_CONFIG and host), each task's share of the cores, the recovery plan
 (faults, slow-downs, restarts) and the job's limits. Everything below it
 (network, processes, supervisor) takes this object or its parts, never the
 command line.
+
+**Adding a launcher option** (``--min-workers`` was added so): one field in the group it
+belongs to (``Cluster``, ``Faults``, ``Recovery``, ``Limits``), declared with
+``tfdist.flags.option(default, help, ...)``. That field is the ``launch.py`` flag
+(built by ``tfdist.cli.launch``, nothing to write there), its ``--help`` line
+and default, and the Python API's argument (``tfdist.Recovery(min_workers=...)``);
+read it as ``request.recovery.min_workers`` in ``launcher.job.build_config``.
+Never repeat its default elsewhere: ``tests/test_options.py`` checks.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Mapping
 
-from tfdist.launcher.elastic import ElasticPlan
-from tfdist.launcher.faults import RecoveryPlan
+from tfdist.flags import option, to_argv
+from tfdist.launcher import plan as plans
+from tfdist.launcher.elastic import DEFAULT_REJOIN_TIMEOUT, ElasticPlan
+from tfdist.launcher.faults import FAULT_SPEC, MAX_TASK_RESTARTS, RESTART_DELAY, RecoveryPlan
+from tfdist.launcher.network import INSIDE_FLAG, NETNS_MODES
 from tfdist.launcher.plan import ClusterPlan
 from tfdist.launcher.processes import CoreShare
+from tfdist.strategies import kinds
 from tfdist.strategies.kinds import StrategyKind
+
+
+ENGINES = ("local", "ray")
+NETWORK = "simulated hosts and network"
+RAY_PLACEMENTS = ("spread", "strict-spread", "pack", "spread-workers")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The simulated cluster: its tasks, where they run and how they are linked."""
+
+    workers: int = option(2, "worker tasks (each trains)", metavar="N")
+    ps: int = option(0, "parameter-server tasks (ps, ps-sync; a chief is added to coordinate)",
+                     metavar="N")
+    chief: bool = option(False, "multiworker: add a separate chief task (it trains too)")
+    host: str = option("localhost", "address written into TF_CONFIG (without --hosts)",
+                       group=NETWORK)
+    hosts: int = option(
+        0, lambda: "place the tasks on N simulated hosts, each a network namespace with its own "
+        f"address ({plans.host_address(0)}, {plans.host_address(1)}, ...) on a private bridge; "
+        "coordinating tasks (ps chief, ps) on host 0, workers spread over the others "
+        "(0: every task on this host's loopback)", metavar="N", group=NETWORK)
+    link_rate: str | None = option(
+        None, "with --hosts: shape every host's link to RATE each way (tc tbf; e.g. 1gbit, "
+        "100mbit; no latency emulation), measured once at start", metavar="RATE",
+        group=NETWORK, unset="links not shaped")
+    netns: str = option("auto", "run the cluster in a private network namespace, unreachable "
+                        "from outside: auto (when the OS allows it; else a warning), on (or "
+                        "fail), off", choices=NETNS_MODES, group=NETWORK)
+    engine: str = option("local", "local: the tasks as processes of this host; ray: each task "
+                         "a Ray actor on a Ray cluster (pip install "
+                         "'tf-distribute-showcase[ray]')", choices=ENGINES, group="engine")
+    address: str | None = option(
+        None, "with --engine ray: the running Ray cluster to join (auto: the one on this node)",
+        metavar="auto|HOST:PORT", group="engine",
+        unset="a local Ray instance, started for the job and stopped after")
+    ray_placement: str = option(
+        "spread", "with --engine ray: how the placement group (one bundle per task) spreads "
+        "the tasks over the nodes (spread-workers: spread, with ps and a coordinating chief on "
+        "the head node)", choices=RAY_PLACEMENTS, group="engine")
+
+
+_WHEN = "repeatable; WHEN as for --kill"
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Faults injected into the running job, each ``ROLE:INDEX@WHEN`` (or as its flag says)."""
+
+    kill: tuple[str, ...] = option(
+        (), f"SIGKILL a task (repeatable; several of one task fire in order, one per process "
+        f"of it, e.g. after each restart); {FAULT_SPEC}", metavar="ROLE:INDEX@WHEN")
+    preempt: tuple[str, ...] = option((), f"SIGTERM a task, a polite preemption; {_WHEN}",
+                                      metavar="ROLE:INDEX@WHEN")
+    hang: tuple[str, ...] = option(
+        (), "SIGSTOP a task's process group, alive but stuck (a frozen host or VM); SIGCONT "
+        f"after SECONDS if given, always before the launcher stops it; {_WHEN}",
+        metavar="ROLE:INDEX@WHEN[+SECONDS]")
+    partition: tuple[str, ...] = option(
+        (), "with --hosts: take a simulated host's link down (ip link set ... down), up again "
+        f"after SECONDS if given, always when the launcher ends; {_WHEN}",
+        metavar="hostN@WHEN[+SECONDS]")
+    slow: tuple[str, ...] = option(
+        (), "run a task at FRACTION of its speed, from outside the process (a CFS CPU quota, "
+        "else a SIGSTOP/SIGCONT duty cycle); repeatable, restarts included; without @WHEN "
+        "from its start", metavar="ROLE:INDEX=FRACTION[@WHEN]")
+    memory_limit: tuple[str, ...] = option(
+        (), "run each task of ROLE in a memory cgroup of SIZE (e.g. ps=1200M, 1.5G): past it "
+        "the kernel ends the task, as a container's limit would; repeatable; root on Linux "
+        "(cgroup v1)", metavar="ROLE=SIZE")
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """How the launcher brings a job back: restart a task, relaunch the job."""
+
+    restart_tasks: bool = option(
+        False, f"ps, ps-sync: restart a dead worker with its TF_CONFIG (at most "
+        f"{MAX_TASK_RESTARTS} times each), and kill and restart one the chief reports stuck, "
+        "as a cluster manager's liveness check would")
+    restart_delay: float = option(RESTART_DELAY, "seconds before a task or job is restarted",
+                                  metavar="SECONDS")
+    max_restarts: int = option(0, "relaunch a failed or preempted job up to N times with the "
+                               "same --model-dir (it resumes from its checkpoint)", metavar="N")
+    # Elastic: the fewest workers the job goes on with, and how long a lost
+    # worker's host may stay unreachable before it does (launcher.elastic).
+    min_workers: int | None = option(
+        None, "multiworker: when a worker's host stays unreachable for --rejoin-timeout, "
+        "re-form the job with the survivors (at least M; same global batch, from the newest "
+        "checkpoint), and with the lost worker again when its host is back; below M, exit 75",
+        metavar="M", unset="a lost worker ends the job")
+    rejoin_timeout: float | None = option(
+        None, "with --min-workers: how long a lost worker's host may stay unreachable before "
+        "the job goes on without it", metavar="SECONDS",
+        unset=f"{DEFAULT_REJOIN_TIMEOUT:g}")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How long the job may run, and how it is stopped."""
+
+    timeout: float | None = option(
+        None, "stop the job after SECONDS (exit 124); a stuck task is found without it, by "
+        "train.py's --stuck-timeout", metavar="SECONDS", unset="no limit")
+    grace: float = option(10.0, "seconds between SIGTERM and SIGKILL when a task is stopped",
+                          metavar="SECONDS")
 
 
 @dataclass(frozen=True)
@@ -28,57 +146,36 @@ class LaunchRequest:
     """What a user asks of the launcher, typed: ``tfdist-launch``'s flags or ``tfdist.launch``'s
     arguments, unchecked. ``train_args`` go to every task's ``tfdist-train``."""
 
-    strategy: str
-    workers: int = 2
-    ps: int = 0
-    chief: bool = False
-    dry_run: bool = False
-    host: str = "localhost"
-    hosts: int = 0
-    link_rate: str | None = None
-    netns: str = "auto"
-    netns_inside: bool = False  # this is the launcher re-run inside its namespace
-    timeout: float = 3600.0
-    grace: float = 10.0
-    program: str | None = None
-    kill: tuple[str, ...] = ()
-    preempt: tuple[str, ...] = ()
-    hang: tuple[str, ...] = ()
-    partition: tuple[str, ...] = ()
-    slow: tuple[str, ...] = ()
-    memory_limit: tuple[str, ...] = ()
-    restart_tasks: bool = False
-    restart_delay: float = 2.0
-    max_restarts: int = 0
-    # Elastic: the fewest workers the job goes on with, and how long a lost
-    # worker's host may stay unreachable before it does (launcher.elastic).
-    min_workers: int | None = None
-    rejoin_timeout: float | None = None
-    engine: str = "local"  # "ray": every task a Ray actor (launcher.ray_engine)
-    address: str | None = None  # --address: a running Ray cluster (None: a local instance)
-    ray_placement: str = "spread"
+    strategy: str = option(
+        "auto", "the strategy every task runs (see train.py --help); auto: ps with --ps, "
+        "multiworker with several workers, else mirrored, as train.py's auto picks (the "
+        "launcher's first line says which)", choices=kinds.names, group="cluster")
+    cluster: Cluster = Cluster()
+    faults: Faults = Faults()
+    recovery: Recovery = Recovery()
+    limits: Limits = Limits()
+    dry_run: bool = option(False, "print every task's plan (its own train.py --dry-run) and "
+                           "exit; nothing is started or written", group="cluster")
+    program: str | None = option(
+        None, "run this Python program on every task instead of train.py, with the same "
+        "arguments (--strategy=... and everything after --) and TF_CONFIG; it must honour "
+        "--model-dir (e.g. the benchmark's tfdist/bench/peers/); the tasks' own pre-flight "
+        "check is skipped", metavar="FILE.py", group="job control", unset="train.py")
+    # This is the launcher re-run inside its namespace (network.INSIDE_FLAG).
+    netns_inside: bool = option(False, "", flag=INSIDE_FLAG, hidden=True)
     train_args: tuple[str, ...] = ()
 
-    # Fields given once per occurrence (``--kill A --kill B``).
-    REPEATED = ("kill", "preempt", "hang", "partition", "slow", "memory_limit")
+    # The typed groups, each a section of --help, in order.
+    GROUPS = (("cluster", "cluster"), ("faults", "faults"), ("recovery", "recovery"),
+              ("limits", "job control"))
 
     def to_argv(self) -> list[str]:
         """The launcher's own flags for this request (the part before ``--``): the
         namespace re-runs the same command inside it from these."""
-        argv: list[str] = []
-        for f in fields(self):
-            value = getattr(self, f.name)
-            flag = "--" + f.name.replace("_", "-")
-            if f.name in ("train_args", "netns_inside") or value is None:
-                continue
-            if f.name in self.REPEATED:
-                for item in value:
-                    argv += [flag, item]
-            elif isinstance(value, bool):
-                argv += [flag] if value else []
-            else:
-                argv += [flag, str(value)]
-        return argv
+        argv = ["--strategy", self.strategy]
+        for name, _ in self.GROUPS:
+            argv += to_argv(getattr(self, name))
+        return argv + to_argv(self, exclude=("strategy", "netns_inside"))
 
 
 @dataclass(frozen=True)
@@ -91,8 +188,7 @@ class LaunchConfig:
     train_args: tuple[str, ...] = ()  # every task's train.py arguments (--model-dir included)
     model_dir: str = ""
     program: str | None = None  # --program: an absolute path run instead of train.py
-    timeout: float = 3600.0
-    grace: float = 10.0
+    limits: Limits = Limits()
     dry_run: bool = False
     netns: str = "auto"  # --netns
     netns_inside: bool = False  # this is the launcher re-run inside its namespace
@@ -102,6 +198,14 @@ class LaunchConfig:
     # --memory-limit: each limited task's bytes (launcher.memory.parse_limits).
     memory_limits: Mapping[str, int] = field(default_factory=dict)
     elastic: ElasticPlan | None = None  # --min-workers (launcher.elastic)
+
+    @property
+    def timeout(self) -> float | None:
+        return self.limits.timeout
+
+    @property
+    def grace(self) -> float:
+        return self.limits.grace
 
     @property
     def launch_dir(self) -> str:

@@ -163,18 +163,22 @@ def parse_slow(spec: str) -> Slow:
                 step=int(step) if step is not None else None)
 
 
+# --restart-delay's default (``launcher.config.Recovery``, which imports it from here).
+RESTART_DELAY = 2.0
+
+
 @dataclass(frozen=True)
 class RecoveryPlan:
     faults: tuple[Fault, ...] = ()
     restart_tasks: bool = False
-    restart_delay: float = 2.0
+    restart_delay: float = RESTART_DELAY
     max_restarts: int = 0
     slow: tuple[Slow, ...] = ()
 
 
 def plan_recovery(kind: StrategyKind, tasks, *, kill=(), preempt=(), slow=(), hang=(),
                   partition=(), hosts: int = 0, restart_tasks: bool = False,
-                  restart_delay: float = 2.0, max_restarts: int = 0) -> RecoveryPlan:
+                  restart_delay: float = RESTART_DELAY, max_restarts: int = 0) -> RecoveryPlan:
     """Check the fault, slow-down and restart flags (their raw specs) against the cluster (pure).
 
     ``hosts``: how many simulated hosts (``--hosts``; 0: none), which a

@@ -10,6 +10,7 @@ network (``run_inside``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -18,14 +19,15 @@ import subprocess
 import sys
 import tempfile
 
-from tfdist.protocol import Exit
+from tfdist.protocol import Exit, default_model_dir
 from tfdist.launcher import elastic, memory, network, processes, ray_engine, supervisor
 from tfdist.launcher import plan as plans
-from tfdist.launcher.config import LaunchConfig, LaunchRequest
+from tfdist.launcher.config import Cluster, LaunchConfig, LaunchRequest, Limits
 from tfdist.launcher.faults import plan_recovery
 from tfdist.launcher.plan import LaunchError
 from tfdist.strategies import kinds
 from tfdist.strategies.kinds import StrategyKind
+from tfdist.strategies.tf_config import ClusterConfig
 
 
 class TaskCheckFailed(LaunchError):
@@ -40,7 +42,10 @@ def run_request(request: LaunchRequest) -> int:
     """Run the whole job; its exit code. Raises LaunchError (one line) for bad input,
     before anything is written or started."""
     config = build_config(request)
-    if request.engine == "ray":
+    if request.strategy == kinds.AUTO and not request.netns_inside:
+        print(f"[launch] {kinds.auto_note(config.kind, auto_cluster(request.cluster))}",
+              flush=True)
+    if request.cluster.engine == "ray":
         ray_engine.import_ray()  # missing: one line saying how to get it, before the tasks' checks
         code = preflight(config)
         return code if code is not None else ray_engine.run(config, request)
@@ -64,30 +69,51 @@ def run_request(request: LaunchRequest) -> int:
     return run_inside(config)
 
 
-def check_times(request: LaunchRequest) -> None:
-    """--timeout and --grace: finite seconds (nan compares false and would never fire)."""
-    if not 0 < request.timeout < math.inf:
-        raise LaunchError(f"--timeout={request.timeout:g} is not allowed; use a positive, finite "
-                          "number of seconds")
-    if not 0 <= request.grace < math.inf:
-        raise LaunchError(f"--grace={request.grace:g} is not allowed; use 0 or more (finite) "
+def check_times(limits: Limits) -> None:
+    """--timeout (unset: no limit) and --grace: finite seconds (nan compares false and would
+    never fire)."""
+    if limits.timeout is not None and not 0 < limits.timeout < math.inf:
+        raise LaunchError(f"--timeout={limits.timeout:g} is not allowed; use a positive, finite "
+                          "number of seconds, or leave it out for no limit")
+    if not 0 <= limits.grace < math.inf:
+        raise LaunchError(f"--grace={limits.grace:g} is not allowed; use 0 or more (finite) "
                           "seconds")
 
 
-def plan_cluster(request: LaunchRequest, kind: StrategyKind) -> plans.ClusterPlan:
-    if request.hosts and request.host != "localhost":
-        raise LaunchError(f"--host {request.host} names the one address of a loopback cluster; "
+def plan_cluster(asked: Cluster, kind: StrategyKind) -> plans.ClusterPlan:
+    if asked.hosts and asked.host != "localhost":
+        raise LaunchError(f"--host {asked.host} names the one address of a loopback cluster; "
                           "--hosts gives each simulated host its own: use one of the two")
-    if request.hosts:
-        return plans.build_host_cluster(kind, request.workers, request.ps, request.chief, request.hosts)
-    n = plans.task_count(kind, request.workers, request.ps, request.chief)
-    return plans.loopback_plan(kind, request.workers, request.ps, request.chief,
-                               processes.free_ports(n), request.host)
+    if asked.hosts:
+        return plans.build_host_cluster(kind, asked.workers, asked.ps, asked.chief, asked.hosts)
+    n = plans.task_count(kind, asked.workers, asked.ps, asked.chief)
+    return plans.loopback_plan(kind, asked.workers, asked.ps, asked.chief,
+                               processes.free_ports(n), asked.host)
+
+
+def auto_cluster(asked: Cluster) -> ClusterConfig:
+    """The cluster ``--strategy auto`` is chosen for: the roles asked for, by count."""
+    roles = {"worker": asked.workers, "ps": asked.ps, "chief": int(asked.chief)}
+    return ClusterConfig(cluster={role: tuple(f"{role}-{i}:0" for i in range(n))
+                                  for role, n in roles.items() if n},
+                         task_type="worker")
+
+
+def choose_kind(request: LaunchRequest) -> StrategyKind:
+    """The strategy's kind (``auto``: what train.py's ``--strategy auto`` picks for the
+    cluster asked for); LaunchError for an unknown name."""
+    if request.strategy == kinds.AUTO:
+        return kinds.auto_choice(auto_cluster(request.cluster))
+    if request.strategy not in kinds.names(include_auto=False):
+        raise LaunchError(f"unknown --strategy {request.strategy!r}; allowed: "
+                          f"{', '.join(kinds.names())}")
+    return kinds.get(request.strategy)
 
 
 def with_model_dir(kind: StrategyKind, train_args: list[str]) -> tuple[list[str], str]:
-    """``train_args`` with ``--model-dir`` (default ``runs/<strategy>``), and that directory."""
-    model_dir = processes.train_arg(train_args, "--model-dir", f"runs/{kind.name}")
+    """``train_args`` with ``--model-dir`` (default: ``protocol.default_model_dir``, the
+    rule train.py and the Python API follow too), and that directory."""
+    model_dir = processes.train_arg(train_args, "--model-dir", default_model_dir(kind.name))
     if not processes.has_flag(train_args, "--model-dir"):
         train_args = [*train_args, "--model-dir", model_dir]
     return train_args, model_dir
@@ -115,9 +141,9 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
     """The request, checked, as one frozen config (LaunchError: one line, nothing written)."""
     train_args = list(request.train_args)
     program = os.path.abspath(request.program) if request.program is not None else None
-    kind = kinds.get(request.strategy)  # argparse's choices: always known
+    kind = choose_kind(request)
     train_args, model_dir = with_model_dir(kind, with_task_path(train_args))
-    check_times(request)
+    check_times(request.limits)
     ray_engine.check_request(request)
     if program is not None and request.dry_run:
         raise LaunchError("--dry-run shows train.py's own plan for each task; it does not "
@@ -125,20 +151,23 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
     if program is not None and not os.path.isfile(program):
         raise LaunchError(f"--program {program!r} is not a file; pass the path of "
                           "a Python program that takes train.py's arguments")
-    cluster = plan_cluster(request, kind)
-    recovery = plan_recovery(kind, cluster.tf_configs, kill=list(request.kill) or None,
-                             preempt=list(request.preempt) or None, hang=list(request.hang) or None,
-                             partition=list(request.partition) or None, hosts=request.hosts,
-                             slow=list(request.slow) or None, restart_tasks=request.restart_tasks,
-                             restart_delay=request.restart_delay, max_restarts=request.max_restarts)
-    elastic_plan = elastic.plan_elastic(kind, request.workers, request.min_workers,
-                                        request.rejoin_timeout, request.engine, request.hosts)
-    rate = network.parse_rate(request.link_rate) if request.link_rate is not None else None
+    cluster = plan_cluster(request.cluster, kind)
+    asked, again = request.faults, request.recovery
+    recovery = plan_recovery(kind, cluster.tf_configs, kill=list(asked.kill) or None,
+                             preempt=list(asked.preempt) or None, hang=list(asked.hang) or None,
+                             partition=list(asked.partition) or None, hosts=request.cluster.hosts,
+                             slow=list(asked.slow) or None, restart_tasks=again.restart_tasks,
+                             restart_delay=again.restart_delay, max_restarts=again.max_restarts)
+    elastic_plan = elastic.plan_elastic(kind, request.cluster.workers, again.min_workers,
+                                        again.rejoin_timeout, request.cluster.engine,
+                                        request.cluster.hosts)
+    link_rate = request.cluster.link_rate
+    rate = network.parse_rate(link_rate) if link_rate is not None else None
     roles: dict[str, list[str]] = {}
     for name in cluster.names:
         roles.setdefault(name.partition(":")[0], []).append(name)
     try:
-        limits = memory.parse_limits(list(request.memory_limit) or None, roles)
+        limits = memory.parse_limits(list(asked.memory_limit) or None, roles)
     except memory.MemoryLimitError as err:
         raise LaunchError(str(err)) from None
     problem = memory.limits_problem() if limits else None
@@ -149,10 +178,10 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
         kind=kind, cluster=cluster, recovery=recovery,
         cores=processes.share_cores(kind, cluster.names, os.cpu_count() or 1),
         train_args=tuple(train_args), model_dir=model_dir, program=program,
-        timeout=request.timeout, grace=request.grace, dry_run=request.dry_run, netns=request.netns,
-        netns_inside=request.netns_inside, link_rate=request.link_rate, rate_bits=rate,
-        launch_argv=tuple(request.to_argv()), memory_limits=limits,
-        elastic=elastic_plan)
+        limits=request.limits, dry_run=request.dry_run, netns=request.cluster.netns,
+        netns_inside=request.netns_inside, link_rate=link_rate, rate_bits=rate,
+        launch_argv=tuple(dataclasses.replace(request, strategy=kind.name).to_argv()),
+        memory_limits=limits, elastic=elastic_plan)
 
 
 def decide_network(config: LaunchConfig) -> tuple[bool, str | None]:

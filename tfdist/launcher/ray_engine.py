@@ -37,13 +37,12 @@ import time
 from tfdist import protocol
 from tfdist.launcher import plan as plans
 from tfdist.launcher import processes, supervisor
-from tfdist.launcher.config import LaunchConfig, LaunchRequest
+from tfdist.launcher.config import ENGINES, LaunchConfig, LaunchRequest
 from tfdist.launcher.plan import LaunchError
 from tfdist.launcher.processes import Task
 from tfdist.protocol import Exit
 
 INSTALL_HINT = "pip install 'tf-distribute-showcase[ray]'"
-ENGINES = ("local", "ray")
 # --ray-placement -> Ray's placement-group strategy.
 # spread-workers: SPREAD, with the tasks the job cannot lose without a relaunch (ps, a
 # coordinating chief: the roles that compute nothing) pinned to the head node, which the
@@ -62,29 +61,30 @@ LOST = -signal.SIGKILL  # an actor that died: to the supervisor, a task killed o
 
 def check_request(request: LaunchRequest) -> None:
     """The engine flags, and what the Ray engine cannot honour, refused in one line (pure)."""
-    if request.engine not in ENGINES:
-        raise LaunchError(f"--engine {request.engine!r} is not known; use one of "
+    cluster, faults = request.cluster, request.faults
+    if cluster.engine not in ENGINES:
+        raise LaunchError(f"--engine {cluster.engine!r} is not known; use one of "
                           f"{', '.join(ENGINES)}")
-    if request.ray_placement not in PLACEMENTS:
-        raise LaunchError(f"--ray-placement {request.ray_placement!r} is not known; use one of "
+    if cluster.ray_placement not in PLACEMENTS:
+        raise LaunchError(f"--ray-placement {cluster.ray_placement!r} is not known; use one of "
                           f"{', '.join(PLACEMENTS)}")
-    if request.engine != "ray":
-        if request.address is not None:
-            raise LaunchError(f"--address {request.address} names a Ray cluster; add --engine ray, "
+    if cluster.engine != "ray":
+        if cluster.address is not None:
+            raise LaunchError(f"--address {cluster.address} names a Ray cluster; add --engine ray, "
                               "or drop --address")
-        if request.ray_placement != "spread":
-            raise LaunchError(f"--ray-placement {request.ray_placement} places Ray actors; add "
+        if cluster.ray_placement != "spread":
+            raise LaunchError(f"--ray-placement {cluster.ray_placement} places Ray actors; add "
                               "--engine ray, or drop it")
         return
     refused = [
-        ("--hosts", request.hosts, "Ray places the tasks on its own nodes"),
-        ("--link-rate", request.link_rate, "the links are the cluster's own"),
-        ("--host", request.host if request.host != "localhost" else None,
+        ("--hosts", cluster.hosts, "Ray places the tasks on its own nodes"),
+        ("--link-rate", cluster.link_rate, "the links are the cluster's own"),
+        ("--host", cluster.host if cluster.host != "localhost" else None,
          "each task's address is its Ray node's"),
-        ("--slow", request.slow, "slow-downs use this host's cgroups"),
-        ("--partition", request.partition, "partitions cut simulated hosts' links"),
-        ("--memory-limit", request.memory_limit, "memory cgroups are this host's"),
-        ("--netns on", request.netns == "on" or None, "Ray's nodes must reach each other"),
+        ("--slow", faults.slow, "slow-downs use this host's cgroups"),
+        ("--partition", faults.partition, "partitions cut simulated hosts' links"),
+        ("--memory-limit", faults.memory_limit, "memory cgroups are this host's"),
+        ("--netns on", cluster.netns == "on" or None, "Ray's nodes must reach each other"),
         ("--dry-run", request.dry_run or None, "addresses are known once the actors are placed"),
     ]
     for flag, value, why in refused:
@@ -313,7 +313,7 @@ class RayEngine:
         self.ray, self.config, self.address, self.placement = ray, config, address, placement
         self.log = log
         self.names = config.names
-        self.startup_timeout = min(startup_timeout, config.timeout)
+        self.startup_timeout = min(startup_timeout, config.timeout or startup_timeout)
         self.pg = None
         self.placed: dict[str, Placed] = {}
         self.tf_configs: dict[str, dict] = {}
@@ -557,7 +557,8 @@ def run(config: LaunchConfig, request: LaunchRequest, log=None) -> int:
     command = processes.task_command(config.kind, list(config.train_args), program=config.program)
     processes.check_launch_dir(config.launch_dir)
     os.makedirs(config.launch_dir, exist_ok=True)
-    engine = RayEngine(ray, config, request.address, request.ray_placement, log=log)
+    engine = RayEngine(ray, config, request.cluster.address, request.cluster.ray_placement,
+                       log=log)
     received: list[int] = []
     holder: list = []
 

@@ -11,6 +11,7 @@ rate, read from the tasks' progress events.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import time
@@ -200,9 +201,10 @@ class Supervisor:
 
     # --- the poll loop -------------------------------------------------------------
 
-    def run(self, timeout: float, hooks=()) -> int:
-        """Wait for the job's outcome; stop every task whatever it is."""
-        deadline = time.monotonic() + timeout
+    def run(self, timeout: float | None, hooks=()) -> int:
+        """Wait for the job's outcome (``timeout`` None: however long it takes); stop
+        every task whatever it is."""
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
         try:
             while True:
                 self.reap()

@@ -53,7 +53,8 @@ def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
         # A trainer that places the model itself (pipeline stages) builds its own state.
         builder = getattr(trainer_class, "build_state", None)
         state = (builder(plan, checked.task, bundle.strategy) if builder is not None
-                 else build_state(plan, checked.task, bundle.strategy, checked.example))
+                 else build_state(plan, checked.task, bundle.strategy, checked.example,
+                                  checked.own_optimizers))
         checkpointer = Checkpointer(state, config.model_dir, cfg.is_chief, cfg.task_name,
                                     run_record=plan.defining_flags())
         try:

@@ -2,18 +2,28 @@
 
 What follows from the flags *and* the cluster, the strategy kind and the
 task (K, the global batch, replicas, steps) is resolved once, into a
-``training.plan.RunPlan``; nothing here imports the strategy kinds.
+``training.plan.RunPlan``.
+
+**Adding a training option** (``--accumulation-steps``, ``--schedule``, ...): one
+field of ``TrainOptions``, declared with ``tfdist.flags.option(default, help,
+group=..., ...)``. That field is ``train.py``'s flag (built by
+``tfdist.cli.train``, nothing to write there), its ``--help`` line and default,
+``tfdist.TrainOptions``'s argument and what ``fit``/``launch`` pass to every
+task; check its value in ``TrainConfig.validate``. Never repeat its default
+elsewhere: ``tests/test_options.py`` checks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import tempfile
 from dataclasses import dataclass, field
 
+from tfdist.flags import option
 from tfdist.models import DEFAULT_TASK
-from tfdist.protocol import ConfigError
+from tfdist.protocol import ConfigError, default_model_dir
 from tfdist.strategies.tf_config import LOCAL, ClusterConfig
 
 OPTIMIZERS = ("adam", "sgd")
@@ -23,7 +33,9 @@ LR_SCHEDULES = ("cosine", "constant")
 # --variable-partitioner (training.sharding.POLICIES; this module imports no TensorFlow).
 PARTITIONERS = ("none", "min-size", "fixed")
 # What gradients cross the network as (--gradient-dtype); updates are float32 whatever it is.
+# float16 is known only to be refused with its reason (no loss scaling), so not offered.
 GRADIENT_DTYPES = ("float32", "bfloat16", "float16")
+OFFERED_GRADIENT_DTYPES = ("float32", "bfloat16")
 # What the built-in tasks train with unless the flags say otherwise.
 DEFAULT_OPTIMIZER, DEFAULT_LR_SCHEDULE = "adam", "cosine"
 # Seeds feed TensorFlow's and NumPy's generators, which take 32-bit seeds.
@@ -35,6 +47,7 @@ MAX_STEPS = 10**9
 # be taken for a stuck one; TensorFlow's heartbeats go every half of it.
 DEFAULT_STUCK_TIMEOUT = 30.0
 STUCK_TIMEOUT_RANGE = (2.0, 86400.0)
+OUTPUT = "checkpoints, evaluation and output"
 # Examples per replica when no --global-batch-size is given (TensorFlow's convention).
 PER_REPLICA_BATCH = 64
 # The flags that define what a run's checkpoints are: resuming with any of
@@ -45,51 +58,161 @@ DEFINING_FLAGS = ("strategy", "task", "optimizer", "learning_rate", "lr_schedule
                   "pipeline_stages")
 
 
+def _strategy_help() -> str:
+    from tfdist.strategies import kinds
+
+    return ("; ".join(f"{name}: {kind.summary}" for name, kind in kinds.all_kinds().items())
+            + "; auto: ps with ps tasks, multiworker with several workers, else mirrored "
+            "(the run's first line says which)")
+
+
+def _strategies() -> tuple[str, ...]:
+    from tfdist.strategies import kinds
+
+    return kinds.names()
+
+
+def _task_help() -> str:
+    from tfdist.models import BUILTIN_TASKS
+
+    return ("what to train: a built-in (" + ", ".join(BUILTIN_TASKS) + "), an import path "
+            "pkg.mod[:NAME] or a file path/to/task.py providing build_model() and dataset(split)")
+
+
+def _batch_unset() -> str:
+    from tfdist.models import BUILTIN_TASKS
+
+    return (f"{PER_REPLICA_BATCH} per replica x the replicas in sync, "
+            + "".join(f"{n} {t.per_replica_batch}, " for n, t in BUILTIN_TASKS.items()
+                      if t.per_replica_batch)
+            + "TensorFlow's convention; ps-sync: per gradient x K")
+
+
 @dataclass(frozen=True)
-class TrainConfig:
-    strategy: str = "auto"
-    task: str = DEFAULT_TASK  # a built-in name, pkg.mod[:NAME] or path/to/task.py
-    task_options: tuple[str, ...] = ()  # --task-option KEY=VALUE, for the task's configure()
-    epochs: int = 1
-    steps: int | None = None  # overrides epochs when set
-    global_batch_size: int | None = None  # None: PER_REPLICA_BATCH x the replicas in sync
+class TrainOptions:
+    """How a run trains, checkpoints and reports: ``train.py``'s flags (after ``--``,
+    every task's under ``launch.py``) and the Python API's ``options=``.
+
+    A new training option is one field here, declared with ``tfdist.flags.option``:
+    ``train.py``'s flag, ``tfdist.TrainOptions``, what ``fit``/``launch`` pass to
+    every task, and ``--help`` all come from it (the ``tfdist.flags`` rule).
+    """
+
+    # --- the workload ---------------------------------------------------------
+    task_options: tuple[str, ...] = option(
+        (), "passed to the task's configure(**options); repeatable", flag="--task-option",
+        metavar="KEY=VALUE", group="training")
+    epochs: int = option(1, "passes over the task's training split", metavar="N",
+                         group="training")
+    steps: int | None = option(
+        None, "total steps; overrides --epochs (required when the training split is infinite "
+        "or of unknown size)", metavar="N", group="training", unset="--epochs' steps")
+    global_batch_size: int | None = option(
+        None, "examples behind one update, split over the replicas in sync", metavar="N",
+        group="training",
+        unset=_batch_unset)
     # None: the built-in tasks' defaults, or a user task's own compiled optimizer.
-    optimizer: str | None = None
-    learning_rate: float | None = None
-    lr_schedule: str | None = None
-    seed: int = 42
-    model_dir: str = "runs/default"
-    data_dir: str | None = None
-    steps_per_execution: int = 1
-    log_every: int = 100
-    eval_every: int = 0  # steps between test-set evaluations on the chief; 0: at the end only
-    checkpoint_every: int | None = None  # steps; epoch ends and the end always checkpoint
-    all_reduce: str = "auto"
-    startup_timeout: float = 120.0
+    optimizer: str | None = option(
+        None, "the Keras optimizer; a task of yours trains with the optimizer it compiled "
+        "unless this, --learning-rate or --lr-schedule is given", choices=OPTIMIZERS,
+        group="training", unset=f"built-in tasks {DEFAULT_OPTIMIZER}, a task of yours its own")
+    learning_rate: float | None = option(
+        None, "peak rate", metavar="RATE", group="training",
+        unset=", ".join(f"{v:g} for {k}" for k, v in DEFAULT_LEARNING_RATE.items()))
+    lr_schedule: str | None = option(
+        None, "constant, or cosine: decay to 0 over the run", choices=LR_SCHEDULES,
+        group="training", unset=DEFAULT_LR_SCHEDULE)
+    seed: int = option(42, "initial weights and data order (ps workers shuffle on their own)",
+                       group="training")
+    steps_per_execution: int = option(1, "steps per tf.function call (fewer host round trips)",
+                                      metavar="N", group="training")
+    data_dir: str | None = option(None, "tfds data dir for the built-in MNIST tasks",
+                                  metavar="DIR", group="training", unset="TFDS_DATA_DIR, else tfds's own")
+    synthetic_data: bool = option(
+        False, "train on the first batch, repeated (input-pipeline benchmark)", group="training")
+    # --- the cluster ----------------------------------------------------------
+    all_reduce: str = option("auto", "multiworker's collective implementation",
+                             choices=("auto", "ring", "nccl"), group="cluster")
+    startup_timeout: float = option(120.0, "seconds to wait for the other tasks before giving up",
+                                    metavar="SECONDS", group="cluster")
     # Seconds a live task may go without progress before the job treats it
     # as stuck (docs/reliability.md: what each strategy does then).
-    stuck_timeout: float = DEFAULT_STUCK_TIMEOUT
-    # ps-sync: gradients averaged into one update (None: one per worker).
-    replicas_to_aggregate: int | None = None
+    stuck_timeout: float = option(
+        DEFAULT_STUCK_TIMEOUT, "seconds a live task may make no progress before the job treats "
+        f"it as stuck ({STUCK_TIMEOUT_RANGE[0]:g} to {STUCK_TIMEOUT_RANGE[1]:g}): multiworker's "
+        "heartbeat timeout; ps, ps-sync: the chief's wait for a step (ps reruns a stuck "
+        "worker's steps on the others until a checkpoint must wait for it; then, or with "
+        "nothing to route around, the chief ends naming the stuck task, exit 75)",
+        metavar="SECONDS", group="cluster")
+    replicas_to_aggregate: int | None = option(
+        None, "ps-sync: gradients averaged into one update (fewer than the workers makes the "
+        "N - K slowest backups whose late gradients are dropped)", metavar="K", group="cluster",
+        unset="the number of workers")
     # What gradients cross the network as: cast before the all-reduce or the
     # push to the ps, cast back to float32 where the update is applied.
-    gradient_dtype: str = "float32"
-    synthetic_data: bool = False
+    gradient_dtype: str = option(
+        "float32", "what gradients cross the network as (" + ", ".join(OFFERED_GRADIENT_DTYPES)
+        + "): cast before multiworker's all-reduce or the push to the ps, the update applied "
+        "in float32; bfloat16 halves the gradient bytes", metavar="DTYPE", group="cluster")
     # --strategy pipeline (training.pipeline.stages): micro-batches per step, data-parallel
     # copies of the pipeline, and the stage boundaries (None: balanced).
-    micro_batches: int = 1
-    pipelines: int = 1
-    stages: str | None = None
+    micro_batches: int = option(
+        1, "pipeline: micro-batches per step (each global/(P x M) examples); the idle bubble "
+        "is (S-1)/(M+S-1)", metavar="M", group="cluster")
+    pipelines: int = option(
+        1, "pipeline: P data-parallel copies of the S-stage pipeline over P x S workers "
+        "(hybrid parallelism)", metavar="P", group="cluster")
+    stages: str | None = option(
+        None, "pipeline: the first layer of each stage after the first", metavar="I,J,...",
+        group="cluster", unset="stages balanced by parameter count")
     # Parameter servers: which variables are split over the ps tasks (None:
     # min-size under a strategy with ps, none otherwise) and the minimum size.
-    variable_partitioner: str | None = None
-    shard_min_bytes: int = 1 << 20
+    variable_partitioner: str | None = option(
+        None, "ps, ps-sync: split Embedding tables and Dense kernels over the ps tasks, one "
+        "shard per ps: min-size (those of --shard-min-bytes or more), fixed (all of them), "
+        "none", choices=PARTITIONERS, group="cluster",
+        unset="min-size with ps tasks, else none")
+    shard_min_bytes: int = option(1 << 20, "--variable-partitioner min-size: the smallest "
+                                  "variable split", metavar="BYTES", group="cluster")
+    # --- checkpoints, evaluation and output -----------------------------------
+    model_dir: str | None = option(
+        None, "checkpoints, model.keras, logs/ and results.json; a rerun resumes there",
+        metavar="DIR", group=OUTPUT, unset="runs/<strategy>, the strategy as resolved")
+    checkpoint_every: int | None = option(
+        None, "steps between checkpoints (epoch ends and the end always save)", metavar="N",
+        group=OUTPUT, unset="epoch ends and the end only")
+    eval_every: int = option(
+        0, "steps between evaluations of the task's metrics on its test split, on the chief "
+        "(0: at the end only); their time is left out of examples/s", metavar="N", group=OUTPUT)
+    log_every: int = option(100, "steps between progress lines", metavar="N", group=OUTPUT)
     # --export DIR: the chief writes a SavedModel into DIR/<global step>/ at the
     # end (training.loop.export), and every --export-every steps when given.
-    export: str | None = None
-    export_every: int | None = None
-    dry_run: bool = False
+    export: str | None = option(
+        None, "the chief writes the trained model as a SavedModel (serving_default signature) "
+        "into DIR/<global step>/, TF Serving's version layout, and checks it by loading it "
+        "back in a fresh process (exit 73 if it cannot)", metavar="DIR", group=OUTPUT,
+        unset="no export")
+    export_every: int | None = option(
+        None, "with --export: also export every N steps", metavar="N", group=OUTPUT,
+        unset="at the end only")
+
+
+@dataclass(frozen=True)
+class TrainConfig(TrainOptions):
+    """One task's run as ``train.py`` reads it: the strategy and the task, the options,
+    and the cluster (from ``TF_CONFIG``); frozen, checked by :meth:`validate`."""
+
+    strategy: str = option("auto", _strategy_help, choices=_strategies, group="cluster")
+    task: str = option(DEFAULT_TASK, _task_help, group="training")
+    dry_run: bool = option(False, "print the resolved plan as JSON and exit without starting "
+                           "anything", group=OUTPUT)
     cluster: ClusterConfig = field(default=LOCAL)
+
+    @classmethod
+    def from_options(cls, options: TrainOptions, **fields) -> "TrainConfig":
+        """A config of ``options`` (the Python API's) and the rest (strategy, task, ...)."""
+        values = {f.name: getattr(options, f.name) for f in dataclasses.fields(TrainOptions)}
+        return cls(**{**values, **fields})
 
     @property
     def optimizer_overridden(self) -> bool:
@@ -165,16 +288,30 @@ class TrainConfig:
         from tfdist.training.loop.export import check_export_flags
 
         check_export_flags(self.export, self.export_every)
-        if not self.model_dir or not self.model_dir.strip():
-            raise ConfigError(
-                f"--model-dir={self.model_dir!r} is empty; pass a directory path "
-                "(it is created if missing)"
-            )
-        if os.path.exists(self.model_dir) and not os.path.isdir(self.model_dir):
-            raise ConfigError(
-                f"--model-dir {self.model_dir!r} exists and is not a directory; "
-                "pass a directory path (it is created if missing)"
-            )
+        if self.model_dir is not None:
+            check_model_dir_path(self.model_dir)
+
+    def with_model_dir(self, strategy: str) -> "TrainConfig":
+        """This config with its run directory: ``--model-dir``, else the one rule
+        (``protocol.default_model_dir`` of the strategy as resolved), checked."""
+        if self.model_dir is not None:
+            return self
+        path = default_model_dir(strategy)
+        check_model_dir_path(path)
+        return dataclasses.replace(self, model_dir=path)
+
+
+def check_model_dir_path(path: str) -> None:
+    """A ``--model-dir`` value that can name a directory (nothing is touched)."""
+    if not path or not path.strip():
+        raise ConfigError(
+            f"--model-dir={path!r} is empty; pass a directory path (it is created if missing)"
+        )
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(
+            f"--model-dir {path!r} exists and is not a directory; "
+            "pass a directory path (it is created if missing)"
+        )
 
 
 def check_model_dir(path: str, flag: str = "--model-dir") -> None:

@@ -129,6 +129,12 @@ class RunPlan:
                 f"x {self.global_batch_size // per_replica} (TensorFlow's "
                 "convention; --global-batch-size sets it)")
 
+    def strategy_note(self) -> str | None:
+        """The chief's line naming the strategy ``--strategy=auto`` chose (once per run)."""
+        if self.config.strategy != kinds.AUTO or not self.cluster.is_chief:
+            return None
+        return kinds.auto_note(self.kind, self.cluster)
+
     def describe(self) -> dict:
         """The plan as ``--dry-run`` prints it (JSON)."""
         cfg, kind = self.cluster, self.kind
@@ -179,6 +185,7 @@ def request(config: TrainConfig, task_object=None) -> RunRequest:
     instead of ``config.task``'s spec string."""
     config.validate()
     kind = kinds.resolve(config.strategy, config.cluster)
+    config = config.with_model_dir(kind.name)
     spec = (tasks.parse_spec(config.task, config.task_options) if task_object is None
             else tasks.object_spec(task_object, config.task))
     return RunRequest(config=config, kind=kind, task=spec)

@@ -99,6 +99,7 @@ def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None
     """
     # The flags read once: checked, the kind chosen, the task named; passed down from here.
     run_request = request(config, task)
+    config = run_request.config  # its run directory resolved
     if config.dry_run:
         print(json.dumps(preflight(run_request).describe(), indent=None, sort_keys=True),
               flush=True)
@@ -149,8 +150,9 @@ def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None
     plan = resolve(run_request, gpus, train_examples=info.train_examples,
                    test_examples=info.test_examples)
     check_task_dirs(plan)
-    if plan.batch_note():
-        print(plan.batch_note(), flush=True)
+    for note in (plan.strategy_note(), plan.batch_note()):
+        if note:
+            print(note, flush=True)
     if spec.builtin is None and plan.optimizer.library:
         opt = plan.optimizer
         print(f"task {spec.name}: training with --optimizer {opt.name} at {opt.learning_rate:g} "

@@ -212,7 +212,7 @@ def restore_latest(state, ckpt_dir: str, model_name: str, total_steps: int | Non
             print(f"warning: skipped unreadable checkpoint(s) {'; '.join(unreadable)}; "
                   f"fell back to {path}", flush=True)
         of = f" of {total_steps}" if total_steps is not None else ""
-        # Said at the start, because the default --model-dir (runs/default)
+        # Said at the start, because the default --model-dir (runs/<strategy>)
         # resumes whatever ran there before.
         print(f"resumed from {path} at step {step}{of} (global step "
               f"{int(state.global_step.numpy())}): continuing the run in "

@@ -25,7 +25,7 @@ from tfdist import protocol
 from tfdist.training.workload import contract
 from tfdist.training.loop.callbacks import Callbacks
 from tfdist.training.loop.checkpoints import Checkpointer
-from tfdist.training.loop.evaluation import split_metrics, weights_sha256
+from tfdist.training.loop.evaluation import local_copy, split_metrics, weights_sha256
 from tfdist.training.loop.export import ExportFailed, Exporter
 from tfdist.training.loop.recovery import Diverged, Preempted, storage_fault, task_lost
 from tfdist.training.loop.reporting import Reporter, run_hparams
@@ -143,6 +143,9 @@ class Controller:
     def _call(self, step: int) -> int:
         n = self.schedule.call_size(step)
         if step % self.schedule.steps_per_epoch == 0:
+            if getattr(self.trainer.train_metrics, "own_step", False):
+                # As fit: a model's own step logs its metrics' running means over the epoch.
+                self.trainer.state.model.reset_metrics()
             self.callbacks.epoch_begin(step // self.schedule.steps_per_epoch)
         self.metrics = self.trainer.train(n)
         return step + n
@@ -213,9 +216,17 @@ class Controller:
         """Evaluate a local copy of the weights; write the chief's outputs."""
         plan, config, trainer, reporter = self.plan, self.config, self.trainer, self.reporter
         seconds = reporter.clock()
-        values = reporter.evaluator()(trainer.state.model)
+        not_evaluated = trainer.task.not_evaluated
+        if not_evaluated is None:
+            values = reporter.evaluator()(trainer.state.model)
+        else:  # Keras's evaluate cannot run on it: the weights only, said in one line
+            values = {}
+            local_copy(trainer.state.model, reporter.evaluator().local)
+            print(f"not evaluated: {not_evaluated}", flush=True)
         model = reporter.evaluator().local
         loss, test_metrics = split_metrics(values)
+        if not_evaluated is not None:
+            loss = None
         ran = trainer.completed - trainer.start_step
         specific = trainer.result_fields(ran)
         reporter.add_point(specific["global_steps"], test_metrics, seconds)
@@ -259,7 +270,10 @@ class Controller:
             membership=protocol.membership_from_env(),
             extra=dict(info.extra_results, **validation_results(reporter.val_curve),
                        **({"stopped_by": self.callbacks.stopped_by}
-                          if self.callbacks.stopped_by else {})),
+                          if self.callbacks.stopped_by else {}),
+                       # The last training logs, as fit's History ends with them.
+                       train_metrics={k: round(v, 6) for k, v in self.metrics.items()},
+                       **({"not_evaluated": not_evaluated} if not_evaluated else {})),
             **specific,
         )
         # Beside and renamed over: a full disk leaves the previous model.keras whole.
@@ -269,11 +283,19 @@ class Controller:
             model.save(partial)
             os.replace(partial, final)
         except OSError:
-            try:
-                os.unlink(partial)
-            except OSError:
-                pass
+            _unlink(partial)
             raise
+        except Exception as err:  # pylint: disable=broad-except
+            # Keras cannot serialize the model (a subclass whose __init__ takes layers
+            # and has no get_config: the guides' GAN and distiller); fit never saves, so
+            # the run is not failed for it: one line, and results.json says why.
+            _unlink(partial)
+            why = " ".join(str(err).split())[:200]
+            print(f"warning: model.keras not saved: Keras cannot serialize the model "
+                  f"({type(err).__name__}: {why}); its weights are in checkpoints/",
+                  flush=True)
+            results = dataclasses.replace(results, extra={
+                **results.extra, "model_keras_not_saved": f"{type(err).__name__}: {why}"})
         if self.exporter is not None:
             try:
                 export = self.exporter.export_local(model, specific["global_steps"])
@@ -283,6 +305,13 @@ class Controller:
         results.write(os.path.join(config.model_dir, "results.json"))
         reporter.final(results.to_dict())
         return results.to_dict()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def validation_results(curve: list[dict]) -> dict:

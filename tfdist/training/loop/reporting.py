@@ -166,7 +166,11 @@ class Reporter:
         return self._eval
 
     def evaluate(self, step: int, model) -> None:
-        """Every test metric now; its time is left out of every rate and clock."""
+        """Every test metric now; its time is left out of every rate and clock.
+
+        Nothing for a model Keras's evaluate cannot run on (the end of the run says so)."""
+        if self.checked.not_evaluated is not None:
+            return
         t0, seconds = time.perf_counter(), self.clock()
         loss, metrics = split_metrics(self.evaluator()(model))
         self.add_point(step, metrics, seconds)
@@ -185,7 +189,10 @@ class Reporter:
 
     def validate(self, step: int, model) -> dict[str, float]:
         """The validation split's loss and metrics now, as fit's ``val_*`` logs; a line,
-        an event, TensorBoard's ``val/`` scalars; its time left out of every rate."""
+        an event, TensorBoard's ``val/`` scalars; its time left out of every rate.
+        Nothing (no ``val_*``) for a model Keras's evaluate cannot run on."""
+        if self.checked.not_evaluated is not None:
+            return {}
         t0 = time.perf_counter()
         if self._val is None:
             self._val = Evaluator(self.checked.task, self.checked.local_model,
@@ -223,7 +230,8 @@ class Reporter:
             with self.writer.as_default(step=results["global_steps"]):
                 for name, value in (results.get("test_metrics") or {}).items():
                     tf.summary.scalar(f"test/{name}", value)
-                tf.summary.scalar("test/loss", results["test_loss"])
+                if results["test_loss"] is not None:  # None: not evaluated
+                    tf.summary.scalar("test/loss", results["test_loss"])
             self.writer.close()
         print(summary_line(results), flush=True)
         self.events.emit(protocol.DONE, results["completed_steps"],

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from tfdist.protocol import ConfigError
 from tfdist.training import sharding
+from tfdist.training.workload import contract
 
 
 def make_optimizer(name: str, learning_rate: float, schedule: str = "constant",
@@ -42,14 +43,22 @@ class TrainState:
     checkpoint: tf.train.Checkpoint
 
 
-def build_state(plan, task, strategy, example=None) -> TrainState:
+def build_state(plan, task, strategy, example=None, own_optimizers=None) -> TrainState:
     """The task's model, the plan's optimizer and the step counters, in ``strategy``'s scope.
 
     ``example``: a batch of one training element (``CheckedTask.example``).
     A model not built yet (subclassed: its layers make their variables on
     the first call) is called on its features before the optimizer is
     built, as ``fit`` builds it on the first batch; otherwise the optimizer
-    would know none of its variables.
+    would know none of its variables. A model without a ``call`` of its own
+    (a GAN's, whose ``train_step`` calls its sub-models) is not called.
+
+    ``own_optimizers`` (``CheckedTask.own_optimizers``): the other optimizers
+    the model's own ``train_step`` applies (a GAN's ``d_optimizer``,
+    ``g_optimizer``), each built here with the variables it updates: their
+    slots are made where the strategy puts variables (replicated, or on the
+    ps), before a checkpoint restore fills them, and the checkpoint holds
+    them (the model tracks its attributes).
     """
     policy = sharding.ShardingPolicy(plan.sharding.partitioner, plan.sharding.num_shards,
                                      plan.sharding.min_bytes)
@@ -64,8 +73,9 @@ def build_state(plan, task, strategy, example=None) -> TrainState:
                 model = task.build_model()
         except sharding.ShardingError as err:
             raise ConfigError(f"task {plan.task.name}: {err}") from None
-        if example is not None and (not model.built or not model.trainable_variables):
-            model(example[0], training=False)
+        if example is not None and (not model.built or not model.trainable_variables) and (
+                contract.overrides(model, "call") or not model.trainable_variables):
+            model(contract.features_of(example), training=False)
         opt = model.optimizer
         if plan.optimizer.library:
             o = plan.optimizer
@@ -73,6 +83,8 @@ def build_state(plan, task, strategy, example=None) -> TrainState:
             model.optimizer = opt
         # Optimizer slots must exist before a checkpoint restore can fill them.
         opt.build(model.trainable_variables)
+        for attr, positions in (own_optimizers or {}).items():
+            getattr(model, attr).build([model.trainable_variables[i] for i in positions])
         if plan.kind.min_ps:
             # On the ps, row-sparse gradients update only their rows (Adagrad;
             # SGD already does); replicated variables keep Keras's own update.
@@ -89,6 +101,13 @@ def build_state(plan, task, strategy, example=None) -> TrainState:
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
     # Split variables are saved whole, so a run resumes on another number of ps.
+    # A keras.random.SeedGenerator's state (a GAN's noise) is not reached through
+    # the model's checkpoint dependencies; saved beside it, a resumed run draws
+    # the noise an uninterrupted one would have.
+    seeds = {"seed_states": seed_states} if (seed_states := [
+        v for v in model.non_trainable_variables
+        if v.path.endswith("seed_generator_state")]) else {}
     checkpoint = tf.train.Checkpoint(**sharding.checkpoint_objects(model, opt),
-                                     global_step=global_step, completed_steps=completed_steps)
+                                     global_step=global_step, completed_steps=completed_steps,
+                                     **seeds)
     return TrainState(model, opt, global_step, completed_steps, checkpoint)

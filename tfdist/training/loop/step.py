@@ -11,6 +11,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.training.loop.state import TrainState
+from tfdist.training.workload import contract
 
 
 class TrainMetrics:
@@ -25,16 +26,19 @@ class TrainMetrics:
     ``names`` are Keras's own (``CompileMetrics.result()``'s keys): with
     several outputs ``cls_accuracy``, ``reg_mae``, ``cls_weighted_accuracy``.
     A model with its own ``train_step`` gives its own names (``own_names``:
-    the keys its step returned when the task was checked, "loss" aside).
+    the keys its step returned when the task was checked, flattened as
+    Keras flattens them, "loss" aside); ``has_loss``: whether it logs a
+    "loss" at all (a GAN logs ``d_loss`` and ``g_loss``).
     """
 
     def __init__(self, local_model: keras.Model, own_names: tuple[str, ...] | None = None):
         self.compiled = getattr(local_model, "_compile_metrics", None)
         self.names: tuple[str, ...] = ()
         self.own_step = own_names is not None
+        self.has_loss = not self.own_step or "loss" in own_names
         self._initial: list = []
         if self.own_step:
-            self.names = tuple(own_names)
+            self.names = tuple(n for n in own_names if n != "loss")
         elif self.compiled is not None and self.compiled.built:
             self.compiled.reset_state()
             self.names = tuple(self.compiled.result())
@@ -50,10 +54,19 @@ class TrainMetrics:
         return tf.stack([tf.cast(tf.reshape(result[n], []), tf.float32) for n in self.names])
 
     def logged_values(self, logs: dict) -> tf.Tensor:
-        """A model's own train_step's logs, as a float32 vector in ``names`` order."""
+        """A model's own train_step's logs (flattened: ``contract.flat_logs``;
+        tensors or Python numbers), as a float32 vector in ``names`` order."""
         if not self.names:
             return tf.zeros([0], tf.float32)
-        return tf.stack([tf.cast(tf.reshape(logs[n], []), tf.float32) for n in self.names])
+        return tf.stack([tf.reshape(tf.cast(logs[n], tf.float32), []) for n in self.names])
+
+    def logs(self, loss, values) -> dict[str, float]:
+        """A call's output as the progress line's logs: ``metric_dict``, without the
+        "loss" of a model's own step that logs none."""
+        out = metric_dict(loss, self.names, values)
+        if not self.has_loss:
+            del out["loss"]
+        return out
 
 
 def forward(model: keras.Model, features, labels, sample_weight=None):
@@ -66,7 +79,7 @@ def forward(model: keras.Model, features, labels, sample_weight=None):
     as ``fit`` does.
     """
     y_pred = model(features, training=True)
-    loss = model.compute_loss(features, labels, y_pred, sample_weight, training=True)
+    loss = contract.compute_loss(model, features, labels, y_pred, sample_weight, training=True)
     return y_pred, loss
 
 
@@ -121,20 +134,22 @@ def _own_step_fn(model: keras.Model, metrics: TrainMetrics):
     """The model's own ``train_step``, called in replica context as ``fit`` calls it
     under MirroredStrategy (``strategy.run(train_step, (data,))``).
 
-    Its logs are the model's stateful metrics (running means); the loss is
-    divided by the replicas in sync, so ``make_train_fn``'s sum over the
-    replicas gives their mean, as for the library's own step's scaled loss.
+    Its logs are the model's stateful metrics (running means), flattened as
+    Keras flattens them (``compile_metrics`` -> ``mae``); the loss is divided
+    by the replicas in sync, so ``make_train_fn``'s sum over the replicas
+    gives their mean, as for the library's own step's scaled loss (0 when
+    the step logs no "loss": ``TrainMetrics.logs`` leaves it out).
     """
 
-    def step_fn(*data):
-        logs = model.train_step(data)  # the batch as the dataset yields it
-        if not isinstance(logs, dict) or "loss" not in logs:
-            raise ValueError("the model's train_step must return a dict of logs with a "
-                             "'loss', as Keras's does")
+    def step_fn(data):
+        logs = contract.flat_logs(model.train_step(data))  # the batch as the dataset yields it
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        loss = tf.cast(tf.reshape(logs["loss"], []), tf.float32) / replicas
+        loss = tf.constant(0.0)
+        if metrics.has_loss:
+            loss = tf.reshape(tf.cast(logs["loss"], tf.float32), []) / replicas
         return loss, metrics.logged_values(logs)
 
+    step_fn.takes_batch = True  # called with the batch whole (make_train_fn)
     return step_fn
 
 
@@ -192,7 +207,11 @@ def make_train_fn(strategy, step_fn, state: TrainState, num_metrics: int,
             # The step's parameter reads must come after this read for the
             # staleness figure to mean what it says.
             with tf.control_dependencies([read_at]):
-                loss, values = strategy.run(step_fn, args=next(iterator))
+                batch = next(iterator)
+                # A model's own step takes the batch as the dataset yields it:
+                # a tuple, or features alone.
+                args = (batch,) if getattr(step_fn, "takes_batch", False) else batch
+                loss, values = strategy.run(step_fn, args=args)
             # Without this, only same-variable ordering holds: the counter's
             # increment could run before the update it counts and the
             # staleness figure would read ~0 whatever the overlap

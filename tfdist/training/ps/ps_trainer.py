@@ -29,7 +29,7 @@ import tensorflow as tf
 from tfdist.training.workload import data
 from tfdist.training.ps.coordinated import CoordinatedTrainer, variables_per_ps
 from tfdist.training.ps.rpc import fetch
-from tfdist.training.loop.step import make_step_fn, make_train_fn, metric_dict
+from tfdist.training.loop.step import make_step_fn, make_train_fn
 
 
 def staleness_stats(values) -> dict:
@@ -207,7 +207,7 @@ class PsTrainer(CoordinatedTrainer):
             self.completed += n
             return
         self._staleness.append(result["staleness"])
-        self._last = metric_dict(result["loss"], self.metric_names, result["metrics"])
+        self._last = self.train_metrics.logs(result["loss"], result["metrics"])
         self.completed += n
 
     def _fetch(self, remote, n: int):

@@ -17,7 +17,7 @@ from tfdist.training.workload import data
 from tfdist.training.loop.evaluation import local_copy, weights_sha256
 from tfdist.training.loop.lifetime import keep_alive_until_exit
 from tfdist.training.sync.preemption import preemption_handler
-from tfdist.training.loop.step import make_step_fn, make_train_fn, metric_dict
+from tfdist.training.loop.step import make_step_fn, make_train_fn
 from tfdist.training.loop.peers import PEER_ERRORS
 from tfdist.training.loop.trainer import Trainer
 
@@ -134,7 +134,7 @@ class SyncTrainer(Trainer):
     def _metrics(self) -> dict[str, float]:
         if self._out is None:
             return {}
-        return metric_dict(self._out["loss"], self.metric_names, self._out["metrics"])
+        return self.train_metrics.logs(self._out["loss"], self._out["metrics"])
 
     def result_fields(self, ran: int) -> dict:
         return {

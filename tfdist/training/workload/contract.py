@@ -38,6 +38,43 @@ def overrides(model, method: str) -> bool:
     return own is not None and own is not getattr(keras.Model, method)
 
 
+def own_logic(model) -> bool:
+    """Whether the model brings its own training logic (its own ``train_step`` or
+    ``compute_loss``): then, as for ``fit``, ``compile()`` needs no loss."""
+    return overrides(model, "train_step") or overrides(model, "compute_loss")
+
+
+def compute_loss(model, x, y, y_pred, sample_weight=None, training=True):
+    """``model.compute_loss``, called as Keras's own steps call it (``_compute_loss``):
+    an override written without the ``training`` argument (the distillation
+    example's) is called without it."""
+    import inspect as pyinspect
+
+    if "training" in pyinspect.signature(model.compute_loss).parameters:
+        return model.compute_loss(x, y, y_pred, sample_weight, training=training)
+    return model.compute_loss(x, y, y_pred, sample_weight)
+
+
+def flat_logs(logs) -> dict:
+    """A step's logs flattened as Keras flattens them for its callbacks and History
+    (``keras.src.utils.python_utils.pythonify_logs``): keys sorted, a nested dict's
+    entries (``compile_metrics`` -> ``mae``, ...) merged in under their own names.
+    The values are left as they are (tensors, or Python numbers)."""
+    out = {}
+    for key, value in sorted((logs or {}).items()):
+        if isinstance(value, dict):
+            out.update(flat_logs(value))
+        else:
+            out[key] = value
+    return out
+
+
+def features_of(element):
+    """The features of a training element: ``x`` of ``(x, y)``, ``(x, y, w)`` and
+    ``(x,)``; the element itself when it is not a tuple (features only)."""
+    return element[0] if isinstance(element, tuple) else element
+
+
 def as_dataset(value: Any, what: str):
     """``value`` as a ``tf.data.Dataset`` of unbatched elements.
 
@@ -127,6 +164,10 @@ def check(kind, checked, gradient_dtype: str = "float32") -> None:
                               f"and applies the gradients and --gradient-dtype {gradient_dtype} "
                               "cannot be honoured; drop --gradient-dtype, or move the logic "
                               "into call()/compute_loss()")
+    elif overrides(model, "compute_loss") and kind.own_compute_loss_refusal:
+        raise ConfigError(f"{who}the model overrides compute_loss, which {kind.name} cannot "
+                          f"honour: {kind.own_compute_loss_refusal}; train it under another "
+                          "strategy")
     if getattr(model, "run_eagerly", False):
         raise ConfigError(f"{who}the model is compiled with run_eagerly=True; a distributed "
                           "step is always traced (tf.function), so compile without it "
@@ -159,7 +200,7 @@ def check(kind, checked, gradient_dtype: str = "float32") -> None:
         raise ConfigError(f"{who}the optimizer is a LossScaleOptimizer, which {kind.name} cannot "
                           f"honour: {kind.loss_scale_refusal}; compile with the inner optimizer "
                           "(mixed_bfloat16 needs no loss scaling)")
-    weighted = (checked.example is not None and len(checked.example) == 3) or \
+    weighted = (isinstance(checked.example, tuple) and len(checked.example) == 3) or \
         class_weight_of(task) is not None
     if weighted and kind.sample_weight_refusal:
         raise ConfigError(f"{who}the task gives sample weights (or class_weight), which "
@@ -195,7 +236,8 @@ def finish_training(model, optimizer) -> None:
 CONTRACT = {
     "compile": {
         "optimizer": "honoured: the task's own optimizer trains (a flag may replace it)",
-        "loss": "honoured: Keras's CompileLoss, one or one per output",
+        "loss": "honoured: Keras's CompileLoss, one or one per output; not needed by a "
+                "model with its own train_step or compute_loss (as fit)",
         "loss_weights": "honoured: Keras's CompileLoss",
         "metrics": "honoured: Keras's CompileMetrics, named as fit names them",
         "weighted_metrics": "honoured: with the elements' or class_weight's sample weights",
@@ -227,11 +269,15 @@ CONTRACT = {
         "validation_freq": "mapped: --eval-every",
     },
     "override": {
-        "train_step": "honoured: called inside strategy.run (refused under ps-sync and "
-                      "with --gradient-dtype)",
-        "test_step": "honoured: evaluation is Keras's evaluate on a local copy",
+        "train_step": "honoured: called inside strategy.run, its logs flattened as fit "
+                      "flattens them, features-only data, the other optimizers it applies "
+                      "built and checkpointed (refused under ps-sync, pipeline and with "
+                      "--gradient-dtype)",
+        "test_step": "honoured: evaluation is Keras's evaluate on a local copy; a model Keras "
+                     "cannot evaluate trains and is said not evaluated",
         "predict_step": "honoured: the saved model.keras keeps it",
-        "compute_loss": "honoured: the library's step calls model.compute_loss",
+        "compute_loss": "honoured: the library's step calls model.compute_loss, with or "
+                        "without its training argument (refused under pipeline)",
         "compute_metrics": "honoured: called by a model's own train_step; evaluation uses it",
     },
 }

@@ -274,10 +274,18 @@ class CheckedTask:
     # called on it before the optimizer is built (a subclassed model makes
     # its variables on its first call).
     example: Any = None
-    # A model with its own train_step: the names of the logs it returns.
+    # A model with its own train_step: the names of the logs it returns,
+    # flattened as Keras flattens them ("loss" among them when it logs one).
     own_step_names: tuple[str, ...] | None = None
     # dataset("validation") gives a split: evaluated at every epoch end.
     has_validation: bool = False
+    # The optimizers the model holds besides model.optimizer (a GAN's
+    # d_optimizer, g_optimizer): {attribute: positions in trainable_variables
+    # of the variables its own train_step applies it to}.
+    own_optimizers: dict = field(default_factory=dict)
+    # Why Keras's own evaluate cannot run on the model (no loss and no
+    # test_step of its own); None when it can.
+    not_evaluated: str | None = None
 
 
 def inspect(spec: TaskSpec, task: Any, *, steps_given: bool) -> CheckedTask:
@@ -295,10 +303,13 @@ def inspect(spec: TaskSpec, task: Any, *, steps_given: bool) -> CheckedTask:
     if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", False):
         raise _err(spec.text, "build_model() returned a model that is not compiled (no optimizer); "
                               "call model.compile(optimizer=..., loss=..., metrics=[...]) in it")
-    if getattr(model, "_compile_loss", None) is None:
-        raise _err(spec.text, "build_model() returned a model compiled without a loss; pass "
-                              "loss=... to model.compile")
     from tfdist.training.workload import contract
+
+    own_step = contract.overrides(model, "train_step")
+    if getattr(model, "_compile_loss", None) is None and not contract.own_logic(model):
+        raise _err(spec.text, "build_model() returned a model compiled without a loss; pass "
+                              "loss=... to model.compile (or give the model its own "
+                              "train_step or compute_loss)")
 
     class_weight = _checked_call(spec, contract.class_weight_of, "class_weight", task)
     sizes = {}
@@ -310,7 +321,8 @@ def inspect(spec: TaskSpec, task: Any, *, steps_given: bool) -> CheckedTask:
         if not isinstance(ds, tf.data.Dataset):
             raise _err(spec.text, f"dataset({split!r}) returned {type(ds).__name__}, "
                                   "not a tf.data.Dataset, NumPy arrays or a tuple of them")
-        _check_pair(spec, split, ds.element_spec)
+        if not own_step:  # the library's own step needs labels; a model's own, not
+            _check_pair(spec, split, ds.element_spec)
         sizes[split] = _size(spec, split, ds, steps_given)
         try:
             first[split] = next(iter(ds.take(1)))
@@ -318,29 +330,39 @@ def inspect(spec: TaskSpec, task: Any, *, steps_given: bool) -> CheckedTask:
             raise _err(spec.text, f"dataset({split!r}) is empty; it must hold examples") from None
         except Exception as err:
             raise _err(spec.text, f"reading dataset({split!r}) failed: {_first_line(err)}") from None
-        _check_features(spec, split, first[split][0], model)
-    has_validation = spec.builtin is None and _validation(spec, task, model)
+        if not own_step:  # a model's own step may read its data otherwise: it is probed
+            _check_features(spec, split, first[split][0], model)
+    has_validation = spec.builtin is None and _validation(spec, task, model, own_step)
+    if class_weight is not None and own_step and not (
+            isinstance(first["train"], tuple) and len(first["train"]) == 2):
+        raise _err(spec.text, "class_weight is given, but dataset('train') does not yield "
+                              "(features, label) pairs; as fit, give it with labels")
     if class_weight is not None and len(first["train"]) == 3:
         raise _err(spec.text, "class_weight is given and dataset('train') yields sample "
                               "weights too; as fit, give one or the other")
-    batch = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), tuple(first["train"]))
-    weight = batch[2] if len(batch) == 3 else None
+    # The element as the dataset yields it (a tuple, or features alone), as a batch of one.
+    batch = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), first["train"])
     if class_weight is not None:
-        weight = next(iter(contract.class_weights(
-            tf.data.Dataset.from_tensors(tuple(first["train"])), class_weight)))[2][None]
-    try:
-        y_pred = model(batch[0], training=False)
-        model.compute_loss(batch[0], batch[1], y_pred, weight, training=False)
-        model.compute_metrics(batch[0], batch[1], y_pred, weight)
-    except Exception as err:
-        raise _err(spec.text, "the model, its compiled loss or metrics fail on the first "
-                              f"training example: {_first_line(err)}") from None
+        batch = tf.nest.map_structure(lambda t: t[None], next(iter(contract.class_weights(
+            tf.data.Dataset.from_tensors(tuple(first["train"])), class_weight))))
+    if not own_step:
+        weight = batch[2] if len(batch) == 3 else None
+        try:
+            y_pred = model(batch[0], training=False)
+            contract.compute_loss(model, batch[0], batch[1], y_pred, weight, training=False)
+            model.compute_metrics(batch[0], batch[1], y_pred, weight)
+        except Exception as err:
+            raise _err(spec.text, "the model, its compiled loss or metrics fail on the first "
+                                  f"training example: {_first_line(err)}") from None
+        model.reset_metrics()
     # Keras's own names (cls_accuracy, reg_mae, ...), as model.fit logs them.
     compiled = model._compile_metrics
     names = tuple(compiled.result()) if compiled is not None and compiled.built else ()
-    own_names = None
-    if contract.overrides(model, "train_step"):
-        own_names = _own_step_names(spec, model, batch)
+    own_names, own_optimizers = None, {}
+    if own_step:
+        own_names, own_optimizers = _own_step_names(spec, model, batch)
+    test_batch = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), first["test"])
+    not_evaluated = _evaluable(spec, model, test_batch)
     extra = {}
     if callable(getattr(task, "extra_results", None)):
         extra = _call(spec, task.extra_results, "extra_results()") or {}
@@ -349,10 +371,11 @@ def inspect(spec: TaskSpec, task: Any, *, steps_given: bool) -> CheckedTask:
     info = TaskInfo(spec.name, sizes["train"], sizes["test"],
                     names if own_names is None else own_names, extra)
     return CheckedTask(spec, task, info, model, example=batch, own_step_names=own_names,
-                       has_validation=has_validation)
+                       has_validation=has_validation, own_optimizers=own_optimizers,
+                       not_evaluated=not_evaluated)
 
 
-def _validation(spec, task, model) -> bool:
+def _validation(spec, task, model, own_step: bool = False) -> bool:
     """Whether ``dataset("validation")`` gives a split (checked as the others are).
 
     Optional: a task without one returns None or raises KeyError, ValueError
@@ -375,35 +398,89 @@ def _validation(spec, task, model) -> bool:
     if not isinstance(ds, tf.data.Dataset):
         raise _err(spec.text, f"dataset('validation') returned {type(ds).__name__}, not a "
                               "tf.data.Dataset, NumPy arrays, or None (no validation split)")
-    _check_pair(spec, "validation", ds.element_spec)
+    if not own_step:
+        _check_pair(spec, "validation", ds.element_spec)
     try:
         element = next(iter(ds.take(1)))
     except StopIteration:
         raise _err(spec.text, "dataset('validation') is empty; return None for no "
                               "validation split") from None
-    _check_features(spec, "validation", element[0], model)
+    if not own_step:
+        _check_features(spec, "validation", element[0], model)
     return True
 
 
-def _own_step_names(spec, model, batch) -> tuple[str, ...]:
-    """The logs a model's own ``train_step`` returns ("loss" aside), from one step
-    on the local model (whose weights evaluation overwrites anyway)."""
+def _own_step_names(spec, model, batch) -> tuple[tuple[str, ...], dict]:
+    """The logs a model's own ``train_step`` returns, flattened as Keras flattens
+    them, and the optimizers it applies besides ``model.optimizer``, from one step
+    on the local model (whose weights evaluation overwrites anyway).
+
+    The optimizers are the model's attributes that are Keras optimizers; each
+    is built by that step with the variables it updates, whose positions in
+    ``trainable_variables`` the state's model uses to build its own copy
+    before training (``training.loop.state``).
+    """
+    import keras
+
+    from tfdist.training.workload import contract
+
     try:
         logs = model.train_step(batch)
     except Exception as err:
         raise _err(spec.text, "the model's own train_step fails on the first training "
                               f"example: {_first_line(err)}") from None
-    if not isinstance(logs, dict) or "loss" not in logs:
-        raise _err(spec.text, "the model's own train_step must return a dict of logs holding "
-                              "'loss' (as Keras's does: return self.compute_metrics(...)); it "
-                              f"returned {type(logs).__name__}"
-                   + (f" with keys {sorted(logs)}" if isinstance(logs, dict) else ""))
-    bad = [k for k, v in logs.items() if getattr(v, "shape", ()) not in ((), [])]
+    if not isinstance(logs, dict):
+        raise _err(spec.text, "the model's own train_step must return a dict of logs (as "
+                              "Keras's does: return {m.name: m.result() for m in "
+                              f"self.metrics}}); it returned {type(logs).__name__}")
+    flat = contract.flat_logs(logs)
+    bad = [k for k, v in flat.items()
+           if not isinstance(v, (int, float)) and getattr(v, "shape", None) not in ((), [])]
     if bad:
         raise _err(spec.text, f"the model's own train_step returned non-scalar logs {bad}; "
                               "return one number per name")
     model.reset_metrics()
-    return tuple(k for k in logs if k != "loss")
+    position = {id(getattr(v, "_value", v)): i for i, v in enumerate(model.trainable_variables)}
+    optimizers = {}
+    for attr, value in vars(model).items():
+        if (not isinstance(value, keras.optimizers.Optimizer) or value is model.optimizer
+                or attr.startswith("_")):
+            continue
+        # The variables its build (the step's first apply) was given.
+        built = getattr(value, "_trainable_variables", None) or []
+        used = [position.get(id(getattr(v, "_value", v))) for v in built]
+        if None in used:
+            raise _err(spec.text, f"the model's optimizer {attr!r} updates variables that are "
+                                  "not the model's own trainable variables; keep every "
+                                  "trained layer an attribute of the model")
+        optimizers[attr] = tuple(used)
+    return tuple(flat), optimizers
+
+
+def _evaluable(spec, model, batch) -> str | None:
+    """None when Keras's own ``evaluate`` can run on the model; otherwise why not.
+
+    A model of its own training logic may have no loss Keras's ``test_step``
+    can compute (the guide's lower-level model, a GAN without ``call``):
+    ``fit`` trains it, ``evaluate`` raises. One ``test_step`` on the local
+    model, on the first test example, tells; a model's own ``test_step`` that
+    fails is a mistake in it, refused in one line.
+    """
+    from tfdist.training.workload import contract
+
+    if not (contract.own_logic(model) or contract.overrides(model, "test_step")):
+        return None  # Keras's test_step with the compiled loss: checked above
+    try:
+        model.test_step(batch)
+    except Exception as err:
+        if contract.overrides(model, "test_step"):
+            raise _err(spec.text, "the model's own test_step fails on the first test "
+                                  f"example: {_first_line(err)}") from None
+        return ("the model has no test_step of its own and Keras's evaluate cannot run on "
+                f"it ({_first_line(err)})")
+    finally:
+        model.reset_metrics()
+    return None
 
 
 def _check_pair(spec, split, element_spec) -> None:
