@@ -50,6 +50,10 @@ BUILTIN_TASKS = {
         "mnist-mlp", "tfdist.models.mnist:MLP",
         "MNIST, a deep MLP (four ~200k-parameter Dense layers): a chain for --strategy pipeline",
         train_examples=60_000, test_examples=10_000, reads_tfds=True),
+    "dense-chain": BuiltinTask(
+        "dense-chain", "tfdist.models.dense_chain:TASK",
+        "synthetic, 4 x Dense(2048) over 256 features (13 M parameters): a compute-heavy "
+        "chain for --strategy pipeline"),
     "ctr": BuiltinTask(
         "ctr", "tfdist.models.ctr:TASK",
         "click-through prediction: a 2M x 16 embedding table over hashed categorical features "

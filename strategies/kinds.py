@@ -20,6 +20,11 @@ from tfdist.strategies.tf_config import TRAINING_ROLES, ClusterConfig, ConfigErr
 
 AUTO = "auto"
 ALL_REDUCE = ("auto", "ring", "nccl")
+# --all-reduce-bucket: gradients are all-reduced in buckets of about this many
+# bytes, last layers first, each bucket's collective started as soon as its
+# gradients exist (TensorFlow's CommunicationOptions.bytes_per_pack: the list is
+# reversed, then packed). Chosen by measurement (docs/performance.md).
+DEFAULT_BUCKET_BYTES = 256 * 1024
 
 # The training loops a kind may name (``StrategyKind.trainer``); the
 # training side maps each to its trainer class (training.loop.controller).
@@ -77,9 +82,15 @@ class StrategyKind:
     # compile(jit_compile=True): the replica's step compiled with XLA; "" where it runs.
     jit_compile_refusal = ""
     optimizer_refusals: Mapping[str, str] = {}
+    # Optimizer options refused only for a model with its own train_step (the
+    # library's step accumulates gradients itself; a model's own step leaves
+    # it to Keras's optimizer).
+    own_step_optimizer_refusals: Mapping[str, str] = {}
     loss_scale_refusal = ""
     # Elements with sample weights (or a task's class_weight); "" where honoured.
     sample_weight_refusal = ""
+    # Gradients all-reduced between processes in buckets (--all-reduce-bucket applies).
+    buckets_all_reduce = False
 
     # --- the cluster ------------------------------------------------------
 
@@ -128,7 +139,8 @@ class StrategyKind:
 
     # --- building ---------------------------------------------------------
 
-    def build(self, cfg: ClusterConfig, *, all_reduce: str = "auto") -> StrategyBundle:
+    def build(self, cfg: ClusterConfig, *, all_reduce: str = "auto",
+              bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> StrategyBundle:
         raise NotImplementedError
 
     def detect_stuck_after(self, cfg: ClusterConfig, seconds: float) -> None:
@@ -164,7 +176,8 @@ def _cluster_resolver(cfg: ClusterConfig):
 
 # Keras's gradient accumulation all-reduces inside a tf.cond, which an
 # all-reduce strategy cannot trace (model.fit fails the same way under
-# MirroredStrategy: "merge_call called while defining a new graph").
+# MirroredStrategy: "merge_call called while defining a new graph"). The
+# library's own step accumulates without it; a model's own train_step does not.
 _ACCUMULATION_IN_COND = {
     "gradient_accumulation_steps": "Keras's accumulation all-reduces the gradients inside a "
     "tf.cond, which tf.distribute cannot trace (model.fit fails the same way under "
@@ -183,7 +196,7 @@ class NoStrategy(StrategyKind):
     def replicas(self, cfg, local_gpus):
         return 1  # one device, whatever the host has
 
-    def build(self, cfg, *, all_reduce="auto"):
+    def build(self, cfg, *, all_reduce="auto", bucket_bytes=DEFAULT_BUCKET_BYTES):
         import tensorflow as tf
 
         return StrategyBundle(self, tf.distribute.get_strategy())
@@ -192,7 +205,7 @@ class NoStrategy(StrategyKind):
 class Mirrored(StrategyKind):
     name = "mirrored"
     summary = "MirroredStrategy: every local GPU (or the CPU) in one process"
-    optimizer_refusals = _ACCUMULATION_IN_COND
+    own_step_optimizer_refusals = _ACCUMULATION_IN_COND
     single_process = True
 
     def check(self, cfg):
@@ -203,7 +216,7 @@ class Mirrored(StrategyKind):
     def auto_accepts(self, cfg):
         return True
 
-    def build(self, cfg, *, all_reduce="auto"):
+    def build(self, cfg, *, all_reduce="auto", bucket_bytes=DEFAULT_BUCKET_BYTES):
         import tensorflow as tf
 
         return StrategyBundle(self, tf.distribute.MirroredStrategy())
@@ -215,7 +228,8 @@ class MultiWorker(StrategyKind):
     # Measured on CPU: the step's collective all-reduce inside XLA is UnimplementedError.
     jit_compile_refusal = ("XLA cannot compile the step's cross-worker all-reduce here "
                            "(UnimplementedError)")
-    optimizer_refusals = _ACCUMULATION_IN_COND
+    own_step_optimizer_refusals = _ACCUMULATION_IN_COND
+    buckets_all_reduce = True
 
     def check(self, cfg):
         if cfg.num_ps:
@@ -238,7 +252,7 @@ class MultiWorker(StrategyKind):
         duty = "write checkpoints, logs and results" if cfg.is_chief else "keep checkpoints private"
         return f"train on its data shard with all-reduce every step; {duty}"
 
-    def build(self, cfg, *, all_reduce="auto"):
+    def build(self, cfg, *, all_reduce="auto", bucket_bytes=DEFAULT_BUCKET_BYTES):
         import tensorflow as tf
 
         if all_reduce not in ALL_REDUCE:
@@ -246,7 +260,11 @@ class MultiWorker(StrategyKind):
                 f"unknown --all-reduce {all_reduce!r}; allowed: {', '.join(ALL_REDUCE)}"
             )
         impl = tf.distribute.experimental.CommunicationImplementation
+        # Keras's optimizer all-reduces with the strategy's options: the
+        # gradients reversed (last layers first, as the backward pass makes
+        # them) and packed into buckets, one collective each, ordered as made.
         options = tf.distribute.experimental.CommunicationOptions(
+            bytes_per_pack=bucket_bytes,
             implementation={"auto": impl.AUTO, "ring": impl.RING, "nccl": impl.NCCL}[all_reduce]
         )
         return StrategyBundle(self, tf.distribute.MultiWorkerMirroredStrategy(
@@ -283,7 +301,7 @@ class ParameterServer(StrategyKind):
     serving_roles = ("worker", "ps")
     restartable_roles = ("worker",)
     asynchronous = True
-    optimizer_refusals = _ACCUMULATION_IN_COND
+    own_step_optimizer_refusals = _ACCUMULATION_IN_COND
     # Measured: "Trying to access resource ... located in device /job:ps".
     jit_compile_refusal = ("an XLA-compiled step cannot read or update variables that live "
                            "on the ps tasks")
@@ -334,7 +352,7 @@ class ParameterServer(StrategyKind):
         # retrying, so the coordinator can reschedule the closure elsewhere.
         return {"GRPC_FAIL_FAST": "use_caller"}
 
-    def build(self, cfg, *, all_reduce="auto"):
+    def build(self, cfg, *, all_reduce="auto", bucket_bytes=DEFAULT_BUCKET_BYTES):
         if cfg.task_type != "chief":
             raise ConfigError(
                 f"the ps strategy object is built by the chief only; this task is "
@@ -456,7 +474,7 @@ class Pipeline(StrategyKind):
         # A lost stage task fails the step's RPC at once rather than retrying.
         return {"GRPC_FAIL_FAST": "use_caller"}
 
-    def build(self, cfg, *, all_reduce="auto"):
+    def build(self, cfg, *, all_reduce="auto", bucket_bytes=DEFAULT_BUCKET_BYTES):
         if cfg.task_type != "chief":
             raise ConfigError(
                 f"the pipeline is built by the chief only; this task is {cfg.task_name}, "

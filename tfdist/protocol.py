@@ -314,6 +314,9 @@ class Results:
     # (--gradient-dtype); the bench's traffic model starts from them.
     trainable_params: int | None = None
     gradient_dtype: str | None = None
+    # Batches per step whose gradients a replica sums before one update
+    # (--gradient-accumulation-steps): examples per step are the global batch x this.
+    gradient_accumulation_steps: int = 1
     # --export: the last SavedModel written and checked (training.loop.export):
     # {"path": DIR/<global step>, "signature": {"inputs", "outputs"}: {name:
     # {"dtype", "shape"}}, "max_abs_diff" (reloaded vs trained predictions on

@@ -113,6 +113,8 @@ def test_a_lost_stage_task_ends_in_one_line_and_the_relaunch_resumes_exactly(tmp
      "does not split into 1 pipeline copies x 5 micro-batches"),
     (4, ["--task", "mnist-logreg"], "cannot cut its 3 layer(s) into 4 stages"),
     (2, ["--stages", "2,4"], "makes 3 stages, but 2 worker(s)"),
+    (2, ["--schedule", "1f1b"], "--schedule 1f1b with --micro-batches 1 under 2 stages"),
+    (2, ["--schedule", "zigzag"], "unknown --schedule 'zigzag'; allowed: gpipe, 1f1b"),
 ])
 def test_bad_pipeline_input_is_one_line_before_anything_starts(tmp_path, spawn, workers, args,
                                                                says):

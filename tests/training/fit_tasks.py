@@ -260,6 +260,18 @@ class GradientAccumulation(_OptimizerOption):
     options = {"gradient_accumulation_steps": 4}
 
 
+class OwnStepAccumulation(GradientAccumulation):
+    """A model's own train_step and an optimizer that accumulates: Keras's own
+    accumulation (a tf.cond around the all-reduce) runs inside the model's step."""
+
+    def build_model(self):
+        x = keras.Input((FEATURES,), name="x")
+        model = FlippedModel(x, _head(x))
+        model.compile(optimizer=self.optimizer(), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"])
+        return model
+
+
 class ClipNorm(_OptimizerOption):
     options = {"clipnorm": 0.5}
 
@@ -326,6 +338,7 @@ BOOL_FEATURES = BoolFeatures()
 OWN_TEST_STEP = OwnTestStep()
 STRING_FEATURES = StringFeatures()
 GRADIENT_ACCUMULATION = GradientAccumulation()
+OWN_STEP_ACCUMULATION = OwnStepAccumulation()
 CLIP_NORM = ClipNorm()
 GLOBAL_CLIP_NORM = GlobalClipNorm()
 EMA = Ema()

@@ -126,11 +126,34 @@ def test_the_plan_resolves_the_pipeline_and_its_batch():
         _resolve(2, micro_batches=5)
 
 
-@pytest.mark.parametrize("flags", [{"micro_batches": 4}, {"pipelines": 2}, {"stages": "3"}])
+@pytest.mark.parametrize("flags", [{"micro_batches": 4}, {"pipelines": 2}, {"stages": "3"},
+                                   {"schedule": "1f1b"}])
 def test_pipeline_flags_are_refused_under_other_strategies(flags):
     config = TrainConfig(strategy="mirrored", task="mnist-mlp", steps=10, **flags)
     with pytest.raises(ConfigError, match="does not; drop the flag.* --strategy pipeline"):
         resolve(config, [], train_examples=60_000, test_examples=10_000)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("S, M", [(1, 1), (2, 2), (2, 8), (3, 4), (4, 8)])
+def test_every_stage_runs_each_forward_then_its_backward_once(schedule, S, M):
+    for s in range(S):
+        slots = stages.schedule_slots(schedule, S, M, s)
+        assert sorted(slots) == sorted([("F", m) for m in range(M)] + [("B", m) for m in range(M)])
+        assert all(slots.index(("F", m)) < slots.index(("B", m)) for m in range(M))
+        # GPipe holds every micro-batch's activations; 1F1B at most S - s of them.
+        assert stages.in_flight(slots) == (M if schedule == "gpipe" else min(S - s, M))
+    if schedule == "1f1b":  # the last stage alternates from the start
+        assert stages.schedule_slots("1f1b", S, M, S - 1)[:2] == [("F", 0), ("B", 0)]
+
+
+def test_the_schedule_is_checked_and_1f1b_needs_as_many_micro_batches_as_stages():
+    assert _resolve(2, micro_batches=2).pipeline.schedule == "gpipe"
+    assert _resolve(2, micro_batches=2, schedule="1f1b").pipeline.describe()["schedule"] == "1f1b"
+    with pytest.raises(ConfigError, match="--schedule 1f1b with --micro-batches 1 under 2 stages"):
+        _resolve(2, schedule="1f1b")
+    with pytest.raises(ConfigError, match="unknown --schedule 'pipedream'; allowed: gpipe, 1f1b"):
+        TrainConfig(strategy="pipeline", schedule="pipedream").validate()
 
 
 # --- cutting Keras models (builds small models locally) --------------------------

@@ -46,7 +46,8 @@ def figures(result: dict, outcome: dict | None) -> dict | None:
                 for d in ("tx", "rx")}
     (host, direction), busiest = max(measured.items(), key=lambda kv: kv[1])
     bytes_per_sec = rate / 8
-    batch = result["global_batch_size"]
+    # Examples per step: a step of gradient accumulation takes N global batches.
+    batch = result["global_batch_size"] * (result.get("gradient_accumulation_steps") or 1)
     out = {
         "host": host, "tasks": hosts[host]["tasks"], "direction": direction,
         "bytes_per_step": busiest,

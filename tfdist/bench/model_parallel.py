@@ -10,13 +10,17 @@ test accuracy, each worker's parameter bytes (against 1/S of the model) and
 every task's peak memory, and the idle ("bubble") fraction against GPipe's
 model (S - 1) / (M + S - 1).
 
-The measured idle fraction of a stage is 1 - busy / step, where step is the
-cell's measured step time and busy the stage's share of the work: the S = 1
-run at the same M does all of it on one task, so busy = T(1, M) / S for
-stages of equal weight (the cut is within 3 % of equal). What is not the
-stages' compute (the activations' transfers, the client's dispatch, CPU
-contention between tasks) counts as idle too: on a host with fewer cores
-than tasks the stages cannot all run at once, and the measured figure says so.
+``dense-chain`` (4 x Dense(2048) over 256 features, 13 M parameters, a
+compute-heavy chain) runs the same cells at global batch 256, and both run
+GPipe and 1F1B (``--schedule``; 1F1B where M >= S).
+
+The measured idle fraction of a stage is 1 - busy / step: busy is the sum of
+the stage's own slots (each forward, backward and its update, stamped on the
+stage's task from the moment its input is there), step the chief's measured
+time per step (``training.pipeline.pipeline_trainer``). Time a stage's thread
+waits for a core counts as busy: on a host shared with other jobs the
+measured idle is then an underestimate. Transfers per step: the tensors that
+cross between tasks in the traced step, against 2 (S - 1) M.
 """
 
 from __future__ import annotations
@@ -28,8 +32,11 @@ from dataclasses import dataclass
 from tfdist.bench.common import BASELINE, LAUNCH, TRAIN, Run, group_by_config
 
 MODEL_PARALLEL = "model-parallel"
-TITLE = "model parallel: mnist-mlp cut into S stages, M micro-batches per step (pipeline)"
+TITLE = "model parallel: a chain cut into S stages, M micro-batches per step (pipeline)"
 TASK = "mnist-mlp"
+# (task, global batch): the small MLP and the compute-heavy chain.
+TASKS = (("mnist-mlp", 128), ("dense-chain", 256))
+SCHEDULES = ("gpipe", "1f1b")
 STAGES = (1, 2, 4)
 MICRO_BATCHES = (1, 2, 4, 8)
 GLOBAL_BATCH = 128
@@ -46,6 +53,8 @@ class ModelParallelRun(Run):
     peer: str = ""
     stages: int = 0  # 0: the one-process baseline
     micro_batches: int = 1
+    task: str = TASK
+    schedule: str = "gpipe"
 
 
 def bubble(stages: int, micro_batches: int) -> float:
@@ -54,26 +63,34 @@ def bubble(stages: int, micro_batches: int) -> float:
 
 
 def plan(args, python: str = sys.executable) -> list[ModelParallelRun]:
-    """The study's runs (pure): the baseline, then every (S, M) cell."""
-    flags = ["--task", TASK, "--steps", str(STEPS), "--global-batch-size", str(GLOBAL_BATCH),
-             "--seed", str(args.seed), "--eval-every", "0", "--log-every", str(STEPS // 3)]
-    flags += ["--data-dir", args.data_dir] if args.data_dir else []
+    """The study's runs (pure): per task, the baseline, then every (S, M, schedule) cell."""
+    runs = []
+    for task, batch in TASKS:
+        flags = ["--task", task, "--steps", str(STEPS), "--global-batch-size", str(batch),
+                 "--seed", str(args.seed), "--eval-every", "0", "--log-every", str(STEPS // 3)]
+        flags += ["--data-dir", args.data_dir] if args.data_dir else []
+        prefix = "" if task == TASK else f"{task}-"
 
-    def add(key, cmd, stages=0, micro=1):
-        name = f"mp-{key}"
-        model_dir = os.path.join(args.out, "runs", name)
-        return ModelParallelRun(name, "pipeline" if stages else BASELINE, max(1, stages),
-                                (*cmd, *flags, "--model-dir", model_dir), model_dir,
-                                f"{MODEL_PARALLEL}/{key}", variant=key, stages=stages,
-                                micro_batches=micro)
+        def add(key, cmd, stages=0, micro=1, schedule="gpipe"):
+            name = f"mp-{prefix}{key}"
+            model_dir = os.path.join(args.out, "runs", name)
+            return ModelParallelRun(name, "pipeline" if stages else BASELINE, max(1, stages),
+                                    (*cmd, *flags, "--model-dir", model_dir), model_dir,
+                                    f"{MODEL_PARALLEL}/{prefix}{key}", variant=prefix + key,
+                                    stages=stages, micro_batches=micro, task=task,
+                                    schedule=schedule)
 
-    runs = [add(BASELINE, [python, TRAIN, f"--strategy={BASELINE}"])]
-    for s in STAGES:
-        for m in MICRO_BATCHES:
-            runs.append(add(f"S{s}-M{m}", [python, LAUNCH, "--strategy", "pipeline",
-                                           "--workers", str(s), "--timeout",
-                                           str(args.run_timeout), "--", "--micro-batches",
-                                           str(m)], s, m))
+        runs.append(add(BASELINE, [python, TRAIN, f"--strategy={BASELINE}"]))
+        for s in STAGES:
+            for m in MICRO_BATCHES:
+                for schedule in SCHEDULES:
+                    if schedule == "1f1b" and (m < s or s == 1):
+                        continue  # 1F1B needs M >= S, and is GPipe at S = 1
+                    key = f"S{s}-M{m}" + ("" if schedule == "gpipe" else "-1f1b")
+                    runs.append(add(key, [python, LAUNCH, "--strategy", "pipeline",
+                                          "--workers", str(s), "--timeout",
+                                          str(args.run_timeout), "--", "--micro-batches",
+                                          str(m), "--schedule", schedule], s, m, schedule))
     return runs
 
 
@@ -86,7 +103,8 @@ def summarize(results: dict[str, dict], outcomes: dict[str, dict],
         res, out = results.get(run.name), outcomes.get(run.name) or {}
         row = {"config": config, "scenario": MODEL_PARALLEL, "variant": run.variant,
                "kind": run.kind, "peer": "", "workers": run.workers, "stages": run.stages,
-               "micro_batches": run.micro_batches, "ok": res is not None,
+               "micro_batches": run.micro_batches, "task": run.task,
+               "schedule": run.schedule, "ok": res is not None,
                "failed": [] if res is not None else [run.name]}
         if res is not None:
             pipe = res.get("pipeline") or {}
@@ -94,19 +112,23 @@ def summarize(results: dict[str, dict], outcomes: dict[str, dict],
                        test_accuracy=res.get("test_accuracy"),
                        parameter_bytes=pipe.get("parameter_bytes_per_task"),
                        model_parameter_bytes=pipe.get("model_parameter_bytes"),
-                       peak_rss_bytes_chief=res.get("peak_rss_bytes"))
+                       peak_rss_bytes_chief=res.get("peak_rss_bytes"),
+                       stage_idle=pipe.get("measured_idle"),
+                       busy_seconds=pipe.get("busy_seconds_per_step"),
+                       transfers=pipe.get("transfers_per_step"),
+                       slots=pipe.get("last_step_slots"))
         row["peak_rss_bytes"] = out.get("peak_rss_bytes")
         rows.append(row)
-    by = {(r["stages"], r["micro_batches"]): r for r in rows if r["ok"]}
     for row in rows:
         if not row["ok"] or not row["stages"]:
             continue
         s, m = row["stages"], row["micro_batches"]
         row["predicted_bubble"] = bubble(s, m)
-        one = by.get((1, m))
-        if one is not None:
-            # busy = T(1, M) / S; idle = 1 - busy / T(S, M); T = batch / examples/s.
-            row["measured_idle"] = 1 - row["examples_per_sec"] / (s * one["examples_per_sec"])
+        if row.get("stage_idle"):
+            # Measured on each stage's task; the row's figure is its least idle
+            # stage (the one the others wait for) and its most idle.
+            row["measured_idle"] = min(row["stage_idle"].values())
+            row["most_idle"] = max(row["stage_idle"].values())
         held, total = row.get("parameter_bytes") or {}, row.get("model_parameter_bytes")
         if held and total:
             row["worst_share_error"] = max(abs(b / total - 1 / s) * s for b in held.values())
@@ -127,7 +149,8 @@ def check(rows: list[dict]) -> list[dict]:
     else:
         off = [r for r in judged
                if abs(r["measured_idle"] - r["predicted_bubble"]) > BUBBLE_SLACK]
-        text = "; ".join(f"S={r['stages']} M={r['micro_batches']}: {r['measured_idle']:.2f} vs "
+        text = "; ".join(f"{r.get('task', TASK)} {r.get('schedule', 'gpipe')} S={r['stages']} "
+                         f"M={r['micro_batches']}: {r['measured_idle']:.2f} vs "
                          f"{r['predicted_bubble']:.2f}" for r in judged)
         out.append({"target": bubble_what, "met": not off, "text": text})
     share_what = (f"{MODEL_PARALLEL}: each worker's parameter bytes within "
@@ -151,19 +174,24 @@ def render(rows: list[dict]) -> list[str]:
     if not rows:
         return []
     lines = [f"## {TITLE}", "",
-             f"Global batch {GLOBAL_BATCH}, {STEPS} steps, one worker task per stage and the "
-             "chief driving them. examples/s: steady state of one run. Idle: predicted "
-             "(S-1)/(M+S-1) against measured 1 - T(1,M) / (S·T(S,M)) (the S = 1 run at the "
-             "same M is all of the work on one task). Parameter bytes: each worker's share "
-             "of the model's weights. Peak memory: each task's peak resident set (MiB).", "",
-             "| S | M | examples/s | test accuracy | idle predicted | idle measured "
+             f"{', '.join(f'{t} at global batch {b}' for t, b in TASKS)}; {STEPS} steps, one "
+             "worker task per stage and the chief driving them. examples/s: steady state of "
+             "one run. Idle: predicted (S-1)/(M+S-1) against measured per stage, 1 - busy / "
+             "step (busy: the stage's own slots, stamped on its task). Transfers: tensors "
+             "crossing between tasks per step (between stages / in all; the minimum between "
+             "stages is 2 (S-1) M). Parameter bytes: each worker's share of the model's "
+             "weights. Peak memory: each task's peak resident set (MiB).", "",
+             "| task | schedule | S | M | examples/s | test accuracy | idle predicted "
+             "| idle measured per stage | transfers per step "
              "| parameter bytes per worker, kB (share) | peak memory per task, MiB |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        label = (f"{row['stages']} | {row['micro_batches']}" if row["stages"]
-                 else "one process | –")
+        label = (f"{row.get('task', TASK)} | {row.get('schedule', 'gpipe')} | {row['stages']} | "
+                 f"{row['micro_batches']}" if row["stages"]
+                 else f"{row.get('task', TASK)} | – | one process | –")
         if not row["ok"]:
-            lines.append(f"| {label} | FAILED (see runs/{row['failed'][0]}.log) | | | | | |")
+            lines.append(f"| {label} | FAILED (see runs/{row['failed'][0]}.log) "
+                         "| | | | | | |")
             continue
         held, total = row.get("parameter_bytes") or {}, row.get("model_parameter_bytes")
         shares = ", ".join(f"{t} {b / 1e3:,.0f} ({b / total:.0%})" for t, b in held.items()
@@ -172,17 +200,51 @@ def render(rows: list[dict]) -> list[str]:
         if not peaks and row.get("peak_rss_bytes_chief"):
             peaks = {"one process": row["peak_rss_bytes_chief"]}
         memory = ", ".join(f"{t} {b / 2**20:,.0f}" for t, b in peaks.items()) or "–"
+        idle = ", ".join(f"{t} {v:.2f}" for t, v in (row.get("stage_idle") or {}).items()) or "–"
+        moved = row.get("transfers") or {}
+        transfers = (f"{moved['between_stages']} / {moved['total']}" if moved else "–")
         lines.append(f"| {label} | {row['examples_per_sec']:,.0f} "
                      f"| {_fmt(row.get('test_accuracy'), '.4f')} "
                      f"| {_fmt(row.get('predicted_bubble'), '.2f')} "
-                     f"| {_fmt(row.get('measured_idle'), '.2f')} | {shares} | {memory} |")
+                     f"| {idle} | {transfers} | {shares} | {memory} |")
     return lines + [""]
+
+
+def plot_schedule(plt, cells: list[tuple[str, dict]], title: str):
+    """One step's slots per stage task, one panel per (label, last_step_slots):
+    forwards light, backwards dark, the update grey; the gaps are the bubble."""
+    fig, axes = plt.subplots(len(cells), 1, figsize=(11, 1.2 + 1.1 * len(cells)), squeeze=False)
+    for ax, (label, slots) in zip(axes[:, 0], cells):
+        names = list(slots)
+        for y, name in enumerate(names):
+            for kind, m, start, end in slots[name]:
+                colour = {"F": "#9ecae1", "B": "#3182bd"}.get(kind, "#969696")
+                ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (y - 0.4, 0.8),
+                               facecolors=colour, edgecolors="white", linewidth=0.5)
+                if kind != "U" and (end - start) * 1e3 > 0.04 * max(
+                        e for row in slots.values() for *_, e in row) * 1e3:
+                    ax.text((start + end) / 2 * 1e3, y, f"{kind}{m}", ha="center",
+                            va="center", fontsize=6)
+        ax.set_yticks(range(len(names)), names, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(label, fontsize=8, loc="left")
+    axes[-1, 0].set_xlabel("ms from the step's first slot (F: forward, B: backward, grey: "
+                           "the stage's update)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
 
 
 def plot(plt, rows: list[dict], where: str, out: str, save) -> str | None:
     """model_parallel.png: examples/s, and idle predicted against measured, per S over M."""
     rows = [r for r in rows if r["scenario"] == MODEL_PARALLEL and r.get("examples_per_sec")
             and r["stages"]]
+    shown = [(f"{r['task']} {r['schedule']} S={r['stages']} M={r['micro_batches']}", r["slots"])
+             for r in rows if r.get("slots") and r["stages"] == 2 and r["micro_batches"] == 8]
+    if shown:
+        save(plot_schedule(plt, shown, f"one step per stage task — {where}"), out,
+             "pipeline_schedule.png")
+    rows = [r for r in rows if r.get("task", TASK) == TASK and r.get("schedule") == "gpipe"]
     if not rows:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))

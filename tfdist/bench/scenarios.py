@@ -130,9 +130,10 @@ def report(args: BenchConfig, runs: list[Run], results: dict[str, dict], seconds
         "staleness study": f"{args.staleness_steps} steps per run",
         "sparse study": f"ctr, {args.sparse_steps} steps at global batch {args.sparse_global_batch}",
         "scaling study": f"{args.scaling_steps} steps, workers {args.scaling_workers}",
-        "model-parallel study": (f"{model_parallel.TASK}, {model_parallel.STEPS} steps at global "
-                                 f"batch {model_parallel.GLOBAL_BATCH}, S {model_parallel.STAGES} "
-                                 f"x M {model_parallel.MICRO_BATCHES}"),
+        "model-parallel study": (
+            ", ".join(f"{t} at global batch {b}" for t, b in model_parallel.TASKS)
+            + f", {model_parallel.STEPS} steps, S {model_parallel.STAGES} x M "
+            f"{model_parallel.MICRO_BATCHES} x {'|'.join(model_parallel.SCHEDULES)}"),
     }
     assert tuple(settings) == SETTINGS_ORDER
     markdown = render_markdown(rows, checked, settings, machine, seconds)

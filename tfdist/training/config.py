@@ -30,6 +30,8 @@ OPTIMIZERS = ("adam", "sgd")
 # Peak rates for the default cosine schedule (chosen in the benchmark notes).
 DEFAULT_LEARNING_RATE = {"adam": 5e-3, "sgd": 0.1}
 LR_SCHEDULES = ("cosine", "constant")
+# --strategy pipeline: the order of each stage's forward and backward slots.
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 # --variable-partitioner (training.sharding.POLICIES; this module imports no TensorFlow).
 PARTITIONERS = ("none", "min-size", "fixed")
 # What gradients cross the network as (--gradient-dtype); updates are float32 whatever it is.
@@ -55,7 +57,7 @@ PER_REPLICA_BATCH = 64
 # ``total_steps`` is recorded too, but a resume may extend a run.
 DEFINING_FLAGS = ("strategy", "task", "optimizer", "learning_rate", "lr_schedule",
                   "global_batch_size", "seed", "variable_partitioner", "shard_min_bytes",
-                  "pipeline_stages")
+                  "pipeline_stages", "gradient_accumulation_steps")
 
 
 def _strategy_help() -> str:
@@ -77,6 +79,12 @@ def _task_help() -> str:
 
     return ("what to train: a built-in (" + ", ".join(BUILTIN_TASKS) + "), an import path "
             "pkg.mod[:NAME] or a file path/to/task.py providing build_model() and dataset(split)")
+
+
+def _default_bucket_kib() -> int:
+    from tfdist.strategies.kinds import DEFAULT_BUCKET_BYTES
+
+    return DEFAULT_BUCKET_BYTES // 1024
 
 
 def _batch_unset() -> str:
@@ -124,6 +132,11 @@ class TrainOptions:
         group="training", unset=DEFAULT_LR_SCHEDULE)
     seed: int = option(42, "initial weights and data order (ps workers shuffle on their own)",
                        group="training")
+    gradient_accumulation_steps: int | None = option(
+        None, "each replica sums its gradients over N batches and the update (one all-reduce, "
+        "one push to the ps) applies their mean, as Keras's gradient_accumulation_steps: a step "
+        "is N batches", metavar="N", group="training",
+        unset="the task optimizer's own, else 1")
     steps_per_execution: int = option(1, "steps per tf.function call (fewer host round trips)",
                                       metavar="N", group="training")
     data_dir: str | None = option(None, "tfds data dir for the built-in MNIST tasks",
@@ -133,6 +146,12 @@ class TrainOptions:
     # --- the cluster ----------------------------------------------------------
     all_reduce: str = option("auto", "multiworker's collective implementation",
                              choices=("auto", "ring", "nccl"), group="cluster")
+    all_reduce_bucket: str | None = option(
+        None, "multiworker: gradients are all-reduced in buckets of about SIZE bytes (k, m: "
+        "KiB, MiB), last layers first, each bucket's collective starting as soon as the "
+        "backward pass has made its gradients (larger than the model: one all-reduce after "
+        "the whole backward pass)", metavar="SIZE", group="cluster",
+        unset=lambda: f"{_default_bucket_kib()}k")
     startup_timeout: float = option(120.0, "seconds to wait for the other tasks before giving up",
                                     metavar="SECONDS", group="cluster")
     # Seconds a live task may go without progress before the job treats it
@@ -165,6 +184,10 @@ class TrainOptions:
     stages: str | None = option(
         None, "pipeline: the first layer of each stage after the first", metavar="I,J,...",
         group="cluster", unset="stages balanced by parameter count")
+    schedule: str | None = option(
+        None, "pipeline: each stage's order of forwards and backwards (1f1b holds at most S "
+        "micro-batches' activations per stage)", metavar="gpipe|1f1b", group="cluster",
+        unset="gpipe")
     # Parameter servers: which variables are split over the ps tasks (None:
     # min-size under a strategy with ps, none otherwise) and the minimum size.
     variable_partitioner: str | None = option(
@@ -195,6 +218,11 @@ class TrainOptions:
     export_every: int | None = option(
         None, "with --export: also export every N steps", metavar="N", group=OUTPUT,
         unset="at the end only")
+    profile_steps: str | None = option(
+        None, "a TensorFlow profiler trace of steps A to B (as a slice of the run's steps) for "
+        "every task, in <model-dir>/logs/profile-<task>/: TensorBoard's Profile tab "
+        "(tensorboard-plugin-profile) shows each task's timeline", metavar="A:B", group=OUTPUT,
+        unset="no trace")
 
 
 @dataclass(frozen=True)
@@ -215,6 +243,11 @@ class TrainConfig(TrainOptions):
         return cls(**{**values, **fields})
 
     @property
+    def bucket_bytes(self) -> int | None:
+        """--all-reduce-bucket in bytes (None: the strategy's default)."""
+        return parse_size(self.all_reduce_bucket, "--all-reduce-bucket")
+
+    @property
     def optimizer_overridden(self) -> bool:
         """Whether a flag asked for an optimizer other than a task's own."""
         return any(v is not None for v in (self.optimizer, self.learning_rate, self.lr_schedule))
@@ -222,7 +255,8 @@ class TrainConfig(TrainOptions):
     def validate(self) -> None:
         """Raise ConfigError naming the first bad value; touches nothing."""
         choices = {"optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES,
-                   "variable_partitioner": PARTITIONERS, "gradient_dtype": GRADIENT_DTYPES}
+                   "variable_partitioner": PARTITIONERS, "gradient_dtype": GRADIENT_DTYPES,
+                   "schedule": PIPELINE_SCHEDULES}
         for name, allowed in choices.items():
             value = getattr(self, name)
             if value is not None and value not in allowed:
@@ -280,14 +314,22 @@ class TrainConfig(TrainOptions):
         if self.shard_min_bytes < 0:
             raise ConfigError(f"--shard-min-bytes={self.shard_min_bytes} is not allowed; use 0 "
                               "or more bytes")
+        if self.gradient_accumulation_steps is not None and self.gradient_accumulation_steps < 1:
+            raise ConfigError(
+                f"--gradient-accumulation-steps={self.gradient_accumulation_steps} is not "
+                "allowed; use a whole number of batches, at least 1 (1: no accumulation)"
+            )
         if self.replicas_to_aggregate is not None and self.replicas_to_aggregate < 1:
             raise ConfigError(
                 f"--replicas-to-aggregate={self.replicas_to_aggregate} is not allowed; it must "
                 "be at least 1 (gradients averaged into one update)"
             )
+        self.bucket_bytes  # one line if not a positive size
         from tfdist.training.loop.export import check_export_flags
+        from tfdist.training.loop.profiling import parse_steps
 
         check_export_flags(self.export, self.export_every)
+        parse_steps(self.profile_steps)
         if self.model_dir is not None:
             check_model_dir_path(self.model_dir)
 
@@ -312,6 +354,25 @@ def check_model_dir_path(path: str) -> None:
             f"--model-dir {path!r} exists and is not a directory; "
             "pass a directory path (it is created if missing)"
         )
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20}
+
+
+def parse_size(text: str | None, flag: str) -> int | None:
+    """``"262144"``, ``"256k"``, ``"1m"`` -> bytes (k: KiB, m: MiB); ConfigError unless positive."""
+    if text is None:
+        return None
+    raw = str(text).strip().lower().removesuffix("b").removesuffix("i")
+    unit = raw[-1:] if raw[-1:] in ("k", "m") else ""
+    try:
+        value = float(raw[:len(raw) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value >= 1):
+        raise ConfigError(f"{flag} {text!r} is not a positive size; give bytes, or KiB/MiB "
+                          "with k/m (e.g. 262144, 256k, 1m)")
+    return int(value)
 
 
 def check_model_dir(path: str, flag: str = "--model-dir") -> None:

@@ -78,6 +78,9 @@ class RunPlan:
     optimizer: OptimizerPlan
     sharding: ShardingPlan = ShardingPlan()
     pipeline: "pipeline_stages.PipelinePlan | None" = None  # --strategy pipeline only
+    # N: batches each replica sums its gradients over before one update (a step
+    # is N batches); 1: none, or a model's own train_step that accumulates itself.
+    accumulation_steps: int = 1
 
     @property
     def examples_per_gradient(self) -> int:
@@ -118,6 +121,8 @@ class RunPlan:
             "shard_min_bytes": self.sharding.min_bytes,
             # A pipeline's checkpoint holds one object per stage: S is part of the run.
             "pipeline_stages": self.pipeline.stages if self.pipeline else None,
+            # A step is this many batches: the data position and the updates depend on it.
+            "gradient_accumulation_steps": self.accumulation_steps,
         }
 
     def batch_note(self) -> str | None:
@@ -153,6 +158,7 @@ class RunPlan:
             "global_batch_size": self.global_batch_size,
             "per_replica_batch_size": self.global_batch_size // self.replicas,
             "gradients_per_update": self.gradients_per_update,
+            "gradient_accumulation_steps": self.accumulation_steps,
             "train_examples": self.train_examples,
             "variable_partitioner": self.sharding.partitioner,
             "shards_per_split_variable": self.sharding.num_shards,
@@ -192,13 +198,16 @@ def request(config: TrainConfig, task_object=None) -> RunRequest:
 
 
 def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
-            train_examples: int | None = None, test_examples: int | None = None) -> RunPlan:
+            train_examples: int | None = None, test_examples: int | None = None,
+            task_accumulation: int | None = None, own_train_step: bool = False) -> RunPlan:
     """The one place a run is planned; ConfigError for anything that cannot run.
 
     ``train_examples`` None with no ``--steps``: the task's size is not known
     yet (a user's task before it is inspected), and the plan says so by
     raising; callers that only check flags pass ``--steps``-free built-ins.
     A bare ``TrainConfig`` is read first (``request``).
+    ``task_accumulation``: the task's optimizer's ``gradient_accumulation_steps``;
+    ``own_train_step``: the model has its own step (its optimizer accumulates, if at all).
     """
     if isinstance(run, TrainConfig):
         run = request(run)
@@ -208,6 +217,12 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
         raise ConfigError(f"unknown --all-reduce {config.all_reduce!r}; allowed: "
                           f"{', '.join(ALL_REDUCE)}")
     k = _gradients_per_update(config, kind, cfg)
+    if config.all_reduce_bucket is not None and not kind.buckets_all_reduce:
+        able = "|".join(name for name, other in kinds.all_kinds().items()
+                        if other.buckets_all_reduce)
+        raise ConfigError(
+            f"--all-reduce-bucket applies to --strategy {able} only (gradients all-reduced "
+            f"between processes), received --strategy {kind.name}; drop the flag")
     devices = plan_devices(kind.gpu_roles(), cfg, gpus)
     replicas = kind.replicas(cfg, len(devices["visible_gpus"]))
     if kind.pipelined:
@@ -227,7 +242,12 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
         raise ConfigError(
             f"--global-batch-size={batch} is larger than task {spec.name}'s {train_examples} "
             f"training examples; use at most {train_examples}")
-    steps_per_epoch = max(1, train_examples // batch) if train_examples else 1
+    accumulation = _accumulation(config, spec, task_accumulation, own_train_step)
+    why = kind.optimizer_refusals.get("gradient_accumulation_steps")
+    if accumulation > 1 and why:
+        raise ConfigError(f"--gradient-accumulation-steps {accumulation} cannot be honoured "
+                          f"under {kind.name}: {why}; drop it for this strategy")
+    steps_per_epoch = max(1, train_examples // (batch * accumulation)) if train_examples else 1
     if config.steps is not None:
         total = config.steps
     elif train_examples is None:
@@ -243,7 +263,8 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
             f"{flag}={value} means {total} steps, more than the {MAX_STEPS} a run may ask for; "
             f"use fewer (one epoch is {steps_per_epoch} steps)")
     pipeline = (pipeline_stages.make_plan(cfg.num_tasks("worker"), config.micro_batches,
-                                          config.pipelines, config.stages, batch)
+                                          config.pipelines, config.stages, batch,
+                                          config.schedule)
                 if kind.pipelined else None)
     return RunPlan(
         pipeline=pipeline,
@@ -251,15 +272,34 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
         global_batch_size=batch, batch_chosen=chosen, replicas=replicas, devices=devices,
         train_examples=train_examples, test_examples=test_examples, total_steps=total,
         steps_per_epoch=steps_per_epoch, optimizer=_optimizer(config, spec),
-        sharding=_sharding(config, kind, cfg),
+        sharding=_sharding(config, kind, cfg), accumulation_steps=accumulation,
     )
+
+
+def _accumulation(config: TrainConfig, spec: TaskSpec, task_value: int | None,
+                  own_train_step: bool) -> int:
+    """N: the flag, else the task's own optimizer's (unless a flag replaced it), else 1."""
+    if own_train_step:
+        if config.gradient_accumulation_steps is not None:
+            raise ConfigError(
+                f"--gradient-accumulation-steps {config.gradient_accumulation_steps}: task "
+                f"{spec.name!r}'s model overrides train_step, which computes and applies its "
+                "own update; compile its optimizer with gradient_accumulation_steps instead, "
+                "or drop the flag")
+        return 1
+    if config.gradient_accumulation_steps is not None:
+        return config.gradient_accumulation_steps
+    if task_value and not (tasks.flags_set_optimizer(spec) or config.optimizer_overridden):
+        return int(task_value)
+    return 1
 
 
 def _no_pipeline_flags(config: TrainConfig, kind: StrategyKind) -> None:
     """--micro-batches, --pipelines and --stages are refused where nothing is pipelined."""
     given = [f"--{name.replace('_', '-')} {value}" for name, value, unset in (
         ("micro_batches", config.micro_batches, 1), ("pipelines", config.pipelines, 1),
-        ("stages", config.stages, None)) if value != unset]
+        ("stages", config.stages, None), ("schedule", config.schedule, None))
+        if value != unset]
     if given:
         able = "|".join(name for name, other in kinds.all_kinds().items() if other.pipelined)
         raise ConfigError(

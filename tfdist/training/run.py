@@ -46,18 +46,21 @@ def preflight(run_request: RunRequest, gpus: list[str] | None = None) -> RunPlan
     """
     cfg, kind, spec = run_request.config.cluster, run_request.kind, run_request.task
     train_n, test_n = tasks.static_sizes(spec)
+    accumulation, own_step = None, False
     if train_n is None and kind.reads_data(cfg):
         checked = tasks.inspect(spec, tasks.load(spec, run_request.config.data_dir),
                                 steps_given=run_request.config.steps is not None)
         contract.check(kind, checked, run_request.config.gradient_dtype)
         train_n, test_n = checked.info.train_examples, checked.info.test_examples
+        accumulation, own_step = contract.accumulation_of(checked)
     elif train_n is None:
         # A task that does not read data (a ps, a worker under ps) needs
         # no sizes; its steps are the chief's.
         run_request = run_request.with_config(_with_steps(run_request.config))
     if gpus is None:
         gpus = _physical_gpus()
-    plan = resolve(run_request, gpus, train_examples=train_n, test_examples=test_n)
+    plan = resolve(run_request, gpus, train_examples=train_n, test_examples=test_n,
+                   task_accumulation=accumulation, own_train_step=own_step)
     check_task_dirs(plan)
     if plan.pipeline is not None and kind.reads_data(cfg):
         # More stages than layers, bad --stages, a model that is not a chain:
@@ -142,13 +145,16 @@ def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None
     # The strategy first: MultiWorkerMirroredStrategy configures collectives
     # before the runtime starts, and checking the task runs TensorFlow ops.
     kind.detect_stuck_after(cfg, config.stuck_timeout)
-    bundle = kind.build(cfg, all_reduce=config.all_reduce)
+    bundle = kind.build(cfg, all_reduce=config.all_reduce,
+                        **({"bucket_bytes": config.bucket_bytes} if config.bucket_bytes else {}))
     checked = tasks.inspect(spec, task if task is not None else tasks.load(spec, config.data_dir),
                             steps_given=config.steps is not None)
     contract.check(kind, checked, config.gradient_dtype)
     info = checked.info
+    accumulation, own_step = contract.accumulation_of(checked)
     plan = resolve(run_request, gpus, train_examples=info.train_examples,
-                   test_examples=info.test_examples)
+                   test_examples=info.test_examples, task_accumulation=accumulation,
+                   own_train_step=own_step)
     check_task_dirs(plan)
     for note in (plan.strategy_note(), plan.batch_note()):
         if note:

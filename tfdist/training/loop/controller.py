@@ -26,6 +26,7 @@ from tfdist.training.workload import contract
 from tfdist.training.loop.callbacks import Callbacks
 from tfdist.training.loop.checkpoints import Checkpointer
 from tfdist.training.loop.evaluation import local_copy, split_metrics, weights_sha256
+from tfdist.training.loop import profiling
 from tfdist.training.loop.export import ExportFailed, Exporter
 from tfdist.training.loop.recovery import Diverged, Preempted, storage_fault, task_lost
 from tfdist.training.loop.reporting import Reporter, run_hparams
@@ -55,6 +56,8 @@ class Controller:
         # The task's Keras callbacks, on the chief (training.loop.callbacks); their
         # self.model is trainer.local_model().
         self.callbacks = Callbacks(trainer, self.schedule)
+        # --profile-steps: None when off (training.loop.profiling).
+        self.profiler = profiling.make(self.config, self.cfg, self.kind)
 
     def run(self) -> dict | None:
         """Train to the end; the chief returns the results record's dict.
@@ -96,6 +99,11 @@ class Controller:
                 raise task_lost(err, self.cfg, "training" if begun else "starting",
                                 trainer.completed, self.checkpointer.saved_at) from None
         finally:
+            if self.profiler is not None:
+                # A run shorter than B, or one that failed; the serving tasks'
+                # traces are waited for here, as the chief's own work.
+                with trainer.paused():
+                    self.profiler.close()
             trainer.close(finished)
         train_seconds, examples_per_sec = self.reporter.throughput.overall(trainer.completed)
         if not trainer.is_chief:
@@ -147,8 +155,19 @@ class Controller:
                 # As fit: a model's own step logs its metrics' running means over the epoch.
                 self.trainer.state.model.reset_metrics()
             self.callbacks.epoch_begin(step // self.schedule.steps_per_epoch)
-        self.metrics = self.trainer.train(n)
+        if self.profiler is None:
+            self.metrics = self.trainer.train(n)
+            return step + n
+        with self.trainer.paused():  # starting the profiler takes a while
+            self.profiler.before_call(step, n)
+        with self.profiler.step_marker(step):
+            self.metrics = self.trainer.train(n)
+        with self.trainer.paused():
+            self.profiler.after_call(step + n, self._drain)
         return step + n
+
+    def _drain(self) -> None:
+        self.metrics = self.trainer.drain()
 
     def _after_call(self, before: int, after: int) -> None:
         schedule, trainer = self.schedule, self.trainer
@@ -267,6 +286,7 @@ class Controller:
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             trainable_params=count_trainable(model),
             gradient_dtype=config.gradient_dtype,
+            gradient_accumulation_steps=plan.accumulation_steps,
             membership=protocol.membership_from_env(),
             extra=dict(info.extra_results, **validation_results(reporter.val_curve),
                        **({"stopped_by": self.callbacks.stopped_by}

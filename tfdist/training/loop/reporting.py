@@ -96,7 +96,7 @@ class Reporter:
         self.plan, self.checked = plan, checked
         self.total = plan.total_steps
         self.epoch_of = plan.schedule(start_step).epoch
-        self.throughput = Throughput(plan.global_batch_size, start_step)
+        self.throughput = Throughput(plan.global_batch_size * plan.accumulation_steps, start_step)
         self.events = protocol.EventLog(task)
         self.writer = (
             tf.summary.create_file_writer(os.path.join(plan.config.model_dir, "logs"))
@@ -127,7 +127,7 @@ class Reporter:
 
     def steady_from(self, step: int) -> None:
         """Rates count from here: the first call (tracing, connecting) is startup."""
-        self.throughput = Throughput(self.plan.global_batch_size, step)
+        self.throughput = Throughput(self.plan.global_batch_size * self.plan.accumulation_steps, step)
         # resumed_from: the checkpoint's step this process started at (0: a fresh
         # run) and this process; the soak checks each relaunch against them (bench/soak.py).
         self.events.emit(protocol.STARTED, step, resumed_from=self._start_step, pid=os.getpid())

@@ -29,6 +29,13 @@ def make_optimizer(name: str, learning_rate: float, schedule: str = "constant",
     return keras.optimizers.SGD(lr)
 
 
+def without_accumulation(optimizer) -> None:
+    """Keras's own gradient accumulation off (the library's step accumulates)."""
+    for o in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if o is not None and getattr(o, "gradient_accumulation_steps", None):
+            o.gradient_accumulation_steps = None
+
+
 @dataclass
 class TrainState:
     """Model, optimizer and counters, created under one strategy scope."""
@@ -79,8 +86,17 @@ def build_state(plan, task, strategy, example=None, own_optimizers=None) -> Trai
         opt = model.optimizer
         if plan.optimizer.library:
             o = plan.optimizer
-            opt = make_optimizer(o.name, o.learning_rate, o.schedule, plan.total_steps)
+            # A schedule counts batches (loop.step.schedule_in_batches), as Keras's
+            # does with gradient accumulation: N of them per step.
+            opt = make_optimizer(o.name, o.learning_rate, o.schedule,
+                                 plan.total_steps * plan.accumulation_steps)
             model.optimizer = opt
+        if plan.accumulation_steps > 1 or plan.config.gradient_accumulation_steps is not None:
+            # The library's step sums the gradients of the step's batches and
+            # applies their mean once (loop.step): Keras's own accumulation
+            # would all-reduce inside a tf.cond that tf.distribute cannot trace.
+            # Its iterations then count updates, as Keras's do with accumulation.
+            without_accumulation(opt)
         # Optimizer slots must exist before a checkpoint restore can fill them.
         opt.build(model.trainable_variables)
         for attr, positions in (own_optimizers or {}).items():

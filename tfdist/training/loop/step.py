@@ -7,6 +7,8 @@ optimizers are used as they are.
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
@@ -99,8 +101,93 @@ def from_wire(grads, dtype=tf.float32) -> list:
     return [None if g is None else tf.cast(g, dtype) for g in grads]
 
 
-def make_step_fn(state: TrainState, metrics: TrainMetrics, gradient_dtype: str = "float32"):
+def accumulate(one_batch, batches):
+    """``one_batch(*batch) -> (gradients, loss, metric values)`` over each of
+    ``batches``, as their means: Keras's accumulation ((sum of N gradients) / N,
+    then one update), local to the replica, so one update communicates once.
+
+    Each batch starts after the previous one's gradients are added, so at most
+    one batch's activations are alive at a time (the memory one batch needs,
+    which is what accumulation is for); N is small, so the loop is unrolled:
+    no control flow for tf.distribute to trace through.
+    """
+    total, loss_sum, value_sum = None, 0.0, 0.0
+    for batch in batches:
+        with tf.control_dependencies([getattr(g, "values", g) for g in total or ()
+                                      if g is not None]):
+            grads, loss, values = one_batch(*batch)
+        if total is None:
+            total = list(grads)
+        else:
+            total = [_add(t, g) for t, g in zip(total, grads)]
+        loss_sum, value_sum = loss_sum + loss, value_sum + values
+    n = len(batches)
+    return [_scale(g, 1.0 / n) for g in total], loss_sum / n, value_sum / n
+
+
+class _BatchSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """A schedule read at the batch count: update k (from 0) of N batches is
+    batch k*N + N - 1, where Keras's accumulating optimizer reads its schedule."""
+
+    def __init__(self, inner, batches: int):
+        self.inner, self.batches = inner, batches
+
+    def __call__(self, step):
+        return self.inner(step * self.batches + (self.batches - 1))
+
+    def get_config(self):
+        return self.inner.get_config()
+
+
+@contextlib.contextmanager
+def schedule_in_batches(optimizer, batches: int):
+    """While an update is traced, the optimizer's learning-rate schedule counts
+    batches, as Keras's does with ``gradient_accumulation_steps`` (its schedule
+    reads the batch counter; Adam's bias correction the update counter, which
+    the optimizer's own ``iterations`` stay). The saved optimizer keeps its own
+    schedule: only the traced update reads the shifted one."""
+    swapped = []
+    if batches > 1:
+        for o in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+            rate = getattr(o, "_learning_rate", None)
+            if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+                swapped.append((o, rate))
+                o._learning_rate = _BatchSchedule(rate, batches)
+    try:
+        yield
+    finally:
+        for o, rate in swapped:
+            o._learning_rate = rate
+
+
+def _add(a, b):
+    """Two gradients of one variable added; row-sparse ones stay row-sparse."""
+    if a is None:
+        return None
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0),
+                                tf.concat([a.indices, b.indices], 0), a.dense_shape)
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+
+
+def _scale(g, factor: float):
+    if g is None:
+        return None
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype), g.indices,
+                                g.dense_shape)
+    return g * tf.cast(factor, g.dtype)
+
+
+def make_step_fn(state: TrainState, metrics: TrainMetrics, gradient_dtype: str = "float32",
+                 accumulation: int = 1):
     """One replica's step: forward, loss, gradients, update, metric values.
+
+    ``accumulation`` N > 1: the step takes N batches, sums their gradients
+    locally and applies the mean once (``accumulate``), Keras's
+    ``gradient_accumulation_steps`` without its ``tf.cond``; the optimizer's
+    own accumulation is off (``loop.state``), so its ``iterations`` count
+    updates, as Keras's do then (Adam's bias correction, a schedule's step).
 
     With a 16-bit ``gradient_dtype`` the gradients reach ``apply_gradients``
     in 16 bits. Keras's optimizer all-reduces what it is given (under
@@ -114,14 +201,22 @@ def make_step_fn(state: TrainState, metrics: TrainMetrics, gradient_dtype: str =
     if metrics.own_step:
         return _own_step_fn(model, metrics)
 
-    def step_fn(features, labels, sample_weight=None):
+    def one_batch(features, labels, sample_weight=None):
         with tf.GradientTape() as tape:
             y_pred, loss = forward(model, features, labels, sample_weight)
             scaled = optimizer.scale_loss(loss)  # a LossScaleOptimizer's scaling; else loss
         grads = tape.gradient(scaled, model.trainable_variables)
+        return grads, loss, metrics.batch_values(labels, y_pred, sample_weight)
+
+    def step_fn(*batches):
+        if accumulation == 1:
+            grads, loss, values = one_batch(*batches)
+        else:
+            grads, loss, values = accumulate(one_batch, batches)
         grads = to_wire(grads, gradient_dtype)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss, metrics.batch_values(labels, y_pred, sample_weight)
+        with schedule_in_batches(optimizer, accumulation):
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss, values
 
     if getattr(model, "jit_compile", False):
         # As fit compiles its step under jit_compile=True: the replica's
@@ -181,7 +276,7 @@ def after_updates(variables) -> list[tf.Tensor]:
 
 
 def make_train_fn(strategy, step_fn, state: TrainState, num_metrics: int,
-                  steps_by_worker: tf.Variable | None = None):
+                  steps_by_worker: tf.Variable | None = None, batches_per_step: int = 1):
     """``train_fn(iterator, num_steps)``: ``num_steps`` steps in one call.
 
     Packing several steps into one ``tf.function`` call (``--steps-per-execution``)
@@ -191,6 +286,7 @@ def make_train_fn(strategy, step_fn, state: TrainState, num_metrics: int,
     reading ``global_step`` and applying its own update (always 0 when
     synchronous). ``steps_by_worker`` (ps only): one count per worker, added
     to by the worker that ran the call once its steps are done.
+    ``batches_per_step``: batches one step takes (gradient accumulation).
     """
     global_step, variables = state.global_step, state.model.trainable_variables
     replicas = local_replicas(strategy)
@@ -207,10 +303,13 @@ def make_train_fn(strategy, step_fn, state: TrainState, num_metrics: int,
             # The step's parameter reads must come after this read for the
             # staleness figure to mean what it says.
             with tf.control_dependencies([read_at]):
-                batch = next(iterator)
-                # A model's own step takes the batch as the dataset yields it:
-                # a tuple, or features alone.
-                args = (batch,) if getattr(step_fn, "takes_batch", False) else batch
+                if batches_per_step == 1:
+                    batch = next(iterator)
+                    # A model's own step takes the batch as the dataset yields it:
+                    # a tuple, or features alone.
+                    args = (batch,) if getattr(step_fn, "takes_batch", False) else batch
+                else:  # the library's own step, accumulating N batches
+                    args = tuple(next(iterator) for _ in range(batches_per_step))
                 loss, values = strategy.run(step_fn, args=args)
             # Without this, only same-variable ordering holds: the counter's
             # increment could run before the update it counts and the

@@ -7,10 +7,11 @@ copy ``p`` under ``tf.device`` of worker ``p*S + s``, with its own optimizer
 built in the same scope: the stage's variables and optimizer slots live on
 that task, and only activations and their gradients cross the network.
 
-A step is one ``tf.function`` (GPipe): the global batch is split into
-P x M micro-batches; each copy pushes its M micro-batches forward through
-its stages, then backward in reverse order, each stage's gradients
-accumulated on its own task. With ``P > 1`` each stage's accumulated
+A step is one ``tf.function`` call: the global batch is split into P x M
+micro-batches; each stage runs its forwards and backwards in its schedule's
+order (``--schedule``: GPipe, every forward then every backward; or 1F1B),
+chained on its own task and stamped there (busy time per stage), each
+stage's gradients accumulated on its own task. With ``P > 1`` each stage's accumulated
 gradients are averaged over its P copies on the first copy's task and the
 same average is applied by every copy's optimizer (identical weights and
 slots, so the copies stay identical). One update per step: the same math as
@@ -24,7 +25,9 @@ counters; after a restore every other copy is set from copy 0.
 from __future__ import annotations
 
 import math
+import re
 import signal
+import time
 
 import keras
 import tensorflow as tf
@@ -149,64 +152,148 @@ def _split(structure, n: int) -> list:
     return [tf.nest.pack_sequence_as(structure, [p[i] for p in parts]) for i in range(n)]
 
 
-def make_pipeline_step(state: PipelineState, compile_loss, metrics, micro_batches: int):
-    """``step(features, labels)``: one GPipe step over every copy; returns
-    (mean loss, mean metric values) over the P x M micro-batches."""
+def make_pipeline_step(state: PipelineState, compile_loss, metrics, micro_batches: int,
+                       schedule: str = "gpipe"):
+    """``step(features, labels)``: one step over every copy; returns (mean loss,
+    mean metric values, slot times).
+
+    What crosses between tasks is only what the step needs: each copy's
+    features once to its first stage and its labels once to its last (each
+    splits them into micro-batches itself), each micro-batch's activations
+    forward and their gradient backward at every cut, and once per step each
+    stage's slot times and the last stage's loss and metric means.
+
+    Each stage runs its slots (``stages.schedule_slots``: GPipe's or 1F1B's
+    order) one after the other, chained by control dependencies, each between
+    two ``tf.timestamp``s on the stage's own task: slot times ``[P, S, slots +
+    1, 2]`` (start, end; the last slot is the stage's optimizer update), so a
+    stage's busy time is its own compute, measured where it runs.
+    """
     copies, optimizers, devices = state.copies, state.optimizers, state.devices
     P, S, M = len(copies), len(copies[0]), micro_batches
+    orders = [stage_cut.schedule_slots(schedule, S, M, s) for s in range(S)]
+    # Automatic control dependencies run every stateful op that takes no
+    # resource in program order, which would chain the stages' clocks (and so
+    # the stages) into one sequence. A clock read through a function that takes
+    # a variable of its stage's own (only read) is ordered by nothing but the
+    # dependencies given to it.
+    anchors = []
+    for row in devices:
+        anchors.append([])
+        for _, device in row:
+            with tf.device(device):
+                anchors[-1].append(tf.Variable(0.0, trainable=False, name="clock_anchor"))
+
+    @tf.function(autograph=False)
+    def clock(anchor):
+        del anchor
+        return tf.timestamp()
 
     def step(features, labels):
-        xs, ys = _split(features, P * M), _split(labels, P * M)
-        losses, values = [], []
-        # tapes[p][m][s]: (tape, stage input, stage output, loss or None)
-        tapes = [[[None] * S for _ in range(M)] for _ in range(P)]
-        # Forwards: every micro-batch through every stage, on the stage's task.
-        for m in range(M):
-            for p in range(P):
-                h = xs[p * M + m]
-                for s in range(S):
-                    with tf.device(devices[p][s][1]):
-                        with tf.GradientTape() as tape:
-                            if s > 0:
-                                tape.watch(h)
-                            out = copies[p][s](h, training=True)
-                            loss = None
-                            if s == S - 1:
-                                y = ys[p * M + m]
-                                loss = compile_loss(y, out)
-                                losses.append(loss)
-                                values.append(metrics.batch_values(y, out))
-                                # The copy's batch mean is the mean of its M micro-batch means.
-                                loss = loss / M
-                            extra = copies[p][s].losses
-                            if extra:  # a stage's own (regularization) losses, once per step
-                                reg = tf.add_n([tf.reduce_sum(x) for x in extra]) / M
-                                loss = reg if loss is None else loss + reg
-                    tapes[p][m][s] = (tape, h, out, loss)
-                    h = out
-        # Backwards, in reverse: each stage's gradients summed on its own task.
+        per_copy_x = _split(features, P) if P > 1 else [features]
+        per_copy_y = _split(labels, P) if P > 1 else [labels]
+        copy_means = []
         acc = [[None] * S for _ in range(P)]
-        for m in reversed(range(M)):
-            for p in range(P):
-                g = None
-                for s in reversed(range(S)):
-                    tape, h, out, loss = tapes[p][m][s]
-                    variables = copies[p][s].trainable_variables
-                    sources = ([h] if s > 0 else []) + list(variables)
-                    with tf.device(devices[p][s][1]):
-                        if g is None:
-                            grads = tape.gradient(loss, sources)
-                        elif loss is None:
-                            grads = tape.gradient(out, sources, output_gradients=g)
+        times = [[[] for _ in range(S)] for _ in range(P)]
+        update_after = [[None] * S for _ in range(P)]
+        for p in range(P):
+            with tf.device(devices[p][0][1]):
+                xs = _split(per_copy_x[p], M)  # one transfer of the copy's batch
+            with tf.device(devices[p][S - 1][1]):
+                ys = _split(per_copy_y[p], M)
+            losses, values = [], []
+            acts = {}  # (s, m): stage s's input for micro-batch m
+            grads_in = {}  # (s, m): the gradient of stage s's output
+            tapes = {}  # (s, m): (tape, input, output, loss or None)
+            for m in range(M):
+                acts[(0, m)] = xs[m]
+            last_end = [None] * S
+            done = [0] * S
+
+            def ready(s, kind, m):
+                return (s, m) in acts if kind == "F" else (s == S - 1 or (s, m) in grads_in)
+
+            def run(s, kind, m):
+                with tf.device(devices[p][s][1]):
+                    deps = [last_end[s]] if last_end[s] is not None else []
+                    # The slot starts once its input is here: waiting for it is idle.
+                    source = acts if kind == "F" else grads_in
+                    if (s, m) in source:
+                        source[(s, m)] = tf.identity(source[(s, m)])
+                        deps.append(source[(s, m)])
+                    with tf.control_dependencies(deps):
+                        start = clock(anchors[p][s])
+                    with tf.control_dependencies([start]):
+                        if kind == "F":
+                            out = _forward(s, m)
                         else:
-                            grads = tape.gradient([out, loss], sources,
-                                                  output_gradients=[g, tf.ones_like(loss)])
-                        if s > 0:
-                            g, grads = grads[0], grads[1:]
-                        grads = [tf.zeros_like(v) if gr is None else gr
-                                 for gr, v in zip(grads, variables)]
-                        acc[p][s] = grads if acc[p][s] is None else [
-                            a + b for a, b in zip(acc[p][s], grads)]
+                            out = _backward(s, m)
+                    with tf.control_dependencies(out):
+                        end = clock(anchors[p][s])
+                    times[p][s].append(tf.stack([start, end]))
+                    last_end[s] = end
+
+            def _forward(s, m):
+                h = acts.pop((s, m))
+                with tf.GradientTape() as tape:
+                    if s > 0:
+                        tape.watch(h)
+                    out = copies[p][s](h, training=True)
+                    loss = None
+                    if s == S - 1:
+                        y = ys[m]
+                        loss = compile_loss(y, out)
+                        losses.append(loss)
+                        values.append(metrics.batch_values(y, out))
+                        # The copy's batch mean is the mean of its M micro-batch means.
+                        loss = loss / M
+                    extra = copies[p][s].losses
+                    if extra:  # a stage's own (regularization) losses, once per step
+                        reg = tf.add_n([tf.reduce_sum(x) for x in extra]) / M
+                        loss = reg if loss is None else loss + reg
+                tapes[(s, m)] = (tape, h, out, loss)
+                if s < S - 1:
+                    acts[(s + 1, m)] = out
+                return [out] if loss is None else [out, loss]
+
+            def _backward(s, m):
+                tape, h, out, loss = tapes.pop((s, m))
+                g = grads_in.pop((s, m), None)
+                variables = copies[p][s].trainable_variables
+                sources = ([h] if s > 0 else []) + list(variables)
+                if g is None:
+                    grads = tape.gradient(loss, sources)
+                elif loss is None:
+                    grads = tape.gradient(out, sources, output_gradients=g)
+                else:
+                    grads = tape.gradient([out, loss], sources,
+                                          output_gradients=[g, tf.ones_like(loss)])
+                if s > 0:
+                    grads_in[(s - 1, m)], grads = grads[0], grads[1:]
+                grads = [tf.zeros_like(v) if gr is None else gr
+                         for gr, v in zip(grads, variables)]
+                acc[p][s] = grads if acc[p][s] is None else [
+                    a + b for a, b in zip(acc[p][s], grads)]
+                return acc[p][s] + ([grads_in[(s - 1, m)]] if s > 0 else [])
+
+            # Build every stage's slots in an order that respects both each
+            # stage's schedule and the data between stages (the schedules are
+            # deadlock-free, so this always completes).
+            while any(done[s] < len(orders[s]) for s in range(S)):
+                moved = False
+                for s in range(S):
+                    while done[s] < len(orders[s]) and ready(s, *orders[s][done[s]]):
+                        run(s, *orders[s][done[s]])
+                        done[s] += 1
+                        moved = True
+                if not moved:
+                    raise RuntimeError(f"pipeline schedule {schedule!r} is stuck")
+            for s in range(S):
+                update_after[p][s] = last_end[s]
+            with tf.device(devices[p][S - 1][1]):
+                # Reduced where they were computed: one transfer per copy and step.
+                copy_means.append(tf.concat([[tf.cast(tf.add_n(losses) / M, tf.float32)],
+                                             tf.add_n(values) / M], 0))
         # One update per stage: the copies' gradients averaged on copy 0's task.
         for s in range(S):
             with tf.device(devices[0][s][1]):
@@ -214,10 +301,88 @@ def make_pipeline_step(state: PipelineState, compile_loss, metrics, micro_batche
                         [tf.add_n(list(gs)) / P for gs in zip(*(acc[p][s] for p in range(P)))])
             for p in range(P):
                 with tf.device(devices[p][s][1]):
-                    optimizers[p][s].apply(mean, copies[p][s].trainable_variables)
-        return tf.add_n(losses) / len(losses), tf.add_n(values) / len(values)
+                    with tf.control_dependencies([update_after[p][s]]):
+                        start = clock(anchors[p][s])
+                    with tf.control_dependencies([start]):
+                        variables = copies[p][s].trainable_variables
+                        optimizers[p][s].apply(mean, variables)
+                        # Read after the writes (automatic control dependencies
+                        # order them), so the end stamp follows the update.
+                        applied = [tf.identity(v.value) for v in variables]
+                    with tf.control_dependencies(applied):
+                        end = clock(anchors[p][s])
+                    times[p][s].append(tf.stack([start, end]))
+        means = copy_means[0] if P == 1 else tf.add_n(copy_means) / P
+        loss, value = means[0], means[1:]
+        stamps = []
+        for p in range(P):
+            for s in range(S):
+                with tf.device(devices[p][s][1]):
+                    stamps.append(tf.stack(times[p][s]))  # one transfer per stage
+        return loss, value, stamps
 
     return step
+
+
+_TASK = re.compile(r"/job:([^/]+)/replica:\d+/task:(\d+)")
+
+
+def _task(device: str) -> str:
+    """``worker:index`` of a stage's device string; "client" for the chief's own
+    ops (placed there, or unplaced, which the client then runs)."""
+    found = _TASK.search(device or "")
+    return f"worker:{found.group(2)}" if found and found.group(1) == "worker" else "client"
+
+
+def count_transfers(concrete) -> dict:
+    """The tensors that cross between tasks in one step, read from the traced
+    step function: each (tensor, consuming task) pair whose producer runs on
+    another task is one send/receive pair, as TensorFlow's graph partitioner
+    makes it; a control edge across tasks is one too. By kind: between
+    stages, from the client, to the client."""
+    graph = concrete.graph.as_graph_def()
+    nodes = list(graph.node)
+    resources = {n.name for n in nodes if n.op == "Placeholder"
+                 and n.attr["dtype"].type == tf.resource.as_datatype_enum}
+    device = {n.name: (_task(n.device) if n.device else None) for n in nodes}
+    edges = [(n.name, inp) for n in nodes for inp in n.input]
+    # An unplaced op runs where the placer puts it: one that takes a variable's
+    # handle beside the variable (whose task its consumers name), any other on
+    # the client, the connected client's default device.
+    on_resource = {n.name for n in nodes
+                   if any(i.split(":")[0] in resources for i in n.input)}
+    changed = True
+    while changed:
+        changed = False
+        users = {}
+        for dst, inp in edges:
+            users.setdefault(inp.lstrip("^").split(":")[0], set()).add(device[dst])
+        for name in on_resource:
+            known = users.get(name, set()) - {None}
+            if device[name] is None and len(known) == 1:
+                device[name] = known.pop()
+                changed = True
+    device = {k: v or "client" for k, v in device.items()}
+    pairs, control = set(), set()
+    collectors = {n.name for n in nodes if n.op == "NoOp" and not n.device}
+    for dst, inp in edges:
+        name = inp.lstrip("^").split(":")[0]
+        if name in resources:
+            continue  # a handle: the op runs beside the variable
+        if inp.startswith("^") and dst in collectors:
+            # Automatic control dependencies' "run every stateful op" collector:
+            # the call's control outputs, which each task keeps for itself.
+            continue
+        src = device.get(name, "client")  # the loop's other arguments are the client's
+        if src != device[dst]:
+            (control if inp.startswith("^") else pairs).add((inp.lstrip("^"), device[dst]))
+    kinds = {"between_stages": 0, "from_client": 0, "to_client": 0}
+    for inp, dst in pairs | control:
+        src = device.get(inp.split(":")[0], "client")
+        key = ("from_client" if src == "client" else "to_client" if dst == "client"
+               else "between_stages")
+        kinds[key] += 1
+    return {"total": len(pairs) + len(control), "control": len(control), **kinds}
 
 
 class PipelineTrainer(Trainer):
@@ -238,26 +403,37 @@ class PipelineTrainer(Trainer):
             synthetic=self.config.synthetic_data, in_memory=plan.in_memory)
         self._iterator = iter(bundle.strategy.distribute_datasets_from_function(dataset_fn))
         compile_loss = task.local_model._compile_loss  # pylint: disable=protected-access
-        step = make_pipeline_step(state, compile_loss, train_metrics, pp.micro_batches)
+        step = make_pipeline_step(state, compile_loss, train_metrics, pp.micro_batches,
+                                  pp.schedule)
         num_metrics = len(train_metrics.names)
         global_step = state.global_step
+        tasks = len(state.devices) * len(state.devices[0])
+        slots = len(pp.slots(0)) + 1  # every stage runs 2 M slots and its update
+
+        # One step per call, the steps looped here: inside a traced loop every
+        # stateful op on a stage (each variable write, each stamp) would become
+        # a control edge to the loop's state on the client, a message per op
+        # and step; a call's control outputs stay on each task.
+        client = global_step.device  # the chief's own device
 
         @tf.function
-        def train_fn(iterator, num_steps):
-            loss_sum = tf.constant(0.0)
-            metric_sum = tf.zeros([num_metrics], tf.float32)
-            for _ in tf.range(num_steps):
-                features, labels = next(iterator)
-                loss, values = step(features, labels)
-                with tf.control_dependencies([loss]):
-                    global_step.assign_add(1)
-                loss_sum += tf.cast(loss, tf.float32)
-                metric_sum += values
-            steps = tf.cast(num_steps, tf.float32)
-            return {"loss": loss_sum / steps, "metrics": metric_sum / steps}
+        def train_fn(iterator):
+            features, labels = next(iterator)
+            loss, values, stamps = step(features, labels)
+            with tf.device(client):
+                global_step.assign_add(1)
+                last = tf.stack(stamps)
+                return {"loss": tf.identity(loss), "metrics": tf.identity(values),
+                        "last_step": last,
+                        "busy": tf.reduce_sum(last[:, :, 1] - last[:, :, 0], axis=1)}
 
         self._train_fn = train_fn
         self._out = None
+        # Steady-state timing: every call after the first (which traces).
+        self._calls, self._timed_steps, self._wall = 0, 0, 0.0
+        self._busy = None
+        self._last_step = None
+        self._transfers = None
         # A polite preemption (SIGTERM) of the chief: the controller drains,
         # saves at the step reached and ends with exit 42 (Preempted); the
         # workers hold nothing the checkpoint lacks.
@@ -279,9 +455,50 @@ class PipelineTrainer(Trainer):
         return self._preempted
 
     def train(self, num_steps: int) -> dict[str, float]:
-        self._out = self._train_fn(self._iterator, tf.constant(num_steps))
+        start = time.perf_counter()
+        outs = [self._train_fn(self._iterator) for _ in range(num_steps)]
+        busy = sum(o["busy"] for o in outs).numpy()  # waits for the steps
+        wall = time.perf_counter() - start
+        self._out = {"loss": tf.add_n([o["loss"] for o in outs]) / num_steps,
+                     "metrics": tf.add_n([o["metrics"] for o in outs]) / num_steps}
+        self._calls += 1
+        if self._calls == 1:
+            self._transfers = count_transfers(
+                self._train_fn.get_concrete_function(self._iterator))
+        else:
+            self._busy = busy if self._busy is None else self._busy + busy
+            self._timed_steps += num_steps
+            self._wall += wall
+        self._last_step = outs[-1]["last_step"].numpy()
         self.completed += num_steps
         return self._metrics()
+
+    def stage_timing(self) -> dict:
+        """Each stage task's busy seconds per step (the sum of its slots, stamped on
+        the task), the measured step time and each stage's idle fraction, over
+        the calls after the first; and the last step's slots, relative to its
+        earliest start."""
+        names = [name for row in self.state.devices for name, _ in row]
+        out = {}
+        if self._timed_steps:
+            step = self._wall / self._timed_steps
+            busy = self._busy / self._timed_steps
+            out = {"step_seconds": round(step, 6),
+                   "busy_seconds_per_step": {n: round(float(b), 6)
+                                             for n, b in zip(names, busy)},
+                   "measured_idle": {n: round(1 - float(b) / step, 4)
+                                     for n, b in zip(names, busy)}}
+        if self._last_step is not None:
+            t0 = float(self._last_step[:, :, 0].min())
+            order = self.plan.pipeline
+            out["last_step_slots"] = {
+                n: [[kind, m, round(float(a) - t0, 6), round(float(b) - t0, 6)]
+                    for (kind, m), (a, b) in zip(
+                        [*order.slots(i % order.stages), ("U", -1)], self._last_step[i])]
+                for i, n in enumerate(names)}
+        if self._transfers is not None:
+            out["transfers_per_step"] = self._transfers
+        return out
 
     def drain(self) -> dict[str, float]:
         """Each call returns with its steps applied."""
@@ -305,6 +522,7 @@ class PipelineTrainer(Trainer):
                 "parameter_bytes_per_task": params,
                 "state_bytes_per_task": state_bytes,  # weights + optimizer slots
                 "model_parameter_bytes": total,
+                **self.stage_timing(),
             },
         }
 

@@ -33,6 +33,12 @@ class PipelinePlan:
     micro_batches: int  # M
     pipelines: int  # P: data-parallel copies of the S-stage pipeline
     boundaries: tuple[int, ...] | None = None  # --stages: the first layer of stages 1..S-1
+    schedule: str = "gpipe"  # --schedule: gpipe | 1f1b
+
+    def slots(self, stage: int) -> list[tuple[str, int]]:
+        """Stage ``stage``'s order of work in a step: ("F", m) forwards and ("B", m)
+        backwards of micro-batch m (``schedule_slots``)."""
+        return schedule_slots(self.schedule, self.stages, self.micro_batches, stage)
 
     def worker(self, copy: int, stage: int) -> int:
         """The worker task index holding ``stage`` of ``copy``: copy p takes workers p*S..p*S+S-1."""
@@ -46,7 +52,39 @@ class PipelinePlan:
         return {"stages": self.stages, "micro_batches": self.micro_batches,
                 "pipelines": self.pipelines,
                 "boundaries": list(self.boundaries) if self.boundaries else None,
+                "schedule": self.schedule,
                 "predicted_bubble": round(self.bubble(), 4)}
+
+
+def schedule_slots(schedule: str, stages: int, micro_batches: int,
+                   stage: int) -> list[tuple[str, int]]:
+    """One stage's slots, in the order it runs them (pure).
+
+    ``gpipe``: every forward, then every backward in reverse, so a stage holds
+    the activations of all M micro-batches at once. ``1f1b`` (PipeDream's
+    one-forward-one-backward, flushed each step): stage s runs S - 1 - s
+    forwards to fill the pipeline, then alternates one forward with one
+    backward, then drains its backwards; it never holds more than S - s
+    micro-batches' activations.
+    """
+    m_all = range(micro_batches)
+    if schedule == "gpipe":
+        return [("F", m) for m in m_all] + [("B", m) for m in reversed(m_all)]
+    warm = min(stages - 1 - stage, micro_batches)
+    out = [("F", m) for m in range(warm)]
+    for m in range(warm, micro_batches):
+        out += [("F", m), ("B", m - warm)]
+    return out + [("B", m) for m in range(micro_batches - warm, micro_batches)]
+
+
+def in_flight(slots: list[tuple[str, int]]) -> int:
+    """The most micro-batches whose activations a stage holds at once (forwarded,
+    not yet backwarded) under ``slots`` (pure)."""
+    held = most = 0
+    for kind, _ in slots:
+        held += 1 if kind == "F" else -1
+        most = max(most, held)
+    return most
 
 
 def parse_boundaries(text: str | None) -> tuple[int, ...] | None:
@@ -67,7 +105,7 @@ def parse_boundaries(text: str | None) -> tuple[int, ...] | None:
 
 
 def make_plan(workers: int, micro_batches: int, pipelines: int, stages_text: str | None,
-              global_batch: int) -> PipelinePlan:
+              global_batch: int, schedule: str | None = None) -> PipelinePlan:
     """The pipeline for ``workers`` worker tasks; ConfigError (one line) for what cannot run."""
     if pipelines < 1 or micro_batches < 1:
         raise ConfigError(f"--pipelines={pipelines} --micro-batches={micro_batches}: both "
@@ -90,7 +128,13 @@ def make_plan(workers: int, micro_batches: int, pipelines: int, stages_text: str
             f"--global-batch-size={global_batch} does not split into {pipelines} pipeline "
             f"copies x {micro_batches} micro-batches of equal size; use a multiple of "
             f"{pipelines * micro_batches}")
-    return PipelinePlan(stages, micro_batches, pipelines, boundaries)
+    schedule = schedule or "gpipe"
+    if schedule == "1f1b" and micro_batches < stages:
+        raise ConfigError(
+            f"--schedule 1f1b with --micro-batches {micro_batches} under {stages} stages has no "
+            f"steady one-forward-one-backward phase (it needs M >= S); use --micro-batches "
+            f"{stages} or more, or --schedule gpipe")
+    return PipelinePlan(stages, micro_batches, pipelines, boundaries, schedule)
 
 
 def balance(params: list[int], stages: int) -> tuple[int, ...]:

@@ -58,7 +58,10 @@ import tensorflow as tf
 
 from tfdist.training.workload import data
 from tfdist.training.ps.coordinated import CoordinatedTrainer, variables_per_ps
-from tfdist.training.loop.step import after_updates, forward, local_replicas, local_sum, metric_dict
+from tfdist.training.loop.step import (
+    accumulate, after_updates, forward, local_replicas, local_sum, metric_dict,
+    schedule_in_batches,
+)
 
 # Closures kept in flight per worker: one running, one queued at the
 # coordinator, so a worker never waits on the chief for its next closure.
@@ -178,22 +181,34 @@ def make_queues(workers: int, gradient_size: int, num_metrics: int,
         )
 
 
-def make_work_fn(strategy, model, train_metrics, q: SyncQueues, global_step, workers: int):
-    """The worker closure: take the newest token, compute one gradient, queue it on ps:0."""
+def make_work_fn(strategy, model, train_metrics, q: SyncQueues, global_step, workers: int,
+                 accumulation: int = 1):
+    """The worker closure: take the newest token, compute one gradient, queue it on ps:0.
+
+    ``accumulation`` N > 1: the gradient is the mean of N batches' (each
+    global/K examples), summed on the worker, so one push carries N batches.
+    """
     variables = model.trainable_variables
     replicas = local_replicas(strategy)
 
-    def replica_gradient(step, features, labels, sample_weight=None):
+    def one_batch(features, labels, sample_weight=None):
+        with tf.GradientTape() as tape:
+            # Keras scales each replica's mean by the replicas in sync, so the
+            # local replicas' gradients added below are the gradient batch's mean.
+            y_pred, loss = forward(model, features, labels, sample_weight)
+        grads = tape.gradient(loss, variables)
+        return grads, loss, train_metrics.batch_values(labels, y_pred, sample_weight)
+
+    def replica_gradient(step, *batches):
         # The weights are read after the step (so after its token): the
         # reads are created under this control dependency.
         with tf.control_dependencies([step]):
-            with tf.GradientTape() as tape:
-                # Keras scales each replica's mean by the replicas in sync, so the
-                # local replicas' gradients added below are the gradient batch's mean.
-                y_pred, loss = forward(model, features, labels, sample_weight)
-            grads = tape.gradient(loss, variables)
+            if accumulation == 1:
+                grads, loss, values = one_batch(*batches)
+            else:
+                grads, loss, values = accumulate(one_batch, batches)
         flat = tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads], 0)
-        return flat, loss, train_metrics.batch_values(labels, y_pred, sample_weight)
+        return flat, loss, values
 
     def newest_token(queue):
         # Only this worker takes from its queue, so all it holds can be
@@ -227,7 +242,11 @@ def make_work_fn(strategy, model, train_metrics, q: SyncQueues, global_step, wor
                 with tf.control_dependencies([q.skipped.assign_add(hot)]):
                     taken += 1
             else:
-                flat, loss, values = strategy.run(replica_gradient, args=(step, *next(iterator)))
+                if accumulation == 1:
+                    args = (step, *next(iterator))
+                else:
+                    args = (step, *(next(iterator) for _ in range(accumulation)))
+                flat, loss, values = strategy.run(replica_gradient, args=args)
                 flat = local_sum(strategy, flat)
                 with tf.control_dependencies([flat]):
                     after = global_step.read_value()
@@ -251,7 +270,7 @@ def make_work_fn(strategy, model, train_metrics, q: SyncQueues, global_step, wor
 
 
 def make_aggregate_fn(q: SyncQueues, optimizer, variables, global_step, k: int, workers: int,
-                      num_metrics: int):
+                      num_metrics: int, accumulation: int = 1):
     """The chief's call on ps:0: for each update, K fresh gradients averaged and applied."""
     shapes = [v.shape for v in variables]
     sizes = [int(np.prod(s)) for s in shapes]
@@ -299,7 +318,8 @@ def make_aggregate_fn(q: SyncQueues, optimizer, variables, global_step, k: int, 
                 mean = acc / k_float
                 grads = [tf.reshape(part, shape)
                          for part, shape in zip(tf.split(mean, sizes), shapes)]
-                optimizer.apply_gradients(zip(grads, variables))
+                with schedule_in_batches(optimizer, accumulation):
+                    optimizer.apply_gradients(zip(grads, variables))
                 # The step moves only once every variable has its update,
                 # and the tokens for it exist only after that.
                 with tf.control_dependencies(after_updates(variables)):
@@ -338,10 +358,10 @@ class PsSyncTrainer(CoordinatedTrainer):
         self._iterator = iter(self.coordinator.create_per_worker_dataset(
             lambda: strategy.distribute_datasets_from_function(dataset_fn)))
         self._work = make_work_fn(strategy, state.model, train_metrics, self._q,
-                                  state.global_step, len(self.workers))
+                                  state.global_step, len(self.workers), plan.accumulation_steps)
         self._aggregate = _Caller(make_aggregate_fn(
             self._q, state.optimizer, variables, state.global_step, self.k, len(self.workers),
-            num_metrics))
+            num_metrics, plan.accumulation_steps))
         self._scheduled = 0
         self._finished_seen = 0
         self._stuck_workers: list[dict] = []

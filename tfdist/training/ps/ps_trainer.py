@@ -163,9 +163,10 @@ class PsTrainer(CoordinatedTrainer):
             lambda: strategy.distribute_datasets_from_function(dataset_fn)
         ))
         self._train_fn = make_train_fn(
-            strategy, make_step_fn(state, train_metrics, self.config.gradient_dtype), state,
+            strategy, make_step_fn(state, train_metrics, self.config.gradient_dtype,
+                                   plan.accumulation_steps), state,
             len(train_metrics.names),
-            steps_by_worker=self.steps_by_worker,
+            steps_by_worker=self.steps_by_worker, batches_per_step=plan.accumulation_steps,
         )
         # Enough closures in flight to keep every worker busy while we read results.
         self.max_in_flight = 4 * max(1, len(self.workers))

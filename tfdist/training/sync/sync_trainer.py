@@ -87,15 +87,17 @@ class SyncTrainer(Trainer):
             agree_on_start_step(strategy, start_step, self.cfg.task_name, tasks,
                                 self.config.model_dir)
         dataset_fn = data.make_dataset_fn(
-            task.task, plan.global_batch_size, seed=self.config.seed, start_step=start_step,
+            task.task, plan.global_batch_size, seed=self.config.seed,
+            start_step=start_step * plan.accumulation_steps,  # a step takes N batches
             synthetic=self.config.synthetic_data, in_memory=plan.in_memory,
         )
         self._iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
         # From its creation on, so an error path that drops the trainer is covered too.
         keep_alive_until_exit(self._iterator)
         self._train_fn = make_train_fn(
-            strategy, make_step_fn(state, train_metrics, self.config.gradient_dtype), state,
-            len(train_metrics.names))
+            strategy, make_step_fn(state, train_metrics, self.config.gradient_dtype,
+                                   plan.accumulation_steps), state,
+            len(train_metrics.names), batches_per_step=plan.accumulation_steps)
         self._out = None
         statistics = [v for v in state.model.non_trainable_variables
                       if tf.as_dtype(v.dtype).is_floating]

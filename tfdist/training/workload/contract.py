@@ -190,7 +190,11 @@ def check(kind, checked, gradient_dtype: str = "float32") -> None:
     for o in (opt, inner):
         if o is None:
             continue
-        for option, why in kind.optimizer_refusals.items():
+        refusals = dict(kind.optimizer_refusals)
+        if overrides(model, "train_step"):
+            # The model's own step calls Keras's apply, which accumulates itself.
+            refusals.update(kind.own_step_optimizer_refusals)
+        for option, why in refusals.items():
             value = _option(o, option)
             if value:
                 raise ConfigError(
@@ -210,6 +214,17 @@ def check(kind, checked, gradient_dtype: str = "float32") -> None:
         raise ConfigError(f"{who}class_weight is given, but the model has several outputs; "
                           "as fit, it applies to one output only: give (x, y, sample_weight) "
                           "elements instead")
+
+
+def accumulation_of(checked) -> tuple[int | None, bool]:
+    """The task's optimizer's ``gradient_accumulation_steps`` (None without), and
+    whether the model has its own ``train_step`` (whose optimizer then accumulates
+    inside the model's step, as Keras does; otherwise the library's step does)."""
+    opt = getattr(checked.local_model, "optimizer", None)
+    steps = None
+    for o in (opt, getattr(opt, "inner_optimizer", None)):
+        steps = steps or getattr(o, "gradient_accumulation_steps", None)
+    return steps, overrides(checked.local_model, "train_step")
 
 
 def _option(optimizer, option: str):

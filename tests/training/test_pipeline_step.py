@@ -1,0 +1,119 @@
+"""The pipeline step (training.pipeline.pipeline_trainer.make_pipeline_step) over
+two real ``tf.distribute.Server`` tasks: GPipe and 1F1B make the same update,
+and what crosses between tasks in a step is the fewest messages it needs.
+
+Connecting to a cluster changes the process's eager context, so the step
+runs in a child process of its own.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+CHILD = r'''
+import json, os, socket, sys
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import numpy as np, tensorflow as tf, keras
+from tfdist.training.pipeline import pipeline_trainer as pt, stages as st
+
+S, M, STEPS = 2, 4, 3
+def port():
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+spec = tf.train.ClusterSpec({"chief": [f"127.0.0.1:{port()}"],
+                             "worker": [f"127.0.0.1:{port()}" for _ in range(S)]})
+servers = [tf.distribute.Server(spec, job_name="worker", task_index=i) for i in range(S)]
+tf.config.experimental_connect_to_cluster(spec, job_name="chief", protocol="grpc",
+                                          make_master_device_default=False)
+keras.utils.set_random_seed(3)
+model = keras.Sequential([keras.Input((12,))] + [keras.layers.Dense(16, activation="relu")
+                                                 for _ in range(3)] + [keras.layers.Dense(5)])
+model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              metrics=["accuracy"])
+initial = model.get_weights()
+x = np.random.default_rng(0).normal(size=(32, 12)).astype("float32")
+y = np.random.default_rng(1).integers(0, 5, size=32)
+from tfdist.training.loop.step import TrainMetrics
+model(x[:1]); model.compute_metrics(x[:1], y[:1], model(x[:1]))
+metrics = TrainMetrics(model)
+
+class Task: pass
+out = {"initial": [w.tolist() for w in initial]}
+for schedule in ("gpipe", "1f1b"):
+    local, cut = st.local_stages(Task(), model, st.PipelinePlan(S, M, 1))
+    row, opts, devs = [], [], []
+    for s in range(S):
+        device = pt.stage_device(s)
+        with tf.device(device):
+            stage = keras.models.clone_model(local[s])
+            opt = keras.optimizers.Adam(0.01)
+            opt.build(stage.trainable_variables)
+        row.append(stage); opts.append(opt); devs.append((f"worker:{s}", device))
+    state = pt.PipelineState([row], [opts], [devs], cut)
+    for v, w in zip(state.model.weights, initial):
+        v.assign(w)
+    step = pt.make_pipeline_step(state, model._compile_loss, metrics, M, schedule)
+    data = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
+    fn = tf.function(lambda it: step(*next(it)))
+    for _ in range(STEPS):
+        loss, values, stamps = fn(data)
+    out[schedule] = {
+        "weights": [w.tolist() for w in state.model.get_weights()],
+        "loss": float(loss), "metrics": values.numpy().tolist(),
+        "stamps": [s.numpy().tolist() for s in stamps],
+        "transfers": pt.count_transfers(fn.get_concrete_function(data)),
+    }
+print("RESULT " + json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def stepped():
+    proc = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, capture_output=True,
+                          text=True, timeout=240)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(lines[0][len("RESULT "):])
+
+
+def test_1f1b_makes_the_same_update_as_gpipe(stepped):
+    import numpy as np
+
+    gpipe, ofob = stepped["gpipe"], stepped["1f1b"]
+    for a, b in zip(gpipe["weights"], ofob["weights"]):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)
+    assert abs(gpipe["loss"] - ofob["loss"]) < 1e-5
+    # It trained: three steps moved the weights away from where both started.
+    moved = [np.abs(np.array(a) - np.array(w)).max()
+             for a, w in zip(gpipe["weights"], stepped["initial"])]
+    assert min(moved) > 1e-3, moved
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_step_sends_the_fewest_messages_it_needs(stepped, schedule):
+    S, M = 2, 4
+    t = stepped[schedule]["transfers"]
+    # Activations forward and their gradients backward at each cut, per micro-batch.
+    assert t["between_stages"] == 2 * (S - 1) * M, t
+    # Once per step: the features to the first stage, the labels to the last...
+    assert t["from_client"] == 2, t
+    # ... and back: the loss and metric means, and each stage's slot times.
+    assert t["to_client"] == 1 + S and t["control"] == 0, t
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_each_stage_runs_its_slots_in_its_schedules_order(stepped, schedule):
+    from tfdist.training.pipeline.stages import schedule_slots
+
+    S, M = 2, 4
+    for s, stamps in enumerate(stepped[schedule]["stamps"]):
+        assert len(stamps) == len(schedule_slots(schedule, S, M, s)) + 1  # and the update
+        # Stamped on the stage's task: each slot starts after the one before ends.
+        assert all(a <= b for a, b in stamps)
+        assert all(prev[1] <= nxt[0] for prev, nxt in zip(stamps, stamps[1:]))
+    # The last stage's first backward comes after the first stage's first forward.
+    first, last = stepped[schedule]["stamps"]
+    assert last[schedule_slots(schedule, S, M, 1).index(("B", 0))][0] >= first[0][1]
