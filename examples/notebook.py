@@ -36,7 +36,7 @@ print(one.metrics["accuracy"], one.global_step, one.paths["model"])
 # %%
 two = tfdist.fit("mnist-cnn", strategy="multiworker", workers=2,
                  options=TrainOptions(steps=200, model_dir="runs/two"))
-print([(t.task, t.steps) for t in two.tasks])
+print([(t.member, t.steps) for t in two.members])
 
 # %% [markdown]
 # ## Your own task, asynchronous parameter servers, and a worker killed mid-run
@@ -52,7 +52,7 @@ from tfdist import Cluster, Faults, Recovery
 ps = tfdist.launch("ps", CUSTOM_TASK, cluster=Cluster(workers=2, ps=1),
                    faults=Faults(kill=("worker:1@step=150",)), recovery=Recovery(restart_tasks=True),
                    options=TrainOptions(steps=300, model_dir="runs/ps"))
-print(ps.metrics["accuracy"], ps.global_step, {t.task: t.restarts for t in ps.tasks})
+print(ps.metrics["accuracy"], ps.global_step, {t.member: t.restarts for t in ps.members})
 
 # %% [markdown]
 # ## A mistake is one line

@@ -14,32 +14,32 @@ def _host(address: str) -> str:
     return address.rpartition(":")[0]
 
 
-def local_rank(cfg: ClusterConfig, gpu_roles: tuple[str, ...] = TRAINING_ROLES) -> tuple[int, int]:
+def local_rank(cluster: ClusterConfig, gpu_roles: tuple[str, ...] = TRAINING_ROLES) -> tuple[int, int]:
     """(this task's rank, number of GPU-using tasks) on this task's host.
 
     ``gpu_roles``: the roles that take GPUs (the strategy kind's; under ps
     the chief only coordinates, so it takes no share).
     """
-    if cfg.is_local or cfg.task_type not in gpu_roles:
+    if cluster.is_local or cluster.task_type not in gpu_roles:
         return 0, 1
-    host = _host(cfg.address)
+    host = _host(cluster.address)
     peers = [
         (role, i)
-        for role, i, addr in cfg.tasks()
+        for role, i, addr in cluster.members()
         if role in gpu_roles and _host(addr) == host
     ]
-    return peers.index((cfg.task_type, cfg.task_index)), len(peers)
+    return peers.index((cluster.task_type, cluster.task_index)), len(peers)
 
 
-def plan_devices(gpu_roles: tuple[str, ...], cfg: ClusterConfig, gpus: list[str]) -> dict:
+def plan_devices(gpu_roles: tuple[str, ...], cluster: ClusterConfig, gpus: list[str]) -> dict:
     """Split ``gpus`` (names of this host's physical GPUs) for this task."""
-    role = "local" if cfg.is_local else cfg.task_type
+    role = "local" if cluster.is_local else cluster.task_type
     if role != "local" and role not in gpu_roles:
         # ps: variables only; a ps coordinator dispatches and evaluates a
         # small model on the CPU, leaving every GPU to the workers.
         visible: list[str] = []
     else:
-        rank, sharing = local_rank(cfg, gpu_roles)
+        rank, sharing = local_rank(cluster, gpu_roles)
         if sharing <= 1 or not gpus:
             visible = list(gpus)
         elif len(gpus) >= sharing:
@@ -53,7 +53,7 @@ def plan_devices(gpu_roles: tuple[str, ...], cfg: ClusterConfig, gpus: list[str]
     }
 
 
-def configure_devices(gpu_roles: tuple[str, ...], cfg: ClusterConfig) -> dict:
+def configure_devices(gpu_roles: tuple[str, ...], cluster: ClusterConfig) -> dict:
     """Apply :func:`plan_devices` before TensorFlow initialises its runtime.
 
     Nothing here may start the runtime (no logical-device listing, no eager
@@ -62,7 +62,7 @@ def configure_devices(gpu_roles: tuple[str, ...], cfg: ClusterConfig) -> dict:
     import tensorflow as tf
 
     physical = tf.config.list_physical_devices("GPU")
-    plan = plan_devices(gpu_roles, cfg, [d.name for d in physical])
+    plan = plan_devices(gpu_roles, cluster, [d.name for d in physical])
     keep = [d for d in physical if d.name in plan["visible_gpus"]]
     tf.config.set_visible_devices(keep, "GPU")
     for device in keep:

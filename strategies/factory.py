@@ -11,7 +11,7 @@ from tfdist.strategies.kinds import StrategyBundle
 from tfdist.strategies.tf_config import ClusterConfig, ConfigError
 
 
-def make_strategy(name: str, cfg: ClusterConfig, *, all_reduce: str = "auto",
+def make_strategy(name: str, cluster: ClusterConfig, *, all_reduce: str = "auto",
                   bucket_bytes: int | None = None) -> StrategyBundle:
     """Build the ``tf.distribute`` strategy ``name`` (or ``auto``) names for this task.
 
@@ -21,7 +21,7 @@ def make_strategy(name: str, cfg: ClusterConfig, *, all_reduce: str = "auto",
     # Only a kind that buckets its all-reduce takes a bucket size (a registered
     # kind's build may not know the keyword).
     extra = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
-    return kinds.resolve(name, cfg).build(cfg, all_reduce=all_reduce, **extra)
+    return kinds.resolve(name, cluster).build(cluster, all_reduce=all_reduce, **extra)
 
 
 def check_batch_size(global_batch_size: int, replicas: int) -> None:

@@ -94,42 +94,42 @@ class StrategyKind:
 
     # --- the cluster ------------------------------------------------------
 
-    def check(self, cfg: ClusterConfig) -> None:
-        """Raise ConfigError (one line) if this strategy cannot run ``cfg``."""
+    def check(self, cluster: ClusterConfig) -> None:
+        """Raise ConfigError (one line) if this strategy cannot run ``cluster``."""
 
     # --strategy=auto tries the kinds that accept a cluster, lowest rank first.
     auto_rank = 100
 
-    def auto_accepts(self, cfg: ClusterConfig) -> bool:
-        """Whether ``--strategy=auto`` may pick this kind for ``cfg``."""
+    def auto_accepts(self, cluster: ClusterConfig) -> bool:
+        """Whether ``--strategy=auto`` may pick this kind for ``cluster``."""
         return False
 
-    def replicas(self, cfg: ClusterConfig, local_gpus: int) -> int:
+    def replicas(self, cluster: ClusterConfig, local_gpus: int) -> int:
         """Replicas that share one global batch."""
         return max(1, local_gpus)
 
-    def training_tasks(self, cfg: ClusterConfig) -> list[str]:
+    def training_members(self, cluster: ClusterConfig) -> list[str]:
         """Tasks that run training steps."""
-        names = [f"{r}:{i}" for r, i, _ in cfg.tasks() if r in self.computing_roles]
-        return names or [cfg.task_name]
+        names = [f"{r}:{i}" for r, i, _ in cluster.members() if r in self.computing_roles]
+        return names or [cluster.member_name]
 
-    def role(self, cfg: ClusterConfig) -> str:
-        return "local" if cfg.is_local else cfg.task_type
+    def role(self, cluster: ClusterConfig) -> str:
+        return "local" if cluster.is_local else cluster.task_type
 
-    def serves(self, cfg: ClusterConfig) -> bool:
+    def serves(self, cluster: ClusterConfig) -> bool:
         """Whether this task only serves (runs a server until the chief is gone)."""
-        return not cfg.is_local and cfg.task_type in self.serving_roles
+        return not cluster.is_local and cluster.task_type in self.serving_roles
 
-    def reads_data(self, cfg: ClusterConfig) -> bool:
+    def reads_data(self, cluster: ClusterConfig) -> bool:
         """Whether this task reads MNIST itself (so checks it up front)."""
-        return self.role(cfg) in ("local", *self.computing_roles)
+        return self.role(cluster) in ("local", *self.computing_roles)
 
     def gpu_roles(self) -> tuple[str, ...]:
         return self.computing_roles
 
-    def duty(self, cfg: ClusterConfig) -> str:
+    def duty(self, cluster: ClusterConfig) -> str:
         """What this task does, for ``--dry-run``."""
-        if self.role(cfg) == "evaluator":
+        if self.role(cluster) == "evaluator":
             return "not used by train.py: evaluation runs on the chief after training"
         return "train on all local devices; write checkpoints, logs and results"
 
@@ -139,11 +139,11 @@ class StrategyKind:
 
     # --- building ---------------------------------------------------------
 
-    def build(self, cfg: ClusterConfig, *, all_reduce: str = "auto",
+    def build(self, cluster: ClusterConfig, *, all_reduce: str = "auto",
               bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> StrategyBundle:
         raise NotImplementedError
 
-    def detect_stuck_after(self, cfg: ClusterConfig, seconds: float) -> None:
+    def detect_stuck_after(self, cluster: ClusterConfig, seconds: float) -> None:
         """Called before ``build``: how long a live peer may make no progress
         (``--stuck-timeout``) where TensorFlow itself watches for it. The
         parameter-server trainers watch on the chief instead."""
@@ -153,23 +153,23 @@ class StrategyKind:
         return f"<strategy kind {self.name}>"
 
 
-def _local_only(kind: StrategyKind, cfg: ClusterConfig) -> None:
-    if len(cfg.tasks()) > 1:
+def _local_only(kind: StrategyKind, cluster: ClusterConfig) -> None:
+    if len(cluster.members()) > 1:
         raise ConfigError(
             f"--strategy={kind.name} is one process, but TF_CONFIG describes "
-            f"{len(cfg.tasks())} tasks; unset TF_CONFIG or use --strategy="
+            f"{len(cluster.members())} tasks; unset TF_CONFIG or use --strategy="
             + "|".join(k.name for k in _REGISTRY.values() if not k.single_process)
         )
 
 
-def _cluster_resolver(cfg: ClusterConfig):
+def _cluster_resolver(cluster: ClusterConfig):
     import tensorflow as tf
 
     # Built from our parsed config, so TF never reads TF_CONFIG on its own.
     # The evaluator is a side-car, not a member of the training cluster.
-    jobs = {r: list(a) for r, a in cfg.cluster.items() if r != "evaluator"}
+    jobs = {r: list(a) for r, a in cluster.roles.items() if r != "evaluator"}
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec(jobs), task_type=cfg.task_type, task_id=cfg.task_index,
+        tf.train.ClusterSpec(jobs), task_type=cluster.task_type, task_id=cluster.task_index,
         rpc_layer="grpc",
     )
 
@@ -190,13 +190,13 @@ class NoStrategy(StrategyKind):
     summary = "no distribution: TensorFlow's default strategy, one device (the baseline)"
     single_process = True
 
-    def check(self, cfg):
-        _local_only(self, cfg)
+    def check(self, cluster):
+        _local_only(self, cluster)
 
-    def replicas(self, cfg, local_gpus):
+    def replicas(self, cluster, local_gpus):
         return 1  # one device, whatever the host has
 
-    def build(self, cfg, *, all_reduce="auto", bucket_bytes=DEFAULT_BUCKET_BYTES):
+    def build(self, cluster, *, all_reduce="auto", bucket_bytes=DEFAULT_BUCKET_BYTES):
         import tensorflow as tf
 
         return StrategyBundle(self, tf.distribute.get_strategy())
@@ -208,15 +208,15 @@ class Mirrored(StrategyKind):
     own_step_optimizer_refusals = _ACCUMULATION_IN_COND
     single_process = True
 
-    def check(self, cfg):
-        _local_only(self, cfg)
+    def check(self, cluster):
+        _local_only(self, cluster)
 
     auto_rank = 30
 
-    def auto_accepts(self, cfg):
+    def auto_accepts(self, cluster):
         return True
 
-    def build(self, cfg, *, all_reduce="auto", bucket_bytes=DEFAULT_BUCKET_BYTES):
+    def build(self, cluster, *, all_reduce="auto", bucket_bytes=DEFAULT_BUCKET_BYTES):
         import tensorflow as tf
 
         return StrategyBundle(self, tf.distribute.MirroredStrategy())
@@ -231,28 +231,28 @@ class MultiWorker(StrategyKind):
     own_step_optimizer_refusals = _ACCUMULATION_IN_COND
     buckets_all_reduce = True
 
-    def check(self, cfg):
-        if cfg.num_ps:
+    def check(self, cluster):
+        if cluster.num_ps:
             raise ConfigError(
                 f"--strategy={self.name} is all-reduce and takes no 'ps' job, but "
-                f"TF_CONFIG has {cfg.num_ps} ps task(s); remove the ps job or use --strategy=ps"
+                f"TF_CONFIG has {cluster.num_ps} ps task(s); remove the ps job or use --strategy=ps"
             )
 
     auto_rank = 20
 
-    def auto_accepts(self, cfg):
-        return cfg.num_workers > 1
+    def auto_accepts(self, cluster):
+        return cluster.num_workers > 1
 
-    def replicas(self, cfg, local_gpus):
-        return cfg.num_workers * max(1, local_gpus)
+    def replicas(self, cluster, local_gpus):
+        return cluster.num_workers * max(1, local_gpus)
 
-    def duty(self, cfg):
-        if self.role(cfg) == "evaluator":
-            return super().duty(cfg)
-        duty = "write checkpoints, logs and results" if cfg.is_chief else "keep checkpoints private"
+    def duty(self, cluster):
+        if self.role(cluster) == "evaluator":
+            return super().duty(cluster)
+        duty = "write checkpoints, logs and results" if cluster.is_chief else "keep checkpoints private"
         return f"train on its data shard with all-reduce every step; {duty}"
 
-    def build(self, cfg, *, all_reduce="auto", bucket_bytes=DEFAULT_BUCKET_BYTES):
+    def build(self, cluster, *, all_reduce="auto", bucket_bytes=DEFAULT_BUCKET_BYTES):
         import tensorflow as tf
 
         if all_reduce not in ALL_REDUCE:
@@ -268,9 +268,9 @@ class MultiWorker(StrategyKind):
             implementation={"auto": impl.AUTO, "ring": impl.RING, "nccl": impl.NCCL}[all_reduce]
         )
         return StrategyBundle(self, tf.distribute.MultiWorkerMirroredStrategy(
-            cluster_resolver=_cluster_resolver(cfg), communication_options=options))
+            cluster_resolver=_cluster_resolver(cluster), communication_options=options))
 
-    def detect_stuck_after(self, cfg, seconds):
+    def detect_stuck_after(self, cluster, seconds):
         """The coordination service's heartbeat timeout (TensorFlow's default,
         10 s, otherwise). Configured as the strategy would (same leader, same
         jobs), which it then leaves alone: it only configures the service
@@ -279,9 +279,9 @@ class MultiWorker(StrategyKind):
         from tensorflow.python.distribute import multi_worker_util
         from tensorflow.python.eager import context
 
-        if context.context().coordination_service is not None or cfg.is_local:
+        if context.context().coordination_service is not None or cluster.is_local:
             return
-        spec = _cluster_resolver(cfg).cluster_spec()
+        spec = _cluster_resolver(cluster).cluster_spec()
         context.context().configure_coordination_service(
             service_type="standalone",
             service_leader=multi_worker_util.coordination_leader(spec),
@@ -307,60 +307,60 @@ class ParameterServer(StrategyKind):
                            "on the ps tasks")
     min_ps = 1
 
-    def check(self, cfg):
-        if not cfg.num_ps:
+    def check(self, cluster):
+        if not cluster.num_ps:
             raise ConfigError(
                 f"--strategy={self.name} needs a 'ps' job in TF_CONFIG, received roles "
-                f"{sorted(cfg.cluster) or 'none (no TF_CONFIG)'}; add "
+                f"{sorted(cluster.roles) or 'none (no TF_CONFIG)'}; add "
                 '"ps": ["host:port"] or use --strategy=multiworker'
             )
-        if "chief" not in cfg.cluster:
+        if "chief" not in cluster.roles:
             raise ConfigError(
                 f"--strategy={self.name} needs a 'chief' task (the coordinator) in TF_CONFIG, "
-                f"received roles {sorted(cfg.cluster)}; add \"chief\": [\"host:port\"]"
+                f"received roles {sorted(cluster.roles)}; add \"chief\": [\"host:port\"]"
             )
-        if not cfg.num_tasks("worker"):
+        if not cluster.num_members("worker"):
             raise ConfigError(
                 f"--strategy={self.name} needs at least one 'worker' task to run the steps, "
-                f"received roles {sorted(cfg.cluster)}; add \"worker\": [\"host:port\"]"
+                f"received roles {sorted(cluster.roles)}; add \"worker\": [\"host:port\"]"
             )
 
     auto_rank = 10
 
-    def auto_accepts(self, cfg):
-        return cfg.num_ps > 0
+    def auto_accepts(self, cluster):
+        return cluster.num_ps > 0
 
-    def replicas(self, cfg, local_gpus):
+    def replicas(self, cluster, local_gpus):
         # Each worker runs whole steps on its own, split only over its local devices.
         return max(1, local_gpus)
 
-    def reads_data(self, cfg):
+    def reads_data(self, cluster):
         # The coordinator checks the data for everyone; workers get their
         # pipelines from it.
-        return self.role(cfg) in ("local", "chief")
+        return self.role(cluster) in ("local", "chief")
 
-    def duty(self, cfg):
+    def duty(self, cluster):
         return {
             "chief": "coordinate: hold no data, schedule training steps on the workers, "
                      "checkpoint, evaluate and write results",
             "worker": "serve: run the training steps the chief schedules",
             "ps": "serve: hold the model variables (CPU only)",
-        }.get(self.role(cfg)) or super().duty(cfg)
+        }.get(self.role(cluster)) or super().duty(cluster)
 
     def process_env(self):
         # TensorFlow's ps guide: fail RPCs to a lost task at once instead of
         # retrying, so the coordinator can reschedule the closure elsewhere.
         return {"GRPC_FAIL_FAST": "use_caller"}
 
-    def build(self, cfg, *, all_reduce="auto", bucket_bytes=DEFAULT_BUCKET_BYTES):
-        if cfg.task_type != "chief":
+    def build(self, cluster, *, all_reduce="auto", bucket_bytes=DEFAULT_BUCKET_BYTES):
+        if cluster.task_type != "chief":
             raise ConfigError(
                 f"the ps strategy object is built by the chief only; this task is "
-                f"{cfg.task_name}, which serves (run train.py, not build)"
+                f"{cluster.member_name}, which serves (run train.py, not build)"
             )
         import tensorflow as tf
 
-        strategy = tf.distribute.experimental.ParameterServerStrategy(_cluster_resolver(cfg))
+        strategy = tf.distribute.experimental.ParameterServerStrategy(_cluster_resolver(cluster))
         coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
         return StrategyBundle(self, strategy, coordinator)
 
@@ -390,10 +390,10 @@ class SyncParameterServer(ParameterServer):
 
     auto_rank = 100
 
-    def auto_accepts(self, cfg):
+    def auto_accepts(self, cluster):
         return False  # never chosen by --strategy=auto: it is ps's synchronous variant
 
-    def duty(self, cfg):
+    def duty(self, cluster):
         return {
             "chief": "coordinate: hand out one step token per worker per update, wait on "
                      "ps:0 for K fresh gradients, apply their average there (stale ones are "
@@ -402,7 +402,7 @@ class SyncParameterServer(ParameterServer):
                       "with the current weights, queue it on ps:0",
             "ps": "serve: hold the model variables (CPU only); ps:0 also holds the token "
                   "and gradient queues and applies the averaged update",
-        }.get(self.role(cfg)) or super().duty(cfg)
+        }.get(self.role(cluster)) or super().duty(cluster)
 
 
 class Pipeline(StrategyKind):
@@ -438,56 +438,56 @@ class Pipeline(StrategyKind):
     loss_scale_refusal = "each stage's optimizer is rebuilt from the compiled one's config"
     sample_weight_refusal = "its micro-batches are (features, label) pairs"
 
-    def check(self, cfg):
-        if cfg.num_ps:
+    def check(self, cluster):
+        if cluster.num_ps:
             raise ConfigError(
                 f"--strategy={self.name} takes no 'ps' job (each stage's variables live on its "
-                f"worker), but TF_CONFIG has {cfg.num_ps} ps task(s); remove the ps job")
-        if "chief" not in cfg.cluster:
+                f"worker), but TF_CONFIG has {cluster.num_ps} ps task(s); remove the ps job")
+        if "chief" not in cluster.roles:
             raise ConfigError(
                 f"--strategy={self.name} needs a 'chief' task (the client that builds and "
                 f"drives the stages) in TF_CONFIG, received roles "
-                f"{sorted(cfg.cluster) or 'none (no TF_CONFIG)'}; add \"chief\": [\"host:port\"]")
-        if not cfg.num_tasks("worker"):
+                f"{sorted(cluster.roles) or 'none (no TF_CONFIG)'}; add \"chief\": [\"host:port\"]")
+        if not cluster.num_members("worker"):
             raise ConfigError(
                 f"--strategy={self.name} needs at least one 'worker' task (one per stage), "
-                f"received roles {sorted(cfg.cluster)}; add \"worker\": [\"host:port\", ...]")
+                f"received roles {sorted(cluster.roles)}; add \"worker\": [\"host:port\", ...]")
 
-    def auto_accepts(self, cfg):
+    def auto_accepts(self, cluster):
         return False  # never chosen by --strategy=auto: the model must be cut on purpose
 
-    def replicas(self, cfg, local_gpus):
+    def replicas(self, cluster, local_gpus):
         return 1  # one client feeds every stage; --pipelines splits the batch (training.plan)
 
-    def reads_data(self, cfg):
-        return self.role(cfg) in ("local", "chief")
+    def reads_data(self, cluster):
+        return self.role(cluster) in ("local", "chief")
 
-    def duty(self, cfg):
+    def duty(self, cluster):
         return {
             "chief": "drive: cut the model into stages placed on the workers, feed micro-"
                      "batches through them, checkpoint, evaluate and write results",
             "worker": "serve: hold one stage's variables and optimizer slots, compute its "
                       "forward and backward passes",
-        }.get(self.role(cfg)) or super().duty(cfg)
+        }.get(self.role(cluster)) or super().duty(cluster)
 
     def process_env(self):
         # A lost stage task fails the step's RPC at once rather than retrying.
         return {"GRPC_FAIL_FAST": "use_caller"}
 
-    def build(self, cfg, *, all_reduce="auto", bucket_bytes=DEFAULT_BUCKET_BYTES):
-        if cfg.task_type != "chief":
+    def build(self, cluster, *, all_reduce="auto", bucket_bytes=DEFAULT_BUCKET_BYTES):
+        if cluster.task_type != "chief":
             raise ConfigError(
-                f"the pipeline is built by the chief only; this task is {cfg.task_name}, "
+                f"the pipeline is built by the chief only; this task is {cluster.member_name}, "
                 "which serves (run train.py, not build)")
         import tensorflow as tf
 
-        jobs = {r: list(a) for r, a in cfg.cluster.items() if r != "evaluator"}
+        jobs = {r: list(a) for r, a in cluster.roles.items() if r != "evaluator"}
         # make_master_device_default=False: the client's own ops (data, step
         # counters) stay on its CPU; only what a stage's device scope names
         # runs on a worker (verified-facts.md: with True and no master job
         # the connection fails).
         tf.config.experimental_connect_to_cluster(
-            tf.train.ClusterSpec(jobs), job_name=cfg.task_type, task_index=cfg.task_index,
+            tf.train.ClusterSpec(jobs), job_name=cluster.task_type, task_index=cluster.task_index,
             protocol="grpc", make_master_device_default=False)
         return StrategyBundle(self, tf.distribute.get_strategy())
 
@@ -526,34 +526,34 @@ def get(name: str) -> StrategyKind:
         ) from None
 
 
-def auto_choice(cfg: ClusterConfig) -> StrategyKind:
-    """What ``--strategy=auto`` picks for ``cfg``: the lowest-ranked kind that accepts it."""
+def auto_choice(cluster: ClusterConfig) -> StrategyKind:
+    """What ``--strategy=auto`` picks for ``cluster``: the lowest-ranked kind that accepts it."""
     ranked = sorted(_REGISTRY.values(), key=lambda k: k.auto_rank)
-    kind = next((k for k in ranked if k.auto_accepts(cfg)), None)
+    kind = next((k for k in ranked if k.auto_accepts(cluster)), None)
     if kind is None:
-        raise ConfigError(f"--strategy=auto found no strategy for roles {sorted(cfg.cluster)}")
+        raise ConfigError(f"--strategy=auto found no strategy for roles {sorted(cluster.roles)}")
     return kind
 
 
-def auto_note(kind: StrategyKind, cfg: ClusterConfig) -> str:
+def auto_note(kind: StrategyKind, cluster: ClusterConfig) -> str:
     """The one line that says what ``auto`` chose, and why."""
-    workers, ps = cfg.num_workers, cfg.num_ps
-    if cfg.is_local:
+    workers, ps = cluster.num_workers, cluster.num_ps
+    if cluster.is_local:
         where = "one process"
     else:
         where = f"{workers} worker{'s' * (workers != 1)}" + (f", {ps} ps" if ps else "")
     return f"--strategy auto: {kind.name} ({where}; give --strategy to choose another)"
 
 
-def resolve(name: str, cfg: ClusterConfig) -> StrategyKind:
-    """The kind ``name`` names for ``cfg`` (``auto``: the first that accepts it), checked."""
+def resolve(name: str, cluster: ClusterConfig) -> StrategyKind:
+    """The kind ``name`` names for ``cluster`` (``auto``: the first that accepts it), checked."""
     if name == AUTO:
-        kind = auto_choice(cfg)
+        kind = auto_choice(cluster)
     elif name in _REGISTRY:
         kind = _REGISTRY[name]
     else:
         raise ConfigError(f"unknown --strategy {name!r}; allowed: {', '.join(names())}")
-    kind.check(cfg)
+    kind.check(cluster)
     return kind
 
 

@@ -35,20 +35,20 @@ def reachable(address: str, timeout: float = 0.5) -> bool:
         return False
 
 
-def missing_tasks(cfg: ClusterConfig) -> list[str]:
+def missing_tasks(cluster: ClusterConfig) -> list[str]:
     """Peers (not this task) that accept no connection on their address."""
     return [
         f"{role}:{i} ({addr})"
-        for role, i, addr in cfg.tasks()
-        if (role, i) != (cfg.task_type, cfg.task_index)
+        for role, i, addr in cluster.members()
+        if (role, i) != (cluster.task_type, cluster.task_index)
         and role != "evaluator"
         and not reachable(addr)
     ]
 
 
-def unreachable_text(cfg: ClusterConfig) -> str:
+def unreachable_text(cluster: ClusterConfig) -> str:
     """"unreachable tasks: ..." for the lines that give up waiting on peers."""
-    missing = missing_tasks(cfg)
+    missing = missing_tasks(cluster)
     names = ", ".join(missing) if missing else "none (a peer is up but stuck)"
     return f"unreachable tasks: {names}"
 
@@ -79,14 +79,14 @@ def answers(address: str, timeout: float = 1.5) -> str:
             return "unreachable"
 
 
-def peer_states(cfg: ClusterConfig, timeout: float = 1.5) -> dict[str, str]:
+def peer_states(cluster: ClusterConfig, timeout: float = 1.5) -> dict[str, str]:
     """{"role:index (address)": answers(...)} for every peer, asked at once
     (threads), so the whole probe takes at most ``timeout`` s, and a second
     try for one found stuck (a busy host can be slow to answer once)."""
     import threading
 
-    peers = {f"{role}:{i} ({addr})": addr for role, i, addr in cfg.tasks()
-             if (role, i) != (cfg.task_type, cfg.task_index) and role != "evaluator"}
+    peers = {f"{role}:{i} ({addr})": addr for role, i, addr in cluster.members()
+             if (role, i) != (cluster.task_type, cluster.task_index) and role != "evaluator"}
     states: dict[str, str] = {}
 
     def ask(name, addr):
@@ -101,10 +101,10 @@ def peer_states(cfg: ClusterConfig, timeout: float = 1.5) -> dict[str, str]:
     return {name: states.get(name, "stuck") for name in peers}
 
 
-def stuck_text(cfg: ClusterConfig, timeout: float = 1.5) -> str:
+def stuck_text(cluster: ClusterConfig, timeout: float = 1.5) -> str:
     """"stuck tasks: ...; unreachable tasks: ..." for the lines that end a
     wait on a peer that is alive but makes no progress."""
-    return states_text(peer_states(cfg, timeout))
+    return states_text(peer_states(cluster, timeout))
 
 
 def states_text(states: dict[str, str]) -> str:
@@ -141,12 +141,12 @@ class StartupWatchdog:
     death) closes it, and on timeout it names the missing peers and kills us.
     """
 
-    def __init__(self, cfg: ClusterConfig, timeout: float, what: str):
+    def __init__(self, cluster: ClusterConfig, timeout: float, what: str):
         self._proc = None
-        if cfg.is_local:
+        if cluster.is_local:
             return
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tfdist.strategies.server", cfg.to_json(), str(timeout),
+            [sys.executable, "-m", "tfdist.strategies.server", cluster.to_json(), str(timeout),
              what, str(os.getpid())],
             stdin=subprocess.PIPE,
             # Its error line must not depend on this process (which it kills)
@@ -169,10 +169,10 @@ def _watch(tf_config: str, timeout: float, what: str, parent: int) -> None:
     ready, _, _ = select.select([sys.stdin], [], [], timeout)
     if ready:  # the parent said done, or died: either way, nothing to do
         return
-    cfg = parse_tf_config(tf_config)
+    cluster = parse_tf_config(tf_config)
     print(
-        f"error: {cfg.task_name} gave up after --startup-timeout={timeout:g}s "
-        f"waiting to {what}; {unreachable_text(cfg)}. Start every task in "
+        f"error: {cluster.member_name} gave up after --startup-timeout={timeout:g}s "
+        f"waiting to {what}; {unreachable_text(cluster)}. Start every task in "
         "TF_CONFIG, or raise --startup-timeout",
         file=sys.stderr, flush=True,
     )
@@ -191,9 +191,9 @@ class CallGuard:
     and kills us with SIGKILL, the only end a blocked process still takes.
     """
 
-    def __init__(self, cfg: ClusterConfig, timeout: float):
+    def __init__(self, cluster: ClusterConfig, timeout: float):
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tfdist.strategies.server", "--guard", cfg.to_json(), str(timeout),
+            [sys.executable, "-m", "tfdist.strategies.server", "--guard", cluster.to_json(), str(timeout),
              str(os.getpid())],
             stdin=subprocess.PIPE, stderr=sys.stderr,
         )
@@ -235,7 +235,7 @@ def _guard(tf_config: str, timeout: float, parent: int) -> None:
 
     from tfdist.strategies.tf_config import parse_tf_config
 
-    cfg = parse_tf_config(tf_config)
+    cluster = parse_tf_config(tf_config)
     armed, since, pending = None, 0.0, b""
     while True:
         wait = None if armed is None else max(0.0, since + timeout - time.monotonic())
@@ -250,12 +250,12 @@ def _guard(tf_config: str, timeout: float, parent: int) -> None:
                 cmd, _, text = line.decode(errors="replace").partition(" ")
                 armed, since = (text.split("\t", 1) if cmd == "arm" else None), time.monotonic()
             continue
-        states = peer_states(cfg)
+        states = peer_states(cluster)
         if "stuck" not in states.values():
             since = time.monotonic()  # slow, not blocked: wait again
             continue
         what, then = armed
-        print(f"error: {cfg.task_name}: {what} has waited over {timeout:g}s "
+        print(f"error: {cluster.member_name}: {what} has waited over {timeout:g}s "
               f"(--stuck-timeout) on a task that does not answer; {states_text(states)}; "
               f"TensorFlow holds this task inside that call, so it is ended (SIGKILL); {then}",
               file=sys.stderr, flush=True)
@@ -263,7 +263,7 @@ def _guard(tf_config: str, timeout: float, parent: int) -> None:
         return
 
 
-def serve(cfg: ClusterConfig, *, startup_timeout: float, poll: float = 0.5,
+def serve(cluster: ClusterConfig, *, startup_timeout: float, poll: float = 0.5,
           chief_grace: float = 2.0) -> int:
     """Run this task's ``tf.distribute.Server`` until the chief is gone.
 
@@ -273,17 +273,17 @@ def serve(cfg: ClusterConfig, *, startup_timeout: float, poll: float = 0.5,
     """
     import tensorflow as tf
 
-    jobs = {r: list(a) for r, a in cfg.cluster.items() if r != "evaluator"}
+    jobs = {r: list(a) for r, a in cluster.roles.items() if r != "evaluator"}
     server = tf.distribute.Server(
-        tf.train.ClusterSpec(jobs), job_name=cfg.task_type,
-        task_index=cfg.task_index, protocol="grpc", start=True,
+        tf.train.ClusterSpec(jobs), job_name=cluster.task_type,
+        task_index=cluster.task_index, protocol="grpc", start=True,
     )
     # A polite preemption: the coordinator reschedules this worker's closures
     # (or, for a ps task, the chief stops and the job is relaunched).
     signal.signal(signal.SIGTERM, lambda *_: exit_now(
-        128 + signal.SIGTERM, f"{cfg.task_name}: SIGTERM; stopping serving"))
-    print(f"{cfg.task_name} serving at {cfg.address} (target {server.target})", flush=True)
-    chief = cfg.cluster["chief"][0]
+        128 + signal.SIGTERM, f"{cluster.member_name}: SIGTERM; stopping serving"))
+    print(f"{cluster.member_name} serving at {cluster.address} (target {server.target})", flush=True)
+    chief = cluster.roles["chief"][0]
     started = time.monotonic()
     seen_at = None
     while True:
@@ -293,12 +293,12 @@ def serve(cfg: ClusterConfig, *, startup_timeout: float, poll: float = 0.5,
         elif seen_at is None and now - started > startup_timeout:
             exit_now(
                 Exit.TASK_LOST,
-                f"error: {cfg.task_name} gave up after --startup-timeout={startup_timeout:g}s: "
+                f"error: {cluster.member_name} gave up after --startup-timeout={startup_timeout:g}s: "
                 f"the chief at {chief} never came up; start the chief task, or raise --startup-timeout",
             )
         elif seen_at is not None and now - seen_at > chief_grace:
-            print(f"{cfg.task_name}: chief at {chief} is gone; stopping", flush=True)
-            exit_now(Exit.OK, f"{cfg.task_name} stopped")
+            print(f"{cluster.member_name}: chief at {chief} is gone; stopping", flush=True)
+            exit_now(Exit.OK, f"{cluster.member_name} stopped")
         time.sleep(poll)
 
 

@@ -192,17 +192,17 @@ def from_slurm(environ: Mapping[str, str], *, num_ps: int = 0, port: int = DEFAU
             f"{top}; use --slurm-port={port - (top - 65535)} or lower"
         )
     # One validation path for every source: the same checks as a TF_CONFIG.
-    cfg = parse_tf_config(json.dumps(
+    cluster = parse_tf_config(json.dumps(
         {"cluster": spec, "task": {"type": task_type, "index": task_index}}
     ))
     node = environ.get("SLURMD_NODENAME")
-    host = cfg.address.rpartition(":")[0]
+    host = cluster.address.rpartition(":")[0]
     if node and node != host:
         # Ranks are assumed to fill nodes in blocks; a cyclic or arbitrary
         # distribution would make tasks bind on another node's address.
         raise ConfigError(
             f"Slurm runs SLURM_PROCID={rank} on node {node!r}, but the cluster puts "
-            f"{cfg.task_name} at {cfg.address}; start the step with "
+            f"{cluster.member_name} at {cluster.address}; start the step with "
             "`srun --distribution=block`"
         )
-    return cfg
+    return cluster

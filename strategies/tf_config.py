@@ -34,14 +34,14 @@ class ClusterConfig:
     process, which is the chief of its one-task "cluster".
     """
 
-    cluster: Mapping[str, tuple[str, ...]]
+    roles: Mapping[str, tuple[str, ...]]  # TF_CONFIG's "cluster": role -> addresses
     task_type: str | None = None
     task_index: int = 0
     environment: str | None = None
 
     def __post_init__(self):
         # Freeze the mapping too, so the dataclass is immutable all the way down.
-        object.__setattr__(self, "cluster", MappingProxyType(dict(self.cluster)))
+        object.__setattr__(self, "roles", MappingProxyType(dict(self.roles)))
 
     @property
     def is_local(self) -> bool:
@@ -61,41 +61,41 @@ class ClusterConfig:
         return (
             self.task_type == "worker"
             and self.task_index == 0
-            and "chief" not in self.cluster
+            and "chief" not in self.roles
         )
 
     @property
-    def task_name(self) -> str:
+    def member_name(self) -> str:
         return "local:0" if self.is_local else f"{self.task_type}:{self.task_index}"
 
     @property
     def address(self) -> str | None:
-        if self.is_local or self.task_type not in self.cluster:
+        if self.is_local or self.task_type not in self.roles:
             return None  # local, or an evaluator kept outside the cluster
-        return self.cluster[self.task_type][self.task_index]
+        return self.roles[self.task_type][self.task_index]
 
-    def num_tasks(self, role: str) -> int:
-        return len(self.cluster.get(role, ()))
+    def num_members(self, role: str) -> int:
+        return len(self.roles.get(role, ()))
 
     @property
     def num_workers(self) -> int:
         """Tasks that run training steps (chief + workers), at least 1."""
-        return max(1, sum(self.num_tasks(r) for r in TRAINING_ROLES))
+        return max(1, sum(self.num_members(r) for r in TRAINING_ROLES))
 
     @property
     def num_ps(self) -> int:
-        return self.num_tasks("ps")
+        return self.num_members("ps")
 
-    def tasks(self) -> list[tuple[str, int, str]]:
+    def members(self) -> list[tuple[str, int, str]]:
         """Every task as ``(role, index, address)``, in role order."""
         return [
             (role, i, addr)
             for role in ROLES
-            for i, addr in enumerate(self.cluster.get(role, ()))
+            for i, addr in enumerate(self.roles.get(role, ()))
         ]
 
     def cluster_dict(self) -> dict[str, list[str]]:
-        return {role: list(addrs) for role, addrs in self.cluster.items()}
+        return {role: list(addrs) for role, addrs in self.roles.items()}
 
     def to_json(self) -> str:
         """The TF_CONFIG this object came from (normalised)."""
@@ -107,7 +107,7 @@ class ClusterConfig:
         return json.dumps(data)
 
 
-LOCAL = ClusterConfig(cluster={})
+LOCAL = ClusterConfig(roles={})
 
 
 # Values from the user are shown through this: bounded in length and depth
@@ -261,8 +261,8 @@ def _check_address(role: str, index: int, address) -> tuple[str, int]:
     return _host_key(host, bracketed, where, address), int(port)
 
 
-def _task_index(task: dict, task_type: str, count: int) -> int:
-    index = task.get("index", 0)
+def _member_index(member: dict, task_type: str, count: int) -> int:
+    index = member.get("index", 0)
     allowed = f"an integer from 0 to {count - 1}"
     # TensorFlow's resolver takes int(index), so "1" works there and here; but
     # bool is an int in Python ("index": true is a mistake, not task 1), and
@@ -292,10 +292,10 @@ def parse_tf_config(text: str | None) -> ClusterConfig:
         return LOCAL
     data = _load(text)
     parsed = _parse_cluster(data["cluster"])
-    task_type, index = _parse_task(data["task"], parsed)
+    task_type, index = _parse_member(data["task"], parsed)
     environment = _check_extras(data)
     return ClusterConfig(
-        cluster=parsed, task_type=task_type, task_index=index, environment=environment
+        roles=parsed, task_type=task_type, task_index=index, environment=environment
     )
 
 
@@ -394,19 +394,19 @@ def _parse_cluster(cluster) -> dict[str, tuple[str, ...]]:
     return parsed
 
 
-def _parse_task(task, parsed: dict[str, tuple[str, ...]]) -> tuple[str, int]:
+def _parse_member(member, parsed: dict[str, tuple[str, ...]]) -> tuple[str, int]:
     """``task``: a type the cluster has (or the evaluator outside it) and an index in range."""
-    if not isinstance(task, dict):
+    if not isinstance(member, dict):
         raise ConfigError(
-            f"TF_CONFIG task is {_show(task)}; expected an object like "
+            f"TF_CONFIG task is {_show(member)}; expected an object like "
             '{"type": "worker", "index": 0}'
         )
-    unknown = sorted(set(task) - set(TASK_KEYS))
+    unknown = sorted(set(member) - set(TASK_KEYS))
     if unknown:
         raise ConfigError(
             f"TF_CONFIG task has unknown key(s) {_show(unknown)}; allowed keys: type, index (and trial)"
         )
-    task_type = task.get("type")
+    task_type = member.get("type")
     # TensorFlow's convention, which Kubeflow's training operator follows: the
     # evaluator is not a member of the training cluster, so its TF_CONFIG may
     # name a task type that the cluster lacks.
@@ -417,7 +417,7 @@ def _parse_task(task, parsed: dict[str, tuple[str, ...]]) -> tuple[str, int]:
             f"cluster; allowed: {', '.join(parsed)}"
         )
     count = 1 if outside else len(parsed[task_type])
-    index = _task_index(task, task_type, count)
+    index = _member_index(member, task_type, count)
     return task_type, index
 
 

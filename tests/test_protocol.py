@@ -23,7 +23,7 @@ def test_events_round_trip_and_a_reader_sees_each_once(tmp_path):
     log.emit(protocol.PROGRESS, 10, loss=0.5, total=100)
     log.emit(protocol.CHECKPOINT, 20, path="x")
     events = reader.read()
-    assert [(e.kind, e.task, e.step) for e in events] == [
+    assert [(e.kind, e.member, e.step) for e in events] == [
         ("progress", "worker:0", 10), ("checkpoint", "worker:0", 20)]
     assert events[0].data == {"loss": 0.5, "total": 100}
     assert reader.read() == []
@@ -57,7 +57,7 @@ def test_without_the_variable_events_go_nowhere(monkeypatch, tmp_path):
 
 def _results(**over):
     base = dict(
-        strategy="ps", model="logreg", optimizer="adam", learning_rate=0.005,
+        strategy="ps", task="logreg", optimizer="adam", learning_rate=0.005,
         lr_schedule="cosine", num_workers=2, num_ps=1, replicas_in_sync=1,
         global_batch_size=128, steps_per_execution=1, seed=42, global_steps=10,
         completed_steps=10, steps_this_run=10, resumed_from_step=0,
@@ -75,12 +75,21 @@ def test_results_record_round_trips_with_its_schema_version(tmp_path):
     path = str(tmp_path / "results.json")
     _results().write(path)
     data = json.loads(open(path).read())
-    assert data["schema_version"] == protocol.SCHEMA_VERSION
+    assert data["schema_version"] == protocol.RESULTS_SCHEMA_VERSION
     assert protocol.Results.load(path) == _results()
     data["schema_version"] = 999
     with pytest.raises(ValueError, match="schema_version 999"):
         protocol.Results.from_dict(data)
 
+
+
+def test_a_record_names_its_task_once_and_an_older_one_still_reads():
+    data = _results().to_dict()
+    assert data["task"] == "logreg" and "model" not in data
+    # Schema 1 wrote the task's name twice, as "model" and "task" (or as "model" alone).
+    old = {**{k: v for k, v in data.items() if k != "task"}, "schema_version": 1, "model": "logreg"}
+    assert protocol.Results.from_dict(old) == _results()
+    assert "model" not in protocol.Results.from_dict(old).to_dict()
 
 def test_results_refuse_non_finite_numbers(tmp_path):
     with pytest.raises(ValueError):
@@ -99,3 +108,21 @@ def test_readme_exit_code_table_matches_the_protocol():
         if len(cells) == 2 and cells[0].isdigit():
             rows[int(cells[0])] = cells[1]
     assert rows == {int(code): meaning for code, meaning in protocol.EXIT_MEANINGS.items()}
+
+
+def test_the_task_contract_is_exported_and_tensorflow_free():
+    # A user types a task of theirs against tfdist.Task without importing TensorFlow.
+    import subprocess
+    import sys
+
+    code = ("import sys, tfdist\n"
+            "T = tfdist.Task\n"
+            "assert 'tensorflow' not in sys.modules\n"
+            "class Mine:\n"
+            "    def build_model(self): ...\n"
+            "    def dataset(self, split): ...\n"
+            "class NoData:\n"
+            "    def build_model(self): ...\n"
+            "assert isinstance(Mine(), T) and not isinstance(NoData(), T)\n"
+            "assert 'Task' in tfdist.__all__\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

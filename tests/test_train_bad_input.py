@@ -229,7 +229,7 @@ BAD_FLAGS = [
 
 BAD = BAD_TF_CONFIG + BAD_FLAGS
 
-# Also run as real processes: the reproductions and one of each kind.
+# Also run as real processes: inputs that once escaped as tracebacks or hangs, and one of each kind.
 SUBPROCESS = (
     "host-empty-label", "host-label-64-chars", "ps-without-worker", "scheme-grpc",
     "port-arabic-indic-digits", "duplicate-port-zeros-vs-plain", "task-type-a-list",

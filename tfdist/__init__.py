@@ -23,19 +23,26 @@ Importing this package imports neither TensorFlow nor Keras.
 from __future__ import annotations
 
 import os as _os
+import sys as _sys
 
 # From a source checkout the package's two top-level folders, strategies/ and
-# models/ (where the project's layout keeps them), are found beside this one;
-# installed, setuptools maps them into tfdist/ and this finds nothing to add.
+# models/ (where the project's layout keeps them), are imported as
+# tfdist.strategies and tfdist.models; installed, setuptools maps them into
+# tfdist/ and nothing is added. Exactly those two names are mapped: no other
+# file or folder beside tfdist/ (launch.py, train.py, tests/) is ever
+# importable as tfdist.<name>.
 _here = _os.path.dirname(_os.path.abspath(__file__))
 _root = _os.path.dirname(_here)
 if not _os.path.isdir(_os.path.join(_here, "strategies")) and _os.path.isfile(
         _os.path.join(_root, "strategies", "kinds.py")):
-    __path__.append(_root)  # noqa: F821 (a package's own __path__)
+    from tfdist._checkout import CheckoutFolders as _CheckoutFolders
+
+    if not any(isinstance(f, _CheckoutFolders) for f in _sys.meta_path):
+        _sys.meta_path.insert(0, _CheckoutFolders(_root, ("strategies", "models")))
 
 __version__ = "0.2.0"
-_API = ("fit", "launch", "Result", "TaskOutcome", "TfdistError", "TrainOptions", "Cluster",
-        "Faults", "Recovery", "Limits")
+_API = ("fit", "launch", "Result", "MemberOutcome", "TfdistError", "TrainOptions", "Cluster",
+        "Faults", "Recovery", "Limits", "Task")
 __all__ = [*_API, "__version__"]
 
 

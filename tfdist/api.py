@@ -42,10 +42,10 @@ class TfdistError(Exception):
 
 
 @dataclass(frozen=True)
-class TaskOutcome:
-    """One cluster task of a launched job, from the launcher's records."""
+class MemberOutcome:
+    """One cluster member of a launched job, from the launcher's records."""
 
-    task: str  # "chief:0", "worker:1", ...
+    member: str  # "chief:0", "worker:1", ...
     steps: int | None = None  # steps it ran (computing tasks)
     share: float | None = None  # its fraction of the job's steps
     peak_rss_bytes: int | None = None
@@ -54,12 +54,12 @@ class TaskOutcome:
 
 @dataclass(frozen=True)
 class Result:
-    """What a finished run wrote: the results record, its paths and, launched, each task."""
+    """What a finished run wrote: the results record, its paths and, launched, each member."""
 
     model_dir: str
     record: Mapping[str, Any]  # results.json, as written (protocol.Results)
     exit_code: int = Exit.OK
-    tasks: tuple[TaskOutcome, ...] = ()  # empty in one process
+    members: tuple[MemberOutcome, ...] = ()  # empty in one process
     launch: Mapping[str, Any] | None = None  # launch/outcome.json, when launched
 
     @property
@@ -92,11 +92,11 @@ class Result:
             outcome = json.load(f)
         per_task, rss = outcome.get("per_task") or {}, outcome.get("peak_rss_bytes") or {}
         restarts = outcome.get("restarts_per_task") or {}
-        tasks = tuple(TaskOutcome(task=name, steps=(per_task.get(name) or {}).get("steps"),
+        members = tuple(MemberOutcome(member=name, steps=(per_task.get(name) or {}).get("steps"),
                                   share=(per_task.get(name) or {}).get("share"),
                                   peak_rss_bytes=rss.get(name), restarts=restarts.get(name, 0))
                       for name in sorted(set(per_task) | set(rss)))
-        return cls(model_dir=model_dir, record=record, exit_code=exit_code, tasks=tasks,
+        return cls(model_dir=model_dir, record=record, exit_code=exit_code, members=members,
                    launch=outcome)
 
 
@@ -254,7 +254,7 @@ def launch(strategy: str = "auto", task=None, *, cluster: Cluster | None = None,
     task's outcome; raises :class:`TfdistError`.
     """
     from tfdist.launcher.config import Cluster, Faults, LaunchRequest, Limits, Recovery
-    from tfdist.launcher.job import TaskCheckFailed, choose_kind, run_request
+    from tfdist.launcher.job import MemberCheckFailed, choose_kind, run_request
     from tfdist.launcher.plan import LaunchError
     from tfdist.training.config import TrainOptions
 
@@ -267,7 +267,7 @@ def launch(strategy: str = "auto", task=None, *, cluster: Cluster | None = None,
     try:
         kind = choose_kind(request)
         code = run_request(request)
-    except TaskCheckFailed as err:
+    except MemberCheckFailed as err:
         raise TfdistError(err.line, err.code) from None
     except (LaunchError, ConfigError) as err:
         raise TfdistError(str(err), Exit.BAD_INPUT) from None
@@ -289,8 +289,14 @@ def __getattr__(name):
         from tfdist.training.config import TrainOptions
 
         return TrainOptions
+    if name == "Task":
+        # The task contract (build_model(), dataset(split); configure() optional), to
+        # type a task of yours against; TensorFlow-free.
+        from tfdist.training.workload.tasks import Task
+
+        return Task
     raise AttributeError(f"module 'tfdist.api' has no attribute {name!r}")
 
 
-__all__ = ["fit", "launch", "Result", "TaskOutcome", "TfdistError", "Cluster", "Faults",
-           "Recovery", "Limits", "TrainOptions"]
+__all__ = ["fit", "launch", "Result", "MemberOutcome", "TfdistError", "Cluster", "Faults",
+           "Recovery", "Limits", "TrainOptions", "Task"]

@@ -150,7 +150,7 @@ EVENT_KINDS = (STARTED, PROGRESS, EVAL, CHECKPOINT, PREEMPTED, LOST, DIVERGED, D
 @dataclass(frozen=True)
 class Event:
     kind: str
-    task: str
+    member: str  # "chief:0", "worker:1", ...
     step: int | None = None
     time: float = 0.0
     data: dict = field(default_factory=dict)
@@ -163,21 +163,23 @@ class Event:
         raw = json.loads(line)
         if not isinstance(raw, dict) or raw.get("kind") not in EVENT_KINDS:
             raise ValueError(f"not a progress event: {line[:120]!r}")
-        return cls(kind=raw["kind"], task=str(raw.get("task", "")), step=raw.get("step"),
+        # "task": the member's key in files written before it was named "member".
+        member = raw.get("member", raw.get("task", ""))
+        return cls(kind=raw["kind"], member=str(member), step=raw.get("step"),
                    time=float(raw.get("time", 0.0)), data=dict(raw.get("data") or {}))
 
 
 class EventLog:
     """Appends this task's events to ``$SHOWCASE_EVENTS``; does nothing when unset."""
 
-    def __init__(self, task: str, path: str | None = None):
-        self.task = task
+    def __init__(self, member: str, path: str | None = None):
+        self.member = member
         self.path = path if path is not None else os.environ.get(EVENTS_ENV) or None
 
     def emit(self, kind: str, step: int | None = None, **data: Any) -> None:
         if self.path is None:
             return
-        event = Event(kind, self.task, step, time.time(), _finite(data))
+        event = Event(kind, self.member, step, time.time(), _finite(data))
         # One write of one line with O_APPEND: readers never see half an event
         # from another writer, and a partial last line only while it is written.
         with open(self.path, "a") as f:
@@ -219,8 +221,8 @@ class EventReader:
         return events
 
 
-def events_path(launch_dir: str, task: str) -> str:
-    return os.path.join(launch_dir, "events", f"{task.replace(':', '-')}.jsonl")
+def events_path(launch_dir: str, member: str) -> str:
+    return os.path.join(launch_dir, "events", f"{member.replace(':', '-')}.jsonl")
 
 
 def read_all_events(path: str) -> list[Event]:
@@ -229,7 +231,11 @@ def read_all_events(path: str) -> list[Event]:
 
 # --- the results record ---------------------------------------------------------
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1  # the launcher's outcome record
+# results.json. 2: ``model`` is gone (it held the task's name, as ``task`` does); a
+# version-1 record is read with its ``model`` as ``task`` where ``task`` is missing.
+RESULTS_SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -241,7 +247,6 @@ class Results:
     """
 
     strategy: str
-    model: str  # the task's name (kept from before tasks: readers of older records use it)
     optimizer: str
     learning_rate: float | None  # None: a task's own optimizer whose rate is not a number
     lr_schedule: str
@@ -331,7 +336,7 @@ class Results:
     membership: list | None = None
     # A task's extra_results(), written at the top level beside the fields above.
     extra: dict = field(default_factory=dict)
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = RESULTS_SCHEMA_VERSION
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -343,10 +348,16 @@ class Results:
     @classmethod
     def from_dict(cls, data: dict) -> "Results":
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_SCHEMA_VERSIONS:
             raise ValueError(
-                f"results schema_version {version!r}, this code reads {SCHEMA_VERSION}"
+                f"results schema_version {version!r}, this code reads "
+                f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}"
             )
+        if version == 1:  # its "model" held the task's name
+            model = data.get("model")
+            data = {k: v for k, v in data.items() if k != "model"}
+            data["task"] = data.get("task") or model
+        data = {**data, "schema_version": RESULTS_SCHEMA_VERSION}
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         extra = {k: v for k, v in data.items() if k not in names}
         return cls(**{k: v for k, v in data.items() if k in names}, extra=extra)

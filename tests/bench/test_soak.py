@@ -119,7 +119,7 @@ def test_steps_lost_beyond_the_promise(events, beyond):
 
 
 def results(**over):
-    base = dict(strategy="ps", model="logreg", optimizer="adam", learning_rate=0.01,
+    base = dict(strategy="ps", task="logreg", optimizer="adam", learning_rate=0.01,
                 lr_schedule="constant", num_workers=2, num_ps=1, replicas_in_sync=1,
                 global_batch_size=64, steps_per_execution=5, seed=0, global_steps=600,
                 completed_steps=600, steps_this_run=400, resumed_from_step=200,

@@ -256,7 +256,7 @@ except tfdist.TfdistError as err:
     refused = [err.exit_code, err.message]
 print(json.dumps({"none": [here.strategy, here.global_step, here.metrics["accuracy"]],
                   "multiworker": [cluster.strategy, cluster.global_step,
-                                  cluster.metrics["accuracy"], [t.task for t in cluster.tasks]],
+                                  cluster.metrics["accuracy"], [t.member for t in cluster.members]],
                   "refused": refused}))
 ''',
 }

@@ -14,7 +14,7 @@ from tfdist import protocol
 from tfdist.launcher import elastic, injector as injectors, faults, network
 from tfdist.launcher import plan as plans
 from tfdist.launcher.plan import LaunchError
-from tfdist.launcher.state import JobState, RestartTask, SignalTask, TaskView
+from tfdist.launcher.state import JobState, RestartMember, SignalMember, MemberView
 from tfdist.protocol import Exit
 from tfdist.strategies import kinds
 
@@ -106,7 +106,7 @@ def test_global_batch_is_read_from_the_run_record_unless_a_flag_sets_it(tmp_path
 
 def _state(*exits, pids=(11, 12, 13), names=WORKERS):
     exits = exits or (None,) * len(names)
-    return JobState(tuple(TaskView(n, p, e) for n, p, e in zip(names, pids, exits)))
+    return JobState(tuple(MemberView(n, p, e) for n, p, e in zip(names, pids, exits)))
 
 
 def _membership(tmp_path, m=2, timeout=5.0):
@@ -136,7 +136,7 @@ def test_a_host_down_past_the_rejoin_timeout_ends_the_attempt_and_shrinks(tmp_pa
     now[0] = 1.0
     assert mem(_state()) == []  # not yet: it may come back
     now[0] = 6.0
-    assert mem(_state()) == [SignalTask(n, signal.SIGKILL, pid=p)
+    assert mem(_state()) == [SignalMember(n, signal.SIGKILL, pid=p)
                              for n, p in zip(WORKERS, (11, 12, 13))]
     code = mem.after_attempt(Exit.TASK_LOST, wait_links=lambda s: pytest.fail("waited"))
     assert code is None and mem.members == ["worker:0", "worker:1"]
@@ -180,7 +180,7 @@ def test_survivors_failing_first_end_the_attempt_at_once_and_the_wait_lets_a_hos
     now[0] = 2.0
     # The survivors' all-reduce failed before the rejoin timeout: kill the rest now.
     actions = mem(_state(Exit.TASK_LOST, None, None))
-    assert [a.task for a in actions] == ["worker:1", "worker:2"]
+    assert [a.member for a in actions] == ["worker:1", "worker:2"]
     waited = []
 
     def wait_links(seconds):
@@ -216,7 +216,7 @@ def test_a_lost_host_back_preempts_the_job_and_it_grows_back(tmp_path):
     assert mem(_state(names=two, pids=(21, 22))) == []  # not started yet: no handler to save
     _emit(paths["worker:0"], protocol.STARTED, 100)
     assert mem(_state(names=two, pids=(21, 22))) == [
-        SignalTask("worker:0", signal.SIGTERM, group=False, pid=21)]
+        SignalMember("worker:0", signal.SIGTERM, group=False, pid=21)]
     assert mem(_state(names=two, pids=(21, 22))) == []  # once
     _emit(paths["worker:0"], protocol.PREEMPTED, 240)
     assert mem.after_attempt(Exit.PREEMPTED, lambda s: None) is None
@@ -244,7 +244,7 @@ def test_under_ps_sync_the_chief_is_told_to_save_when_a_worker_is_back(tmp_path)
     running = _state(names=mem.names, pids=(1, 2, 3, 4))
     assert mem(running) == []
     down.clear()
-    assert mem(running) == [SignalTask("chief:0", signal.SIGTERM, group=False, pid=1)]
+    assert mem(running) == [SignalMember("chief:0", signal.SIGTERM, group=False, pid=1)]
 
 
 def test_under_ps_a_worker_whose_host_is_gone_leaves_and_rejoins_when_it_is_back(tmp_path):
@@ -267,7 +267,7 @@ def test_under_ps_a_worker_whose_host_is_gone_leaves_and_rejoins_when_it_is_back
     assert mem(_state(None, None, 0, None, names=names, pids=pids)) == []  # 1 >= M: goes on
     down.clear()
     assert mem(_state(None, None, 0, None, names=names, pids=pids)) == [
-        RestartTask("worker:1", note="its host is reachable again")]
+        RestartMember("worker:1", note="its host is reachable again")]
     assert mem.members == ["worker:0", "worker:1"]
     assert [h["workers"] for h in mem.record()] == [2, 1, 2]
     assert mem.after_attempt(Exit.OK, lambda s: None) == Exit.OK
@@ -288,7 +288,7 @@ def test_under_ps_below_min_workers_for_the_rejoin_timeout_stops_the_job(tmp_pat
     now[0] = 4.0
     assert mem(gone) == []
     now[0] = 5.0
-    assert [a.task for a in mem(gone)] == ["chief:0", "worker:0", "ps:0"]
+    assert [a.member for a in mem(gone)] == ["chief:0", "worker:0", "ps:0"]
     assert "below --min-workers=2" in lines[-1]
     assert mem.after_attempt(Exit.TASK_LOST, lambda s: None) == Exit.TASK_LOST
 

@@ -1,5 +1,5 @@
 """Transient RPC errors on the ps chief's fetch path are retried, then end the job
-with one line and exit 75 (issue: gRPC status 13 "Unable to parse request"
+with one line and exit 75 (seen: gRPC status 13 "Unable to parse request"
 while copying a finished closure's outputs). Fake remote values, no cluster."""
 
 import collections
@@ -44,7 +44,7 @@ class AlwaysFailing:
 
 def _fetch(remote, **kw):
     sleeps, lines = [], []
-    out = rpc.fetch(remote, deadline=float("inf"), task="chief:0", sleep=sleeps.append,
+    out = rpc.fetch(remote, deadline=float("inf"), member="chief:0", sleep=sleeps.append,
                          log=lines.append, worker_failure=lambda err: False, **kw)
     return out, sleeps, lines
 
@@ -131,12 +131,12 @@ def test_the_ps_trainer_fetches_through_the_retrying_path(monkeypatch):
         "staleness": [0, 1], "loss": 0.25, "metrics": []})
     fake = types.SimpleNamespace(
         _pending=collections.deque([(remote, 5)]), patience=10.0, _stall=None,
-        cfg=types.SimpleNamespace(task_name="chief:0"), _staleness=[], metric_names=[],
-        completed=0, unfetched_steps=0, _fetcher=ps_trainer.Fetcher())
+        cluster=types.SimpleNamespace(member_name="chief:0"), _staleness=[], metric_names=[],
+        completed=0, unfetched_steps=0, _fetcher=ps_trainer.Fetcher(),
+        train_metrics=types.SimpleNamespace(logs=lambda loss, values: {"loss": loss}))
     # The trainer's own waiting and fetching (on the fetcher's thread), not stand-ins.
     for name in ("_wait_or_reroute", "_fetch"):
         setattr(fake, name, types.MethodType(getattr(ps_trainer.PsTrainer, name), fake))
-    monkeypatch.setattr(ps_trainer, "metric_dict", lambda loss, names, values: {"loss": loss})
     ps_trainer.PsTrainer._collect_one(fake)
     assert remote.calls == 2 and fake.completed == 5 and fake._last == {"loss": 0.25}
     assert fake.unfetched_steps == 0

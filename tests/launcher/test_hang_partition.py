@@ -12,7 +12,7 @@ from tfdist import protocol
 from tfdist.launcher import faults, processes
 from tfdist.launcher import injector as injectors
 from tfdist.launcher import plan as plans
-from tfdist.launcher.state import JobState, SetLink, SignalTask, TaskView
+from tfdist.launcher.state import JobState, SetLink, SignalMember, MemberView
 from tfdist.launcher.supervisor import Supervisor
 from tfdist.strategies import kinds
 
@@ -78,7 +78,7 @@ def test_plan_recovery_rejects_hangs_and_partitions(kwargs, words):
 
 
 def _state(pid=101, exit_code=None):
-    return JobState(tuple(TaskView(n, pid if n == "worker:1" else 1, exit_code
+    return JobState(tuple(MemberView(n, pid if n == "worker:1" else 1, exit_code
                                    if n == "worker:1" else None) for n in PS_TASKS))
 
 
@@ -90,14 +90,14 @@ def test_injector_hangs_then_continues_after_its_seconds_and_records_both():
         log=lines.append, clock=lambda: now[0])
     assert injector(_state()) == []
     now[0] = 10.0
-    assert injector(_state()) == [SignalTask("worker:1", signal.SIGSTOP, group=True, pid=101)]
+    assert injector(_state()) == [SignalMember("worker:1", signal.SIGSTOP, group=True, pid=101)]
     assert "sent SIGSTOP to worker:1 (pid 101)" in lines[-1] and "SIGCONT in 5s" in lines[-1]
     now[0] = 12.0
     assert injector(_state()) == [SetLink(1, up=False)]
     now[0] = 14.9
     assert injector(_state()) == [SetLink(1, up=True)]  # 12 + 2
     now[0] = 15.0
-    assert injector(_state()) == [SignalTask("worker:1", signal.SIGCONT, group=True, pid=101)]
+    assert injector(_state()) == [SignalMember("worker:1", signal.SIGCONT, group=True, pid=101)]
     assert injector(_state()) == []
     assert injector.fired == ["--hang worker:1@10s+5s", "--partition host1@12s+2s"]
     hang, partition = injector.records
@@ -113,7 +113,7 @@ def test_a_hang_without_seconds_is_recorded_as_lifted_by_the_cleanup():
                                     log=lambda m: None, clock=lambda: now[0])
     now[0] = 1.0
     actions = injector(_state())
-    assert SignalTask("worker:1", signal.SIGSTOP, group=True, pid=101) in actions
+    assert SignalMember("worker:1", signal.SIGSTOP, group=True, pid=101) in actions
     now[0] = 1000.0
     assert [a for a in injector(_state()) if a.sig == signal.SIGCONT] == []  # never by itself
     injector.end_attempt()
@@ -161,14 +161,14 @@ def test_supervisor_stop_continues_a_hung_task_before_killing_it():
 
     def starter(name):
         # Ignores nothing: a continued task ends at the SIGTERM.
-        return processes.start_task(name, None, [sys.executable, "-c",
+        return processes.start_member(name, None, [sys.executable, "-c",
                                                  "import time; time.sleep(120)"], {},
                                     sink=open(os.devnull, "w"))
 
     sup = Supervisor(kinds.get("ps"), starter, log=lines.append, grace=30)
     sup.start(["worker:1"])
-    pid = sup.tasks["worker:1"].proc.pid
-    sup.apply(SignalTask("worker:1", signal.SIGSTOP, group=True, pid=pid))
+    pid = sup.members["worker:1"].proc.pid
+    sup.apply(SignalMember("worker:1", signal.SIGSTOP, group=True, pid=pid))
     for _ in range(100):
         if _stopped(pid):
             break
@@ -176,7 +176,7 @@ def test_supervisor_stop_continues_a_hung_task_before_killing_it():
     assert _stopped(pid) and sup.hung == {"worker:1": pid}
     sup.stop()
     # Ended by the SIGTERM (well before --grace 30 s's SIGKILL): it was continued first.
-    assert sup.tasks["worker:1"].proc.returncode == -signal.SIGTERM
+    assert sup.members["worker:1"].proc.returncode == -signal.SIGTERM
     assert any("still hung: SIGCONT before stopping it" in l for l in lines)
     assert sup.hung == {}
 

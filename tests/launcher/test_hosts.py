@@ -19,7 +19,7 @@ from tfdist.launcher import cgroups, faults, network, processes, supervisor
 from tfdist.launcher import injector as injectors, restarter as restarters, slowdown as slowdowns
 from tfdist.launcher import plan as plans
 from tfdist.launcher.config import LaunchConfig, Limits
-from tfdist.launcher.state import JobState, RestartTask, SignalTask, SlowTask, TaskView
+from tfdist.launcher.state import JobState, RestartMember, SignalMember, SlowMember, MemberView
 from tfdist.strategies import kinds, parse_tf_config
 
 
@@ -41,8 +41,8 @@ def test_multiworker_on_two_hosts_same_port_distinct_addresses():
     addresses = plan.tf_configs["worker:0"]["cluster"]["worker"]
     assert addresses == ["10.77.0.11:2222", "10.77.0.12:2222"]
     for name, tf_config in plan.tf_configs.items():
-        cfg = parse_tf_config(json.dumps(tf_config))  # our own reader accepts it
-        assert cfg.task_name == name
+        cluster = parse_tf_config(json.dumps(tf_config))  # our own reader accepts it
+        assert cluster.member_name == name
 
 
 @pytest.mark.parametrize("strategy,workers,ps,chief,hosts,expected", [
@@ -185,20 +185,20 @@ def test_injector_returns_a_slow_action_when_its_step_comes(tmp_path):
     logs = []
     injector = injectors.FaultInjector([faults.Slow("worker:1", 0.5, step=10)], log=logs.append,
                                     event_paths=[events])
-    state = JobState((TaskView("chief:0", 11), TaskView("worker:1", 12)))
+    state = JobState((MemberView("chief:0", 11), MemberView("worker:1", 12)))
     assert injector(state) == []
     protocol.EventLog("chief:0", events).emit(protocol.PROGRESS, 10)
-    assert injector(state) == [SlowTask("worker:1", 0.5)]
+    assert injector(state) == [SlowMember("worker:1", 0.5)]
     assert injector(state) == [] and "runs at 50% of its speed" in logs[-1]
 
 
 def test_restarter_asks_for_a_restart_after_the_delay_and_at_most_limit_times():
     now = [0.0]
     restarter = restarters.TaskRestarter(1.0, log=lambda m: None, limit=1, clock=lambda: now[0])
-    dead = JobState((TaskView("worker:0", 5, exit_code=-9), TaskView("ps:0", 6)))
+    dead = JobState((MemberView("worker:0", 5, exit_code=-9), MemberView("ps:0", 6)))
     assert restarter(dead) == []  # the delay starts
     now[0] = 1.5
-    assert restarter(dead) == [RestartTask("worker:0", "restart 1 of at most 1")]
+    assert restarter(dead) == [RestartMember("worker:0", "restart 1 of at most 1")]
     now[0] = 5.0
     assert restarter(dead) == [] and restarter(dead) == []  # limit reached
 
@@ -209,32 +209,32 @@ def test_restarter_kills_a_worker_the_chief_reports_stuck_once_then_restarts_it(
     now = [0.0]
     restarter = restarters.TaskRestarter(1.0, log=logs.append, limit=3, clock=lambda: now[0],
                                      event_paths=[events])
-    running = JobState((TaskView("chief:0", 11), TaskView("worker:1", 12), TaskView("ps:0", 13)))
+    running = JobState((MemberView("chief:0", 11), MemberView("worker:1", 12), MemberView("ps:0", 13)))
     assert restarter(running) == []
     log = protocol.EventLog("chief:0", events)
     log.emit(protocol.STUCK, 370, peer="worker:1")
     log.emit(protocol.STUCK, 370, peer="ps:0")  # not a role it restarts: left to the chief
-    assert restarter(running) == [SignalTask("worker:1", signal.SIGKILL, group=True, pid=12)]
+    assert restarter(running) == [SignalMember("worker:1", signal.SIGKILL, group=True, pid=12)]
     assert "worker:1 (pid 12) is stuck (chief:0 found it" in logs[-1]
     log.emit(protocol.STUCK, 375, peer="worker:1")  # the same process again: killed once
     assert restarter(running) == []
-    dead = JobState((TaskView("chief:0", 11), TaskView("worker:1", 12, exit_code=-9),
-                     TaskView("ps:0", 13)))
+    dead = JobState((MemberView("chief:0", 11), MemberView("worker:1", 12, exit_code=-9),
+                     MemberView("ps:0", 13)))
     assert restarter(dead) == []  # the delay starts, as for any dead worker
     now[0] = 1.5
-    assert restarter(dead) == [RestartTask("worker:1", "restart 1 of at most 3")]
+    assert restarter(dead) == [RestartMember("worker:1", "restart 1 of at most 3")]
 
 
 def test_preempt_grace_kills_only_the_same_process():
     now = [0.0]
     injector = injectors.FaultInjector([faults.Fault("preempt", "worker:0", seconds=0)],
                                     log=lambda m: None, clock=lambda: now[0], grace=2.0)
-    state = JobState((TaskView("worker:0", 40),))
-    assert injector(state) == [SignalTask("worker:0", signal.SIGTERM, group=False, pid=40)]
+    state = JobState((MemberView("worker:0", 40),))
+    assert injector(state) == [SignalMember("worker:0", signal.SIGTERM, group=False, pid=40)]
     now[0] = 3.0
-    assert injector(JobState((TaskView("worker:0", 41),))) == []  # restarted meanwhile
+    assert injector(JobState((MemberView("worker:0", 41),))) == []  # restarted meanwhile
     injector._terminating = [("worker:0", 40, 2.0)]
-    assert injector(state) == [SignalTask("worker:0", signal.SIGKILL, group=True, pid=40)]
+    assert injector(state) == [SignalMember("worker:0", signal.SIGKILL, group=True, pid=40)]
 
 
 def test_worker_rates_from_ps_chief_events(tmp_path):
@@ -286,11 +286,11 @@ def _cpu_seconds(pid):
         return int(f.read().split()[0]) / 1e9
 
 
-def _burn_rate(task, seconds=2.0):
+def _burn_rate(member, seconds=2.0):
     """CPU seconds per second the busy loop got, over ``seconds``."""
-    c0, t0 = _cpu_seconds(task.proc.pid), time.monotonic()
+    c0, t0 = _cpu_seconds(member.proc.pid), time.monotonic()
     time.sleep(seconds)
-    return (_cpu_seconds(task.proc.pid) - c0) / (time.monotonic() - t0)
+    return (_cpu_seconds(member.proc.pid) - c0) / (time.monotonic() - t0)
 
 
 @pytest.mark.multiprocess
@@ -310,10 +310,10 @@ def test_slowdown_caps_a_busy_process_and_a_restart_is_slowed_again(method):
 
     def starter(name):
         place = processes.Placement(cgroup=slow.cgroup_for(name))
-        task = processes.start_task(name, None, [sys.executable, "-c", _BURN], {},
+        member = processes.start_member(name, None, [sys.executable, "-c", _BURN], {},
                                     sink=open(os.devnull, "w"), place=place)
-        started.append(task)
-        return task
+        started.append(member)
+        return member
 
     sup = supervisor.Supervisor(kinds.get("ps"), starter, log=lambda m: None, grace=2, slowdown=slow)
     try:
@@ -321,13 +321,13 @@ def test_slowdown_caps_a_busy_process_and_a_restart_is_slowed_again(method):
         full = _burn_rate(started[-1])
         if full < 1.5 * ceiling:
             pytest.skip(f"this machine is too busy to see a cap: a busy loop got {full:.2f} core")
-        sup.apply(SlowTask("worker:1", fraction))
+        sup.apply(SlowMember("worker:1", fraction))
         rate = _burn_rate(started[-1])
         assert 0.01 < rate < ceiling, rate
-        sup.apply(SignalTask("worker:1", signal.SIGKILL))
+        sup.apply(SignalMember("worker:1", signal.SIGKILL))
         started[-1].proc.wait(10)
         sup.reap()
-        sup.apply(RestartTask("worker:1"))
+        sup.apply(RestartMember("worker:1"))
         assert started[-1].proc.pid != started[0].proc.pid
         if method == "cgroup":
             # The restarted process joined the cgroup before exec.

@@ -21,12 +21,12 @@ REPO = Path(__file__).resolve().parents[2]
 def test_multiworker_cluster_one_tf_config_per_worker():
     tasks = plans.build_cluster(kinds.get("multiworker"), 3, ports=[11, 12, 13], host="127.0.0.1")
     assert list(tasks) == ["worker:0", "worker:1", "worker:2"]
-    cluster = {"worker": ["127.0.0.1:11", "127.0.0.1:12", "127.0.0.1:13"]}
+    roles = {"worker": ["127.0.0.1:11", "127.0.0.1:12", "127.0.0.1:13"]}
     for i, (name, tf_config) in enumerate(tasks.items()):
-        assert tf_config == {"cluster": cluster, "task": {"type": "worker", "index": i}}
-        cfg = parse_tf_config(json.dumps(tf_config))  # our own parser accepts it
-        assert cfg.task_name == name and cfg.is_chief == (i == 0)
-        assert kinds.resolve("auto", cfg).name == "multiworker"
+        assert tf_config == {"cluster": roles, "task": {"type": "worker", "index": i}}
+        cluster = parse_tf_config(json.dumps(tf_config))  # our own parser accepts it
+        assert cluster.member_name == name and cluster.is_chief == (i == 0)
+        assert kinds.resolve("auto", cluster).name == "multiworker"
 
 
 def test_ps_cluster_has_a_chief_workers_and_ps():
@@ -207,7 +207,7 @@ def test_pinned_task_runs_on_its_own_cores(tmp_path):
         pytest.skip("needs Linux and 2 usable cores to observe pinning")
     out = tmp_path / "out.txt"
     code = f"import os; open({str(out)!r}, 'w').write(repr(sorted(os.sched_getaffinity(0))))"
-    (task,) = processes.start_tasks({"worker:1": None}, [sys.executable, "-c", code], {},
+    (task,) = processes.start_members({"worker:1": None}, [sys.executable, "-c", code], {},
                                  sink=open(os.devnull, "w"),
                                  places={"worker:1": processes.Placement(cpus=(1,))})
     assert task.proc.wait(30) == 0

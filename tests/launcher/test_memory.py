@@ -10,7 +10,7 @@ from tfdist.launcher import cgroups
 from tfdist.launcher.memory import (MIN_LIMIT, MemoryLimitError, MemoryLimits, PeakMemory, parse_limits,
                              parse_size, vm_hwm_bytes)
 from tfdist.launcher.processes import Placement, child_setup
-from tfdist.launcher.state import JobState, TaskView
+from tfdist.launcher.state import JobState, MemberView
 
 
 def test_vm_hwm_reads_this_process_and_none_for_a_gone_one(tmp_path):
@@ -26,10 +26,10 @@ def test_vm_hwm_reads_this_process_and_none_for_a_gone_one(tmp_path):
 def test_peaks_keep_each_names_largest_over_restarts_and_skip_exited_tasks():
     readings = {1: 300, 2: 900, 3: 200}
     hook = PeakMemory(read=readings.get)
-    assert hook(JobState((TaskView("ps:0", 1), TaskView("worker:0", 2)))) == ()
+    assert hook(JobState((MemberView("ps:0", 1), MemberView("worker:0", 2)))) == ()
     # worker:0 restarted as pid 3 with a smaller peak; ps:0 exited (not read again).
     readings[1] = 10_000
-    hook(JobState((TaskView("ps:0", 1, exit_code=0), TaskView("worker:0", 3, starts=2))))
+    hook(JobState((MemberView("ps:0", 1, exit_code=0), MemberView("worker:0", 3, starts=2))))
     assert hook.peaks == {"ps:0": 300, "worker:0": 900}
     assert hook.describe() == "ps:0 0 MiB, worker:0 0 MiB"
 

@@ -79,8 +79,8 @@ def _placement(model_dir) -> list[dict]:
         return json.load(f)["attempts"]
 
 
-def _tf_config(model_dir, task) -> dict:
-    with open(os.path.join(model_dir, "launch", f"{task.replace(':', '-')}.tf_config.json")) as f:
+def _tf_config(model_dir, member) -> dict:
+    with open(os.path.join(model_dir, "launch", f"{member.replace(':', '-')}.tf_config.json")) as f:
         return json.load(f)
 
 
@@ -100,10 +100,10 @@ def test_ps_sharded_over_two_ps_across_two_nodes(cluster, spawn, tmp_path):
     assert results["test_accuracy"] > 0.85
     placed = _placement(model_dir)[0]
     assert len({t["node_id"] for t in placed.values()}) == 2, placed  # tasks on both nodes
-    for task, where in placed.items():  # each TF_CONFIG names the task's own node and port
+    for member, where in placed.items():  # each TF_CONFIG names the task's own node and port
         assert where["address"].split(":")[0] in _node_ips(cluster)
-        role, _, i = task.partition(":")
-        assert _tf_config(model_dir, task)["cluster"][role][int(i)] == where["address"]
+        role, _, i = member.partition(":")
+        assert _tf_config(model_dir, member)["cluster"][role][int(i)] == where["address"]
     assert any(line.startswith("[worker:1] ") for line in p.lines)
     assert "[launch] ray: the Ray cluster at" in p.output and "2 node(s)" in p.output
     assert descendants_alive(str(model_dir)) == []

@@ -55,13 +55,13 @@ def test_what_the_engine_refuses_is_one_line(cluster, faults, dry_run, words):
 
 def test_bundles_ps_cpu_only_workers_get_gpus():
     kind = kinds.get("ps")
-    names = plans.task_names(kind, 2, 2)
+    names = plans.member_names(kind, 2, 2)
     gpu = dict(zip(names, ray_engine.bundles_for(kind, names, gpus=4)))
     assert gpu["worker:0"] == {"CPU": 1.0, "GPU": 1.0} and gpu["worker:1"]["GPU"] == 1.0
     assert "GPU" not in gpu["ps:0"] and "GPU" not in gpu["chief:0"]  # the coordinator computes nothing
     assert all("GPU" not in b for b in ray_engine.bundles_for(kind, names, gpus=0))
     mw = kinds.get("multiworker")
-    assert ray_engine.bundles_for(mw, plans.task_names(mw, 2), gpus=2) == [
+    assert ray_engine.bundles_for(mw, plans.member_names(mw, 2), gpus=2) == [
         {"CPU": 1.0, "GPU": 1.0}] * 2
 
 
@@ -82,13 +82,13 @@ def test_each_node_shares_its_own_cores_among_its_own_tasks():
 
 def test_spread_workers_pins_what_computes_nothing_to_the_head():
     kind = kinds.get("ps")
-    names = plans.task_names(kind, 2, 2)
+    names = plans.member_names(kind, 2, 2)
     pinned = dict(zip(names, ray_engine.bundles_for(kind, names, gpus=0, pin_head=True)))
     on_head = {n for n, b in pinned.items() if ray_engine.HEAD_RESOURCE in b}
     assert on_head == {"chief:0", "ps:0", "ps:1"}  # the workers may go anywhere
     mw = kinds.get("multiworker")
     assert all(ray_engine.HEAD_RESOURCE not in b for b in ray_engine.bundles_for(
-        mw, plans.task_names(mw, 2), gpus=0, pin_head=True))  # every task computes
+        mw, plans.member_names(mw, 2), gpus=0, pin_head=True))  # every task computes
     assert ray_engine.PLACEMENTS["spread-workers"] == "SPREAD"
 
 
@@ -106,7 +106,7 @@ def test_shortage_names_what_is_missing():
 
 def test_tf_configs_from_placed_addresses_match_the_local_launchers():
     kind = kinds.get("ps")
-    names = plans.task_names(kind, 2, 1)
+    names = plans.member_names(kind, 2, 1)
     ports = [4001, 4002, 4003, 4004]
     local = plans.build_cluster(kind, 2, 1, ports, host="10.1.2.3")
     placed = plans.tf_configs_at({n: f"10.1.2.3:{p}" for n, p in zip(names, ports)})

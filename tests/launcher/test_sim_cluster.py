@@ -41,8 +41,8 @@ def _outcome(model_dir):
         return json.load(f)
 
 
-def _task_address(model_dir, task):
-    with open(f"{model_dir}/launch/{task.replace(':', '-')}.tf_config.json") as f:
+def _member_address(model_dir, member):
+    with open(f"{model_dir}/launch/{member.replace(':', '-')}.tf_config.json") as f:
         tf_config = json.load(f)
     t = tf_config["task"]
     return tf_config["cluster"][t["type"]][t["index"]]
@@ -58,7 +58,7 @@ def test_two_hosts_shaped_link_identical_weights(tmp_path, spawn):
                                      "--model-dir", model_dir]))
     assert p.wait(220) == 0, p.output
     # Two hosts, two addresses, the same port: as on a real cluster.
-    addresses = [_task_address(model_dir, f"worker:{i}") for i in (0, 1)]
+    addresses = [_member_address(model_dir, f"worker:{i}") for i in (0, 1)]
     assert addresses == ["10.77.0.11:2222", "10.77.0.12:2222"]
     script = open(f"{model_dir}/launch/commands.sh").read()
     assert "# worker:1 on host1 (10.77.0.12)" in script

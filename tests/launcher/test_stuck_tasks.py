@@ -242,9 +242,9 @@ def _report(what, fault, detected):
     return seconds
 
 
-def _one_error(p, task, *words):
-    own = [l for l in p.lines if l.startswith(f"[{task}] ")]
-    errors = [l for l in own if l.startswith(f"[{task}] error:")]
+def _one_error(p, member, *words):
+    own = [l for l in p.lines if l.startswith(f"[{member}] ")]
+    errors = [l for l in own if l.startswith(f"[{member}] error:")]
     assert len(errors) == 1, "\n".join(own[-20:])
     for word in words:
         assert word in errors[0], errors[0]
@@ -254,9 +254,9 @@ def _one_error(p, task, *words):
 
 def _all_exited(p, codes: dict[str, int]):
     """Every task's own exit line says what it should (``None``: stopped by the launcher)."""
-    for task, code in codes.items():
-        pattern = rf"^\[launch\] {re.escape(task)} exited with code {code}$"
-        assert any(re.match(pattern, l) for l in p.lines), (task, code, p.output[-3000:])
+    for member, code in codes.items():
+        pattern = rf"^\[launch\] {re.escape(member)} exited with code {code}$"
+        assert any(re.match(pattern, l) for l in p.lines), (member, code, p.output[-3000:])
 
 
 def _ps_worker_1_stopped_for_good(spawn, model_dir, timeout, *recovery):

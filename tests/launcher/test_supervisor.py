@@ -3,8 +3,8 @@
 import threading
 
 from tfdist.launcher import supervisor
-from tfdist.launcher.processes import Task
-from tfdist.launcher.state import RestartTask
+from tfdist.launcher.processes import MemberProcess
+from tfdist.launcher.state import RestartMember
 from tfdist.strategies import kinds
 
 
@@ -19,7 +19,7 @@ class FakeProc:
 def _task(name, proc):
     pump = threading.Thread(target=lambda: None)
     pump.start()
-    return Task(name, proc, pump)
+    return MemberProcess(name, proc, pump)
 
 
 def _supervisor(procs, logs):
@@ -33,7 +33,7 @@ def test_a_restart_is_logged_with_the_new_process():
     logs = []
     sup = _supervisor([FakeProc(11, returncode=-9), FakeProc(12)], logs)
     sup.start(["worker:1"])
-    sup.apply(RestartTask("worker:1", "restart 1 of at most 1"))
+    sup.apply(RestartMember("worker:1", "restart 1 of at most 1"))
     assert logs == ["[launch] restarted worker:1 (pid 12), same TF_CONFIG; restart 1 of at most 1"]
     assert sup.starts["worker:1"] == 2
 
@@ -43,5 +43,5 @@ def test_a_restart_the_engine_could_not_make_is_not_logged_as_one():
     logs = []
     sup = _supervisor([FakeProc(11, returncode=-9), FakeProc(-3004, returncode=1)], logs)
     sup.start(["worker:1"])
-    sup.apply(RestartTask("worker:1", "restart 1 of at most 1"))
+    sup.apply(RestartMember("worker:1", "restart 1 of at most 1"))
     assert logs == ["[launch] could not restart worker:1: it ended at once (code 1)"]

@@ -39,7 +39,7 @@ from tfdist import protocol
 from conftest import REPO, child_env, descendants_alive, launch_cmd, read_results
 from tfdist.launcher import faults, plan as plans
 from tfdist.launcher import injector as injectors
-from tfdist.launcher.state import JobState, SignalTask, TaskView
+from tfdist.launcher.state import JobState, SignalMember, MemberView
 from tfdist.strategies import kinds
 
 LOGREG_BAR = 0.90  # softmax regression on MNIST tops out near 0.92-0.93
@@ -104,7 +104,7 @@ TASKS = ("chief:0", "worker:0", "worker:1", "ps:0")
 
 def _state(pids=None, exits=None, attempt=0):
     pids, exits = pids or {}, exits or {}
-    return JobState(tuple(TaskView(n, pids.get(n, 100 + i), exits.get(n))
+    return JobState(tuple(MemberView(n, pids.get(n, 100 + i), exits.get(n))
                           for i, n in enumerate(TASKS)), attempt)
 
 
@@ -121,7 +121,7 @@ def test_kills_of_one_task_fire_in_order_one_per_process(tmp_path):
     log.emit(protocol.PROGRESS, 80, steps_per_worker={"worker:0": 30, "worker:1": 20})
     assert injector(_state()) == []
     log.emit(protocol.PROGRESS, 100, steps_per_worker={"worker:0": 40, "worker:1": 25})
-    assert injector(_state()) == [SignalTask("worker:1", signal.SIGKILL, group=True, pid=102)]
+    assert injector(_state()) == [SignalMember("worker:1", signal.SIGKILL, group=True, pid=102)]
     # Down, then restarted: a new process, counting from the first report after its start.
     assert injector(_state(exits={"worker:1": -9})) == []
     log.emit(protocol.PROGRESS, 120, steps_per_worker={"worker:0": 50, "worker:1": 25})
@@ -130,7 +130,7 @@ def test_kills_of_one_task_fire_in_order_one_per_process(tmp_path):
     assert injector(_state(pids={"worker:1": 202})) == []
     log.emit(protocol.PROGRESS, 160, steps_per_worker={"worker:0": 60, "worker:1": 35})
     assert injector(_state(pids={"worker:1": 202})) == [
-        SignalTask("worker:1", signal.SIGKILL, group=True, pid=202)]
+        SignalMember("worker:1", signal.SIGKILL, group=True, pid=202)]
     # The same process is never hit twice, however far it runs.
     log.emit(protocol.PROGRESS, 200, steps_per_worker={"worker:0": 60, "worker:1": 80})
     assert injector(_state(pids={"worker:1": 202})) == []
@@ -171,7 +171,7 @@ def test_down_is_due_while_that_task_is_down():
         [faults.Fault("kill", "ps:0", down="worker:1")], log=lambda m: None)
     assert injector(_state()) == []
     (kill,) = injector(_state(exits={"worker:1": -9}))
-    assert kill == SignalTask("ps:0", signal.SIGKILL, group=True, pid=103)
+    assert kill == SignalMember("ps:0", signal.SIGKILL, group=True, pid=103)
     assert injector.records[0]["target"] == "ps:0" and injector.waiting == []
 
 

@@ -165,22 +165,22 @@ def _env(**overrides):
 
 
 def test_task_index_counts_jobs_then_pods():
-    cfg = from_jobset(_env(JOB_INDEX="1", JOB_COMPLETION_INDEX="0"))
-    assert (cfg.task_type, cfg.task_index) == ("worker", 2)
-    assert cfg.cluster_dict() == {
+    cluster = from_jobset(_env(JOB_INDEX="1", JOB_COMPLETION_INDEX="0"))
+    assert (cluster.task_type, cluster.task_index) == ("worker", 2)
+    assert cluster.cluster_dict() == {
         "chief": ["js-chief-0-0.js:2222"],
         "worker": ["js-worker-0-0.js:2222", "js-worker-0-1.js:2222",
                    "js-worker-1-0.js:2222", "js-worker-1-1.js:2222"],
         "ps": ["js-ps-0-0.js:2222"],
     }
-    assert cfg.address == "js-worker-1-0.js:2222" and not cfg.is_chief
+    assert cluster.address == "js-worker-1-0.js:2222" and not cluster.is_chief
 
 
 def test_subdomain_and_evaluator():
-    cfg = from_jobset(_env(REPLICATED_JOB_NAME="evaluator", JOBSET_SUBDOMAIN="net",
+    cluster = from_jobset(_env(REPLICATED_JOB_NAME="evaluator", JOBSET_SUBDOMAIN="net",
                            TF_JOBSET_SHAPE="worker=1x2,evaluator=1x1"))
-    assert cfg.cluster_dict() == {"worker": ["js-worker-0-0.net:2222", "js-worker-0-1.net:2222"]}
-    assert cfg.task_type == "evaluator" and cfg.address is None
+    assert cluster.cluster_dict() == {"worker": ["js-worker-0-0.net:2222", "js-worker-0-1.net:2222"]}
+    assert cluster.task_type == "evaluator" and cluster.address is None
     assert pod_host("a", "b", 1, 2, "c") == "a-b-1-2.c"
 
 

@@ -22,15 +22,15 @@ class Toy(StrategyKind):
     name = "toy"
     summary = "a toy that trains on every worker"
 
-    def check(self, cfg):
-        if cfg.num_ps:
+    def check(self, cluster):
+        if cluster.num_ps:
             raise ConfigError("--strategy=toy takes no ps tasks")
 
-    def duty(self, cfg):
+    def duty(self, cluster):
         return "play with toy blocks"
 
-    def build(self, cfg, *, all_reduce="auto"):
-        return StrategyBundle(self, strategy=f"toy strategy for {cfg.task_name}")
+    def build(self, cluster, *, all_reduce="auto"):
+        return StrategyBundle(self, strategy=f"toy strategy for {cluster.member_name}")
 
 
 @pytest.fixture
@@ -46,8 +46,8 @@ def test_a_registered_kind_shows_in_dry_run_and_the_factory(toy, monkeypatch, ca
     plan = json.loads(capsys.readouterr().out)
     assert plan["strategy"] == "toy" and plan["action"] == "play with toy blocks"
     assert plan["replicas_in_sync"] == 1 and plan["task"] == "worker:1"
-    cfg = parse_tf_config(json.dumps({"cluster": W2, "task": {"type": "worker", "index": 0}}))
-    bundle = make_strategy("toy", cfg)
+    cluster = parse_tf_config(json.dumps({"cluster": W2, "task": {"type": "worker", "index": 0}}))
+    bundle = make_strategy("toy", cluster)
     assert bundle.kind is toy and bundle.strategy == "toy strategy for worker:0"
     assert "toy" in kinds.names()
     # The launcher derives its layout from the kind's facts, too.
@@ -98,7 +98,7 @@ def _project_modules():
 
 
 def test_no_strategy_name_is_compared_outside_strategies():
-    # The issue's grep, over the project's own files only: a virtualenv in
+    # A grep for compared strategy names, over the project's own files only: a virtualenv in
     # the checkout holds other projects' "== \"ps\"".
     compared = re.compile(r'== "(ps|multiworker|mirrored)"')
     outside = [f"{path.relative_to(REPO)}:{n}: {line.strip()}"

@@ -35,11 +35,11 @@ def outcome(text):
         return line
 
 
-def assert_usable(cfg: ClusterConfig):
+def assert_usable(cluster: ClusterConfig):
     """What the real run needs of an accepted config."""
-    assert set(cfg.cluster) <= set(ROLES) and cfg.cluster
-    assert "worker" in cfg.cluster or "ps" not in cfg.cluster
-    for role, index, address in cfg.tasks():
+    assert set(cluster.roles) <= set(ROLES) and cluster.roles
+    assert "worker" in cluster.roles or "ps" not in cluster.roles
+    for role, index, address in cluster.members():
         assert address.isascii() and address.isprintable() and " " not in address
         if address.startswith("["):
             host, _, port = address[1:].partition("]:")
@@ -48,15 +48,15 @@ def assert_usable(cfg: ClusterConfig):
             host.encode("idna")  # what socket.create_connection does first; must not raise
         assert port.isascii() and port.isdigit() and str(int(port)) == port
         assert 0 < int(port) < 65536
-    assert isinstance(cfg.task_index, int) and not isinstance(cfg.task_index, bool)
-    assert cfg.environment is None or isinstance(cfg.environment, str)
-    assert parse_tf_config(cfg.to_json()) == cfg  # the watchdog re-reads it
+    assert isinstance(cluster.task_index, int) and not isinstance(cluster.task_index, bool)
+    assert cluster.environment is None or isinstance(cluster.environment, str)
+    assert parse_tf_config(cluster.to_json()) == cluster  # the watchdog re-reads it
 
 
 def test_index_as_numeric_string_is_accepted_like_tensorflow():
-    cfg = parse_tf_config(tfc({"worker": ["localhost:1", "localhost:2"]}, "worker", "1"))
-    assert cfg.task_index == 1 and cfg.address == "localhost:2"
-    assert json.loads(cfg.to_json())["task"]["index"] == 1
+    cluster = parse_tf_config(tfc({"worker": ["localhost:1", "localhost:2"]}, "worker", "1"))
+    assert cluster.task_index == 1 and cluster.address == "localhost:2"
+    assert json.loads(cluster.to_json())["task"]["index"] == 1
 
 
 @pytest.mark.parametrize("index", ["1.0", "one", " 1", "1 ", "+1", "1_0", "01", "\u0661", "\u00b9", "",
@@ -72,9 +72,9 @@ def test_other_indexes_are_refused(index):
     "job-worker-0.ns.svc.cluster.local:2222", "web_1:8080", "10.0.0.255:1",
 ])
 def test_addresses_the_run_can_use_are_kept_as_written(address):
-    cfg = parse_tf_config(tfc({"worker": [address]}))
-    assert cfg.address == address
-    assert_usable(cfg)
+    cluster = parse_tf_config(tfc({"worker": [address]}))
+    assert cluster.address == address
+    assert_usable(cluster)
 
 
 @pytest.mark.parametrize("first,second", [
@@ -94,25 +94,25 @@ def test_one_host_port_written_two_ways_is_refused(first, second):
 
 
 def test_different_ports_or_hosts_are_not_duplicates():
-    cfg = parse_tf_config(tfc({"worker": ["localhost:2222", "localhost:2223", "node:2222", "[::2]:2222"]}))
-    assert cfg.num_workers == 4
+    cluster = parse_tf_config(tfc({"worker": ["localhost:2222", "localhost:2223", "node:2222", "[::2]:2222"]}))
+    assert cluster.num_workers == 4
 
 
-@pytest.mark.parametrize("cluster,task", [
+@pytest.mark.parametrize("cluster,role", [
     ({"chief": ["localhost:1"], "ps": ["localhost:2"]}, "chief"),
     ({"ps": ["localhost:2"]}, "ps"),
     ({"chief": ["localhost:1"], "ps": ["localhost:2"], "evaluator": ["localhost:3"]}, "evaluator"),
 ])
-def test_a_ps_cluster_needs_a_worker_as_tensorflow_does(cluster, task):
-    line = outcome(tfc(cluster, task))
+def test_a_ps_cluster_needs_a_worker_as_tensorflow_does(cluster, role):
+    line = outcome(tfc(cluster, role))
     assert isinstance(line, str) and "no worker" in line
 
 
 def test_a_worker_cluster_needs_no_ps_and_evaluator_is_as_before():
     assert parse_tf_config(tfc({"chief": ["localhost:1"]}, "chief")).is_chief
-    cfg = parse_tf_config(tfc({"chief": ["localhost:1"], "worker": ["localhost:2"], "ps": ["localhost:3"]},
+    cluster = parse_tf_config(tfc({"chief": ["localhost:1"], "worker": ["localhost:2"], "ps": ["localhost:3"]},
                               "evaluator"))
-    assert cfg.task_name == "evaluator:0" and cfg.address is None
+    assert cluster.member_name == "evaluator:0" and cluster.address is None
 
 
 @pytest.mark.parametrize("environment,ok", [
@@ -234,7 +234,7 @@ def test_fuzzed_text_is_a_config_or_one_line():
     "localhost:99999", "localhost:-1", "localhost:x", "localhost:", ":", "", "[::1]:99999", "[::1]:", "[:1",
 ])
 def test_reachable_never_raises(address):
-    # Issue 19: a UnicodeError from the idna codec escaped and killed the watchdog.
+    # A UnicodeError from the idna codec once escaped and killed the watchdog.
     assert reachable(address, timeout=0.2) is False
 
 
@@ -249,26 +249,26 @@ def test_reachable_sees_a_listening_loopback_port():
 
 def test_missing_tasks_names_a_peer_with_an_unencodable_host():
     # Built directly, past the parser, as a Slurm step or an older TF_CONFIG could.
-    cfg = ClusterConfig(cluster={"worker": ("localhost:1", "host..example:2222")},
+    cluster = ClusterConfig(roles={"worker": ("localhost:1", "host..example:2222")},
                         task_type="worker", task_index=0)
-    assert missing_tasks(cfg) == ["worker:1 (host..example:2222)"]
+    assert missing_tasks(cluster) == ["worker:1 (host..example:2222)"]
 
 
 PS_CLUSTER = {"chief": ["h1:2222"], "worker": ["h1:2223", "h2:2222"], "ps": ["h2:2223"]}
 
 
 def test_no_tf_config_is_a_local_chief():
-    cfg = parse_tf_config(None)
-    assert cfg.is_local and cfg.is_chief and cfg.num_workers == 1 and cfg.num_ps == 0
+    cluster = parse_tf_config(None)
+    assert cluster.is_local and cluster.is_chief and cluster.num_workers == 1 and cluster.num_ps == 0
     assert parse_tf_config("  ").is_local
 
 
 def test_parses_roles_addresses_and_chief():
-    cfg = parse_tf_config(tfc(PS_CLUSTER, "worker", 1))
-    assert (cfg.task_type, cfg.task_index, cfg.address) == ("worker", 1, "h2:2222")
-    assert not cfg.is_chief
-    assert cfg.num_workers == 3 and cfg.num_ps == 1
-    assert cfg.tasks()[0] == ("chief", 0, "h1:2222")
+    cluster = parse_tf_config(tfc(PS_CLUSTER, "worker", 1))
+    assert (cluster.task_type, cluster.task_index, cluster.address) == ("worker", 1, "h2:2222")
+    assert not cluster.is_chief
+    assert cluster.num_workers == 3 and cluster.num_ps == 1
+    assert cluster.members()[0] == ("chief", 0, "h1:2222")
     assert parse_tf_config(tfc(PS_CLUSTER, "chief")).is_chief
 
 
@@ -280,16 +280,16 @@ def test_worker_zero_is_chief_only_without_a_chief_task():
 
 
 def test_kubeflow_environment_key_is_accepted():
-    cfg = parse_tf_config(tfc({"worker": ["job-worker-0.ns.svc:2222"]}, "worker", environment="cloud"))
-    assert cfg.environment == "cloud" and cfg.is_chief
+    cluster = parse_tf_config(tfc({"worker": ["job-worker-0.ns.svc:2222"]}, "worker", environment="cloud"))
+    assert cluster.environment == "cloud" and cluster.is_chief
 
 
 def test_config_is_frozen():
-    cfg = parse_tf_config(tfc(PS_CLUSTER, "ps"))
+    cluster = parse_tf_config(tfc(PS_CLUSTER, "ps"))
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.task_index = 3
+        cluster.task_index = 3
     with pytest.raises(TypeError):
-        cfg.cluster["ps"] = ("x:1",)
+        cluster.roles["ps"] = ("x:1",)
 
 
 @pytest.mark.parametrize("cluster,expected", [
@@ -344,10 +344,10 @@ def test_bad_tf_config_raises_config_error():
 
 def test_evaluator_may_stay_outside_the_cluster_as_kubeflow_writes_it():
     # The training operator leaves the evaluator out of "cluster".
-    cfg = parse_tf_config(json.dumps({"cluster": PS_CLUSTER, "task": {"type": "evaluator", "index": 0},
+    cluster = parse_tf_config(json.dumps({"cluster": PS_CLUSTER, "task": {"type": "evaluator", "index": 0},
                                       "environment": "cloud"}))
-    assert cfg.task_name == "evaluator:0" and cfg.address is None and not cfg.is_chief
-    assert parse_tf_config(cfg.to_json()) == cfg
+    assert cluster.member_name == "evaluator:0" and cluster.address is None and not cluster.is_chief
+    assert parse_tf_config(cluster.to_json()) == cluster
     with pytest.raises(ConfigError, match="index is 1"):
         parse_tf_config(tfc(PS_CLUSTER, "evaluator", 1))
     with pytest.raises(ConfigError, match="'master'"):  # only the evaluator may be missing

@@ -414,7 +414,7 @@ class LoggingRecorder(Recorder):
 
 
 class AllCallbacks(Validated):
-    """Every callback the issue names, files into ``$FIT_CALLBACKS_DIR`` (5 epochs asked):
+    """Keras's built-in callbacks and a custom one, writing files into ``$FIT_CALLBACKS_DIR`` (5 epochs asked):
 
     - LearningRateScheduler: the rate 0 from the third epoch (index 2) on, so the weights
       stop changing there;

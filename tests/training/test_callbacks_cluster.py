@@ -1,4 +1,4 @@
-"""Every Keras callback issue 37 names, run on the chief of a cluster as ``fit`` runs them.
+"""Keras's built-in callbacks (and a custom one) run on the chief of a cluster as ``fit`` runs them.
 
 ``fit_tasks.ALL_CALLBACKS`` gives ModelCheckpoint, CSVLogger, TensorBoard,
 LearningRateScheduler, ReduceLROnPlateau, EarlyStopping and a custom callback,

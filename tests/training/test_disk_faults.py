@@ -115,7 +115,7 @@ def test_the_line_says_what_where_why_and_how_to_resume(err, cause, fix):
     if isinstance(err, tuple):
         err = _op_error(*err)
     fault = storage_fault(err, "save the checkpoint at step 400 in '/m/checkpoints'",
-                          task="chief:0", checkpoint_step=200)
+                          member="chief:0", checkpoint_step=200)
     line = str(fault)
     assert isinstance(fault, StorageFault) and "\n" not in line
     assert line.startswith("chief:0 could not save the checkpoint at step 400 in '/m/checkpoints'")
@@ -154,7 +154,7 @@ def test_a_worker_saving_privately_does_not_claim_its_own_save_as_the_resume_poi
         chief.saved_at = worker.saved_at = 400
         assert chief.resume_step == 400 and worker.resume_step == -1
         err = OSError(errno.ENOSPC, "No space left on device", "/m/checkpoints/ckpt-600")
-        line = str(storage_fault(err, task="worker:1", checkpoint_step=worker.resume_step))
+        line = str(storage_fault(err, member="worker:1", checkpoint_step=worker.resume_step))
         assert "step 400" not in line and "resume from it" in line, line
     finally:
         worker.close()
@@ -186,13 +186,13 @@ def test_fault_exit_prints_one_line_and_returns_74(capsys):
 
 def test_the_restarter_leaves_a_task_that_exited_74_down():
     from tfdist.launcher import faults
-    from tfdist.launcher.state import JobState, TaskView
+    from tfdist.launcher.state import JobState, MemberView
 
     restarter = restarters.TaskRestarter(0.0, log=lambda _: None, clock=lambda: 0.0)
-    state = JobState((TaskView("worker:1", 11, int(Exit.STORAGE), 1),
-                      TaskView("worker:2", 12, int(Exit.FAILED), 1)), 0)
+    state = JobState((MemberView("worker:1", 11, int(Exit.STORAGE), 1),
+                      MemberView("worker:2", 12, int(Exit.FAILED), 1)), 0)
     restarter(state)  # each failed task's restart is due after the delay: the next poll
-    assert [a.task for a in restarter(state)] == ["worker:2"]  # a crash is restarted, 74 not
+    assert [a.member for a in restarter(state)] == ["worker:2"]  # a crash is restarted, 74 not
 
 
 @pytest.mark.parametrize("said,relaunches,cause,verdict", [

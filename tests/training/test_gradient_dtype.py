@@ -22,9 +22,9 @@ from tfdist.training.config import GRADIENT_DTYPES, TrainConfig
 
 def test_flag_reaches_the_config_and_float32_is_the_default():
     assert train.config_from_args(train.parse_args([])).gradient_dtype == "float32"
-    cfg = train.config_from_args(train.parse_args(["--gradient-dtype", "bfloat16"]))
-    assert cfg.gradient_dtype == "bfloat16"
-    cfg.validate()
+    config = train.config_from_args(train.parse_args(["--gradient-dtype", "bfloat16"]))
+    assert config.gradient_dtype == "bfloat16"
+    config.validate()
     assert GRADIENT_DTYPES == ("float32", "bfloat16", "float16")
 
 

@@ -70,11 +70,11 @@ def test_default_k_is_the_number_of_workers_and_sets_the_gradient_batch():
     from tfdist.training.config import TrainConfig
     from tfdist.training.plan import resolve
 
-    cfg = parse_tf_config(json.dumps({"cluster": {**CLUSTER, "worker": ["a:1", "b:1", "c:1", "d:1"]},
+    cluster = parse_tf_config(json.dumps({"cluster": {**CLUSTER, "worker": ["a:1", "b:1", "c:1", "d:1"]},
                                       "task": {"type": "chief", "index": 0}}))
 
     def plan(**kw):
-        return resolve(TrainConfig(cluster=cfg, global_batch_size=128, **kw), [],
+        return resolve(TrainConfig(cluster=cluster, global_batch_size=128, **kw), [],
                        train_examples=60_000)
 
     p = plan(strategy="ps-sync")
@@ -99,8 +99,8 @@ def test_the_kind_names_its_trainer_and_is_never_auto():
     assert policy.layout(kind, 2, 1) == {"chief": 1, "worker": 2, "ps": 1}
     from tfdist.strategies.tf_config import parse_tf_config
 
-    cfg = parse_tf_config(json.dumps({"cluster": CLUSTER, "task": {"type": "chief", "index": 0}}))
-    assert kinds.resolve("auto", cfg).name == "ps"
+    cluster = parse_tf_config(json.dumps({"cluster": CLUSTER, "task": {"type": "chief", "index": 0}}))
+    assert kinds.resolve("auto", cluster).name == "ps"
 
 
 # --- real clusters ----------------------------------------------------------------

@@ -150,7 +150,7 @@ def test_task_lost_names_the_unreachable_task_in_one_line():
     from tfdist.training.loop.recovery import task_lost
 
     port0, port1 = processes.free_ports(2)
-    cfg = parse_tf_config(
+    cluster = parse_tf_config(
         '{"cluster": {"worker": ["localhost:%d", "localhost:%d"]}, '
         '"task": {"type": "worker", "index": 0}}' % (port0, port1))
     grpc_text = (
@@ -158,7 +158,7 @@ def test_task_lost_names_the_unreachable_task_in_one_line():
         "Collective ops is aborted by: recvmsg:Connection reset by peer\n"
         "Additional GRPC error information from remote target /job:worker/replica:0/task:1\n"
     )
-    err = task_lost(RuntimeError(grpc_text), cfg, "training", step=616, checkpoint_step=600)
+    err = task_lost(RuntimeError(grpc_text), cluster, "training", step=616, checkpoint_step=600)
     message = str(err)
     assert "\n" not in message
     assert f"worker:0 lost worker:1 (localhost:{port1})" in message

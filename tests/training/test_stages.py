@@ -81,25 +81,25 @@ def test_make_plan_checks_workers_stages_and_batch():
         stages.make_plan(4, 3, 2, None, 64)
 
 
-def _cluster(workers, ps=0, task=("chief", 0)):
+def _cluster(workers, ps=0, member=("chief", 0)):
     cluster = {"chief": ["localhost:1"], "worker": [f"localhost:{10 + i}" for i in range(workers)]}
     if ps:
         cluster["ps"] = ["localhost:2"]
     return parse_tf_config(json.dumps({"cluster": cluster,
-                                       "task": {"type": task[0], "index": task[1]}}))
+                                       "task": {"type": member[0], "index": member[1]}}))
 
 
 def test_the_pipeline_kind_lays_out_a_client_and_serving_workers():
     kind = kinds.get("pipeline")
     assert kind.pipelined and kind.trainer in kinds.LOOPS
     assert policy.layout(kind, 4) == {"chief": 1, "worker": 4, "ps": 0}
-    assert launch_plan.task_names(kind, 2) == ["chief:0", "worker:0", "worker:1"]
+    assert launch_plan.member_names(kind, 2) == ["chief:0", "worker:0", "worker:1"]
     assert not policy.decides(kind, "worker:1") and policy.decides(kind, "chief:0")
-    cfg = _cluster(2)
-    assert kind.reads_data(cfg) and not kind.serves(cfg)
-    assert kind.serves(_cluster(2, task=("worker", 1)))
+    cluster = _cluster(2)
+    assert kind.reads_data(cluster) and not kind.serves(cluster)
+    assert kind.serves(_cluster(2, member=("worker", 1)))
     # --strategy auto never cuts a model on its own.
-    assert kinds.resolve("auto", cfg).name != "pipeline"
+    assert kinds.resolve("auto", cluster).name != "pipeline"
     with pytest.raises(ConfigError, match="takes no 'ps' job"):
         kinds.resolve("pipeline", _cluster(2, ps=1))
     with pytest.raises(ConfigError, match="takes no ps tasks"):

@@ -138,15 +138,15 @@ def test_stuck_text_names_stuck_and_unreachable_peers():
     gone.bind(("127.0.0.1", 0))
     gone_addr = f"127.0.0.1:{gone.getsockname()[1]}"
     gone.close()
-    cfg = parse_tf_config(json.dumps({
+    cluster = parse_tf_config(json.dumps({
         "cluster": {"chief": ["127.0.0.1:1"], "worker": [ok_addr, silent_addr],
                     "ps": [gone_addr]},
         "task": {"type": "chief", "index": 0}}))
     try:
-        states = server.peer_states(cfg, timeout=0.5)
+        states = server.peer_states(cluster, timeout=0.5)
         assert states == {f"worker:0 ({ok_addr})": "ok", f"worker:1 ({silent_addr})": "stuck",
                           f"ps:0 ({gone_addr})": "unreachable"}
-        text = server.stuck_text(cfg, timeout=0.5)
+        text = server.stuck_text(cluster, timeout=0.5)
         assert text == (f"stuck tasks (they accept connections but do not answer): worker:1 "
                         f"({silent_addr}); unreachable tasks: ps:0 ({gone_addr})")
     finally:
@@ -169,10 +169,10 @@ def _guard_for(victim_pid: int, worker_addr: str, timeout: str = "1"):
     from conftest import REPO
     from tfdist.strategies.tf_config import parse_tf_config
 
-    cfg = parse_tf_config(json.dumps({
+    cluster = parse_tf_config(json.dumps({
         "cluster": {"chief": ["127.0.0.1:1"], "worker": [worker_addr]},
         "task": {"type": "chief", "index": 0}}))
-    return subprocess.Popen([sys.executable, "-m", "tfdist.strategies.server", "--guard", cfg.to_json(),
+    return subprocess.Popen([sys.executable, "-m", "tfdist.strategies.server", "--guard", cluster.to_json(),
                              timeout, str(victim_pid)], cwd=REPO, stdin=subprocess.PIPE,
                             stderr=subprocess.PIPE)
 

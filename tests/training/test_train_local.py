@@ -30,9 +30,9 @@ def test_flat_scalars_turn_per_worker_fields_into_paths():
 
 def test_mirrored_few_steps_writes_outputs_and_resumes(tmp_path, capsys):
     model_dir = str(tmp_path / "run")
-    cfg = TrainConfig(strategy="mirrored", steps=30, log_every=10, model_dir=model_dir,
+    config = TrainConfig(strategy="mirrored", steps=30, log_every=10, model_dir=model_dir,
                       steps_per_execution=4, data_dir=os.environ.get("TFDS_DATA_DIR"))
-    results = train.run(cfg)
+    results = train.run(config)
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1].startswith("SUMMARY strategy=mirrored")
     # Four steps per call: progress at the first call past each 10 steps.
@@ -49,7 +49,7 @@ def test_mirrored_few_steps_writes_outputs_and_resumes(tmp_path, capsys):
     assert "_hparams_/session_start_info" in tags["plugin"], tags
     assert os.path.exists(os.path.join(model_dir, "checkpoints", "checkpoint"))
 
-    resumed = train.run(TrainConfig(**{**cfg.__dict__, "steps": 40}))
+    resumed = train.run(TrainConfig(**{**config.__dict__, "steps": 40}))
     assert "resumed from" in capsys.readouterr().out
     assert resumed["resumed_from_step"] == 30 and resumed["global_steps"] == 40
     assert resumed["steps_this_run"] == 10
@@ -61,17 +61,17 @@ def test_logreg_sgd_learns(tmp_path):
         log_every=50, steps_per_execution=10, model_dir=str(tmp_path / "lr"),
         data_dir=os.environ.get("TFDS_DATA_DIR"),
     ))
-    assert results["strategy"] == "mirrored" and results["model"] == "mnist-logreg"
+    assert results["strategy"] == "mirrored" and results["task"] == "mnist-logreg"
     assert results["test_accuracy"] > 0.85
 
 
 def test_dry_run_prints_plan_and_starts_nothing(tmp_path, capsys):
     cluster = {"chief": ["localhost:1"], "worker": ["localhost:2", "localhost:3"], "ps": ["localhost:4"]}
-    cfg = TrainConfig(
+    config = TrainConfig(
         dry_run=True, model_dir=str(tmp_path / "m"),
         cluster=parse_tf_config(json.dumps({"cluster": cluster, "task": {"type": "ps", "index": 0}})),
     )
-    assert train.run(cfg) is None
+    assert train.run(config) is None
     plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert plan["strategy"] == "ps" and plan["role"] == "ps" and plan["task"] == "ps:0"
     assert plan["devices"]["visible_gpus"] == [] and "variables" in plan["action"]

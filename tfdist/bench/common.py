@@ -98,7 +98,7 @@ def parse_only(text: str | None) -> tuple[str, ...]:
 def hosts_for(kind, workers: int, ps: int) -> int:
     """Simulated hosts for a run with ``--hosts``: one per computing task, one more
     for the tasks that only coordinate or serve (as ``launcher.plan.place_tasks``)."""
-    names = plans.task_names(kind, workers, ps)
+    names = plans.member_names(kind, workers, ps)
     busy = [n for n in names if n.partition(":")[0] in kind.computing_roles]
     return len(busy) + (1 if len(names) > len(busy) else 0)
 

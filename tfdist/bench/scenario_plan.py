@@ -252,14 +252,6 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
     runs: list[ScenarioRun] = []
     train = TRAIN
 
-    def common(scenario: Scenario, length: list[str], eval_every: int) -> list[str]:
-        batch = scenario.global_batch or args.global_batch_size
-        flags = ["--model", args.model, *length, "--global-batch-size", str(batch),
-                 "--seed", str(args.seed), "--steps-per-execution", str(args.steps_per_execution),
-                 "--eval-every", str(eval_every),
-                 "--log-every", str(scenario.log_every or args.log_every)]
-        return flags + (["--data-dir", args.data_dir] if args.data_dir else [])
-
     def add(phase, scenario, key, kind, workers, prefix, flags, peer=""):
         config = key if scenario is None else f"{scenario.name}/{key}"
         name = f"{phase[:3]}-{config.replace('/', '-')}"
@@ -286,10 +278,10 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
 
     for phase in ("throughput", "accuracy")[0 if args.short_steps else 1:]:
         if phase == "throughput":
-            base_flags = common(uniform, ["--steps", str(args.short_steps)], 0)
+            base_flags = _common_flags(args, uniform, ["--steps", str(args.short_steps)], 0)
         else:
             length, every, _ = accuracy_length(args, uniform)
-            base_flags = common(uniform, length, every)
+            base_flags = _common_flags(args, uniform, length, every)
         if not scenarios:
             break  # a study alone (--scenarios sparse): no MNIST run at all
         add(phase, None, BASELINE, BASELINE, 1,
@@ -300,10 +292,10 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
             if phase == "throughput" and scenario.name not in short_in:
                 continue
             if phase == "throughput":
-                flags = common(scenario, ["--steps", str(args.short_steps)], 0)
+                flags = _common_flags(args, scenario, ["--steps", str(args.short_steps)], 0)
             else:
                 length, every, _ = accuracy_length(args, scenario)
-                flags = common(scenario, length, every)
+                flags = _common_flags(args, scenario, length, every)
             for v in (v for v in variants(scenario.workers, scenario.half) if v.kind in only):
                 prefix = launch_prefix(python, strategy_kinds.get(v.kind), scenario.workers,
                                        scenario, args.run_timeout)
@@ -312,12 +304,27 @@ def plan_runs(args, python: str = sys.executable, have_tf_keras: bool = True) ->
                 if phase == "accuracy" and scenario.name == UNIFORM:
                     add_peer(v.key, flags)
     runs += repeat_rounds(runs, peers, args.peer_repeats, args.out)
-    runs += plan_staleness(args, python)
-    if sparse.SPARSE in scenario_names(args.scenarios):
+    return runs + plan_staleness(args, python) + _plan_studies(args, python)
+
+
+def _common_flags(args, scenario: Scenario, length: list[str], eval_every: int) -> list[str]:
+    """The training flags every run of ``scenario`` shares (its batch, seed, cadences, data)."""
+    batch = scenario.global_batch or args.global_batch_size
+    flags = ["--model", args.model, *length, "--global-batch-size", str(batch),
+             "--seed", str(args.seed), "--steps-per-execution", str(args.steps_per_execution),
+             "--eval-every", str(eval_every),
+             "--log-every", str(scenario.log_every or args.log_every)]
+    return flags + (["--data-dir", args.data_dir] if args.data_dir else [])
+
+
+def _plan_studies(args, python: str) -> list[ScenarioRun]:
+    """The runs of the studies ``--scenarios`` names (sparse, scaling, model-parallel), in that order."""
+    names, runs = scenario_names(args.scenarios), []
+    if sparse.SPARSE in names:
         runs += sparse.plan(args, python)
-    if scaling.SCALING in scenario_names(args.scenarios):
+    if scaling.SCALING in names:
         runs += scaling.plan(args, python)
-    if model_parallel.MODEL_PARALLEL in scenario_names(args.scenarios):
+    if model_parallel.MODEL_PARALLEL in names:
         runs += model_parallel.plan(args, python)
     return runs
 

@@ -90,24 +90,7 @@ def render_markdown(rows: list[dict], targets: list[dict], settings: dict, machi
                          f"| {_fmt(row.get('ours_steady_examples_per_sec'), ',.0f')} "
                          f"| {_runs_cell(row)} |")
         lines.append("")
-    st_rows = [r for r in rows if r["scenario"] == "staleness"]
-    if st_rows:
-        lines += ["## Staleness study: async ps, softmax regression, plain SGD", "",
-                  "Batch 100, one step per call, constant learning rate, as in the classic "
-                  "walk-through. Staleness: updates other workers applied between a step's read "
-                  "of the weights and its own update.", "",
-                  "| workers | learning rate | staleness mean | p99 | max | test accuracy | examples/s |",
-                  "|---|---|---|---|---|---|---|"]
-        for row in st_rows:
-            if not row["ok"]:
-                lines.append(f"| {row['workers']} | {row['variant']} | FAILED | | | | |")
-                continue
-            st = row["staleness"] or {}
-            lines.append(f"| {row['workers']} | {_fmt(row.get('learning_rate'), 'g')} "
-                         f"| {_fmt(st.get('mean'), '.2f')} | {_fmt(st.get('p99'), 'g')} "
-                         f"| {_fmt(st.get('max'), 'g')} | {row['test_accuracy']:.4f} "
-                         f"| {row['examples_per_sec']:,.0f} |")
-        lines.append("")
+    lines += render_staleness(rows)
     lines += render_links(rows)
     lines += scaling.render(rows)
     lines += sparse.render(rows)
@@ -117,6 +100,30 @@ def render_markdown(rows: list[dict], targets: list[dict], settings: dict, machi
         mark = {True: "met", False: "**missed**", None: "not measured"}[t["met"]]
         lines.append(f"- {t['target']}: {mark}: {t['text']}")
     return "\n".join(lines) + "\n"
+
+
+def render_staleness(rows: list[dict]) -> list[str]:
+    """The staleness study's section: one line per worker count and learning rate."""
+    st_rows = [r for r in rows if r["scenario"] == "staleness"]
+    if not st_rows:
+        return []
+    lines = ["## Staleness study: async ps, softmax regression, plain SGD", "",
+             "Batch 100, one step per call, constant learning rate, as in the classic "
+             "walk-through. Staleness: updates other workers applied between a step's read "
+             "of the weights and its own update.", "",
+             "| workers | learning rate | staleness mean | p99 | max | test accuracy | examples/s |",
+             "|---|---|---|---|---|---|---|"]
+    for row in st_rows:
+        if not row["ok"]:
+            lines.append(f"| {row['workers']} | {row['variant']} | FAILED | | | | |")
+            continue
+        st = row["staleness"] or {}
+        lines.append(f"| {row['workers']} | {_fmt(row.get('learning_rate'), 'g')} "
+                     f"| {_fmt(st.get('mean'), '.2f')} | {_fmt(st.get('p99'), 'g')} "
+                     f"| {_fmt(st.get('max'), 'g')} | {row['test_accuracy']:.4f} "
+                     f"| {row['examples_per_sec']:,.0f} |")
+    lines.append("")
+    return lines
 
 
 def render_links(rows: list[dict]) -> list[str]:

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from tfdist import protocol
 from tfdist.bench.common import LAUNCH, ROOT
 from tfdist.launcher import cgroups, policy
-from tfdist.launcher.plan import place_tasks
+from tfdist.launcher.plan import place_members
 from tfdist.launcher.processes import live_processes
 from tfdist.strategies import ConfigError, kinds
 from tfdist.strategies.kinds import StrategyKind
@@ -81,10 +81,10 @@ class DrawnFault:
         return f"--{self.action}={target}@step={self.step}{lasting}"
 
 
-def fault_kind(action: str, task: str) -> str:
+def fault_kind(action: str, member: str) -> str:
     """The table's fault kind: a kill of a task that trains on no role
     (a ps task, holding variables) is a "ps loss"."""
-    role = task.partition(":")[0]
+    role = member.partition(":")[0]
     return "ps loss" if action == "kill" and role not in (*TRAINING_ROLES, "local") else action
 
 
@@ -95,9 +95,9 @@ def pick_faults(rng: random.Random, kind: StrategyKind, steps: int,
     pool = list(policy.survivable_faults(kind, hosts=not kind.single_process))
     chosen = rng.sample(pool, min(len(pool), rng.randint(1, most)))
     faults = []
-    for action, task in chosen:
+    for action, member in chosen:
         span = policy.LASTING_SECONDS.get(action)
-        faults.append(DrawnFault(fault_kind(action, task), action, task,
+        faults.append(DrawnFault(fault_kind(action, member), action, member,
                                  rng.randrange(100, steps - 100),
                                  rng.randint(*span) if span else None))
     return sorted(faults, key=lambda f: f.step)
@@ -112,7 +112,7 @@ def hosts_for(kind: StrategyKind, faults: list[DrawnFault]) -> tuple[int | None,
         return None, None
     names = policy.soak_tasks(kind)
     for hosts in range(2, len(names) + 1):
-        host_of = place_tasks(kind, names, hosts)
+        host_of = place_members(kind, names, hosts)
         if all(sum(1 for h in host_of.values() if h == host_of[t]) == 1 for t in cut):
             return hosts, host_of
     raise ConfigError(f"no --hosts puts {sorted(cut)} alone on a host under {kind.name}")
@@ -364,8 +364,8 @@ def left_behind(marker: str, model_dir: str, before: Before, settle: float = 10.
 # --- one job ----------------------------------------------------------------------
 
 def lead_events(launch_dir: str) -> list[protocol.Event]:
-    for task in LEAD_TASKS:
-        path = protocol.events_path(launch_dir, task)
+    for member in LEAD_TASKS:
+        path = protocol.events_path(launch_dir, member)
         if os.path.exists(path):
             return protocol.read_all_events(path)
     return []

@@ -26,7 +26,7 @@ import sys
 
 from tfdist import flags, protocol
 from tfdist.launcher.config import LaunchRequest
-from tfdist.launcher.job import TaskCheckFailed, run_request
+from tfdist.launcher.job import MemberCheckFailed, run_request
 from tfdist.launcher.plan import LaunchError
 from tfdist.protocol import Exit
 from tfdist.strategies import kinds
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         return Exit.BAD_INPUT
     try:
         return run_request(request_from_args(args, train_args))
-    except TaskCheckFailed as err:
+    except MemberCheckFailed as err:
         print(err.line, file=sys.stderr)
         return err.code
     except LaunchError as err:

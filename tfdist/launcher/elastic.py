@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from tfdist import protocol
 from tfdist.launcher.plan import LaunchError, tf_configs_at
-from tfdist.launcher.state import JobState, RestartTask, SignalTask
+from tfdist.launcher.state import JobState, RestartMember, SignalMember
 from tfdist.protocol import Exit
 from tfdist.strategies import kinds
 from tfdist.strategies.kinds import StrategyKind
@@ -267,7 +267,7 @@ class Membership:
             else:
                 self.down_since.pop(name, None)
         if self.down_since and not self.lost:
-            failed = any(t.exit_code not in (None, 0) for t in state.tasks)
+            failed = any(t.exit_code not in (None, 0) for t in state.members)
             waited = now - min(self.down_since.values())
             if failed or waited >= self.plan.rejoin_timeout:
                 # The survivors are blocked in (or have left) a collective with
@@ -277,15 +277,15 @@ class Membership:
                 self.log(f"[launch] {', '.join(self.lost)} unreachable for {waited:.0f} s"
                          + (" and the others' all-reduce failed" if failed else "")
                          + ": stopping this formation of the cluster to re-form it")
-                return [SignalTask(t.name, signal.SIGKILL, pid=t.pid)
-                        for t in state.tasks if t.running]
+                return [SignalMember(t.name, signal.SIGKILL, pid=t.pid)
+                        for t in state.members if t.running]
             return []
         back = [w for w in self.workers if w not in self.members
                 and self.host_of.get(w) not in down]
         if back and self.back_seen is None:
             self.back_seen = time.time()  # the return, which the grow-back is timed from
         if back and self.started and not self.growing and not self.down_since:
-            first = next((t for t in state.tasks if t.running and (
+            first = next((t for t in state.members if t.running and (
                 t.name == self.saver if self.saver else t.name in self.members)), None)
             if first is not None:
                 self.growing = back
@@ -293,7 +293,7 @@ class Membership:
                 self.log(f"[launch] {', '.join(back)}: host reachable again; SIGTERM to "
                          f"{first.name}: the job checkpoints where it is and stops (exit 42), "
                          f"then re-forms with {_workers(len(self.members) + len(back))}")
-                return [SignalTask(first.name, signal.SIGTERM, group=False, pid=first.pid)]
+                return [SignalMember(first.name, signal.SIGTERM, group=False, pid=first.pid)]
         return []
 
     def _live(self, state: JobState, down: set, now: float) -> list:
@@ -304,7 +304,7 @@ class Membership:
             return []  # the job is being stopped
         actions: list = []
         for name in list(self.members):
-            view = state.task(name)
+            view = state.member(name)
             host = self.host_of.get(name)
             if host not in down:
                 self.down_since.pop(name, None)
@@ -314,7 +314,7 @@ class Membership:
             if not ended and now - since < self.plan.rejoin_timeout:
                 continue
             if not ended:
-                actions.append(SignalTask(name, signal.SIGKILL, pid=view.pid))
+                actions.append(SignalMember(name, signal.SIGKILL, pid=view.pid))
             self.members.remove(name)
             self.changed_at = time.time()
             self._live_change(f"{name} left (host{host} unreachable"
@@ -323,12 +323,12 @@ class Membership:
         for name in self.workers:
             if name in self.members or self.host_of.get(name) in down:
                 continue
-            view = state.task(name)
+            view = state.member(name)
             if view is not None and view.running:
                 continue
             self.members = [w for w in self.workers if w in self.members or w == name]
             self.changed_at = time.time()
-            actions.append(RestartTask(name, note="its host is reachable again"))
+            actions.append(RestartMember(name, note="its host is reachable again"))
             self._live_change(f"{name} back (host{self.host_of.get(name)} reachable again)",
                               "growing back to")
         if len(self.members) >= self.plan.min_workers:
@@ -341,8 +341,8 @@ class Membership:
                      f"{self.plan.rejoin_timeout:g} s (--rejoin-timeout), below --min-workers="
                      f"{self.plan.min_workers}; stopping (exit {int(Exit.TASK_LOST)}): run the "
                      "same command when capacity is back to resume from the newest checkpoint")
-            actions += [SignalTask(t.name, signal.SIGKILL, pid=t.pid)
-                        for t in state.tasks if t.running]
+            actions += [SignalMember(t.name, signal.SIGKILL, pid=t.pid)
+                        for t in state.members if t.running]
         return actions
 
     def _live_change(self, why: str, verb: str) -> None:

@@ -51,7 +51,7 @@ class Fault:
     """
 
     action: str
-    task: str
+    member: str
     seconds: float | None = None
     step: int | None = None
     lift_after: float | None = None
@@ -61,7 +61,7 @@ class Fault:
     @property
     def host(self) -> int | None:
         """The simulated host's index, for a partition."""
-        return int(self.task[len("host"):]) if self.action == "partition" else None
+        return int(self.member[len("host"):]) if self.action == "partition" else None
 
     @property
     def ends_process(self) -> bool:
@@ -73,14 +73,14 @@ class Fault:
                 f"ran={self.ran}" if self.ran is not None else
                 f"down={self.down}" if self.down is not None else f"{self.seconds:g}s")
         lift = f"+{self.lift_after:g}s" if self.lift_after is not None else ""
-        return f"--{self.action} {self.task}@{when}{lift}"
+        return f"--{self.action} {self.member}@{when}{lift}"
 
 
 @dataclass(frozen=True)
 class Slow:
     """``--slow``: run ``task`` at ``fraction`` of its speed, from the start or from WHEN on."""
 
-    task: str
+    member: str
     fraction: float
     seconds: float | None = None
     step: int | None = None
@@ -92,7 +92,7 @@ class Slow:
     def __str__(self) -> str:
         when = ("" if self.from_start else
                 f"@step={self.step}" if self.step is not None else f"@{self.seconds:g}s")
-        return f"--slow {self.task}={self.fraction:g}{when}"
+        return f"--slow {self.member}={self.fraction:g}{when}"
 
 
 _TASK = r"(chief|worker|ps|local):(\d+)"
@@ -118,18 +118,18 @@ def parse_fault(action: str, spec: str) -> Fault:
             f"e.g. --{action} worker:1@step=150"
         )
     role, index, step, seconds, ran, down_role, down_index = m.groups()
-    task = f"{role}:{int(index)}"
+    member = f"{role}:{int(index)}"
     if step is not None:
-        return Fault(action, task, step=int(step))
+        return Fault(action, member, step=int(step))
     if ran is not None:
-        return Fault(action, task, ran=int(ran))
+        return Fault(action, member, ran=int(ran))
     if down_role is not None:
         down = f"{down_role}:{int(down_index)}"
-        if down == task:
-            raise LaunchError(f"--{action} {spec!r} waits for {task} itself to be down; "
+        if down == member:
+            raise LaunchError(f"--{action} {spec!r} waits for {member} itself to be down; "
                               f"@down= names another task, e.g. --{action} ps:0@down=worker:1")
-        return Fault(action, task, down=down)
-    return Fault(action, task, seconds=float(seconds))
+        return Fault(action, member, down=down)
+    return Fault(action, member, seconds=float(seconds))
 
 
 def _parse_lasting(action: str, spec: str) -> Fault:
@@ -138,13 +138,13 @@ def _parse_lasting(action: str, spec: str) -> Fault:
         raise LaunchError(f"--{action} {spec!r} is not a {action} spec; expected "
                           f"{LASTING_SPEC[action]}; WHEN as for --kill (@20, @step=150)")
     *target, step, seconds, lift = m.groups()
-    task = f"{target[0]}:{int(target[1])}" if action == "hang" else f"host{int(target[0])}"
+    member = f"{target[0]}:{int(target[1])}" if action == "hang" else f"host{int(target[0])}"
     lift_after = float(lift) if lift is not None else None
     if lift_after is not None and lift_after <= 0:
         raise LaunchError(f"--{action} {spec!r}: +SECONDS must be above 0 (how long the "
                           f"{action} lasts), received {lift_after:g}; leave it out to "
                           "last until the launcher ends")
-    return Fault(action, task, seconds=float(seconds) if seconds is not None else None,
+    return Fault(action, member, seconds=float(seconds) if seconds is not None else None,
                  step=int(step) if step is not None else None, lift_after=lift_after)
 
 
@@ -176,7 +176,7 @@ class RecoveryPlan:
     slow: tuple[Slow, ...] = ()
 
 
-def plan_recovery(kind: StrategyKind, tasks, *, kill=(), preempt=(), slow=(), hang=(),
+def plan_recovery(kind: StrategyKind, members, *, kill=(), preempt=(), slow=(), hang=(),
                   partition=(), hosts: int = 0, restart_tasks: bool = False,
                   restart_delay: float = RESTART_DELAY, max_restarts: int = 0) -> RecoveryPlan:
     """Check the fault, slow-down and restart flags (their raw specs) against the cluster (pure).
@@ -184,7 +184,7 @@ def plan_recovery(kind: StrategyKind, tasks, *, kill=(), preempt=(), slow=(), ha
     ``hosts``: how many simulated hosts (``--hosts``; 0: none), which a
     ``--partition`` needs.
     """
-    names = list(tasks)
+    names = list(members)
     specs = {"kill": kill or (), "preempt": preempt or (), "hang": hang or (),
              "partition": partition or ()}
     faults = tuple(parse_fault(action, spec) for action in FAULT_ACTIONS for spec in specs[action])
@@ -201,12 +201,12 @@ def plan_recovery(kind: StrategyKind, tasks, *, kill=(), preempt=(), slow=(), ha
     for item in (*faults, *slowed):
         if isinstance(item, Fault) and item.action == "partition":
             continue
-        for task in (item.task, getattr(item, "down", None)):
-            if task is not None and task not in names:
+        for member in (item.member, getattr(item, "down", None)):
+            if member is not None and member not in names:
                 raise LaunchError(
                     f"{item} names a task this cluster does not have; tasks: {', '.join(names)}"
                 )
-    tasks_slowed = [s.task for s in slowed]
+    tasks_slowed = [s.member for s in slowed]
     if len(set(tasks_slowed)) != len(tasks_slowed):
         raise LaunchError(f"--slow names {max(tasks_slowed, key=tasks_slowed.count)} twice; "
                           "one --slow per task")

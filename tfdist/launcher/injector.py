@@ -8,7 +8,7 @@ import time
 
 from tfdist import protocol
 from tfdist.launcher.faults import FAULT_ACTIONS, LASTING, Fault, Slow
-from tfdist.launcher.state import JobState, SetLink, SignalTask, SlowTask
+from tfdist.launcher.state import JobState, SetLink, SignalMember, SlowMember
 
 STEP_EVENTS = (protocol.PROGRESS, protocol.CHECKPOINT, protocol.PREEMPTED, protocol.DONE)
 
@@ -55,11 +55,11 @@ class FaultInjector:
     def on_event(self, event: protocol.Event) -> None:
         if event.kind in STEP_EVENTS and isinstance(event.step, int):
             self.step = max(self.step, event.step)
-            if event.task in self._own:
-                own = self._own[event.task]
+            if event.member in self._own:
+                own = self._own[event.member]
                 own[1] = max(own[1], event.step)
         if event.kind == protocol.STARTED and isinstance(event.step, int):
-            self._own[event.task] = [event.step, event.step]
+            self._own[event.member] = [event.step, event.step]
         per_worker = event.data.get("steps_per_worker") if event.kind == protocol.PROGRESS \
             else None
         if isinstance(per_worker, dict):
@@ -73,19 +73,19 @@ class FaultInjector:
                 else:
                     local[1] = count
 
-    def ran(self, task: str) -> int | None:
+    def ran(self, member: str) -> int | None:
         """Steps the task's current process has run, once known."""
-        if task in self._own:
-            first, latest = self._own[task]
+        if member in self._own:
+            first, latest = self._own[member]
             return latest - first
-        if task in self._local:
-            base, now = self._local[task]
+        if member in self._local:
+            base, now = self._local[member]
             return now - base
         return None
 
     def _track(self, state: JobState) -> None:
         """A task with a new process counts @ran= from its own start."""
-        for view in state.tasks:
+        for view in state.members:
             if self._pids.get(view.name) != view.pid:
                 self._pids[view.name] = view.pid
                 self._own.pop(view.name, None)
@@ -97,10 +97,10 @@ class FaultInjector:
         if fault.seconds is not None:
             return elapsed >= fault.seconds
         if getattr(fault, "ran", None) is not None:
-            ran = self.ran(fault.task)
+            ran = self.ran(fault.member)
             return ran is not None and ran >= fault.ran
         if getattr(fault, "down", None) is not None and state is not None:
-            view = state.task(fault.down)
+            view = state.member(fault.down)
             return view is not None and not view.running
         return False
 
@@ -114,13 +114,13 @@ class FaultInjector:
         ready, queued = [], set()
         for fault in self.waiting:
             if isinstance(fault, Fault) and fault.ends_process:
-                if fault.task in queued:
+                if fault.member in queued:
                     continue  # an earlier kill or preempt of this task comes first
-                queued.add(fault.task)
-                if fault.task in self._hit:
+                queued.add(fault.member)
+                if fault.member in self._hit:
                     # Only on a newer process of the task than the last one hit.
-                    view = state.task(fault.task) if state is not None else None
-                    if view is None or not view.running or view.pid == self._hit[fault.task]:
+                    view = state.member(fault.member) if state is not None else None
+                    if view is None or not view.running or view.pid == self._hit[fault.member]:
                         continue
             if self._reached(fault, state, elapsed):
                 ready.append(fault)
@@ -134,48 +134,48 @@ class FaultInjector:
             if isinstance(fault, Fault) and fault.action == "partition":
                 actions.append(SetLink(fault.host, up=False))
                 self._fired(fault, None, state.attempt)
-                self.log(f"[launch] fault {fault}: {fault.task}'s link is down {at}"
+                self.log(f"[launch] fault {fault}: {fault.member}'s link is down {at}"
                          + (f"; back up in {fault.lift_after:g}s" if fault.lift_after else
                             "; until the launcher ends"))
                 continue
-            task = state.task(fault.task)
-            if task is None or not task.running:
+            member = state.member(fault.member)
+            if member is None or not member.running:
                 self.log(f"[launch] {'slow' if isinstance(fault, Slow) else 'fault'} {fault}: "
-                         f"{fault.task} is not running; skipped")
+                         f"{fault.member} is not running; skipped")
                 continue
             if isinstance(fault, Slow):
-                actions.append(SlowTask(fault.task, fault.fraction))
+                actions.append(SlowMember(fault.member, fault.fraction))
                 self.slowed.append(str(fault))
-                self.log(f"[launch] slow {fault}: {fault.task} (pid {task.pid}) runs at "
+                self.log(f"[launch] slow {fault}: {fault.member} (pid {member.pid}) runs at "
                          f"{fault.fraction:.0%} of its speed from now on, {at}")
                 continue
             sig = FAULT_ACTIONS[fault.action]
             # A kill or a hang takes the whole task, as if its host died or
             # froze; a preemption signals the task's own process, as
             # Kubernetes does.
-            actions.append(SignalTask(fault.task, sig, group=fault.action != "preempt",
-                                      pid=task.pid))
+            actions.append(SignalMember(fault.member, sig, group=fault.action != "preempt",
+                                      pid=member.pid))
             if fault.action == "preempt" and self.grace is not None:
-                self._terminating.append((fault.task, task.pid, self.clock() + self.grace))
+                self._terminating.append((fault.member, member.pid, self.clock() + self.grace))
             if fault.ends_process:
-                self._hit[fault.task] = task.pid
-            self._fired(fault, task.pid, state.attempt)
+                self._hit[fault.member] = member.pid
+            self._fired(fault, member.pid, state.attempt)
             lasts = ("" if fault.action != "hang" else
                      f"; SIGCONT in {fault.lift_after:g}s" if fault.lift_after else
                      "; stopped until the launcher ends")
-            self.log(f"[launch] fault {fault}: sent {signal.Signals(sig).name} to {fault.task} "
-                     f"(pid {task.pid}) {at}{lasts}")
+            self.log(f"[launch] fault {fault}: sent {signal.Signals(sig).name} to {fault.member} "
+                     f"(pid {member.pid}) {at}{lasts}")
         return actions
 
     def _fired(self, fault: Fault, pid: int | None, attempt: int = 0) -> None:
         self.fired.append(str(fault))
-        record = {"kind": fault.action, "target": fault.task,
+        record = {"kind": fault.action, "target": fault.member,
                   "at_seconds": round(self.clock() - self.started, 2),
                   "at_step": max(self.step, 0)}
         if fault.ends_process:
             # Which attempt and process it hit, and the steps that process had run.
             record.update(attempt=attempt, pid=pid)
-            if (ran := self.ran(fault.task)) is not None:
+            if (ran := self.ran(fault.member)) is not None:
                 record["target_ran"] = ran
         if fault.action in LASTING:
             record.update(lift_after=fault.lift_after, lifted_at_seconds=None, lifted_by=None)
@@ -189,8 +189,8 @@ class FaultInjector:
             if fault.action == "hang" and fault.lift_after is None:
                 # Stopped for good, until its process ends (killed as stuck,
                 # say, and restarted): then the hang is over with it.
-                task = state.task(fault.task)
-                if task is None or task.pid != pid or not task.running:
+                member = state.member(fault.member)
+                if member is None or member.pid != pid or not member.running:
                     record.update(lifted_at_seconds=round(now, 2), lifted_by="task gone")
                     continue
             if fault.lift_after is None or now < record["at_seconds"] + fault.lift_after:
@@ -199,15 +199,15 @@ class FaultInjector:
             record.update(lifted_at_seconds=round(now, 2), lifted_by="schedule")
             if fault.action == "partition":
                 actions.append(SetLink(fault.host, up=True))
-                self.log(f"[launch] fault {fault} lifted: {fault.task}'s link is up again at "
+                self.log(f"[launch] fault {fault} lifted: {fault.member}'s link is up again at "
                          f"{now:.1f}s")
                 continue
-            task = state.task(fault.task)
-            if task is None or task.pid != pid or not task.running:
+            member = state.member(fault.member)
+            if member is None or member.pid != pid or not member.running:
                 record["lifted_by"] = "task gone"
                 continue
-            actions.append(SignalTask(fault.task, signal.SIGCONT, group=True, pid=pid))
-            self.log(f"[launch] fault {fault} lifted: sent SIGCONT to {fault.task} (pid {pid}) "
+            actions.append(SignalMember(fault.member, signal.SIGCONT, group=True, pid=pid))
+            self.log(f"[launch] fault {fault} lifted: sent SIGCONT to {fault.member} (pid {pid}) "
                      f"at {now:.1f}s")
         self._lasting = keep
         return actions
@@ -231,14 +231,14 @@ class FaultInjector:
         a cluster manager does (TensorFlow may have swallowed the SIGTERM)."""
         now, keep, actions = self.clock(), [], []
         for name, pid, deadline in self._terminating:
-            task = state.task(name)
-            if task is None or task.pid != pid or not task.running:
+            member = state.member(name)
+            if member is None or member.pid != pid or not member.running:
                 continue
             if now < deadline:
                 keep.append((name, pid, deadline))
                 continue
             self.log(f"[launch] {name} still running {self.grace:g}s (--grace) after "
                      "its SIGTERM; SIGKILL, as a cluster manager would")
-            actions.append(SignalTask(name, signal.SIGKILL, group=True, pid=pid))
+            actions.append(SignalMember(name, signal.SIGKILL, group=True, pid=pid))
         self._terminating = keep
         return actions

@@ -30,7 +30,7 @@ from tfdist.strategies.kinds import StrategyKind
 from tfdist.strategies.tf_config import ClusterConfig
 
 
-class TaskCheckFailed(LaunchError):
+class MemberCheckFailed(LaunchError):
     """A task's own check refused the job: its line (as the task printed it) and exit code."""
 
     def __init__(self, line: str, code: int):
@@ -94,8 +94,8 @@ def plan_cluster(asked: Cluster, kind: StrategyKind) -> plans.ClusterPlan:
 def auto_cluster(asked: Cluster) -> ClusterConfig:
     """The cluster ``--strategy auto`` is chosen for: the roles asked for, by count."""
     roles = {"worker": asked.workers, "ps": asked.ps, "chief": int(asked.chief)}
-    return ClusterConfig(cluster={role: tuple(f"{role}-{i}:0" for i in range(n))
-                                  for role, n in roles.items() if n},
+    return ClusterConfig(roles={role: tuple(f"{role}-{i}:0" for i in range(n))
+                                for role, n in roles.items() if n},
                          task_type="worker")
 
 
@@ -196,19 +196,19 @@ def decide_network(config: LaunchConfig) -> tuple[bool, str | None]:
     return use_netns, warning
 
 
-def show_plan(cluster: plans.ClusterPlan, checks: list[processes.TaskCheck]) -> None:
+def show_plan(cluster: plans.ClusterPlan, checks: list[processes.MemberCheck]) -> None:
     """``--dry-run``: each task's address and duty, then the job's figures."""
-    width = max(len(c.task) for c in checks)
+    width = max(len(c.member) for c in checks)
     for c in checks:
         if c.plan is None:
-            print(f"{c.task:<{width}}  {c.error}")
+            print(f"{c.member:<{width}}  {c.error}")
             continue
         address = ""
         if c.plan.get("cluster"):
-            role, _, index = c.task.partition(":")
+            role, _, index = c.member.partition(":")
             address = c.plan["cluster"][role][int(index)]
-        host = f" on {cluster.where(c.task)}" if cluster.hosts else ""
-        print(f"{c.task:<{width}}  {address}{host}: {c.plan['action']}")
+        host = f" on {cluster.where(c.member)}" if cluster.hosts else ""
+        print(f"{c.member:<{width}}  {address}{host}: {c.plan['action']}")
     chief = next((c.plan for c in checks if c.plan and c.plan.get("is_chief")), None)
     if chief is not None:
         k = chief.get("gradients_per_update", 1)
@@ -222,7 +222,7 @@ def show_plan(cluster: plans.ClusterPlan, checks: list[processes.TaskCheck]) -> 
 def preflight(config: LaunchConfig) -> int | None:
     """Every task checks its own flags and TF_CONFIG before anything is written or
     started: the exit code to end with (``--dry-run`` done), else None; a failed check
-    raises TaskCheckFailed.
+    raises MemberCheckFailed.
 
     One task per role is enough to check flags (the others differ only by
     index); ``--dry-run`` shows them all.
@@ -241,8 +241,8 @@ def preflight(config: LaunchConfig) -> int | None:
     if failed:
         if not config.dry_run:
             same = all(c.error == failed[0].error for c in failed)
-            raise TaskCheckFailed(failed[0].error if same
-                                  else f"{failed[0].task}: {failed[0].error}", failed[0].code)
+            raise MemberCheckFailed(failed[0].error if same
+                                  else f"{failed[0].member}: {failed[0].error}", failed[0].code)
         return failed[0].code
     return Exit.OK if config.dry_run else None
 

@@ -126,9 +126,9 @@ class PeakMemory:
         self.peaks: dict[str, int] = {}
 
     def __call__(self, state: JobState) -> tuple:
-        for task in state.tasks:
-            if task.running and (value := self.read(task.pid)) is not None:
-                self.peaks[task.name] = max(value, self.peaks.get(task.name, 0))
+        for member in state.members:
+            if member.running and (value := self.read(member.pid)) is not None:
+                self.peaks[member.name] = max(value, self.peaks.get(member.name, 0))
         return ()
 
     def describe(self) -> str:

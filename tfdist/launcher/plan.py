@@ -29,7 +29,7 @@ def role_counts(kind: StrategyKind, workers: int, ps: int = 0,
     return {role: n for role, n in counts.items() if n}
 
 
-def task_names(kind: StrategyKind, workers: int, ps: int = 0, chief: bool = False) -> list[str]:
+def member_names(kind: StrategyKind, workers: int, ps: int = 0, chief: bool = False) -> list[str]:
     counts = role_counts(kind, workers, ps, chief)
     if not counts:
         return ["local:0"]
@@ -37,7 +37,7 @@ def task_names(kind: StrategyKind, workers: int, ps: int = 0, chief: bool = Fals
 
 
 def task_count(kind: StrategyKind, workers: int, ps: int, chief: bool) -> int:
-    return len(task_names(kind, workers, ps, chief))
+    return len(member_names(kind, workers, ps, chief))
 
 
 def _tf_configs(cluster: dict[str, list[str]]) -> dict[str, dict]:
@@ -90,7 +90,7 @@ def host_address(index: int) -> str:
     return f"{SUBNET}.{FIRST_HOST + index}"
 
 
-def place_tasks(kind: StrategyKind, names: list[str], hosts: int) -> dict[str, int]:
+def place_members(kind: StrategyKind, names: list[str], hosts: int) -> dict[str, int]:
     """Which host (index) each task runs on (pure).
 
     The tasks that compute (the kind's ``computing_roles``) are spread one per
@@ -140,11 +140,11 @@ class ClusterPlan:
     def address_of_host(self, index: int) -> str:
         return host_address(index)
 
-    def where(self, task: str) -> str | None:
+    def where(self, member: str) -> str | None:
         """``host1 (10.77.0.12)`` for a task on a simulated host, else ``None``."""
-        if task not in self.host_of:
+        if member not in self.host_of:
             return None
-        i = self.host_of[task]
+        i = self.host_of[member]
         return f"host{i} ({host_address(i)})"
 
 
@@ -160,8 +160,8 @@ def build_host_cluster(kind: StrategyKind, workers: int, ps: int = 0, chief: boo
             f"--hosts places the tasks of a multi-process strategy on simulated hosts; "
             f"--strategy {kind.name} is one process: drop --hosts"
         )
-    names = task_names(kind, workers, ps, chief)
-    host_of = place_tasks(kind, names, hosts)
+    names = member_names(kind, workers, ps, chief)
+    host_of = place_members(kind, names, hosts)
     used: dict[int, int] = {}
     addresses: dict[str, str] = {}
     for name in names:
@@ -181,8 +181,8 @@ def loopback_plan(kind: StrategyKind, workers: int, ps: int, chief: bool,
 
 # --- the saved plan ----------------------------------------------------------------
 
-def tf_config_file(task: str) -> str:
-    return f"{task.replace(':', '-')}.tf_config.json"
+def tf_config_file(member: str) -> str:
+    return f"{member.replace(':', '-')}.tf_config.json"
 
 
 def commands_script(plan: ClusterPlan, command: list[str], launch_dir: str) -> str:

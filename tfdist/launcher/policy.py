@@ -52,14 +52,14 @@ def layout(kind: StrategyKind, workers: int, ps: int = 0, chief: bool = False) -
     return {"chief": 1 if chief or coordinator else 0, "worker": workers, "ps": ps}
 
 
-def decides(kind: StrategyKind, task: str) -> bool:
+def decides(kind: StrategyKind, member: str) -> bool:
     """Whether ``task``'s exit decides the job's outcome (first failure wins).
 
     Serving tasks do not: they run until the chief is gone, and a lost
     serving worker's steps are rescheduled on the others. Every task of a
     kind without servers runs every step, so each one decides.
     """
-    return task.partition(":")[0] not in kind.serving_roles
+    return member.partition(":")[0] not in kind.serving_roles
 
 
 # How long a drawn --hang or --partition lasts (its +SECONDS), drawn uniformly.

@@ -94,31 +94,31 @@ def child_setup(place: Placement):
 
 
 @dataclass
-class Task:
+class MemberProcess:
     name: str
     proc: subprocess.Popen
     pump: threading.Thread
     lines: list[str] = field(default_factory=list)
 
 
-def _pump(task_name: str, stream, sink, keep: list[str], lock: threading.Lock, on_line=None):
+def _pump(member_name: str, stream, sink, keep: list[str], lock: threading.Lock, on_line=None):
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip("\n")
         keep.append(line)
         with lock:
-            sink.write(f"[{task_name}] {line}\n")
+            sink.write(f"[{member_name}] {line}\n")
             sink.flush()
         if on_line is not None:
-            on_line(task_name, line)
+            on_line(member_name, line)
     stream.close()
 
 
 _SINK_LOCK = threading.Lock()  # one for every pump, restarted tasks' too
 
 
-def start_task(name: str, tf_config: dict | None, command: list[str], env: dict[str, str],
+def start_member(name: str, tf_config: dict | None, command: list[str], env: dict[str, str],
                sink=None, on_line=None, task_env: dict[str, str] | None = None,
-               place: Placement | None = None) -> Task:
+               place: Placement | None = None) -> MemberProcess:
     """Start one task; ``task_env`` adds variables under ``env`` (the caller's wins)."""
     sink = sink or sys.stdout
     full_env = {**(task_env or {}), **env}
@@ -134,16 +134,16 @@ def start_task(name: str, tf_config: dict | None, command: list[str], env: dict[
     pump = threading.Thread(target=_pump, args=(name, proc.stdout, sink, keep, _SINK_LOCK, on_line),
                             daemon=True)
     pump.start()
-    return Task(name, proc, pump, keep)
+    return MemberProcess(name, proc, pump, keep)
 
 
-def start_tasks(tasks: dict[str, dict | None], command: list[str], env: dict[str, str],
+def start_members(members: dict[str, dict | None], command: list[str], env: dict[str, str],
                 sink=None, on_line=None, task_envs: dict[str, dict[str, str]] | None = None,
-                places: dict[str, Placement] | None = None) -> list[Task]:
+                places: dict[str, Placement] | None = None) -> list[MemberProcess]:
     """One process per task; ``on_line(task, line)`` sees every output line."""
-    return [start_task(name, tf_config, command, env, sink, on_line,
+    return [start_member(name, tf_config, command, env, sink, on_line,
                        (task_envs or {}).get(name), (places or {}).get(name))
-            for name, tf_config in tasks.items()]
+            for name, tf_config in members.items()]
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -156,22 +156,22 @@ def signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def wait_all(tasks: list[Task], timeout: float) -> None:
+def wait_all(members: list[MemberProcess], timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    for t in tasks:
+    for t in members:
         try:
             t.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             return
 
 
-def stop_tasks(tasks: list[Task], grace: float = 5.0) -> None:
+def stop_members(members: list[MemberProcess], grace: float = 5.0) -> None:
     """SIGTERM, then SIGKILL after ``grace``: TF's own SIGTERM handler may ignore the first."""
-    live = [t for t in tasks if t.proc.poll() is None]
+    live = [t for t in members if t.proc.poll() is None]
     for t in live:
         signal_group(t.proc, signal.SIGTERM)
     wait_all(live, grace)
-    for t in tasks:
+    for t in members:
         if t.proc.poll() is None:
             signal_group(t.proc, signal.SIGKILL)
         t.proc.wait()
@@ -197,7 +197,7 @@ class CoreShare:
 THREAD_POOL_ENV = ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
 
 
-def share_cores(kind: StrategyKind, tasks, cpus: int) -> dict[str, CoreShare]:
+def share_cores(kind: StrategyKind, members, cpus: int) -> dict[str, CoreShare]:
     """Each task's share of this machine's ``cpus`` cores (pure).
 
     The simulated hosts share one machine: left alone, every task sizes its
@@ -207,9 +207,9 @@ def share_cores(kind: StrategyKind, tasks, cpus: int) -> dict[str, CoreShare]:
     to cores of its own, as if on a host of its own, which was faster in
     every run (docs/performance.md).
     """
-    busy = [n for n in tasks if n.partition(":")[0] in kind.computing_roles]
+    busy = [n for n in members if n.partition(":")[0] in kind.computing_roles]
     share = max(1, cpus // max(1, len(busy)))
-    envs = {n: {"TF_NUM_INTRAOP_THREADS": str(share if n in busy else 1)} for n in tasks}
+    envs = {n: {"TF_NUM_INTRAOP_THREADS": str(share if n in busy else 1)} for n in members}
     pinned: dict[str, tuple[int, ...]] = {}
     if 1 < len(busy) <= cpus:
         for i, n in enumerate(busy):
@@ -218,7 +218,7 @@ def share_cores(kind: StrategyKind, tasks, cpus: int) -> dict[str, CoreShare]:
             # use; with one, a ps worker's function waiting on a ps read
             # holds the only thread and the job can deadlock (docs/performance.md).
             envs[n]["TF_NUM_INTEROP_THREADS"] = str(cpus)
-    return {n: CoreShare(envs[n], pinned.get(n, ())) for n in tasks}
+    return {n: CoreShare(envs[n], pinned.get(n, ())) for n in members}
 
 
 # --- commands and saved files -----------------------------------------------------
@@ -234,17 +234,17 @@ def task_command(kind: StrategyKind, train_args: list[str], python: str = sys.ex
 # --- every task's own check, before anything is written ---------------------------------
 
 @dataclass(frozen=True)
-class TaskCheck:
+class MemberCheck:
     """One task's ``train.py --dry-run``: its exit code, plan, or error line."""
 
-    task: str
+    member: str
     code: int
     plan: dict | None = None
     error: str = ""
 
 
 def check_tasks(tf_configs: dict[str, dict | None], command: list[str], env: dict[str, str],
-                timeout: float = 120.0, full: bool = False) -> list[TaskCheck]:
+                timeout: float = 120.0, full: bool = False) -> list[MemberCheck]:
     """Run every task's own check with its TF_CONFIG, all at once.
 
     ``--check-only`` checks flags, cluster and run directory without
@@ -268,7 +268,7 @@ def check_tasks(tf_configs: dict[str, dict | None], command: list[str], env: dic
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
-            checks.append(TaskCheck(name, protocol.Exit.FAILED,
+            checks.append(MemberCheck(name, protocol.Exit.FAILED,
                                     error=f"error: {name}: its check did not answer in "
                                           f"{timeout:g}s"))
             continue
@@ -278,7 +278,7 @@ def check_tasks(tf_configs: dict[str, dict | None], command: list[str], env: dic
             plan = json.loads(out) if proc.returncode == 0 else None
         except ValueError:
             plan = None  # e.g. --help: not a plan
-        checks.append(TaskCheck(name, proc.returncode, plan if isinstance(plan, dict) else None,
+        checks.append(MemberCheck(name, proc.returncode, plan if isinstance(plan, dict) else None,
                                 (errors or lines or [""])[-1]))
     return checks
 

@@ -39,7 +39,7 @@ from tfdist.launcher import plan as plans
 from tfdist.launcher import processes, supervisor
 from tfdist.launcher.config import ENGINES, LaunchConfig, LaunchRequest
 from tfdist.launcher.plan import LaunchError
-from tfdist.launcher.processes import Task
+from tfdist.launcher.processes import MemberProcess
 from tfdist.protocol import Exit
 
 INSTALL_HINT = "pip install 'tf-distribute-showcase[ray]'"
@@ -465,7 +465,7 @@ class RayEngine:
     # --- each task -----------------------------------------------------------------------
 
     def start(self, name: str, command: list[str], env: dict[str, str],
-              task_env: dict[str, str]) -> Task:
+              task_env: dict[str, str]) -> MemberProcess:
         """Start ``name``'s process in its actor (the supervisor's starter). A restart reuses
         the actor if it lives, else places a new one in the same bundle, on the same port."""
         placed = self.placed[name]
@@ -494,9 +494,9 @@ class RayEngine:
             proc.kill()
         if proc.pid is None:
             proc.pid = -(placed.bundle + 1) * 1000 - len(self.procs)  # never a real pid
-        return Task(name, proc, pump, keep)
+        return MemberProcess(name, proc, pump, keep)
 
-    def _replace(self, name: str, placed: Placed) -> Task | None:
+    def _replace(self, name: str, placed: Placed) -> MemberProcess | None:
         """A new actor for a lost one, in its bundle, on its port; ``None`` when that worked
         (``placed`` updated), else a task already lost (its node is gone)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -524,7 +524,7 @@ class RayEngine:
             self.procs[name] = proc
             done = threading.Thread(target=lambda: None, daemon=True)
             done.start()  # the supervisor joins every task's pump
-            return Task(name, proc, done, [])
+            return MemberProcess(name, proc, done, [])
         placed.actor, placed.node_id = actor, info["node_id"]
         self.log(f"[launch] {name}: a new Ray actor on node {placed.node_id[:8]}, same address "
                  f"{placed.address}")

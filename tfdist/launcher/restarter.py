@@ -8,7 +8,7 @@ import time
 
 from tfdist import protocol
 from tfdist.launcher.faults import MAX_TASK_RESTARTS
-from tfdist.launcher.state import JobState, RestartTask, SignalTask
+from tfdist.launcher.state import JobState, RestartMember, SignalMember
 
 class TaskRestarter:
     """Restarts a dead worker (of a kind whose workers may rejoin) after a delay.
@@ -41,10 +41,10 @@ class TaskRestarter:
             for event in reader.read():
                 peer = event.data.get("peer") if event.kind == protocol.STUCK else None
                 if isinstance(peer, str):
-                    self._stuck[peer] = event.task
+                    self._stuck[peer] = event.member
         actions = []
         for name, by in list(self._stuck.items()):
-            view = state.task(name)
+            view = state.member(name)
             del self._stuck[name]
             if view is None or not view.running or view.pid in self._killed \
                     or not self.restartable(name) or self.restarts.get(name, 0) >= self.limit:
@@ -53,12 +53,12 @@ class TaskRestarter:
             self.log(f"[launch] {name} (pid {view.pid}) is stuck ({by} found it answering "
                      "nothing for --stuck-timeout): killing it to restart it, as a cluster "
                      "manager's liveness check would")
-            actions.append(SignalTask(name, signal.SIGKILL, group=True, pid=view.pid))
+            actions.append(SignalMember(name, signal.SIGKILL, group=True, pid=view.pid))
         return actions
 
     def __call__(self, state: JobState) -> list:
         now, actions = self.clock(), self._stuck_kills(state)
-        for t in state.tasks:
+        for t in state.members:
             # Exit 0 is a server that saw its chief finish: nothing to restart;
             # a full or read-only disk, or a model that cannot be exported, would fail it again.
             if (t.exit_code in (None, 0, protocol.Exit.STORAGE, protocol.Exit.EXPORT)
@@ -75,7 +75,7 @@ class TaskRestarter:
                 continue
             del self._due[t.name]
             self.restarts[t.name] = self.restarts.get(t.name, 0) + 1
-            actions.append(RestartTask(t.name, f"restart {self.restarts[t.name]} of at most "
+            actions.append(RestartMember(t.name, f"restart {self.restarts[t.name]} of at most "
                                                 f"{self.limit}"))
         return actions
 

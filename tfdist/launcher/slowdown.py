@@ -46,54 +46,54 @@ class Slowdown:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def activate(self, task: str, fraction: float) -> None:
-        self.active[task] = fraction
+    def activate(self, member: str, fraction: float) -> None:
+        self.active[member] = fraction
         if self.method == "cgroup":
-            path = self.cgroups.get(task) or os.path.join(
-                self.root, f"{cgroups.CGROUP_PREFIX}{os.getpid()}-{task.replace(':', '-')}")
-            self.cgroups[task] = path  # removed by close() even if creating it fails
-            cgroups.create(path, cgroups.quota_us(fraction, self.cores.get(task, 1)))
+            path = self.cgroups.get(member) or os.path.join(
+                self.root, f"{cgroups.CGROUP_PREFIX}{os.getpid()}-{member.replace(':', '-')}")
+            self.cgroups[member] = path  # removed by close() even if creating it fails
+            cgroups.create(path, cgroups.quota_us(fraction, self.cores.get(member, 1)))
         elif self._thread is None:
             self._thread = threading.Thread(target=self._duty_cycle, daemon=True)
             self._thread.start()
 
-    def describe(self, task: str) -> str:
-        fraction = self.active[task]
+    def describe(self, member: str) -> str:
+        fraction = self.active[member]
         if self.method == "cgroup":
-            quota = cgroups.quota_us(fraction, self.cores.get(task, 1))
-            return (f"{task} at {fraction:.0%}: CFS quota {quota}"
-                    f" us per {cgroups.CFS_PERIOD_US} us ({self.cores.get(task, 1)} core(s)) in "
-                    f"{self.cgroups[task]}")
-        return f"{task} at {fraction:.0%}: SIGCONT {fraction:.0%} of every {DUTY_PERIOD * 1000:.0f} ms"
+            quota = cgroups.quota_us(fraction, self.cores.get(member, 1))
+            return (f"{member} at {fraction:.0%}: CFS quota {quota}"
+                    f" us per {cgroups.CFS_PERIOD_US} us ({self.cores.get(member, 1)} core(s)) in "
+                    f"{self.cgroups[member]}")
+        return f"{member} at {fraction:.0%}: SIGCONT {fraction:.0%} of every {DUTY_PERIOD * 1000:.0f} ms"
 
-    def cgroup_for(self, task: str) -> str | None:
+    def cgroup_for(self, member: str) -> str | None:
         """The cgroup a (re)starting task joins before exec, if it is slowed."""
-        return self.cgroups.get(task) if task in self.active else None
+        return self.cgroups.get(member) if member in self.active else None
 
-    def attach(self, task: str, pid: int) -> None:
+    def attach(self, member: str, pid: int) -> None:
         """Slow the running process ``pid`` of ``task`` (a no-op for a task not slowed)."""
-        if task not in self.active:
+        if member not in self.active:
             return
         if self.method == "cgroup":
-            cgroups.join(self.cgroups[task], pid)
+            cgroups.join(self.cgroups[member], pid)
         else:
             with self._lock:
-                self._pids[task] = pid
+                self._pids[member] = pid
             # Stopped until the next cycle continues it: a process attached
             # mid-cycle would otherwise run free for up to a whole period.
             _killpg(pid, signal.SIGSTOP)
 
-    def hold(self, task: str, pid: int, held: bool) -> None:
+    def hold(self, member: str, pid: int, held: bool) -> None:
         """A hung task leaves the duty cycle (which would continue it) and
         rejoins it when the hang is lifted. (A cycle under way ends with its
         SIGSTOP, so the task stays stopped.) A cgroup quota needs nothing."""
-        if self.method != "signals" or task not in self.active:
+        if self.method != "signals" or member not in self.active:
             return
         with self._lock:
             if held:
-                self._pids.pop(task, None)
+                self._pids.pop(member, None)
             else:
-                self._pids[task] = pid
+                self._pids[member] = pid
 
     def _duty_cycle(self) -> None:
         try:  # wake on time even when the cores are busy (allowed for root)

@@ -12,7 +12,7 @@ from typing import Union
 
 
 @dataclass(frozen=True)
-class TaskView:
+class MemberView:
     name: str
     pid: int
     exit_code: int | None = None  # None while it runs
@@ -25,40 +25,40 @@ class TaskView:
 
 @dataclass(frozen=True)
 class JobState:
-    tasks: tuple[TaskView, ...]
+    members: tuple[MemberView, ...]
     attempt: int = 0  # job relaunches so far
 
-    def task(self, name: str) -> TaskView | None:
-        return next((t for t in self.tasks if t.name == name), None)
+    def member(self, name: str) -> MemberView | None:
+        return next((t for t in self.members if t.name == name), None)
 
     @property
     def exits(self) -> dict[str, int | None]:
-        return {t.name: t.exit_code for t in self.tasks}
+        return {t.name: t.exit_code for t in self.members}
 
 
 @dataclass(frozen=True)
-class SignalTask:
+class SignalMember:
     """Send ``sig`` to the task's process (``group``: its whole process group)."""
 
-    task: str
+    member: str
     sig: int
     group: bool = True
     pid: int | None = None  # only if it is still this process (not a restarted one)
 
 
 @dataclass(frozen=True)
-class RestartTask:
+class RestartMember:
     """Start the task again with the same TF_CONFIG; ``note`` ends the log line."""
 
-    task: str
+    member: str
     note: str = ""
 
 
 @dataclass(frozen=True)
-class SlowTask:
+class SlowMember:
     """From now on, run the task at ``fraction`` of its speed (restarts included)."""
 
-    task: str
+    member: str
     fraction: float
 
 
@@ -70,8 +70,8 @@ class SetLink:
     up: bool
 
     @property
-    def task(self) -> str:
+    def member(self) -> str:
         return f"host{self.host}"
 
 
-Action = Union[SignalTask, RestartTask, SlowTask, SetLink]
+Action = Union[SignalMember, RestartMember, SlowMember, SetLink]

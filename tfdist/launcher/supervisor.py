@@ -26,8 +26,8 @@ from tfdist.launcher import elastic, policy, processes
 from tfdist.launcher import traffic as trafficlib
 from tfdist.launcher.config import LaunchConfig
 from tfdist.launcher.memory import MemoryLimits, PeakMemory
-from tfdist.launcher.processes import Placement, Task
-from tfdist.launcher.state import JobState, RestartTask, SetLink, SignalTask, SlowTask, TaskView
+from tfdist.launcher.processes import Placement, MemberProcess
+from tfdist.launcher.state import JobState, RestartMember, SetLink, SignalMember, SlowMember, MemberView
 from tfdist.protocol import Exit
 from tfdist.strategies.kinds import StrategyKind
 
@@ -73,14 +73,14 @@ def storage_line(name: str, lines: list[str], relaunches: bool = False) -> str:
 class Supervisor:
     """One attempt of the job: its processes, their exits, the hooks' actions."""
 
-    def __init__(self, kind: StrategyKind, starter: Callable[[str], Task], log=print,
+    def __init__(self, kind: StrategyKind, starter: Callable[[str], MemberProcess], log=print,
                  grace: float = 5.0, poll: float = 0.1, slowdown=None, attempt: int = 0,
                  network=None, relaunches: bool = False, links_down=()):
         self.kind, self.starter, self.log = kind, starter, log
         self.relaunches = relaunches  # --max-restarts has relaunches left
         self.grace, self.poll, self.slowdown, self.attempt = grace, poll, slowdown, attempt
         self.network = network  # SimulatedHosts, for --partition
-        self.tasks: dict[str, Task] = {}
+        self.members: dict[str, MemberProcess] = {}
         self.exits: dict[str, int | None] = {}
         self.starts: dict[str, int] = {}
         # What stop() must undo whatever happens: tasks hung by SIGSTOP (their
@@ -97,21 +97,21 @@ class Supervisor:
         for name in names:
             self._start(name)
 
-    def _start(self, name: str) -> Task:
-        task = self.starter(name)
-        self.tasks[name] = task
+    def _start(self, name: str) -> MemberProcess:
+        member = self.starter(name)
+        self.members[name] = member
         self.exits[name] = None
         self.starts[name] = self.starts.get(name, 0) + 1
         if self.slowdown is not None:
-            self.slowdown.attach(name, task.proc.pid)
-        return task
+            self.slowdown.attach(name, member.proc.pid)
+        return member
 
     def state(self) -> JobState:
-        return JobState(tuple(TaskView(n, t.proc.pid, self.exits[n], self.starts[n])
-                              for n, t in self.tasks.items()), self.attempt)
+        return JobState(tuple(MemberView(n, t.proc.pid, self.exits[n], self.starts[n])
+                              for n, t in self.members.items()), self.attempt)
 
     def reap(self) -> None:
-        for name, t in self.tasks.items():
+        for name, t in self.members.items():
             if self.exits[name] is None and (code := t.proc.poll()) is not None:
                 self.exits[name] = code
                 self.hung.pop(name, None)
@@ -129,41 +129,41 @@ class Supervisor:
             self.network.set_link(action.host, action.up)
             (self.links_down.discard if action.up else self.links_down.add)(action.host)
             return
-        task = self.tasks.get(action.task)
-        if task is None:
+        member = self.members.get(action.member)
+        if member is None:
             return
-        if isinstance(action, SignalTask):
-            if task.proc.poll() is not None or (action.pid is not None and action.pid != task.proc.pid):
+        if isinstance(action, SignalMember):
+            if member.proc.poll() is not None or (action.pid is not None and action.pid != member.proc.pid):
                 return  # gone, or already replaced by a restart
             if action.sig == signal.SIGSTOP:
-                self.hung[action.task] = task.proc.pid
+                self.hung[action.member] = member.proc.pid
                 if self.slowdown is not None:
-                    self.slowdown.hold(action.task, task.proc.pid, held=True)
+                    self.slowdown.hold(action.member, member.proc.pid, held=True)
             if action.group:
-                processes.signal_group(task.proc, action.sig)
+                processes.signal_group(member.proc, action.sig)
             else:
-                task.proc.send_signal(action.sig)
-            if action.sig == signal.SIGCONT and self.hung.pop(action.task, None) is not None \
+                member.proc.send_signal(action.sig)
+            if action.sig == signal.SIGCONT and self.hung.pop(action.member, None) is not None \
                     and self.slowdown is not None:
-                self.slowdown.hold(action.task, task.proc.pid, held=False)
-        elif isinstance(action, RestartTask):
-            task.pump.join(timeout=5)
-            new = self._start(action.task)
+                self.slowdown.hold(action.member, member.proc.pid, held=False)
+        elif isinstance(action, RestartMember):
+            member.pump.join(timeout=5)
+            new = self._start(action.member)
             ended = new.proc.poll()
             if ended is not None:
                 # The engine could not start it again (a Ray task whose node is
                 # gone): already ended, so no pid to name.
-                self.log(f"[launch] could not restart {action.task}: it ended at once "
+                self.log(f"[launch] could not restart {action.member}: it ended at once "
                          f"(code {ended})")
             else:
-                self.log(f"[launch] restarted {action.task} (pid {new.proc.pid}), same TF_CONFIG"
+                self.log(f"[launch] restarted {action.member} (pid {new.proc.pid}), same TF_CONFIG"
                          + (f"; {action.note}" if action.note else ""))
-        elif isinstance(action, SlowTask):
+        elif isinstance(action, SlowMember):
             if self.slowdown is None:
                 raise RuntimeError(f"{action} without a Slowdown")
-            self.slowdown.activate(action.task, action.fraction)
-            if task.proc.poll() is None:
-                self.slowdown.attach(action.task, task.proc.pid)
+            self.slowdown.activate(action.member, action.fraction)
+            if member.proc.poll() is None:
+                self.slowdown.attach(action.member, member.proc.pid)
         else:
             raise TypeError(f"unknown action {action!r}")
 
@@ -173,16 +173,16 @@ class Supervisor:
         self.lift_all()
         if self.slowdown is not None:
             self.slowdown.resume()  # a stopped process cannot act on SIGTERM
-        processes.stop_tasks(list(self.tasks.values()), grace=self.grace)
+        processes.stop_members(list(self.members.values()), grace=self.grace)
 
     def lift_all(self) -> None:
         """Undo every hang and partition still on: a stopped process cannot
         act on SIGTERM, and a relaunch needs its links."""
         for name, pid in list(self.hung.items()):
             self.log(f"[launch] {name} (pid {pid}) is still hung: SIGCONT before stopping it")
-            task = self.tasks.get(name)
-            if task is not None and task.proc.pid == pid:
-                processes.signal_group(task.proc, signal.SIGCONT)  # its engine's way (Ray: the actor)
+            member = self.members.get(name)
+            if member is not None and member.proc.pid == pid:
+                processes.signal_group(member.proc, signal.SIGCONT)  # its engine's way (Ray: the actor)
             else:
                 try:
                     os.killpg(pid, signal.SIGCONT)
@@ -221,13 +221,13 @@ class Supervisor:
                         # itself; a SIGTERM now would be read as another notice.
                         self.log("[launch] job preempted: waiting for every task to checkpoint "
                                  "and exit")
-                        processes.wait_all(list(self.tasks.values()), self.grace)
+                        processes.wait_all(list(self.members.values()), self.grace)
                         self.reap()
                     elif code != 0:
                         self.log(f"[launch] job failed (exit {code}); stopping the other tasks")
                     else:
                         # Servers notice the chief is gone and exit on their own.
-                        processes.wait_all(list(self.tasks.values()), self.grace)
+                        processes.wait_all(list(self.members.values()), self.grace)
                     return code
                 if time.monotonic() > deadline:
                     self.log(f"[launch] error: job still running after --timeout={timeout:g}s; "
@@ -314,13 +314,7 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
     places them (and builds their TF_CONFIGs) anew for each attempt.
     """
     names, recovery = config.names, config.recovery
-    cores = config.cores or processes.share_cores(config.kind, names, os.cpu_count() or 1)
-    task_envs = {n: dict(cores[n].env) for n in names}
-    paths: dict[str, str] = {}
-    if launch_dir is not None:
-        for name in names:
-            paths[name] = protocol.events_path(launch_dir, name)
-            task_envs[name][protocol.EVENTS_ENV] = paths[name]
+    cores, task_envs, paths = _member_envs(config, launch_dir)
     slowdown, limits = None, None
     if recovery.slow:
         total = os.cpu_count() or 1
@@ -332,11 +326,11 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
         peaks = PeakMemory() if engine is None else PeakMemory(read=lambda pid: None)
 
         membership = _membership(config, list(paths.values()), launch_dir, log)
-        # What each task starts with; --min-workers re-forms change it (_reform).
+        # What each member starts with; --min-workers re-forms change it (_reform).
         formation = {"tf_configs": config.cluster.tf_configs, "command": command,
                      "env": membership.env() if membership is not None else {}}
 
-        def starter(name: str) -> Task:
+        def starter(name: str) -> MemberProcess:
             cmd, task_env = formation["command"], {**task_envs[name], **formation["env"]}
             if engine is not None:
                 return engine.start(name, cmd, env, task_env)
@@ -344,8 +338,8 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
                 netns=network.netns(config.cluster.host_of[name]) if network is not None else None,
                 cgroup=slowdown.cgroup_for(name) if slowdown is not None else None,
                 memory_cgroup=limits.cgroup_for(name), cpus=cores[name].cpus)
-            return processes.start_task(name, formation["tf_configs"][name], cmd, env,
-                                        task_env=task_env, place=place)
+            return processes.start_member(name, formation["tf_configs"][name], cmd, env,
+                                          task_env=task_env, place=place)
 
         # After the link probe (build_hosts), so only the job's bytes count.
         before = _counters(network, log)
@@ -361,24 +355,8 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
         if limits is not None:
             limits.close()
     restarts = sum(restarter.restarts.values()) if restarter is not None else 0
-    if membership is not None and len(membership.history) > 1:
-        log("[launch] membership: " + " -> ".join(
-            f"{h['workers']} from step {h['step']}" for h in membership.history))
-    log(f"[launch] recovery: faults injected {len(injector.fired)}, task restarts {restarts}, "
-        f"job relaunches {attempt}")
-    if injector.waiting:
-        log("[launch] never due (the job ended first): "
-            + ", ".join(str(f) for f in injector.waiting))
-    if peaks.peaks:
-        log(f"[launch] peak memory (resident): {peaks.describe()}")
-    if limited:
-        log("[launch] most memory charged, of its --memory-limit: " + ", ".join(
-            f"{n} {r['max_usage_bytes'] / 2**20:.0f} of {r['limit_bytes'] / 2**20:.0f} MiB"
-            for n, r in limited.items() if r["max_usage_bytes"] is not None))
-    for name, count in oom.items():
-        log(f"[launch] {name} was ended by the kernel's OOM killer {count} time(s): its "
-            f"--memory-limit of {config.memory_limits[name] / 2**20:.0f} MiB is too small "
-            "for what it holds (more ps tasks split the variables further)")
+    _log_recovery(membership, injector, restarts, attempt, log)
+    _log_memory(config, peaks, limited, oom, log)
     rates = worker_rates(config.kind, paths) if paths else {}
     if rates:
         log(f"[launch] per worker: {describe_rates(rates)}")
@@ -390,24 +368,66 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
         log(trafficlib.describe(traffic))
     if launch_dir is not None and os.path.isdir(launch_dir):
         plan, slowed = config.cluster, [str(s) for s in recovery.slow]
-        path = os.path.join(launch_dir, "outcome.json")
-        try:
-            protocol.LaunchOutcome(
-                int(code), list(injector.fired), restarts, attempt, per_task=rates or None,
-                hosts={n: plan.where(n) for n in names} if plan.hosts else None,
-                link=link, slowed=slowed or None, faults=list(injector.records) or None,
-                traffic=traffic, peak_rss_bytes=peaks.peaks or None,
-                memory_limits=limited or None, oom_killed=oom or None,
-                restarts_per_task=dict(restarter.restarts) if restarter is not None and
-                restarter.restarts else None,
-                membership=membership.history if membership is not None else None,
-            ).write(path)
-        except OSError as err:
-            # The run directory full or read-only (often why the job ended):
-            # the job's exit code says what happened all the same.
-            log(f"[launch] warning: could not write {path} ({err.strerror or err}); the "
-                f"job's exit code is {int(code)} all the same")
+        _write_outcome(os.path.join(launch_dir, "outcome.json"), protocol.LaunchOutcome(
+            int(code), list(injector.fired), restarts, attempt, per_task=rates or None,
+            hosts={n: plan.where(n) for n in names} if plan.hosts else None,
+            link=link, slowed=slowed or None, faults=list(injector.records) or None,
+            traffic=traffic, peak_rss_bytes=peaks.peaks or None,
+            memory_limits=limited or None, oom_killed=oom or None,
+            restarts_per_task=dict(restarter.restarts) if restarter is not None and
+            restarter.restarts else None,
+            membership=membership.history if membership is not None else None), log)
     return code
+
+
+def _member_envs(config: LaunchConfig, launch_dir: str | None):
+    """Each member's cores, its extra environment (thread pools; its events file when
+    there is a launch directory) and its events file's path."""
+    names = config.names
+    cores = config.cores or processes.share_cores(config.kind, names, os.cpu_count() or 1)
+    task_envs = {n: dict(cores[n].env) for n in names}
+    paths: dict[str, str] = {}
+    if launch_dir is not None:
+        for name in names:
+            paths[name] = protocol.events_path(launch_dir, name)
+            task_envs[name][protocol.EVENTS_ENV] = paths[name]
+    return cores, task_envs, paths
+
+
+def _log_recovery(membership, injector, restarts: int, attempt: int, log) -> None:
+    """The launcher's lines on recovery: membership changes, faults, restarts, relaunches."""
+    if membership is not None and len(membership.history) > 1:
+        log("[launch] membership: " + " -> ".join(
+            f"{h['workers']} from step {h['step']}" for h in membership.history))
+    log(f"[launch] recovery: faults injected {len(injector.fired)}, task restarts {restarts}, "
+        f"job relaunches {attempt}")
+    if injector.waiting:
+        log("[launch] never due (the job ended first): "
+            + ", ".join(str(f) for f in injector.waiting))
+
+
+def _log_memory(config: LaunchConfig, peaks, limited: dict, oom: dict, log) -> None:
+    """The launcher's lines on memory: each member's peak, its limit's use, its OOM kills."""
+    if peaks.peaks:
+        log(f"[launch] peak memory (resident): {peaks.describe()}")
+    if limited:
+        log("[launch] most memory charged, of its --memory-limit: " + ", ".join(
+            f"{n} {r['max_usage_bytes'] / 2**20:.0f} of {r['limit_bytes'] / 2**20:.0f} MiB"
+            for n, r in limited.items() if r["max_usage_bytes"] is not None))
+    for name, count in oom.items():
+        log(f"[launch] {name} was ended by the kernel's OOM killer {count} time(s): its "
+            f"--memory-limit of {config.memory_limits[name] / 2**20:.0f} MiB is too small "
+            "for what it holds (more ps tasks split the variables further)")
+
+
+def _write_outcome(path: str, outcome: protocol.LaunchOutcome, log) -> None:
+    try:
+        outcome.write(path)
+    except OSError as err:
+        # The run directory full or read-only (often why the job ended):
+        # the job's exit code says what happened all the same.
+        log(f"[launch] warning: could not write {path} ({err.strerror or err}); the "
+            f"job's exit code is {outcome.exit_code} all the same")
 
 
 def _counters(network, log) -> dict | None:
@@ -446,8 +466,8 @@ def _hooks(config: LaunchConfig, slowdown, event_paths: list[str], log):
     recovery = config.recovery
     for slow in recovery.slow:
         if slow.from_start:
-            slowdown.activate(slow.task, slow.fraction)
-            log(f"[launch] slow: {slowdown.describe(slow.task)}")
+            slowdown.activate(slow.member, slow.fraction)
+            log(f"[launch] slow: {slowdown.describe(slow.member)}")
     injector = FaultInjector(
         [*recovery.faults, *(s for s in recovery.slow if not s.from_start)],
         log=log, grace=config.grace, event_paths=event_paths)

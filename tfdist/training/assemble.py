@@ -21,7 +21,6 @@ from tfdist.training.loop.controller import Controller
 from tfdist.training.loop.export import export_finished_run
 from tfdist.training.loop.lifetime import keep_alive_until_exit
 from tfdist.training.loop.reporting import Reporter
-from tfdist.training.loop.state import build_state
 from tfdist.training.loop.step import TrainMetrics
 from tfdist.training.loop.trainer import Trainer
 from tfdist.training.pipeline.pipeline_trainer import PipelineTrainer
@@ -45,17 +44,14 @@ def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
     the run's TensorFlow objects are never torn down (``training.loop.lifetime``).
     """
     started = time.perf_counter()
-    config, cfg = plan.config, plan.cluster
+    config, cluster = plan.config, plan.cluster
     trainer = None
     try:
         keras.utils.set_random_seed(config.seed)
         trainer_class = TRAINERS[plan.kind.trainer]
-        # A trainer that places the model itself (pipeline stages) builds its own state.
-        builder = getattr(trainer_class, "build_state", None)
-        state = (builder(plan, checked.task, bundle.strategy) if builder is not None
-                 else build_state(plan, checked.task, bundle.strategy, checked.example,
-                                  checked.own_optimizers))
-        checkpointer = Checkpointer(state, config.model_dir, cfg.is_chief, cfg.task_name,
+        state = trainer_class.build_state(plan, checked.task, bundle.strategy, checked.example,
+                                          checked.own_optimizers)
+        checkpointer = Checkpointer(state, config.model_dir, cluster.is_chief, cluster.member_name,
                                     run_record=plan.defining_flags())
         try:
             start = checkpointer.restore(plan.task.name, plan.total_steps, plan.optimizer.name)
@@ -75,7 +71,7 @@ def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
             if failed is not None:
                 raise failed
             return results
-        reporter = Reporter(plan, checked, cfg.task_name, trainer.is_chief, trainer.start_step,
+        reporter = Reporter(plan, checked, cluster.member_name, trainer.is_chief, trainer.start_step,
                             started)
         return Controller(plan, trainer, checkpointer, reporter, started, started_ok).run()
     finally:
@@ -112,6 +108,6 @@ def already_complete(plan, trainer, started_ok=lambda: None) -> bool:
           "--epochs to train on, or a fresh --model-dir to start a new run", flush=True)
     started_ok()
     trainer.close(True)
-    protocol.EventLog(config.cluster.task_name).emit(protocol.DONE, trainer.start_step,
+    protocol.EventLog(config.cluster.member_name).emit(protocol.DONE, trainer.start_step,
                                                      already_complete=True)
     return True

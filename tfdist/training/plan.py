@@ -62,6 +62,11 @@ class ShardingPlan:
 
 @dataclass(frozen=True)
 class RunPlan:
+    """A run resolved once, passed down frozen: the flags, the cluster, the strategy kind,
+    the task's spec and sizes, K, the global batch, replicas, steps and epochs, the
+    optimizer, sharding and the pipeline's cut. Owns every derived number; nothing
+    after it resolves again (``--dry-run`` prints it)."""
+
     config: TrainConfig
     cluster: ClusterConfig
     kind: StrategyKind
@@ -142,18 +147,18 @@ class RunPlan:
 
     def describe(self) -> dict:
         """The plan as ``--dry-run`` prints it (JSON)."""
-        cfg, kind = self.cluster, self.kind
+        cluster, kind = self.cluster, self.kind
         return {
             "strategy": kind.name,
             "requested_strategy": self.config.strategy,
-            "task": cfg.task_name,
+            "task": cluster.member_name,
             "training_task": self.task.name,
-            "role": kind.role(cfg),
-            "is_chief": cfg.is_chief,
-            "action": kind.duty(cfg),
-            "cluster": cfg.cluster_dict(),
-            "num_workers": cfg.num_workers,
-            "num_ps": cfg.num_ps,
+            "role": kind.role(cluster),
+            "is_chief": cluster.is_chief,
+            "action": kind.duty(cluster),
+            "cluster": cluster.cluster_dict(),
+            "num_workers": cluster.num_workers,
+            "num_ps": cluster.num_ps,
             "replicas_in_sync": self.replicas,
             "global_batch_size": self.global_batch_size,
             "per_replica_batch_size": self.global_batch_size // self.replicas,
@@ -212,19 +217,19 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
     if isinstance(run, TrainConfig):
         run = request(run)
     config, kind, spec = run.config, run.kind, run.task
-    cfg = config.cluster
+    cluster = config.cluster
     if config.all_reduce not in ALL_REDUCE:
         raise ConfigError(f"unknown --all-reduce {config.all_reduce!r}; allowed: "
                           f"{', '.join(ALL_REDUCE)}")
-    k = _gradients_per_update(config, kind, cfg)
+    k = _gradients_per_update(config, kind, cluster)
     if config.all_reduce_bucket is not None and not kind.buckets_all_reduce:
         able = "|".join(name for name, other in kinds.all_kinds().items()
                         if other.buckets_all_reduce)
         raise ConfigError(
             f"--all-reduce-bucket applies to --strategy {able} only (gradients all-reduced "
             f"between processes), received --strategy {kind.name}; drop the flag")
-    devices = plan_devices(kind.gpu_roles(), cfg, gpus)
-    replicas = kind.replicas(cfg, len(devices["visible_gpus"]))
+    devices = plan_devices(kind.gpu_roles(), cluster, gpus)
+    replicas = kind.replicas(cluster, len(devices["visible_gpus"]))
     if kind.pipelined:
         replicas *= config.pipelines  # each copy takes its share of the batch
     else:
@@ -262,17 +267,17 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
         raise ConfigError(
             f"{flag}={value} means {total} steps, more than the {MAX_STEPS} a run may ask for; "
             f"use fewer (one epoch is {steps_per_epoch} steps)")
-    pipeline = (pipeline_stages.make_plan(cfg.num_tasks("worker"), config.micro_batches,
+    pipeline = (pipeline_stages.make_plan(cluster.num_members("worker"), config.micro_batches,
                                           config.pipelines, config.stages, batch,
                                           config.schedule)
                 if kind.pipelined else None)
     return RunPlan(
         pipeline=pipeline,
-        config=config, cluster=cfg, kind=kind, task=spec, gradients_per_update=k,
+        config=config, cluster=cluster, kind=kind, task=spec, gradients_per_update=k,
         global_batch_size=batch, batch_chosen=chosen, replicas=replicas, devices=devices,
         train_examples=train_examples, test_examples=test_examples, total_steps=total,
         steps_per_epoch=steps_per_epoch, optimizer=_optimizer(config, spec),
-        sharding=_sharding(config, kind, cfg), accumulation_steps=accumulation,
+        sharding=_sharding(config, kind, cluster), accumulation_steps=accumulation,
     )
 
 
@@ -307,7 +312,7 @@ def _no_pipeline_flags(config: TrainConfig, kind: StrategyKind) -> None:
             f"{kind.name} does not; drop the flag(s) or use --strategy {able}")
 
 
-def _sharding(config: TrainConfig, kind: StrategyKind, cfg: ClusterConfig) -> ShardingPlan:
+def _sharding(config: TrainConfig, kind: StrategyKind, cluster: ClusterConfig) -> ShardingPlan:
     """--variable-partitioner: min-size by default where variables live on ps tasks."""
     if kind.min_ps == 0:
         if config.variable_partitioner not in (None, "none"):
@@ -317,7 +322,7 @@ def _sharding(config: TrainConfig, kind: StrategyKind, cfg: ClusterConfig) -> Sh
                 f"tasks, and --strategy {kind.name} has none; drop the flag or use --strategy "
                 f"{able}")
         return ShardingPlan("none", 1, config.shard_min_bytes)
-    return ShardingPlan(config.variable_partitioner or "min-size", max(1, cfg.num_ps),
+    return ShardingPlan(config.variable_partitioner or "min-size", max(1, cluster.num_ps),
                         config.shard_min_bytes)
 
 
@@ -334,7 +339,7 @@ def _optimizer(config: TrainConfig, spec: TaskSpec) -> OptimizerPlan:
     )
 
 
-def _gradients_per_update(config: TrainConfig, kind: StrategyKind, cfg: ClusterConfig) -> int:
+def _gradients_per_update(config: TrainConfig, kind: StrategyKind, cluster: ClusterConfig) -> int:
     """K, and --replicas-to-aggregate's checks: ps-sync only, 1..workers."""
     k = config.replicas_to_aggregate
     if not kind.aggregates_gradients:
@@ -345,7 +350,7 @@ def _gradients_per_update(config: TrainConfig, kind: StrategyKind, cfg: ClusterC
                 f"--replicas-to-aggregate applies to --strategy {able} only, received "
                 f"--strategy {config.strategy}; drop the flag or use --strategy {able}")
         return 1
-    workers = cfg.num_tasks("worker")
+    workers = cluster.num_members("worker")
     if k is not None and workers and k > workers:
         # Every gradient of one update comes from a worker holding that
         # step's token, and there are only N tokens per step.

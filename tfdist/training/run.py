@@ -44,10 +44,10 @@ def preflight(run_request: RunRequest, gpus: list[str] | None = None) -> RunPlan
     imported and inspected here (TensorFlow is imported for that, and to
     list GPUs when ``gpus`` is None). Writes nothing.
     """
-    cfg, kind, spec = run_request.config.cluster, run_request.kind, run_request.task
+    cluster, kind, spec = run_request.config.cluster, run_request.kind, run_request.task
     train_n, test_n = tasks.static_sizes(spec)
     accumulation, own_step = None, False
-    if train_n is None and kind.reads_data(cfg):
+    if train_n is None and kind.reads_data(cluster):
         checked = tasks.inspect(spec, tasks.load(spec, run_request.config.data_dir),
                                 steps_given=run_request.config.steps is not None)
         contract.check(kind, checked, run_request.config.gradient_dtype)
@@ -62,7 +62,7 @@ def preflight(run_request: RunRequest, gpus: list[str] | None = None) -> RunPlan
     plan = resolve(run_request, gpus, train_examples=train_n, test_examples=test_n,
                    task_accumulation=accumulation, own_train_step=own_step)
     check_task_dirs(plan)
-    if plan.pipeline is not None and kind.reads_data(cfg):
+    if plan.pipeline is not None and kind.reads_data(cluster):
         # More stages than layers, bad --stages, a model that is not a chain:
         # one line now, not after every worker has started.
         from tfdist.training.pipeline.stages import check_cut
@@ -79,13 +79,13 @@ def _with_steps(config: TrainConfig) -> TrainConfig:
 
 def check_task_dirs(plan: RunPlan) -> None:
     """The chief's run directory is writable, and a resume keeps the run's defining flags."""
-    cfg, kind = plan.cluster, plan.kind
-    if cfg.is_chief:
+    cluster, kind = plan.cluster, plan.kind
+    if cluster.is_chief:
         # The chief writes there; an unusable path fails now, not after TF starts.
         check_model_dir(plan.config.model_dir)
         if plan.config.export is not None:
             check_model_dir(plan.config.export, "--export")
-    if kind.role(cfg) != "evaluator" and not kind.serves(cfg):
+    if kind.role(cluster) != "evaluator" and not kind.serves(cluster):
         from tfdist.training.loop.checkpoints import check_run_record
 
         # A resume with other defining flags is refused by --dry-run too.
@@ -93,59 +93,83 @@ def check_task_dirs(plan: RunPlan) -> None:
 
 
 def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None:
-    """Run this task's part of the job; the chief returns the results dict.
+    """Run this member's part of the job; the chief returns the results dict.
 
     Raises ConfigError for bad input before anything is written.
     ``as_command``: the process ends right after (``python train.py``).
     ``task``: a task object to train instead of ``config.task`` (``tfdist.fit``
     in one process).
+
+    The way in, each step once and in this order: the flags read into one
+    request → the checks that need no runtime → the member's duty if it does
+    not train (serve, or exit) → the strategy, the task inspected, one plan →
+    the trainer, under the run lock.
     """
-    # The flags read once: checked, the kind chosen, the task named; passed down from here.
     run_request = request(config, task)
     config = run_request.config  # its run directory resolved
     if config.dry_run:
         print(json.dumps(preflight(run_request).describe(), indent=None, sort_keys=True),
               flush=True)
         return None
-    cfg, kind, spec = config.cluster, run_request.kind, run_request.task
-    # Everything that can be checked without starting TensorFlow's runtime
-    # first (its start-up takes seconds): flags, the run directory and its
-    # record, this task's port. None of them writes anything.
+    gpus = prepare_process(run_request, task)
+    if serve_or_skip(run_request):
+        return None
+    plan, bundle, checked, started_ok = build_and_plan(run_request, task, gpus)
+    return train_locked(plan, bundle, checked, started_ok, as_command)
+
+
+def prepare_process(run_request: RunRequest, task=None) -> list[str]:
+    """Everything checked without starting TensorFlow's runtime (its start-up takes
+    seconds): flags, the run directory and its record, this member's port, the data;
+    then the process's environment and devices. Writes nothing; the GPUs to use."""
+    config, kind, spec = run_request.config, run_request.kind, run_request.task
+    cluster = config.cluster
     if task is None and tasks.static_sizes(spec)[0] is not None:
         preflight(run_request, gpus=[])
-    evaluator = kind.role(cfg) == "evaluator"
-    if not cfg.is_local and not evaluator:
-        check_own_port(cfg)
-    gpus = _physical_gpus() if kind.role(cfg) in kind.gpu_roles() else []
+    if not cluster.is_local and kind.role(cluster) != "evaluator":
+        check_own_port(cluster)
+    gpus = _physical_gpus() if kind.role(cluster) in kind.gpu_roles() else []
     for name, value in kind.process_env().items():
         os.environ.setdefault(name, value)
 
     from tfdist.strategies.devices import configure_devices
 
-    if kind.reads_data(cfg) and task is None and tasks.reads_tfds(spec):
+    if kind.reads_data(cluster) and task is None and tasks.reads_tfds(spec):
         # One clear line if the data is missing, truncated or corrupt (both
         # splits), read without starting the runtime.
         tasks.load(spec, config.data_dir).check_data()
-    configure_devices(kind.gpu_roles(), cfg)
-    if evaluator:
-        print(f"{cfg.task_name}: {kind.duty(cfg)}; exiting", flush=True)
-        return None
-    if kind.serves(cfg):
+    configure_devices(kind.gpu_roles(), cluster)
+    return gpus
+
+
+def serve_or_skip(run_request: RunRequest) -> bool:
+    """A member that does not train does its duty here (an evaluator exits, a ps or a
+    worker under ps serves until the chief is gone); True when it did."""
+    cluster, kind = run_request.config.cluster, run_request.kind
+    if kind.role(cluster) == "evaluator":
+        print(f"{cluster.member_name}: {kind.duty(cluster)}; exiting", flush=True)
+        return True
+    if kind.serves(cluster):
         from tfdist.strategies.server import serve
 
-        serve(cfg, startup_timeout=config.startup_timeout)
-        return None
+        serve(cluster, startup_timeout=run_request.config.startup_timeout)
+        return True
+    return False
 
+
+def build_and_plan(run_request: RunRequest, task, gpus: list[str]):
+    """The strategy built, the task inspected under it, the one ``RunPlan``: (plan, the
+    strategy bundle, the checked task, the start-up watchdog's ``done``)."""
     from tfdist.strategies.server import StartupWatchdog
-    from tfdist.training.loop.checkpoints import RunLock
-    from tfdist.training.assemble import train_and_evaluate
 
-    watchdog = StartupWatchdog(cfg, config.startup_timeout,
+    config, kind, spec = run_request.config, run_request.kind, run_request.task
+    cluster = config.cluster
+    watchdog = StartupWatchdog(cluster, config.startup_timeout,
                                "connect to every task and run the first step")
     # The strategy first: MultiWorkerMirroredStrategy configures collectives
     # before the runtime starts, and checking the task runs TensorFlow ops.
-    kind.detect_stuck_after(cfg, config.stuck_timeout)
-    bundle = kind.build(cfg, all_reduce=config.all_reduce,
+    kind.detect_stuck_after(cluster, config.stuck_timeout)
+    bundle = kind.build(cluster, all_reduce=config.all_reduce,
                         **({"bucket_bytes": config.bucket_bytes} if config.bucket_bytes else {}))
     checked = tasks.inspect(spec, task if task is not None else tasks.load(spec, config.data_dir),
                             steps_given=config.steps is not None)
@@ -164,19 +188,28 @@ def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None
         print(f"task {spec.name}: training with --optimizer {opt.name} at {opt.learning_rate:g} "
               f"({opt.schedule}) instead of the optimizer it compiled, as the flags ask",
               flush=True)
+    return plan, bundle, checked, watchdog.done
+
+
+def train_locked(plan: RunPlan, bundle, checked, started_ok, as_command: bool) -> dict | None:
+    """The trainer and its controller (``training.assemble``); the chief holds
+    ``<model-dir>/.lock`` meanwhile (the first thing a run writes)."""
+    from tfdist.training.assemble import train_and_evaluate
+    from tfdist.training.loop.checkpoints import RunLock
+
     lock = None
-    if cfg.is_chief:
+    if plan.cluster.is_chief:
         # The first thing written: a second job on this directory stops here.
-        os.makedirs(config.model_dir, exist_ok=True)
-        lock = RunLock(config.model_dir)
+        os.makedirs(plan.config.model_dir, exist_ok=True)
+        lock = RunLock(plan.config.model_dir)
     try:
-        return train_and_evaluate(plan, bundle, checked, watchdog.done, as_command=as_command)
+        return train_and_evaluate(plan, bundle, checked, started_ok, as_command=as_command)
     finally:
         if lock is not None:
             lock.release()
 
 
-def check_own_port(cfg) -> None:
+def check_own_port(cluster) -> None:
     """Refuse to start when this task's port is already taken on this host.
 
     TensorFlow's server listens on every interface, so a port held on any of
@@ -188,7 +221,7 @@ def check_own_port(cfg) -> None:
     import errno
     import socket
 
-    port = int(cfg.address.rpartition(":")[2])
+    port = int(cluster.address.rpartition(":")[2])
     probes = [(socket.AF_INET, "")]
     if socket.has_ipv6:
         probes.append((socket.AF_INET6, "::"))
@@ -211,8 +244,8 @@ def check_own_port(cfg) -> None:
                        "TF_CONFIG, or another program)" if err.errno == errno.EADDRINUSE
                        else f"not available ({err.strerror})")
                 raise ConfigError(
-                    f"{cfg.task_name} cannot listen on port {port} (its TF_CONFIG address "
-                    f"{cfg.address}): the port is {why}; give every task its own TF_CONFIG "
+                    f"{cluster.member_name} cannot listen on port {port} (its TF_CONFIG address "
+                    f"{cluster.address}): the port is {why}; give every task its own TF_CONFIG "
                     "task and port, or free the port"
                 ) from None
 

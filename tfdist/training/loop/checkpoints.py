@@ -38,13 +38,13 @@ class Checkpointer:
     private temporary directory removed by ``close``.
     """
 
-    def __init__(self, state, model_dir: str, is_chief: bool, task: str,
+    def __init__(self, state, model_dir: str, is_chief: bool, member: str,
                  run_record: dict | None = None, on_saved=None):
         import tensorflow as tf
 
         self.state = state
         self.model_dir = model_dir
-        self.task = task
+        self.member = member
         # The defining flags (RunPlan.defining_flags): the chief writes run.json
         # before its first save.
         self.run_record = run_record
@@ -52,7 +52,7 @@ class Checkpointer:
         self.chief_dir = os.path.join(model_dir, "checkpoints")
         self.private = not is_chief
         self.dir = self.chief_dir if is_chief else tempfile.mkdtemp(
-            prefix=f"ckpt-{task.replace(':', '-')}-")
+            prefix=f"ckpt-{member.replace(':', '-')}-")
         self.manager = tf.train.CheckpointManager(state.checkpoint, self.dir, max_to_keep=KEEP)
         self.on_saved = on_saved
         self.saved_at: int | None = None
@@ -97,7 +97,7 @@ class Checkpointer:
             # successor (ckpt-N_temp) is never read, and a later save of the
             # same step writes over it.
             fault = storage_fault(err, f"save the checkpoint at step {step} in {self.dir!r}",
-                                  self.task, self.resume_step)
+                                  self.member, self.resume_step)
             if fault is None:
                 raise
             raise fault from None
@@ -111,6 +111,35 @@ class Checkpointer:
             import shutil
 
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def save_model(model, model_dir: str) -> str | None:
+    """``model_dir/model.keras``, whole or not at all: saved beside it and renamed over,
+    so a full disk leaves the previous file whole.
+
+    Returns None when saved, or one line saying why Keras could not serialize the
+    model (a subclass whose ``__init__`` takes layers and has no ``get_config``: the
+    guides' GAN and distiller); ``fit`` never saves, so the run is not failed for it.
+    """
+    final = os.path.join(model_dir, "model.keras")
+    partial = os.path.join(model_dir, f"model.tmp{os.getpid()}.keras")
+    try:
+        model.save(partial)
+        os.replace(partial, final)
+        return None
+    except OSError:
+        _unlink_quietly(partial)
+        raise
+    except Exception as err:  # pylint: disable=broad-except
+        _unlink_quietly(partial)
+        return f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _candidates(ckpt_dir: str) -> list[str]:

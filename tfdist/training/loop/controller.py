@@ -15,29 +15,34 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import resource
 import time
-
-import keras
-import tensorflow as tf
 
 from tfdist import protocol
 from tfdist.training.workload import contract
 from tfdist.training.loop.callbacks import Callbacks
-from tfdist.training.loop.checkpoints import Checkpointer
-from tfdist.training.loop.evaluation import local_copy, split_metrics, weights_sha256
+from tfdist.training.loop.checkpoints import Checkpointer, save_model
+from tfdist.training.loop.evaluation import local_copy, split_metrics
 from tfdist.training.loop import profiling
 from tfdist.training.loop.export import ExportFailed, Exporter
 from tfdist.training.loop.recovery import Diverged, Preempted, storage_fault, task_lost
-from tfdist.training.loop.reporting import Reporter, run_hparams
+from tfdist.training.loop.reporting import Reporter, RunTimes, results_record, run_hparams
 from tfdist.training.loop.trainer import Trainer
 
 
 class Controller:
+    """The one outer loop of a run, for every strategy (Orbit's ``Controller``).
+
+    Owns every cadence through the plan's ``Schedule`` (call sizes, progress lines,
+    evaluations, checkpoints, the end), the run's clock (start-up, steady state), the
+    finite-loss check, preemption and early stops, and the chief's final outputs
+    (``_finish``). Owns no step: the ``Trainer`` it is handed runs them; the
+    checkpointer, reporter, callbacks and exporter are its tools.
+    """
+
     def __init__(self, plan, trainer: Trainer, checkpointer: Checkpointer, reporter: Reporter,
                  started: float, started_ok=lambda: None):
         self.plan, self.config, self.trainer = plan, plan.config, trainer
-        self.kind, self.replicas, self.cfg = plan.kind, plan.replicas, plan.cluster
+        self.kind, self.replicas, self.cluster = plan.kind, plan.replicas, plan.cluster
         self.checkpointer, self.reporter = checkpointer, reporter
         self.started = started
         self.started_ok = started_ok
@@ -57,7 +62,7 @@ class Controller:
         # self.model is trainer.local_model().
         self.callbacks = Callbacks(trainer, self.schedule)
         # --profile-steps: None when off (training.loop.profiling).
-        self.profiler = profiling.make(self.config, self.cfg, self.kind)
+        self.profiler = profiling.make(self.config, self.cluster, self.kind)
 
     def run(self) -> dict | None:
         """Train to the end; the chief returns the results record's dict.
@@ -70,7 +75,7 @@ class Controller:
         try:
             return self._run()
         except Exception as err:  # pylint: disable=broad-except
-            fault = storage_fault(err, task=self.cfg.task_name,
+            fault = storage_fault(err, member=self.cluster.member_name,
                                   checkpoint_step=self.checkpointer.resume_step)
             if fault is None:
                 raise
@@ -94,9 +99,9 @@ class Controller:
                                           resumed_from=trainer.start_step)
                 raise
             except trainer.peer_errors as err:
-                if self.cfg.is_local:
+                if self.cluster.is_local:
                     raise
-                raise task_lost(err, self.cfg, "training" if begun else "starting",
+                raise task_lost(err, self.cluster, "training" if begun else "starting",
                                 trainer.completed, self.checkpointer.saved_at) from None
         finally:
             if self.profiler is not None:
@@ -232,8 +237,10 @@ class Controller:
         raise Preempted(done)
 
     def _finish(self, train_seconds: float, examples_per_sec: float) -> dict:
-        """Evaluate a local copy of the weights; write the chief's outputs."""
-        plan, config, trainer, reporter = self.plan, self.config, self.trainer, self.reporter
+        """Evaluate a local copy of the weights; write the chief's outputs, in order:
+        the results record (``reporting.results_record``), ``model.keras`` (saved whole
+        or not at all, ``checkpoints.save_model``), the export, ``results.json``."""
+        trainer, reporter, model_dir = self.trainer, self.reporter, self.config.model_dir
         seconds = reporter.clock()
         not_evaluated = trainer.task.not_evaluated
         if not_evaluated is None:
@@ -243,114 +250,32 @@ class Controller:
             local_copy(trainer.state.model, reporter.evaluator().local)
             print(f"not evaluated: {not_evaluated}", flush=True)
         model = reporter.evaluator().local
-        loss, test_metrics = split_metrics(values)
-        if not_evaluated is not None:
-            loss = None
-        ran = trainer.completed - trainer.start_step
-        specific = trainer.result_fields(ran)
-        reporter.add_point(specific["global_steps"], test_metrics, seconds)
-        info = trainer.task.info
-        opt = plan.optimizer
-        results = protocol.Results(
-            strategy=self.kind.name,
-            model=plan.task.name,
-            task=plan.task.name,
-            optimizer=opt.name if opt.library else type(trainer.state.optimizer).__name__.lower(),
-            learning_rate=opt.learning_rate if opt.library else _rate(trainer.state.optimizer),
-            lr_schedule=opt.schedule if opt.library else "task's own",
-            num_workers=len(self.kind.training_tasks(self.cfg)),
-            num_ps=self.cfg.num_ps,
-            replicas_in_sync=self.replicas,
-            global_batch_size=plan.global_batch_size,
-            steps_per_execution=config.steps_per_execution,
-            seed=config.seed,
-            completed_steps=trainer.completed,
-            steps_this_run=ran,
-            resumed_from_step=trainer.start_step,
-            startup_seconds=round(self.startup_seconds, 3),
-            train_seconds=round(train_seconds, 3),
-            steady_steps=trainer.completed - self.steady_from,
-            examples_per_sec=examples_per_sec,
-            wall_seconds=round(time.perf_counter() - self.started, 3),
-            eval_curve=reporter.curve,
-            eval_seconds=round(reporter.eval_seconds, 3),
-            test_accuracy=test_metrics.get("accuracy"),
-            test_loss=loss,
-            test_metrics=test_metrics,
-            train_examples=info.train_examples,
-            test_examples=info.test_examples,
-            weights_sha256=weights_sha256(model),
-            tf_version=tf.__version__,
-            keras_version=keras.__version__,
-            # Linux reports ru_maxrss in KiB.
-            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            trainable_params=count_trainable(model),
-            gradient_dtype=config.gradient_dtype,
-            gradient_accumulation_steps=plan.accumulation_steps,
-            membership=protocol.membership_from_env(),
-            extra=dict(info.extra_results, **validation_results(reporter.val_curve),
-                       **({"stopped_by": self.callbacks.stopped_by}
-                          if self.callbacks.stopped_by else {}),
-                       # The last training logs, as fit's History ends with them.
-                       train_metrics={k: round(v, 6) for k, v in self.metrics.items()},
-                       **({"not_evaluated": not_evaluated} if not_evaluated else {})),
-            **specific,
-        )
-        # Beside and renamed over: a full disk leaves the previous model.keras whole.
-        final = os.path.join(config.model_dir, "model.keras")
-        partial = os.path.join(config.model_dir, f"model.tmp{os.getpid()}.keras")
-        try:
-            model.save(partial)
-            os.replace(partial, final)
-        except OSError:
-            _unlink(partial)
-            raise
-        except Exception as err:  # pylint: disable=broad-except
-            # Keras cannot serialize the model (a subclass whose __init__ takes layers
-            # and has no get_config: the guides' GAN and distiller); fit never saves, so
-            # the run is not failed for it: one line, and results.json says why.
-            _unlink(partial)
-            why = " ".join(str(err).split())[:200]
+        specific = trainer.result_fields(trainer.completed - trainer.start_step)
+        reporter.add_point(specific["global_steps"], split_metrics(values)[1], seconds)
+        times = RunTimes(startup=self.startup_seconds, train=train_seconds,
+                         wall=time.perf_counter() - self.started,
+                         steady_steps=trainer.completed - self.steady_from,
+                         examples_per_sec=examples_per_sec)
+        results = results_record(self.plan, trainer, reporter, model, values, specific, times,
+                                 self.callbacks.stopped_by, self.metrics, not_evaluated)
+        unsaved = save_model(model, model_dir)
+        if unsaved is not None:
             print(f"warning: model.keras not saved: Keras cannot serialize the model "
-                  f"({type(err).__name__}: {why}); its weights are in checkpoints/",
-                  flush=True)
+                  f"({unsaved}); its weights are in checkpoints/", flush=True)
             results = dataclasses.replace(results, extra={
-                **results.extra, "model_keras_not_saved": f"{type(err).__name__}: {why}"})
-        if self.exporter is not None:
-            try:
-                export = self.exporter.export_local(model, specific["global_steps"])
-                results = dataclasses.replace(results, export=export)
-            except ExportFailed as err:
-                self.export_failed = err  # raised once every task is done
-        results.write(os.path.join(config.model_dir, "results.json"))
+                **results.extra, "model_keras_not_saved": unsaved})
+        results = self._export(model, specific["global_steps"], results)
+        results.write(os.path.join(model_dir, "results.json"))
         reporter.final(results.to_dict())
         return results.to_dict()
 
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def validation_results(curve: list[dict]) -> dict:
-    """The validation split's last ``val_*`` values and its curve, for results.json."""
-    if not curve:
-        return {}
-    last = {k: v for k, v in curve[-1].items() if k.startswith("val_")}
-    return {"val_metrics": last, "val_curve": curve}
-
-
-def count_trainable(model) -> int:
-    """Trainable parameters: the elements of every trainable weight (a split one counted once)."""
-    return int(sum(math.prod(w.shape) for w in model.trainable_weights))
-
-
-def _rate(optimizer) -> float | None:
-    """A task's own optimizer's current rate, where it can be read as a number."""
-    try:
-        # Through NumPy: float() refuses a MirroredVariable (multiworker's rate).
-        return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
-    except Exception:  # pylint: disable=broad-except
-        return None
+    def _export(self, model, step: int, results: protocol.Results) -> protocol.Results:
+        """``--export``: the SavedModel of ``model`` at ``step``, its record in ``results``;
+        a failure is kept and raised once every task is done."""
+        if self.exporter is None:
+            return results
+        try:
+            return dataclasses.replace(results, export=self.exporter.export_local(model, step))
+        except ExportFailed as err:
+            self.export_failed = err
+            return results

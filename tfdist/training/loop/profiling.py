@@ -37,8 +37,8 @@ def parse_steps(text: str | None) -> tuple[int, int] | None:
     return a, b
 
 
-def log_dir(model_dir: str, task_name: str) -> str:
-    return os.path.join(model_dir, "logs", "profile-" + task_name.replace(":", "-"))
+def log_dir(model_dir: str, member_name: str) -> str:
+    return os.path.join(model_dir, "logs", "profile-" + member_name.replace(":", "-"))
 
 
 class StepProfiler:
@@ -48,10 +48,10 @@ class StepProfiler:
     steps in their own process (ps workers and ps tasks), traced through their servers.
     """
 
-    def __init__(self, steps: tuple[int, int], model_dir: str, task_name: str,
+    def __init__(self, steps: tuple[int, int], model_dir: str, member_name: str,
                  remote: tuple[tuple[str, str], ...] = ()):
         self.first, self.last = steps
-        self.model_dir, self.task_name, self.remote = model_dir, task_name, remote
+        self.model_dir, self.member_name, self.remote = model_dir, member_name, remote
         self.state = "waiting"  # -> tracing -> done
         self._threads: list[threading.Thread] = []
         self._seen: tuple[float, int] | None = None  # (time, step) of the first call seen
@@ -69,7 +69,7 @@ class StepProfiler:
                             if step > self._seen[1] else None)
         import tensorflow as tf
 
-        path = log_dir(self.model_dir, self.task_name)
+        path = log_dir(self.model_dir, self.member_name)
         os.makedirs(path, exist_ok=True)
         tf.profiler.experimental.start(path)
         self.state = "tracing"
@@ -107,8 +107,8 @@ class StepProfiler:
 
         tf.profiler.experimental.stop()
         self.state = "done"
-        print(f"{self.task_name}: profile of steps {self.first}:{self.last} written to "
-              f"{log_dir(self.model_dir, self.task_name)}", flush=True)
+        print(f"{self.member_name}: profile of steps {self.first}:{self.last} written to "
+              f"{log_dir(self.model_dir, self.member_name)}", flush=True)
 
 
     def close(self) -> None:
@@ -141,6 +141,6 @@ def make(config, cluster, kind) -> StepProfiler | None:
         return None
     remote = ()
     if cluster.is_chief and not cluster.is_local:
-        remote = tuple((f"{role}:{i}", address) for role, i, address in cluster.tasks()
+        remote = tuple((f"{role}:{i}", address) for role, i, address in cluster.members()
                        if role in kind.serving_roles)
-    return StepProfiler(steps, config.model_dir, cluster.task_name, remote)
+    return StepProfiler(steps, config.model_dir, cluster.member_name, remote)

@@ -148,7 +148,7 @@ def _written(path: str | None) -> str:
     return f"write {path!r}"
 
 
-def storage_fault(err: BaseException, what: str | None = None, task: str | None = None,
+def storage_fault(err: BaseException, what: str | None = None, member: str | None = None,
                   checkpoint_step: int | None = -1) -> StorageFault | None:
     """The ``StorageFault`` for ``err``, else None (not a full or read-only disk).
 
@@ -162,7 +162,7 @@ def storage_fault(err: BaseException, what: str | None = None, task: str | None 
     code, path = cause
     why, fix = _STORAGE_ERRNOS[code]
     what = what or _written(path)
-    who = f"{task} " if task else ""
+    who = f"{member} " if member else ""
     where = f" on {path!r}" if path and path not in what else ""
     if checkpoint_step == -1:
         kept = "the newest checkpoint listed in the run directory's checkpoint index is intact"
@@ -203,12 +203,12 @@ def cluster_disagreement(err: BaseException) -> str | None:
 _TASK_IN_ERROR = re.compile(r"/job:(chief|worker|ps)/replica:\d+/task:(\d+)")
 
 
-def named_in_error(err: BaseException, cfg) -> list[str]:
+def named_in_error(err: BaseException, cluster) -> list[str]:
     """Tasks (other than this one) that a TensorFlow error message names."""
     names = []
     for role, index in _TASK_IN_ERROR.findall(str(err)):
         name = f"{role}:{index}"
-        if name != cfg.task_name and name not in names:
+        if name != cluster.member_name and name not in names:
             names.append(name)
     return names
 
@@ -228,7 +228,7 @@ def telling_line(err: BaseException, limit: int = 120) -> str:
     return first_line(err, limit)
 
 
-def task_lost(err: BaseException, cfg, doing: str, step: int | None = None,
+def task_lost(err: BaseException, cluster, doing: str, step: int | None = None,
               checkpoint_step: int | None = None) -> TaskLost:
     """One line for a gRPC error: which peers are gone, and what to do.
 
@@ -236,8 +236,8 @@ def task_lost(err: BaseException, cfg, doing: str, step: int | None = None,
     text names whichever connection noticed first, not necessarily the task
     that died.
     """
-    gone = missing_tasks(cfg)
-    named = named_in_error(err, cfg)
+    gone = missing_tasks(cluster)
+    named = named_in_error(err, cluster)
     if gone:
         who = "lost " + ", ".join(gone)
     elif named:
@@ -250,7 +250,7 @@ def task_lost(err: BaseException, cfg, doing: str, step: int | None = None,
         if checkpoint_step else "relaunch the same command to start again"
     )
     return TaskLost(
-        f"{cfg.task_name} {who} while {doing}{where} ({type(err).__name__}: "
+        f"{cluster.member_name} {who} while {doing}{where} ({type(err).__name__}: "
         f"{telling_line(err)}); {resume}"
     )
 

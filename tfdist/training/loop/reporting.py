@@ -5,16 +5,20 @@ The controller decides when; this module only says it.
 
 from __future__ import annotations
 
+import math
 import os
+import resource
 import time
+from dataclasses import dataclass
 
+import keras
 import tensorflow as tf
 
 from tfdist import protocol
-from tfdist.training.loop.evaluation import Evaluator, split_metrics
+from tfdist.training.loop.evaluation import Evaluator, split_metrics, weights_sha256
 
 SUMMARY_KEYS = (
-    "strategy", "model", "num_workers", "num_ps", "replicas_in_sync", "global_steps",
+    "strategy", "task", "num_workers", "num_ps", "replicas_in_sync", "global_steps",
     "test_accuracy", "test_loss", "examples_per_sec", "wall_seconds", "weights_sha256",
 )
 
@@ -91,13 +95,13 @@ def run_hparams(plan) -> dict:
 class Reporter:
     """Progress lines and events on every task; TensorBoard on the chief only."""
 
-    def __init__(self, plan, checked, task: str, is_chief: bool, start_step: int,
+    def __init__(self, plan, checked, member: str, is_chief: bool, start_step: int,
                  started: float | None = None):
         self.plan, self.checked = plan, checked
         self.total = plan.total_steps
         self.epoch_of = plan.schedule(start_step).epoch
         self.throughput = Throughput(plan.global_batch_size * plan.accumulation_steps, start_step)
-        self.events = protocol.EventLog(task)
+        self.events = protocol.EventLog(member)
         self.writer = (
             tf.summary.create_file_writer(os.path.join(plan.config.model_dir, "logs"))
             if is_chief else None
@@ -237,3 +241,94 @@ class Reporter:
         self.events.emit(protocol.DONE, results["completed_steps"],
                          test_accuracy=results["test_accuracy"],
                          test_metrics=results.get("test_metrics"))
+
+
+@dataclass(frozen=True)
+class RunTimes:
+    """The controller's clock for the record: seconds, and the steady state's steps and rate."""
+
+    startup: float
+    train: float
+    wall: float
+    steady_steps: int
+    examples_per_sec: float
+
+
+def results_record(plan, trainer, reporter, model, values: dict, specific: dict,
+                   times: RunTimes, stopped_by: str | None = None,
+                   train_metrics: dict | None = None,
+                   not_evaluated: str | None = None) -> protocol.Results:
+    """The chief's results record: the plan's settings, the trainer's counts and
+    ``specific`` fields, the final evaluation ``values`` of ``model`` (the local copy;
+    none when ``not_evaluated`` says why), the last training logs, the reporter's
+    curves and ``times``."""
+    loss, test_metrics = split_metrics(values)
+    if not_evaluated is not None:
+        loss = None
+    ran = trainer.completed - trainer.start_step
+    info, opt, config, cluster = trainer.task.info, plan.optimizer, plan.config, plan.cluster
+    return protocol.Results(
+        strategy=plan.kind.name,
+        task=plan.task.name,
+        optimizer=opt.name if opt.library else type(trainer.state.optimizer).__name__.lower(),
+        learning_rate=opt.learning_rate if opt.library else _rate(trainer.state.optimizer),
+        lr_schedule=opt.schedule if opt.library else "task's own",
+        num_workers=len(plan.kind.training_members(cluster)),
+        num_ps=cluster.num_ps,
+        replicas_in_sync=plan.replicas,
+        global_batch_size=plan.global_batch_size,
+        steps_per_execution=config.steps_per_execution,
+        seed=config.seed,
+        completed_steps=trainer.completed,
+        steps_this_run=ran,
+        resumed_from_step=trainer.start_step,
+        startup_seconds=round(times.startup, 3),
+        train_seconds=round(times.train, 3),
+        steady_steps=times.steady_steps,
+        examples_per_sec=times.examples_per_sec,
+        wall_seconds=round(times.wall, 3),
+        eval_curve=reporter.curve,
+        eval_seconds=round(reporter.eval_seconds, 3),
+        test_accuracy=test_metrics.get("accuracy"),
+        test_loss=loss,
+        test_metrics=test_metrics,
+        train_examples=info.train_examples,
+        test_examples=info.test_examples,
+        weights_sha256=weights_sha256(model),
+        tf_version=tf.__version__,
+        keras_version=keras.__version__,
+        # Linux reports ru_maxrss in KiB.
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        trainable_params=count_trainable(model),
+        gradient_dtype=config.gradient_dtype,
+        gradient_accumulation_steps=plan.accumulation_steps,
+        membership=protocol.membership_from_env(),
+        extra=dict(info.extra_results, **validation_results(reporter.val_curve),
+                   **({"stopped_by": stopped_by} if stopped_by else {}),
+                   # The last training logs, as fit's History ends with them.
+                   train_metrics={k: round(v, 6) for k, v in (train_metrics or {}).items()},
+                   **({"not_evaluated": not_evaluated} if not_evaluated else {})),
+        **specific,
+    )
+
+
+def validation_results(curve: list[dict]) -> dict:
+    """The validation split's last ``val_*`` values and its curve, for results.json."""
+    if not curve:
+        return {}
+    last = {k: v for k, v in curve[-1].items() if k.startswith("val_")}
+    return {"val_metrics": last, "val_curve": curve}
+
+
+def count_trainable(model) -> int:
+    """Trainable parameters: the elements of every trainable weight (a split one counted once)."""
+    return int(sum(math.prod(w.shape) for w in model.trainable_weights))
+
+
+def _rate(optimizer) -> float | None:
+    """A task's own optimizer's current rate, where it can be read as a number."""
+    try:
+        # Through NumPy: float() refuses a MirroredVariable (multiworker's rate).
+        return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+    except Exception:  # pylint: disable=broad-except
+        return None

@@ -25,6 +25,10 @@ class ScheduleError(ConfigError):
 
 @dataclass(frozen=True)
 class Schedule:
+    """Every cadence of a run as pure arithmetic (no TensorFlow): the next call's size,
+    whether a progress line, evaluation or checkpoint is due after a call, and the
+    position a resumed run starts at. The controller asks; it decides nothing else."""
+
     total_steps: int
     steps_per_epoch: int
     steps_per_execution: int = 1

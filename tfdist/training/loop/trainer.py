@@ -27,10 +27,20 @@ class Trainer(abc.ABC):
                  train_metrics):
         self.plan, self.bundle, self.task = plan, bundle, task
         self.train_metrics = train_metrics  # training.loop.step.TrainMetrics
-        self.config, self.cfg = plan.config, plan.cluster
+        self.config, self.cluster = plan.config, plan.cluster
         self.state, self.checkpointer = state, checkpointer
         self.start_step = self.completed = start_step  # requested steps applied so far
-        self.is_chief = self.cfg.is_chief
+        self.is_chief = self.cluster.is_chief
+
+    @staticmethod
+    def build_state(plan, task, strategy, example=None, own_optimizers=None):
+        """The model, optimizer and step counters this trainer trains, built before the
+        trainer (the checkpointer restores them first). The default: the task's model
+        whole, in ``strategy``'s scope (``training.loop.state.build_state``); a trainer that
+        places the model itself (the pipeline's stages) builds its own."""
+        from tfdist.training.loop.state import build_state  # TensorFlow: only when a run builds
+
+        return build_state(plan, task, strategy, example, own_optimizers)
 
     @property
     def metric_names(self) -> tuple[str, ...]:

@@ -386,10 +386,14 @@ def count_transfers(concrete) -> dict:
 
 
 class PipelineTrainer(Trainer):
+    """``pipeline`` on the chief: owns the model's stages placed on the workers (and their
+    optimizers, per copy), the GPipe step over micro-batches, keeping the copies
+    identical, and the per-worker parameter and optimizer bytes of the results."""
+
     peer_errors = PEER_ERRORS
 
     @staticmethod
-    def build_state(plan, task, strategy):
+    def build_state(plan, task, strategy, example=None, own_optimizers=None):
         return build_pipeline_state(plan, task, strategy)
 
     def __init__(self, *, plan, bundle, task, state, checkpointer, start_step, train_metrics):
@@ -515,7 +519,7 @@ class PipelineTrainer(Trainer):
                     if name in {n for n, _ in self.state.devices[0]})
         return {
             "global_steps": int(self.state.global_step.numpy()),
-            "steps_per_worker": {name: ran for name in self.bundle.kind.training_tasks(self.cfg)},
+            "steps_per_worker": {name: ran for name in self.bundle.kind.training_members(self.cluster)},
             "pipeline": {
                 **self.plan.pipeline.describe(),
                 "cut": self.state.cut,

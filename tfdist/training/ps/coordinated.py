@@ -83,7 +83,7 @@ class CoordinatedTrainer(Trainer):
                          checkpointer=checkpointer, start_step=start_step,
                          train_metrics=train_metrics)
         self.coordinator = bundle.coordinator
-        self.workers = [f"{role}:{i}" for role, i, _ in self.cfg.tasks() if role == "worker"]
+        self.workers = [f"{role}:{i}" for role, i, _ in self.cluster.members() if role == "worker"]
         condense_tf_logs()
         self.applied_before = int(self.state.global_step.numpy())
         # How long a lost or stuck task may hold the run up (--stuck-timeout).
@@ -91,7 +91,7 @@ class CoordinatedTrainer(Trainer):
         self._last: dict[str, float] = {}
         self._stall: StallWatchdog | None = None
         self._guard: CallGuard | None = None
-        self._events = protocol.EventLog(self.cfg.task_name)
+        self._events = protocol.EventLog(self.cluster.member_name)
         self._sigterm: StopOnSigterm | None = None
 
     def listen_for_sigterm(self) -> None:
@@ -102,12 +102,12 @@ class CoordinatedTrainer(Trainer):
     def on_started(self) -> None:
         # With too few workers left the coordinator (or ps:0) waits without
         # a timeout of its own: the watchdog ends the chief with one line.
-        self._stall = StallWatchdog(self.cfg, self.patience, grace=self.stall_grace)
-        self._guard = CallGuard(self.cfg, self.patience)
+        self._stall = StallWatchdog(self.cluster, self.patience, grace=self.stall_grace)
+        self._guard = CallGuard(self.cluster, self.patience)
 
     def stuck_peers(self) -> tuple[list[str], list[str]]:
         """(stuck or unreachable ps tasks, stuck workers), each "role:i (address)"."""
-        states = peer_states(self.cfg)
+        states = peer_states(self.cluster)
         ps = [n for n, st in states.items() if n.startswith("ps:") and st != "ok"]
         workers = [n for n, st in states.items() if n.startswith("worker:") and st == "stuck"]
         return ps, workers
@@ -117,7 +117,7 @@ class CoordinatedTrainer(Trainer):
         moves, and any call of ours would wait on it (a hard exit, as the
         watchdog's)."""
         exit_now(Exit.TASK_LOST, (
-            f"error: {self.cfg.task_name}: {', '.join(ps)} did not answer for {waited:.0f}s "
+            f"error: {self.cluster.member_name}: {', '.join(ps)} did not answer for {waited:.0f}s "
             f"(--stuck-timeout={self.patience:g}) while training at step {self.completed}: "
             f"a ps task that is stuck or cut off holds every step; {self._resume_text()}"))
 
@@ -137,7 +137,7 @@ class CoordinatedTrainer(Trainer):
         """
         since, reported = time.monotonic(), False
         while True:
-            states = peer_states(self.cfg)
+            states = peer_states(self.cluster)
             stuck = [name for name, state in states.items() if state == "stuck"]
             if not stuck:
                 break
@@ -173,7 +173,7 @@ class CoordinatedTrainer(Trainer):
         if ps:
             self.end_on_stuck_ps(ps, waited)
         exit_now(Exit.TASK_LOST, (
-            f"error: {self.cfg.task_name}: the checkpoint at step {step} would wait "
+            f"error: {self.cluster.member_name}: the checkpoint at step {step} would wait "
             f"on a stuck task (TensorFlow registers each save with every task), and it did "
             f"not answer within {waited:.0f}s (--stuck-timeout={self.patience:g}); "
             f"{states_text(states)}; {self._resume_text()}"))

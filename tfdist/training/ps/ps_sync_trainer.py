@@ -342,6 +342,12 @@ def make_aggregate_fn(q: SyncQueues, optimizer, variables, global_step, k: int, 
 
 
 class PsSyncTrainer(CoordinatedTrainer):
+    """``ps-sync`` on the chief: owns the token and gradient queues on ps:0, the worker and
+    aggregate closures built over them, the K-gradient updates and every gradient's count
+    (accepted, dropped, skipped), and the reissue of a step's tokens when an update stalls.
+    What it shares with ``ps`` (the workers, SIGTERM, the stall watchdog, guarded saves)
+    is ``CoordinatedTrainer``'s."""
+
     def __init__(self, *, plan, bundle, task, state, checkpointer, start_step, train_metrics):
         super().__init__(plan=plan, bundle=bundle, task=task, state=state,
                          checkpointer=checkpointer, start_step=start_step,
@@ -546,7 +552,7 @@ class PsSyncTrainer(CoordinatedTrainer):
                 "worker": name, "at_step": self.completed,
                 "waited_seconds": round(time.monotonic() - since, 1), "rerouted_steps": 0,
                 "came_back": False, "steps_after": None, "outcome": "left out"})
-        print(f"warning: {self.cfg.task_name}: {self._scheduled - last} closure(s) had not "
+        print(f"warning: {self.cluster.member_name}: {self._scheduled - last} closure(s) had not "
               f"ended {self.patience:g}s (--stuck-timeout) after the last update; stuck: "
               f"{', '.join(stuck) or 'none found'}; the run ends without waiting for them "
               f"(gradients they computed: "

@@ -136,6 +136,11 @@ def _is_ready(remote) -> bool:
 
 
 class PsTrainer(CoordinatedTrainer):
+    """``ps`` on the chief: owns the closures scheduled on the workers and the in-flight
+    window, fetching their results (loss, metrics, staleness) as they complete, the
+    per-worker step counts and re-executed steps, and the rerouting of a stuck worker's
+    call. What it shares with ``ps-sync`` is ``CoordinatedTrainer``'s."""
+
     # The main thread reroutes a stuck worker's call, or gives up its
     # results, at --stuck-timeout, and probing the peers takes up to 4 s
     # more on a busy host; the watchdog is the fallback.
@@ -222,7 +227,7 @@ class PsTrainer(CoordinatedTrainer):
         count as applied, without their loss and metrics.
         """
         deadline = time.monotonic() + self.patience
-        self._fetcher.submit(lambda: fetch(remote, deadline, task=self.cfg.task_name))
+        self._fetcher.submit(lambda: fetch(remote, deadline, member=self.cluster.member_name))
         since = time.monotonic()
         while True:
             try:
@@ -236,7 +241,7 @@ class PsTrainer(CoordinatedTrainer):
             if stuck:
                 self._fetcher.abandon()
                 self.report_stuck([name.split(" ")[0] for name in stuck])
-                print(f"warning: {self.cfg.task_name}: a finished call's results are held by "
+                print(f"warning: {self.cluster.member_name}: a finished call's results are held by "
                       f"{', '.join(stuck)}, which accepts connections but has answered nothing "
                       f"for {waited:.0f}s (--stuck-timeout={self.patience:g}); its {n} step(s) "
                       "are applied, their loss and metrics not counted", flush=True)
@@ -283,7 +288,7 @@ class PsTrainer(CoordinatedTrainer):
         for name in names:
             count = counts[self.workers.index(name)] if counts and name in self.workers else None
             self._stuck.append(StuckWorker(name, self.completed, waited, n, remote, count))
-        print(f"warning: {self.cfg.task_name}: {', '.join(stuck)} accepts connections but has "
+        print(f"warning: {self.cluster.member_name}: {', '.join(stuck)} accepts connections but has "
               f"answered nothing for {waited:.0f}s (--stuck-timeout={self.patience:g}); "
               f"rerunning its {n} step(s) from step {self.completed} on the other workers, "
               "which get all further steps until it answers again", flush=True)

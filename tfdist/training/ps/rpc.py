@@ -22,7 +22,7 @@ def is_transient(err: BaseException) -> bool:
     return isinstance(err, (tf.errors.InternalError, tf.errors.UnknownError))
 
 
-def fetch(remote, deadline: float, retry_every: float = 0.2, *, task: str = "chief",
+def fetch(remote, deadline: float, retry_every: float = 0.2, *, member: str = "chief",
           retries: int = TRANSIENT_RETRIES, backoff: float = TRANSIENT_BACKOFF,
           sleep=time.sleep, log=None, worker_failure=None, transient=None):
     """``remote.fetch()``, riding out the loss of the worker that ran it, and
@@ -59,10 +59,10 @@ def fetch(remote, deadline: float, retry_every: float = 0.2, *, task: str = "chi
             what = f"{type(err).__name__}: {telling_line(err)}"
             if failures > retries:
                 raise RpcFailed(
-                    f"{task}: fetching a finished step's results failed {failures} times "
+                    f"{member}: fetching a finished step's results failed {failures} times "
                     f"({what}), not a lost worker; relaunch the same command to resume "
                     "from the newest checkpoint") from None
             wait = backoff * 2 ** (failures - 1)
-            log(f"warning: {task}: fetching a step's results failed ({what}); "
+            log(f"warning: {member}: fetching a step's results failed ({what}); "
                 f"retry {failures} of {retries} in {wait:g}s")
             sleep(wait)

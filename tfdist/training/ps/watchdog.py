@@ -22,9 +22,9 @@ class StallWatchdog:
     Paused while the chief does work of its own (``paused()``: evaluating).
     """
 
-    def __init__(self, cfg, timeout: float, exit_code: int = Exit.TASK_LOST,
+    def __init__(self, cluster, timeout: float, exit_code: int = Exit.TASK_LOST,
                  grace: float = 0.0):
-        self.cfg, self.timeout, self.exit_code = cfg, timeout, exit_code
+        self.cluster, self.timeout, self.exit_code = cluster, timeout, exit_code
         self.grace = grace
         self._last = time.monotonic()
         self._paused = 0
@@ -52,8 +52,8 @@ class StallWatchdog:
             if not self._paused and time.monotonic() - self._last > self.timeout + self.grace:
                 # The main thread is blocked inside TensorFlow: only a hard exit ends it.
                 exit_now(self.exit_code, (
-                    f"error: {self.cfg.task_name}: no training step completed for "
-                    f"{self.timeout:g}s (--stuck-timeout); {stuck_text(self.cfg)}. "
+                    f"error: {self.cluster.member_name}: no training step completed for "
+                    f"{self.timeout:g}s (--stuck-timeout); {stuck_text(self.cluster)}. "
                     "Restart or replace the stuck or lost tasks, or relaunch the job to "
                     "resume from its checkpoint"
                 ))

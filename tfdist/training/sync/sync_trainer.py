@@ -75,6 +75,10 @@ def make_statistics_sync(strategy, variables):
 
 
 class SyncTrainer(Trainer):
+    """``none``, ``mirrored``, ``multiworker``: every task runs every step in lockstep.
+    Owns the distributed dataset and its iterator, the compiled call of ``n`` steps, the
+    agreed start step, TensorFlow's preemption handler and the end-of-job barrier."""
+
     peer_errors = PEER_ERRORS
 
     def __init__(self, *, plan, bundle, task, state, checkpointer, start_step, train_metrics):
@@ -82,9 +86,9 @@ class SyncTrainer(Trainer):
                          checkpointer=checkpointer, start_step=start_step,
                          train_metrics=train_metrics)
         strategy = bundle.strategy
-        tasks = bundle.kind.training_tasks(self.cfg)
+        tasks = bundle.kind.training_members(self.cluster)
         if len(tasks) > 1:
-            agree_on_start_step(strategy, start_step, self.cfg.task_name, tasks,
+            agree_on_start_step(strategy, start_step, self.cluster.member_name, tasks,
                                 self.config.model_dir)
         dataset_fn = data.make_dataset_fn(
             task.task, plan.global_batch_size, seed=self.config.seed,
@@ -131,7 +135,7 @@ class SyncTrainer(Trainer):
         return False  # the preemption handler stops the run itself
 
     def in_lockstep(self) -> bool:
-        return len(self.bundle.kind.training_tasks(self.cfg)) > 1
+        return len(self.bundle.kind.training_members(self.cluster)) > 1
 
     def _metrics(self) -> dict[str, float]:
         if self._out is None:
@@ -141,13 +145,13 @@ class SyncTrainer(Trainer):
     def result_fields(self, ran: int) -> dict:
         return {
             "global_steps": int(self.state.global_step.numpy()),
-            "steps_per_worker": {name: ran for name in self.bundle.kind.training_tasks(self.cfg)},
+            "steps_per_worker": {name: ran for name in self.bundle.kind.training_members(self.cluster)},
         }
 
     def finish_worker(self) -> None:
         """A non-chief worker's last line: its step count and weights fingerprint."""
         digest = weights_sha256(local_copy(self.state.model, self.task.local_model))
-        print(f"{self.cfg.task_name} done: global_steps={int(self.state.global_step.numpy())} "
+        print(f"{self.cluster.member_name} done: global_steps={int(self.state.global_step.numpy())} "
               f"weights_sha256={digest}", flush=True)
 
     def end_of_job(self) -> None:
@@ -157,7 +161,7 @@ class SyncTrainer(Trainer):
         The preemption handler's threads are stopped before (``close``): they
         read the key-value store of the chief's coordination service.
         """
-        if len(self.bundle.kind.training_tasks(self.cfg)) < 2:
+        if len(self.bundle.kind.training_members(self.cluster)) < 2:
             return
         from tensorflow.python.eager import context
 
