@@ -108,3 +108,21 @@ def test_readme_exit_code_table_matches_the_protocol():
         if len(cells) == 2 and cells[0].isdigit():
             rows[int(cells[0])] = cells[1]
     assert rows == {int(code): meaning for code, meaning in protocol.EXIT_MEANINGS.items()}
+
+
+def test_the_task_contract_is_exported_and_tensorflow_free():
+    # A user types a task of theirs against tfdist.Task without importing TensorFlow.
+    import subprocess
+    import sys
+
+    code = ("import sys, tfdist\n"
+            "T = tfdist.Task\n"
+            "assert 'tensorflow' not in sys.modules\n"
+            "class Mine:\n"
+            "    def build_model(self): ...\n"
+            "    def dataset(self, split): ...\n"
+            "class NoData:\n"
+            "    def build_model(self): ...\n"
+            "assert isinstance(Mine(), T) and not isinstance(NoData(), T)\n"
+            "assert 'Task' in tfdist.__all__\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

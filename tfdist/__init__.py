@@ -42,7 +42,7 @@ if not _os.path.isdir(_os.path.join(_here, "strategies")) and _os.path.isfile(
 
 __version__ = "0.2.0"
 _API = ("fit", "launch", "Result", "MemberOutcome", "TfdistError", "TrainOptions", "Cluster",
-        "Faults", "Recovery", "Limits")
+        "Faults", "Recovery", "Limits", "Task")
 __all__ = [*_API, "__version__"]
 
 

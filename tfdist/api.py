@@ -289,8 +289,14 @@ def __getattr__(name):
         from tfdist.training.config import TrainOptions
 
         return TrainOptions
+    if name == "Task":
+        # The task contract (build_model(), dataset(split); configure() optional), to
+        # type a task of yours against; TensorFlow-free.
+        from tfdist.training.workload.tasks import Task
+
+        return Task
     raise AttributeError(f"module 'tfdist.api' has no attribute {name!r}")
 
 
 __all__ = ["fit", "launch", "Result", "MemberOutcome", "TfdistError", "Cluster", "Faults",
-           "Recovery", "Limits", "TrainOptions"]
+           "Recovery", "Limits", "TrainOptions", "Task"]

@@ -59,12 +59,15 @@ class Node:
 class RayCluster:
     """``ray start --head`` plus worker nodes; ``close()`` leaves nothing behind."""
 
-    def __init__(self):
+    def __init__(self, head_ip: str = HEAD_IP, port_base: int = 20000):
+        """``head_ip``/``port_base``: another cluster's, so two can run side by side
+        (their own loopback addresses and worker-port ranges)."""
         self.root = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Unix socket paths
         self.nodes: list[Node] = []
         self.failed: list[Node] = []  # a start that timed out (killed, tried again)
+        self.head_ip, self.port_base = head_ip, port_base
         self.port = free_port()
-        self.address = f"{HEAD_IP}:{self.port}"
+        self.address = f"{head_ip}:{self.port}"
         self.env = child_env(**ENV)
 
     def _start(self, ip: str, args: list[str], num_cpus: int, timeout: float = 120) -> Node:
@@ -85,7 +88,7 @@ class RayCluster:
         i = len(self.nodes) + len(self.failed)
         temp_dir = os.path.join(self.root, f"n{i}")
         os.makedirs(temp_dir)
-        low = 20000 + 2000 * i  # each node its own range of worker ports
+        low = self.port_base + 2000 * i  # each node its own range of worker ports
         cmd = [RAY, "start", "--block", "--node-ip-address", ip, "--num-cpus", str(num_cpus),
                "--num-gpus", "0", "--temp-dir", temp_dir, "--disable-usage-stats",
                "--min-worker-port", str(low), "--max-worker-port", str(low + 999),
@@ -98,7 +101,7 @@ class RayCluster:
         return node
 
     def start_head(self, num_cpus: int) -> Node:
-        return self._start(HEAD_IP, ["--head", "--port", str(self.port),
+        return self._start(self.head_ip, ["--head", "--port", str(self.port),
                                          "--include-dashboard", "false",
                                          "--dashboard-port", str(free_port()),
                                          "--ray-client-server-port", str(free_port())], num_cpus)
@@ -109,12 +112,12 @@ class RayCluster:
     def victim(self) -> Node:
         """A live node other than the head, one a test may kill (the first such; a new one,
         on the next loopback address, when every other node is gone)."""
-        alive = [n for n in self.nodes if n.ip != HEAD_IP and n.alive]
+        alive = [n for n in self.nodes if n.ip != self.head_ip and n.alive]
         return alive[0] if alive else self.add_node(self.next_ip(), num_cpus=2)
 
     def next_ip(self) -> str:
         used = {int(n.ip.rsplit(".", 1)[1]) for n in self.nodes + self.failed}
-        return f"127.0.0.{max(used | {3}) + 1}"
+        return f"127.0.0.{max(used | {int(self.head_ip.rsplit('.', 1)[1])}) + 1}"
 
     def leftovers(self) -> list[str]:
         """Live processes of this cluster (by its temp dir, or in a node's process group)."""

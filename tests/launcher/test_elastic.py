@@ -34,7 +34,9 @@ WORKERS = ["worker:0", "worker:1", "worker:2"]
                                    "one process"]),
     ("pipeline", 3, 2, None, "local", ["--strategy pipeline", "each holds a stage"]),
     ("mirrored", 1, 1, None, "local", ["--strategy mirrored", "drop --min-workers"]),
-    ("multiworker", 3, 2, None, "ray", ["--engine ray", "local engine only"]),
+    ("ps-sync", 3, 2, None, "ray", ["--engine ray", "--strategy multiworker only",
+                                    "received --strategy ps-sync"]),
+    ("ps", 3, 2, None, "ray", ["--engine ray", "--strategy multiworker only"]),
 ])
 def test_bad_elastic_input_is_one_line(strategy, workers, m, timeout, engine, words):
     with pytest.raises(LaunchError) as err:
@@ -49,6 +51,8 @@ def test_without_simulated_hosts_no_host_can_be_lost_so_it_is_refused():
 
 
 def test_elastic_plan_defaults_and_none_without_the_flag():
+    # Ray: no simulated hosts; its nodes are what is lost.
+    assert elastic.plan_elastic(MW, 2, 1, None, "ray", hosts=0) == elastic.ElasticPlan(1, 20.0)
     assert elastic.plan_elastic(MW, 3, None, None) is None
     assert elastic.plan_elastic(MW, 3, 2, None) == elastic.ElasticPlan(2, 20.0)
     assert elastic.plan_elastic(MW, 3, 3, 7.5) == elastic.ElasticPlan(3, 7.5)

@@ -45,6 +45,12 @@ def is_elastic(kind: StrategyKind) -> bool:
     return not kind.single_process and not kind.pipelined and ROLE in kind.computing_roles
 
 
+def ray_able() -> str:
+    """The strategies whose jobs re-form on the Ray nodes left: every worker runs every
+    step, nothing else in the cluster (the engine places the members anew each time)."""
+    return "|".join(n for n, k in kinds.all_kinds().items() if is_elastic(k) and k.trainer == "sync")
+
+
 @dataclass(frozen=True)
 class ElasticPlan:
     min_workers: int
@@ -68,9 +74,10 @@ def plan_elastic(kind: StrategyKind, workers: int, min_workers: int | None,
                           + ("is one process" if kind.single_process else
                              "needs every worker (each holds a stage of the model)")
                           + "; drop --min-workers")
-    if engine != "local":
-        raise LaunchError(f"--min-workers is supported by the local engine only, received "
-                          f"--engine {engine}; drop --min-workers or use --engine local")
+    if engine != "local" and not (engine == "ray" and kind.trainer == "sync"):
+        raise LaunchError(f"--min-workers with --engine {engine} goes on without a lost node "
+                          f"under --strategy {ray_able()} only, received --strategy {kind.name}; "
+                          "drop --min-workers or use --engine local")
     if workers < 2:
         raise LaunchError(f"--min-workers={min_workers} with --workers={workers}: a job of one "
                           "worker has nobody to go on without; use --workers 2 or more")
@@ -81,7 +88,7 @@ def plan_elastic(kind: StrategyKind, workers: int, min_workers: int | None,
     if not 0 < timeout < math.inf:
         raise LaunchError(f"--rejoin-timeout={timeout:g} is not allowed; use a positive, "
                           "finite number of seconds")
-    if not hosts:
+    if not hosts and engine == "local":
         raise LaunchError("--min-workers goes on without a worker whose host is lost; on this "
                           "machine hosts are simulated: add --hosts N (each worker on its own "
                           "host), or drop --min-workers")

@@ -36,10 +36,11 @@ import time
 
 from tfdist import protocol
 from tfdist.launcher import plan as plans
-from tfdist.launcher import processes, supervisor
+from tfdist.launcher import elastic, processes, supervisor
 from tfdist.launcher.config import ENGINES, LaunchConfig, LaunchRequest
 from tfdist.launcher.plan import LaunchError
 from tfdist.launcher.processes import MemberProcess
+from tfdist.launcher.state import JobState, SignalMember
 from tfdist.protocol import Exit
 
 INSTALL_HINT = "pip install 'tf-distribute-showcase[ray]'"
@@ -312,7 +313,8 @@ class RayEngine:
                  startup_timeout: float = STARTUP_TIMEOUT):
         self.ray, self.config, self.address, self.placement = ray, config, address, placement
         self.log = log
-        self.names = config.names
+        self.all_names = config.names
+        self.membership: NodeMembership | None = None  # --min-workers: who is placed
         self.startup_timeout = min(startup_timeout, config.timeout or startup_timeout)
         self.pg = None
         self.placed: dict[str, Placed] = {}
@@ -329,15 +331,20 @@ class RayEngine:
         self.scratch = os.path.join(tempfile.gettempdir(),
                                     f"tfdist-ray-{os.getpid()}-{os.urandom(4).hex()}")
 
+    @property
+    def names(self) -> list[str]:
+        """The tasks placed this attempt: every task, or under --min-workers the members."""
+        return self.membership.names if self.membership is not None else list(self.all_names)
+
     # --- the cluster ---------------------------------------------------------------
 
     def connect(self) -> None:
         ray, t0 = self.ray, time.monotonic()
         if self.local:
             # Logical CPUs: one per task's bundle, whatever this host has.
-            ray.init(num_cpus=len(self.names) * CPUS_PER_TASK, include_dashboard=False,
+            ray.init(num_cpus=len(self.all_names) * CPUS_PER_TASK, include_dashboard=False,
                      log_to_driver=False, logging_level=logging.WARNING)
-            where = f"a local Ray instance (num_cpus={len(self.names) * CPUS_PER_TASK})"
+            where = f"a local Ray instance (num_cpus={len(self.all_names) * CPUS_PER_TASK})"
         else:
             ray.init(address=self.address, log_to_driver=False, logging_level=logging.WARNING)
             where = f"the Ray cluster at {self.address}"
@@ -353,6 +360,31 @@ class RayEngine:
 
     def _alive_nodes(self) -> int:
         return sum(1 for n in self.ray.nodes() if n.get("Alive"))
+
+    def elastic_membership(self, plan: elastic.ElasticPlan, event_paths, record_path, log
+                           ) -> "NodeMembership":
+        """--min-workers: the supervisor's membership hook, which decides what is placed."""
+        self.membership = NodeMembership(plan, list(self.all_names), self, event_paths, log,
+                                         record_path=record_path)
+        return self.membership
+
+    def dead_nodes(self) -> set[str]:
+        """The nodes Ray counts as dead, of those this attempt's tasks were placed on."""
+        used = {p.node_id for p in self.placed.values()}
+        return {n["NodeID"] for n in self.ray.nodes() if n["NodeID"] in used and not n.get("Alive")}
+
+    def room_for(self, names: list[str]) -> int:
+        """How many of ``names`` (in order) the cluster's live nodes could hold now, by
+        their total resources and --ray-placement (this job's own bundles included)."""
+        ray = self.ray
+        total, nodes = ray.cluster_resources(), self._alive_nodes()
+        gpus = total.get("GPU", 0)
+        for n in range(len(names), 0, -1):
+            bundles = bundles_for(self.config.kind, names[:n], gpus,
+                                  pin_head=self.placement in HEAD_PINNED)
+            if shortage(bundles, total, nodes, self.placement) is None:
+                return n
+        return 0
 
     def close(self) -> None:
         self._release()
@@ -391,8 +423,9 @@ class RayEngine:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._release()
+        names = self.names
         t0 = time.monotonic()
-        bundles = bundles_for(self.config.kind, self.names, ray.cluster_resources().get("GPU", 0),
+        bundles = bundles_for(self.config.kind, names, ray.cluster_resources().get("GPU", 0),
                               pin_head=self.placement in HEAD_PINNED)
         lacking = shortage(bundles, ray.cluster_resources(), self._alive_nodes(), self.placement)
         if lacking:
@@ -410,17 +443,17 @@ class RayEngine:
                 f"{line or 'the placement group for ' + str(len(bundles)) + ' tasks did not fit'} "
                 f"(waited {self.startup_timeout:g}s for room; other jobs may hold it)") from None
         actors = {}
-        for i, (name, bundle) in enumerate(zip(self.names, bundles)):
+        for i, (name, bundle) in enumerate(zip(names, bundles)):
             actors[name] = self._actor(name, i, bundle, PlacementGroupSchedulingStrategy)
         self.placed = {name: Placed(actors[name], i, 0, "", "") for i, name in
-                       enumerate(self.names)}
-        infos = self._get([actors[n].reserve.remote(0) for n in self.names], "bind their ports")
-        for name, info in zip(self.names, infos):
+                       enumerate(names)}
+        infos = self._get([actors[n].reserve.remote(0) for n in names], "bind their ports")
+        for name, info in zip(names, infos):
             p = self.placed[name]
             p.ip, p.port, p.node_id = self._node_ip(info["node_id"]), info["port"], info["node_id"]
-        self.cores = node_shares(self.config.kind, {n: self.placed[n].node_id for n in self.names},
+        self.cores = node_shares(self.config.kind, {n: self.placed[n].node_id for n in names},
                                  {info["node_id"]: info["cpus"] for info in infos})
-        self.tf_configs = plans.tf_configs_at({n: self.placed[n].address for n in self.names})
+        self.tf_configs = plans.tf_configs_at({n: self.placed[n].address for n in names})
         self._save(attempt)
         nodes = sorted({p.node_id for p in self.placed.values()})
         self.log(f"[launch] ray: placed in {time.monotonic() - t0:.1f}s ({self.placement}) on "
@@ -529,6 +562,119 @@ class RayEngine:
         self.log(f"[launch] {name}: a new Ray actor on node {placed.node_id[:8]}, same address "
                  f"{placed.address}")
         return None
+
+
+class NodeMembership(elastic.Membership):
+    """--min-workers on Ray: a worker whose Ray actor is lost (its node gone) ends the
+    attempt; the job re-forms with as many workers as the live nodes hold (at least M,
+    at most the original N), each attempt placed anew, so the members are always the
+    first workers by name. When the live nodes hold more again (a node joined), the
+    job is preempted (every worker saves at one agreed step) and re-formed with them.
+
+    Ray says a node is dead some seconds after it is (its health checks): the loss is
+    decided once Ray has counted every lost task's node dead, or after --rejoin-timeout.
+    """
+
+    CHECK_EVERY = 2.0  # seconds between looks at the cluster's room (ray.nodes() is a GCS call)
+
+    def __init__(self, plan: elastic.ElasticPlan, names: list[str], engine: "RayEngine",
+                 event_paths=(), log=print, record_path: str | None = None):
+        super().__init__(plan, names, {}, {}, event_paths, log, record_path=record_path)
+        self.engine = engine
+        self.lost_nodes: set[str] = set()
+        self.lost_at = 0.0
+        self.looked = 0.0
+
+    def configs(self) -> dict[str, dict]:
+        return {}  # the engine builds them where it places the members
+
+    def new_attempt(self, links_down) -> None:
+        super().new_attempt(links_down)
+        self.lost_nodes, self.looked = set(), self.clock()
+
+    def __call__(self, state: JobState) -> list:
+        self._read()
+        if self.lost:
+            return []
+        now = self.clock()
+        dead = set()
+        if now - self.looked >= self.CHECK_EVERY:
+            self.looked, dead = now, self.engine.dead_nodes()
+        if self._gone(dead):
+            self.lost_at, self.changed_at = now, time.time()
+            self.log(f"[launch] {', '.join(self.lost)}: Ray actor lost: stopping this formation "
+                     "of the cluster to re-form it on the nodes left")
+            return [SignalMember(t.name, signal.SIGKILL, pid=t.pid)
+                    for t in state.members if t.running]
+        if (len(self.members) < len(self.workers) and self.started and not self.growing
+                and self.looked == now):
+            room = self.engine.room_for(self.all_names)
+            if room > len(self.members):
+                first = next((t for t in state.members if t.running and t.name in self.members),
+                             None)
+                if first is not None:
+                    self.growing = self.workers[len(self.members):room]
+                    self.changed_at = self.back_seen = time.time()
+                    self.log(f"[launch] the live Ray nodes hold {_workers(room)} again; SIGTERM "
+                             f"to {first.name}: the job checkpoints where it is and stops "
+                             f"(exit 42), then re-forms with {_workers(room)}")
+                    return [SignalMember(first.name, signal.SIGTERM, group=False, pid=first.pid)]
+        return []
+
+    def _gone(self, dead: set[str]) -> bool:
+        """Whether a member was lost (its actor, not killed by the launcher, or its node
+        dead); sets ``lost`` and ``lost_nodes``."""
+        placed = self.engine.placed
+        gone = [n for n in self.members
+                if ((p := self.engine.procs.get(n)) is not None and p.actor_lost and not p.killed)
+                or (n in placed and placed[n].node_id in dead)]
+        if gone:
+            self.lost = gone
+            self.lost_nodes = {placed[n].node_id for n in gone if n in placed}
+        return bool(gone)
+
+    def after_attempt(self, code: int, wait_links) -> int | None:
+        self._read()
+        if code not in (Exit.OK, Exit.PREEMPTED) and not self.lost:
+            # A worker failed first (its peer's node went and the all-reduce with it) and
+            # the attempt ended before the loss was seen: Ray counts the node dead soon.
+            self.lost_at, self.changed_at = self.clock(), time.time()
+            deadline = self.lost_at + self.plan.rejoin_timeout
+            while not self._gone(self.engine.dead_nodes()) and self.clock() < deadline:
+                time.sleep(0.5)
+            if self.lost:
+                self.log(f"[launch] {', '.join(self.lost)}: its Ray node is dead")
+        if code == Exit.PREEMPTED and self.growing:
+            back = self.growing
+            self.members = self.workers[:len(self.members) + len(back)]
+            self._change(f"{', '.join(back)} back (a Ray node joined: the live nodes hold "
+                         f"{_workers(len(self.members))})", back=True)
+            return None
+        if code == Exit.OK or not self.lost:
+            return code
+        # Ray counts a killed node dead only after its health checks fail: until then
+        # its resources still look available.
+        deadline = self.lost_at + self.plan.rejoin_timeout
+        while self.clock() < deadline and not self.lost_nodes <= self.engine.dead_nodes():
+            time.sleep(0.5)
+        room = min(self.engine.room_for(self.all_names), len(self.workers))
+        dead = self.lost_nodes & self.engine.dead_nodes()
+        why = (f"{', '.join(self.lost)} lost ("
+               + (f"its Ray node {', '.join(sorted(n[:8] for n in dead))} gone" if dead else
+                  "its Ray actor gone, its node alive") + ")")
+        if room < self.plan.min_workers:
+            self.log(f"[launch] {why}: the live Ray nodes hold {_workers(room)}, below "
+                     f"--min-workers={self.plan.min_workers}; stopping (exit "
+                     f"{int(Exit.TASK_LOST)}): run the same command when capacity is back to "
+                     "resume from the newest checkpoint")
+            return Exit.TASK_LOST
+        self.members = self.workers[:room]
+        self._change(why, back=False)
+        return None
+
+
+def _workers(n: int) -> str:
+    return f"{n} worker" + ("" if n == 1 else "s")
 
 
 # What the driver's environment passes to every task (each node has its own otherwise):

@@ -325,7 +325,7 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
         # VmHWM is read from this host's /proc: not for tasks on other nodes.
         peaks = PeakMemory() if engine is None else PeakMemory(read=lambda pid: None)
 
-        membership = _membership(config, list(paths.values()), launch_dir, log)
+        membership = _membership(config, list(paths.values()), launch_dir, log, engine)
         # What each member starts with; --min-workers re-forms change it (_reform).
         formation = {"tf_configs": config.cluster.tf_configs, "command": command,
                      "env": membership.env() if membership is not None else {}}
@@ -529,15 +529,17 @@ def _attempts(config: LaunchConfig, starter, hooks, restarter, slowdown, holder,
         time.sleep(recovery.restart_delay)
 
 
-def _membership(config: LaunchConfig, event_paths: list[str], launch_dir: str | None, log):
+def _membership(config: LaunchConfig, event_paths: list[str], launch_dir: str | None, log,
+                engine=None):
     """--min-workers: the membership hook, or ``None``."""
     if config.elastic is None:
         return None
+    record = os.path.join(launch_dir, "membership.json") if launch_dir else None
+    if engine is not None:  # the engine's nodes, not simulated hosts, come and go
+        return engine.elastic_membership(config.elastic, event_paths, record, log)
     return elastic.Membership(
         config.elastic, config.names, dict(config.cluster.host_of), config.cluster.tf_configs,
-        event_paths, log,
-        record_path=os.path.join(launch_dir, "membership.json") if launch_dir else None,
-        live=config.kind.asynchronous)
+        event_paths, log, record_path=record, live=config.kind.asynchronous)
 
 
 def _reform(config: LaunchConfig, membership, code: int, sup: Supervisor, injector,
