@@ -50,21 +50,10 @@ def test_every_large_class_says_what_it_owns():
     assert undocumented_classes({"a.py": "class A:\n    \"\"\"Owns x.\"\"\"\n" + "    x = 1\n" * 99}) == []
 
 
-# Over the limit and not yet split: the pipeline's traced step (one tf.function body and the
-# closure it builds) and the task inspection. Each entry must still be over the limit, so
-# the list only shrinks.
-NOT_YET_SPLIT = {"tfdist/training/pipeline/pipeline_trainer.py:make_pipeline_step",
-                 "tfdist/training/pipeline/pipeline_trainer.py:step",
-                 "tfdist/training/workload/tasks.py:inspect",
-                 "tfdist/training/ps/ps_sync_trainer.py:make_work_fn"}
-
-
 def test_no_function_outside_the_tests_is_over_80_lines():
     sources = _code()
     assert len(sources) > 80  # the real tree: tfdist/, strategies/, models/, the commands
-    found = {entry.rsplit(" ", 1)[0] for entry in long_functions(sources)}
-    assert sorted(found - NOT_YET_SPLIT) == []
-    assert sorted(NOT_YET_SPLIT - found) == []  # split since: take it off the list
+    assert long_functions(sources) == []
 
 
 def test_the_length_rule_counts_a_long_function():

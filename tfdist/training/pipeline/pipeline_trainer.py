@@ -152,6 +152,151 @@ def _split(structure, n: int) -> list:
     return [tf.nest.pack_sequence_as(structure, [p[i] for p in parts]) for i in range(n)]
 
 
+def _clock_anchors(devices) -> list[list]:
+    # Automatic control dependencies run every stateful op that takes no
+    # resource in program order, which would chain the stages' clocks (and so
+    # the stages) into one sequence. A clock read through a function that takes
+    # a variable of its stage's own (only read) is ordered by nothing but the
+    # dependencies given to it.
+    anchors = []
+    for row in devices:
+        anchors.append([])
+        for _, device in row:
+            with tf.device(device):
+                anchors[-1].append(tf.Variable(0.0, trainable=False, name="clock_anchor"))
+    return anchors
+
+
+class _CopyPass:
+    """One copy's forward and backward slots in one traced step: what is in flight
+    between its stages (activations forward, their gradients backward), each slot's
+    tape, each stage's summed gradients, slot times and the end of its last slot."""
+
+    def __init__(self, stages, devices, anchors, clock, compile_loss, metrics, xs, ys, M: int):
+        self.stages, self.devices, self.anchors, self.clock = stages, devices, anchors, clock
+        self.compile_loss, self.metrics, self.ys, self.M = compile_loss, metrics, ys, M
+        S = self.S = len(stages)
+        self.losses, self.values = [], []
+        self.acts = {}  # (s, m): stage s's input for micro-batch m
+        self.grads_in = {}  # (s, m): the gradient of stage s's output
+        self.tapes = {}  # (s, m): (tape, input, output, loss or None)
+        for m in range(M):
+            self.acts[(0, m)] = xs[m]
+        self.last_end = [None] * S
+        self.acc = [None] * S  # each stage's gradients, summed over the micro-batches
+        self.times = [[] for _ in range(S)]
+
+    def build(self, orders, schedule: str) -> None:
+        """Every stage's slots, in an order that respects both each stage's schedule
+        and the data between stages (the schedules are deadlock-free, so this always
+        completes)."""
+        S = self.S
+        done = [0] * S
+        while any(done[s] < len(orders[s]) for s in range(S)):
+            moved = False
+            for s in range(S):
+                while done[s] < len(orders[s]) and self._ready(s, *orders[s][done[s]]):
+                    self._run(s, *orders[s][done[s]])
+                    done[s] += 1
+                    moved = True
+            if not moved:
+                raise RuntimeError(f"pipeline schedule {schedule!r} is stuck")
+
+    def means(self):
+        # Reduced where they were computed: one transfer per copy and step.
+        return tf.concat([[tf.cast(tf.add_n(self.losses) / self.M, tf.float32)],
+                          tf.add_n(self.values) / self.M], 0)
+
+    def _ready(self, s, kind, m) -> bool:
+        return (s, m) in self.acts if kind == "F" else (s == self.S - 1 or (s, m) in self.grads_in)
+
+    def _run(self, s, kind, m) -> None:
+        with tf.device(self.devices[s][1]):
+            deps = [self.last_end[s]] if self.last_end[s] is not None else []
+            # The slot starts once its input is here: waiting for it is idle.
+            source = self.acts if kind == "F" else self.grads_in
+            if (s, m) in source:
+                source[(s, m)] = tf.identity(source[(s, m)])
+                deps.append(source[(s, m)])
+            with tf.control_dependencies(deps):
+                start = self.clock(self.anchors[s])
+            with tf.control_dependencies([start]):
+                if kind == "F":
+                    out = self._forward(s, m)
+                else:
+                    out = self._backward(s, m)
+            with tf.control_dependencies(out):
+                end = self.clock(self.anchors[s])
+            self.times[s].append(tf.stack([start, end]))
+            self.last_end[s] = end
+
+    def _forward(self, s, m) -> list:
+        S, M, stage = self.S, self.M, self.stages[s]
+        h = self.acts.pop((s, m))
+        with tf.GradientTape() as tape:
+            if s > 0:
+                tape.watch(h)
+            out = stage(h, training=True)
+            loss = None
+            if s == S - 1:
+                y = self.ys[m]
+                loss = self.compile_loss(y, out)
+                self.losses.append(loss)
+                self.values.append(self.metrics.batch_values(y, out))
+                # The copy's batch mean is the mean of its M micro-batch means.
+                loss = loss / M
+            extra = stage.losses
+            if extra:  # a stage's own (regularization) losses, once per step
+                reg = tf.add_n([tf.reduce_sum(x) for x in extra]) / M
+                loss = reg if loss is None else loss + reg
+        self.tapes[(s, m)] = (tape, h, out, loss)
+        if s < S - 1:
+            self.acts[(s + 1, m)] = out
+        return [out] if loss is None else [out, loss]
+
+    def _backward(self, s, m) -> list:
+        tape, h, out, loss = self.tapes.pop((s, m))
+        g = self.grads_in.pop((s, m), None)
+        variables = self.stages[s].trainable_variables
+        sources = ([h] if s > 0 else []) + list(variables)
+        if g is None:
+            grads = tape.gradient(loss, sources)
+        elif loss is None:
+            grads = tape.gradient(out, sources, output_gradients=g)
+        else:
+            grads = tape.gradient([out, loss], sources,
+                                  output_gradients=[g, tf.ones_like(loss)])
+        if s > 0:
+            self.grads_in[(s - 1, m)], grads = grads[0], grads[1:]
+        grads = [tf.zeros_like(v) if gr is None else gr
+                 for gr, v in zip(grads, variables)]
+        acc = self.acc
+        acc[s] = grads if acc[s] is None else [a + b for a, b in zip(acc[s], grads)]
+        return acc[s] + ([self.grads_in[(s - 1, m)]] if s > 0 else [])
+
+
+def _update_stage(s: int, passes: list[_CopyPass], copies, optimizers, devices, anchors, clock) -> None:
+    """Stage ``s``'s one update: the copies' gradients averaged on copy 0's task, then
+    applied on every copy after its last slot, between two stamps of its clock."""
+    P = len(passes)
+    with tf.device(devices[0][s][1]):
+        mean = (passes[0].acc[s] if P == 1 else
+                [tf.add_n(list(gs)) / P for gs in zip(*(passes[p].acc[s] for p in range(P)))])
+    for p in range(P):
+        with tf.device(devices[p][s][1]):
+            with tf.control_dependencies([passes[p].last_end[s]]):
+                start = clock(anchors[p][s])
+            with tf.control_dependencies([start]):
+                variables = copies[p][s].trainable_variables
+                optimizers[p][s].apply(mean, variables)
+                # Read after the writes (automatic control dependencies
+                # order them), so the end stamp follows the update.
+                applied = [tf.identity(v.value) for v in variables]
+            with tf.control_dependencies(applied):
+                end = clock(anchors[p][s])
+            passes[p].times[s].append(tf.stack([start, end]))
+
+
 def make_pipeline_step(state: PipelineState, compile_loss, metrics, micro_batches: int,
                        schedule: str = "gpipe"):
     """``step(features, labels)``: one step over every copy; returns (mean loss,
@@ -172,17 +317,7 @@ def make_pipeline_step(state: PipelineState, compile_loss, metrics, micro_batche
     copies, optimizers, devices = state.copies, state.optimizers, state.devices
     P, S, M = len(copies), len(copies[0]), micro_batches
     orders = [stage_cut.schedule_slots(schedule, S, M, s) for s in range(S)]
-    # Automatic control dependencies run every stateful op that takes no
-    # resource in program order, which would chain the stages' clocks (and so
-    # the stages) into one sequence. A clock read through a function that takes
-    # a variable of its stage's own (only read) is ordered by nothing but the
-    # dependencies given to it.
-    anchors = []
-    for row in devices:
-        anchors.append([])
-        for _, device in row:
-            with tf.device(device):
-                anchors[-1].append(tf.Variable(0.0, trainable=False, name="clock_anchor"))
+    anchors = _clock_anchors(devices)
 
     @tf.function(autograph=False)
     def clock(anchor):
@@ -192,133 +327,27 @@ def make_pipeline_step(state: PipelineState, compile_loss, metrics, micro_batche
     def step(features, labels):
         per_copy_x = _split(features, P) if P > 1 else [features]
         per_copy_y = _split(labels, P) if P > 1 else [labels]
-        copy_means = []
-        acc = [[None] * S for _ in range(P)]
-        times = [[[] for _ in range(S)] for _ in range(P)]
-        update_after = [[None] * S for _ in range(P)]
+        passes, copy_means = [], []
         for p in range(P):
             with tf.device(devices[p][0][1]):
                 xs = _split(per_copy_x[p], M)  # one transfer of the copy's batch
             with tf.device(devices[p][S - 1][1]):
                 ys = _split(per_copy_y[p], M)
-            losses, values = [], []
-            acts = {}  # (s, m): stage s's input for micro-batch m
-            grads_in = {}  # (s, m): the gradient of stage s's output
-            tapes = {}  # (s, m): (tape, input, output, loss or None)
-            for m in range(M):
-                acts[(0, m)] = xs[m]
-            last_end = [None] * S
-            done = [0] * S
-
-            def ready(s, kind, m):
-                return (s, m) in acts if kind == "F" else (s == S - 1 or (s, m) in grads_in)
-
-            def run(s, kind, m):
-                with tf.device(devices[p][s][1]):
-                    deps = [last_end[s]] if last_end[s] is not None else []
-                    # The slot starts once its input is here: waiting for it is idle.
-                    source = acts if kind == "F" else grads_in
-                    if (s, m) in source:
-                        source[(s, m)] = tf.identity(source[(s, m)])
-                        deps.append(source[(s, m)])
-                    with tf.control_dependencies(deps):
-                        start = clock(anchors[p][s])
-                    with tf.control_dependencies([start]):
-                        if kind == "F":
-                            out = _forward(s, m)
-                        else:
-                            out = _backward(s, m)
-                    with tf.control_dependencies(out):
-                        end = clock(anchors[p][s])
-                    times[p][s].append(tf.stack([start, end]))
-                    last_end[s] = end
-
-            def _forward(s, m):
-                h = acts.pop((s, m))
-                with tf.GradientTape() as tape:
-                    if s > 0:
-                        tape.watch(h)
-                    out = copies[p][s](h, training=True)
-                    loss = None
-                    if s == S - 1:
-                        y = ys[m]
-                        loss = compile_loss(y, out)
-                        losses.append(loss)
-                        values.append(metrics.batch_values(y, out))
-                        # The copy's batch mean is the mean of its M micro-batch means.
-                        loss = loss / M
-                    extra = copies[p][s].losses
-                    if extra:  # a stage's own (regularization) losses, once per step
-                        reg = tf.add_n([tf.reduce_sum(x) for x in extra]) / M
-                        loss = reg if loss is None else loss + reg
-                tapes[(s, m)] = (tape, h, out, loss)
-                if s < S - 1:
-                    acts[(s + 1, m)] = out
-                return [out] if loss is None else [out, loss]
-
-            def _backward(s, m):
-                tape, h, out, loss = tapes.pop((s, m))
-                g = grads_in.pop((s, m), None)
-                variables = copies[p][s].trainable_variables
-                sources = ([h] if s > 0 else []) + list(variables)
-                if g is None:
-                    grads = tape.gradient(loss, sources)
-                elif loss is None:
-                    grads = tape.gradient(out, sources, output_gradients=g)
-                else:
-                    grads = tape.gradient([out, loss], sources,
-                                          output_gradients=[g, tf.ones_like(loss)])
-                if s > 0:
-                    grads_in[(s - 1, m)], grads = grads[0], grads[1:]
-                grads = [tf.zeros_like(v) if gr is None else gr
-                         for gr, v in zip(grads, variables)]
-                acc[p][s] = grads if acc[p][s] is None else [
-                    a + b for a, b in zip(acc[p][s], grads)]
-                return acc[p][s] + ([grads_in[(s - 1, m)]] if s > 0 else [])
-
-            # Build every stage's slots in an order that respects both each
-            # stage's schedule and the data between stages (the schedules are
-            # deadlock-free, so this always completes).
-            while any(done[s] < len(orders[s]) for s in range(S)):
-                moved = False
-                for s in range(S):
-                    while done[s] < len(orders[s]) and ready(s, *orders[s][done[s]]):
-                        run(s, *orders[s][done[s]])
-                        done[s] += 1
-                        moved = True
-                if not moved:
-                    raise RuntimeError(f"pipeline schedule {schedule!r} is stuck")
-            for s in range(S):
-                update_after[p][s] = last_end[s]
+            copy = _CopyPass(copies[p], devices[p], anchors[p], clock, compile_loss, metrics,
+                             xs, ys, M)
+            copy.build(orders, schedule)
+            passes.append(copy)
             with tf.device(devices[p][S - 1][1]):
-                # Reduced where they were computed: one transfer per copy and step.
-                copy_means.append(tf.concat([[tf.cast(tf.add_n(losses) / M, tf.float32)],
-                                             tf.add_n(values) / M], 0))
-        # One update per stage: the copies' gradients averaged on copy 0's task.
+                copy_means.append(copy.means())
         for s in range(S):
-            with tf.device(devices[0][s][1]):
-                mean = (acc[0][s] if P == 1 else
-                        [tf.add_n(list(gs)) / P for gs in zip(*(acc[p][s] for p in range(P)))])
-            for p in range(P):
-                with tf.device(devices[p][s][1]):
-                    with tf.control_dependencies([update_after[p][s]]):
-                        start = clock(anchors[p][s])
-                    with tf.control_dependencies([start]):
-                        variables = copies[p][s].trainable_variables
-                        optimizers[p][s].apply(mean, variables)
-                        # Read after the writes (automatic control dependencies
-                        # order them), so the end stamp follows the update.
-                        applied = [tf.identity(v.value) for v in variables]
-                    with tf.control_dependencies(applied):
-                        end = clock(anchors[p][s])
-                    times[p][s].append(tf.stack([start, end]))
+            _update_stage(s, passes, copies, optimizers, devices, anchors, clock)
         means = copy_means[0] if P == 1 else tf.add_n(copy_means) / P
         loss, value = means[0], means[1:]
         stamps = []
         for p in range(P):
             for s in range(S):
                 with tf.device(devices[p][s][1]):
-                    stamps.append(tf.stack(times[p][s]))  # one transfer per stage
+                    stamps.append(tf.stack(passes[p].times[s]))  # one transfer per stage
         return loss, value, stamps
 
     return step
@@ -409,10 +438,7 @@ class PipelineTrainer(Trainer):
         compile_loss = task.local_model._compile_loss  # pylint: disable=protected-access
         step = make_pipeline_step(state, compile_loss, train_metrics, pp.micro_batches,
                                   pp.schedule)
-        num_metrics = len(train_metrics.names)
         global_step = state.global_step
-        tasks = len(state.devices) * len(state.devices[0])
-        slots = len(pp.slots(0)) + 1  # every stage runs 2 M slots and its update
 
         # One step per call, the steps looped here: inside a traced loop every
         # stateful op on a stage (each variable write, each stamp) would become

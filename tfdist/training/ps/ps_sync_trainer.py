@@ -181,15 +181,11 @@ def make_queues(workers: int, gradient_size: int, num_metrics: int,
         )
 
 
-def make_work_fn(strategy, model, train_metrics, q: SyncQueues, global_step, workers: int,
-                 accumulation: int = 1):
-    """The worker closure: take the newest token, compute one gradient, queue it on ps:0.
-
-    ``accumulation`` N > 1: the gradient is the mean of N batches' (each
-    global/K examples), summed on the worker, so one push carries N batches.
-    """
+def _replica_gradient_fn(model, train_metrics, accumulation: int):
+    """``replica_gradient(step, *batches)``, run per replica: the flat gradient of
+    ``accumulation`` batches (summed), their loss and metric values, with every weight
+    read after ``step``."""
     variables = model.trainable_variables
-    replicas = local_replicas(strategy)
 
     def one_batch(features, labels, sample_weight=None):
         with tf.GradientTape() as tape:
@@ -210,18 +206,35 @@ def make_work_fn(strategy, model, train_metrics, q: SyncQueues, global_step, wor
         flat = tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads], 0)
         return flat, loss, values
 
-    def newest_token(queue):
-        # Only this worker takes from its queue, so all it holds can be
-        # taken at once: the newest token wins, the older ones are steps
-        # it was too slow for. Blocks while the queue is empty. The newest
-        # is the largest, not the last: the chief may re-issue the current
-        # step's token (see PsSyncTrainer._reissue_tokens) just after the
-        # aggregator queued the next one.
-        def take():
-            tokens = queue.dequeue_many(tf.maximum(queue.size(), 1))
-            return tf.where(tf.reduce_any(tf.equal(tokens, STOP)),
-                            tf.constant(STOP, tf.int64), tf.reduce_max(tokens))
-        return take
+    return replica_gradient
+
+
+def _newest_token(queue):
+    """A branch taking everything ``queue`` holds and returning its newest token (STOP
+    if any is STOP).
+
+    Only this worker takes from its queue, so all it holds can be taken at once:
+    the newest token wins, the older ones are steps it was too slow for. Blocks
+    while the queue is empty. The newest is the largest, not the last: the chief
+    may re-issue the current step's token (see PsSyncTrainer._reissue_tokens) just
+    after the aggregator queued the next one.
+    """
+    def take():
+        tokens = queue.dequeue_many(tf.maximum(queue.size(), 1))
+        return tf.where(tf.reduce_any(tf.equal(tokens, STOP)),
+                        tf.constant(STOP, tf.int64), tf.reduce_max(tokens))
+    return take
+
+
+def make_work_fn(strategy, model, train_metrics, q: SyncQueues, global_step, workers: int,
+                 accumulation: int = 1):
+    """The worker closure: take the newest token, compute one gradient, queue it on ps:0.
+
+    ``accumulation`` N > 1: the gradient is the mean of N batches' (each
+    global/K examples), summed on the worker, so one push carries N batches.
+    """
+    replicas = local_replicas(strategy)
+    replica_gradient = _replica_gradient_fn(model, train_metrics, accumulation)
 
     @tf.function
     def work(iterator, num_tokens):
@@ -233,7 +246,7 @@ def make_work_fn(strategy, model, train_metrics, q: SyncQueues, global_step, wor
             if q.stopping.read_value():
                 break
             token = tf.switch_case(tf.cast(worker, tf.int32),
-                                   [newest_token(t) for t in q.tokens])
+                                   [_newest_token(t) for t in q.tokens])
             if token == STOP:
                 break
             with tf.control_dependencies([token]):

@@ -294,8 +294,49 @@ def inspect(spec: TaskSpec, task: Any, *, steps_given: bool) -> CheckedTask:
     Runs TensorFlow ops: under MultiWorkerMirroredStrategy call it only after
     the strategy exists (collectives are configured before the runtime starts).
     """
-    import keras
     import tensorflow as tf
+
+    model = _compiled_model(spec, task)
+    from tfdist.training.workload import contract
+
+    own_step = contract.overrides(model, "train_step")
+    class_weight = _checked_call(spec, contract.class_weight_of, "class_weight", task)
+    sizes, first = _first_examples(spec, task, model, own_step, steps_given)
+    has_validation = spec.builtin is None and _validation(spec, task, model, own_step)
+    if class_weight is not None and own_step and not (
+            isinstance(first["train"], tuple) and len(first["train"]) == 2):
+        raise _err(spec.text, "class_weight is given, but dataset('train') does not yield "
+                              "(features, label) pairs; as fit, give it with labels")
+    if class_weight is not None and len(first["train"]) == 3:
+        raise _err(spec.text, "class_weight is given and dataset('train') yields sample "
+                              "weights too; as fit, give one or the other")
+    # The element as the dataset yields it (a tuple, or features alone), as a batch of one.
+    batch = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), first["train"])
+    if class_weight is not None:
+        batch = tf.nest.map_structure(lambda t: t[None], next(iter(contract.class_weights(
+            tf.data.Dataset.from_tensors(tuple(first["train"])), class_weight))))
+    if not own_step:
+        _probe_library_step(spec, model, batch)
+    # Keras's own names (cls_accuracy, reg_mae, ...), as model.fit logs them.
+    compiled = model._compile_metrics
+    names = tuple(compiled.result()) if compiled is not None and compiled.built else ()
+    own_names, own_optimizers = None, {}
+    if own_step:
+        own_names, own_optimizers = _own_step_names(spec, model, batch)
+    test_batch = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), first["test"])
+    not_evaluated = _evaluable(spec, model, test_batch)
+    extra = _extra_results(spec, task)
+    info = TaskInfo(spec.name, sizes["train"], sizes["test"],
+                    names if own_names is None else own_names, extra)
+    return CheckedTask(spec, task, info, model, example=batch, own_step_names=own_names,
+                       has_validation=has_validation, own_optimizers=own_optimizers,
+                       not_evaluated=not_evaluated)
+
+
+def _compiled_model(spec: TaskSpec, task: Any):
+    """``task.build_model()``, checked to be a Keras model compiled with an optimizer and
+    a loss (or logic of its own that needs none)."""
+    import keras
 
     model = _call(spec, task.build_model, "build_model()")
     if not isinstance(model, keras.Model):
@@ -305,13 +346,20 @@ def inspect(spec: TaskSpec, task: Any, *, steps_given: bool) -> CheckedTask:
                               "call model.compile(optimizer=..., loss=..., metrics=[...]) in it")
     from tfdist.training.workload import contract
 
-    own_step = contract.overrides(model, "train_step")
     if getattr(model, "_compile_loss", None) is None and not contract.own_logic(model):
         raise _err(spec.text, "build_model() returned a model compiled without a loss; pass "
                               "loss=... to model.compile (or give the model its own "
                               "train_step or compute_loss)")
+    return model
 
-    class_weight = _checked_call(spec, contract.class_weight_of, "class_weight", task)
+
+def _first_examples(spec: TaskSpec, task: Any, model, own_step: bool,
+                    steps_given: bool) -> tuple[dict, dict]:
+    """Each split's size and first element, every split checked as the step will read it."""
+    import tensorflow as tf
+
+    from tfdist.training.workload import contract
+
     sizes = {}
     first = {}
     for split in SPLITS:
@@ -332,47 +380,33 @@ def inspect(spec: TaskSpec, task: Any, *, steps_given: bool) -> CheckedTask:
             raise _err(spec.text, f"reading dataset({split!r}) failed: {_first_line(err)}") from None
         if not own_step:  # a model's own step may read its data otherwise: it is probed
             _check_features(spec, split, first[split][0], model)
-    has_validation = spec.builtin is None and _validation(spec, task, model, own_step)
-    if class_weight is not None and own_step and not (
-            isinstance(first["train"], tuple) and len(first["train"]) == 2):
-        raise _err(spec.text, "class_weight is given, but dataset('train') does not yield "
-                              "(features, label) pairs; as fit, give it with labels")
-    if class_weight is not None and len(first["train"]) == 3:
-        raise _err(spec.text, "class_weight is given and dataset('train') yields sample "
-                              "weights too; as fit, give one or the other")
-    # The element as the dataset yields it (a tuple, or features alone), as a batch of one.
-    batch = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), first["train"])
-    if class_weight is not None:
-        batch = tf.nest.map_structure(lambda t: t[None], next(iter(contract.class_weights(
-            tf.data.Dataset.from_tensors(tuple(first["train"])), class_weight))))
-    if not own_step:
-        weight = batch[2] if len(batch) == 3 else None
-        try:
-            y_pred = model(batch[0], training=False)
-            contract.compute_loss(model, batch[0], batch[1], y_pred, weight, training=False)
-            model.compute_metrics(batch[0], batch[1], y_pred, weight)
-        except Exception as err:
-            raise _err(spec.text, "the model, its compiled loss or metrics fail on the first "
-                                  f"training example: {_first_line(err)}") from None
-        model.reset_metrics()
-    # Keras's own names (cls_accuracy, reg_mae, ...), as model.fit logs them.
-    compiled = model._compile_metrics
-    names = tuple(compiled.result()) if compiled is not None and compiled.built else ()
-    own_names, own_optimizers = None, {}
-    if own_step:
-        own_names, own_optimizers = _own_step_names(spec, model, batch)
-    test_batch = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), first["test"])
-    not_evaluated = _evaluable(spec, model, test_batch)
-    extra = {}
-    if callable(getattr(task, "extra_results", None)):
-        extra = _call(spec, task.extra_results, "extra_results()") or {}
-        if not isinstance(extra, dict):
-            raise _err(spec.text, "extra_results() must return a dict")
-    info = TaskInfo(spec.name, sizes["train"], sizes["test"],
-                    names if own_names is None else own_names, extra)
-    return CheckedTask(spec, task, info, model, example=batch, own_step_names=own_names,
-                       has_validation=has_validation, own_optimizers=own_optimizers,
-                       not_evaluated=not_evaluated)
+    return sizes, first
+
+
+def _probe_library_step(spec: TaskSpec, model, batch) -> None:
+    """Run the model, its compiled loss and metrics once on ``batch`` (as the library's
+    own step will), then clear the metrics again."""
+    from tfdist.training.workload import contract
+
+    weight = batch[2] if len(batch) == 3 else None
+    try:
+        y_pred = model(batch[0], training=False)
+        contract.compute_loss(model, batch[0], batch[1], y_pred, weight, training=False)
+        model.compute_metrics(batch[0], batch[1], y_pred, weight)
+    except Exception as err:
+        raise _err(spec.text, "the model, its compiled loss or metrics fail on the first "
+                              f"training example: {_first_line(err)}") from None
+    model.reset_metrics()
+
+
+def _extra_results(spec: TaskSpec, task: Any) -> dict:
+    """``task.extra_results()`` if the task has it (a dict), else {}."""
+    if not callable(getattr(task, "extra_results", None)):
+        return {}
+    extra = _call(spec, task.extra_results, "extra_results()") or {}
+    if not isinstance(extra, dict):
+        raise _err(spec.text, "extra_results() must return a dict")
+    return extra
 
 
 def _validation(spec, task, model, own_step: bool = False) -> bool:
