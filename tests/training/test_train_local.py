@@ -11,7 +11,7 @@ from tfdist.strategies import parse_tf_config
 from tfdist.training.config import TrainConfig
 
 REQUIRED = {
-    "strategy", "model", "num_workers", "num_ps", "replicas_in_sync", "global_batch_size",
+    "strategy", "task", "num_workers", "num_ps", "replicas_in_sync", "global_batch_size",
     "global_steps", "steps_per_worker", "wall_seconds", "examples_per_sec", "test_accuracy",
     "test_loss", "weights_sha256", "tf_version", "keras_version",
 }
