@@ -101,7 +101,7 @@ def test_readme_exit_code_table_matches_the_protocol():
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    table = readme.split("### Exit codes", 1)[1].split("###", 1)[0]
+    table = readme.split("## Faults and exit codes", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
