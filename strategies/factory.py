@@ -18,10 +18,17 @@ def make_strategy(name: str, cluster: ClusterConfig, *, all_reduce: str = "auto"
     For a parameter-server kind this must run on the chief (the coordinator);
     ps and worker tasks only serve (see ``strategies.server``).
     """
-    # Only a kind that buckets its all-reduce takes a bucket size (a registered
-    # kind's build may not know the keyword).
+    return build_kind(kinds.resolve(name, cluster), cluster, all_reduce=all_reduce,
+                      bucket_bytes=bucket_bytes)
+
+
+def build_kind(kind, cluster: ClusterConfig, *, all_reduce: str = "auto",
+               bucket_bytes: int | None = None) -> StrategyBundle:
+    """``kind.build``, with the bucket size passed only when one is given: a
+    registered kind's build may not know the keyword (only kinds that bucket
+    their all-reduce take it)."""
     extra = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
-    return kinds.resolve(name, cluster).build(cluster, all_reduce=all_reduce, **extra)
+    return kind.build(cluster, all_reduce=all_reduce, **extra)
 
 
 def check_batch_size(global_batch_size: int, replicas: int) -> None:

@@ -17,6 +17,7 @@ import sys
 from typing import NamedTuple
 
 from tfdist.protocol import ConfigError, Exit
+from tfdist.strategies.factory import build_kind
 from tfdist.training.workload import contract
 from tfdist.training.workload import tasks
 from tfdist.training.config import TrainConfig, check_model_dir
@@ -169,8 +170,8 @@ def build_and_plan(run_request: RunRequest, task, gpus: list[str]):
     # The strategy first: MultiWorkerMirroredStrategy configures collectives
     # before the runtime starts, and checking the task runs TensorFlow ops.
     kind.detect_stuck_after(cluster, config.stuck_timeout)
-    bundle = kind.build(cluster, all_reduce=config.all_reduce,
-                        **({"bucket_bytes": config.bucket_bytes} if config.bucket_bytes else {}))
+    bundle = build_kind(kind, cluster, all_reduce=config.all_reduce,
+                        bucket_bytes=config.bucket_bytes)
     checked = tasks.inspect(spec, task if task is not None else tasks.load(spec, config.data_dir),
                             steps_given=config.steps is not None)
     contract.check(kind, checked, config.gradient_dtype)
