@@ -16,10 +16,10 @@ import keras
 import pytest
 
 from conftest import REPO, launch_cmd, read_results, tensorboard_tags
+from tests.training.conformance import BATCH, CLUSTERS, EPOCHS, launched_results
 from tests.training import fit_tasks
 
 SPEC = str(REPO / "tests" / "training" / "fit_tasks.py") + ":"
-EPOCHS, BATCH = 2, 64
 # Measured against plain fit (docs/fit-conformance.md): the synchronous
 # strategies see the same batches in another order, so they land within
 # the noise of two epochs; async ps a little further.
@@ -125,8 +125,6 @@ def test_one_process_strategies_train_as_fit(tmp_path, capsys, strategy, name):
         assert float(re.search(r" loss ([0-9.]+)", line).group(1)) > 0.0, line
 
 
-CLUSTERS = {"multiworker": ["--workers", "2"], "ps": ["--workers", "2", "--ps", "1"],
-            "ps-sync": ["--workers", "2", "--ps", "1"]}
 # What each cluster strategy refuses (the refusal tests below check the line).
 REFUSED = {"multiworker": ("JIT",),
            "ps": ("JIT",),
@@ -145,15 +143,8 @@ CLUSTER = [pytest.param(s, n, marks=[pytest.mark.multiprocess]
 
 @pytest.mark.parametrize("strategy,name", CLUSTER)
 def test_cluster_strategies_train_as_fit(tmp_path, spawn, strategy, name):
-    p = spawn(launch_cmd(strategy, *CLUSTERS[strategy], train_args=[
-        "--task", SPEC + name, "--epochs", str(EPOCHS), "--global-batch-size", str(BATCH),
-        "--log-every", "60", "--model-dir", str(tmp_path)]))
-    assert p.wait(timeout=300) == 0, p.output
-    results = read_results(tmp_path)
+    results = launched_results(tmp_path, spawn, strategy, SPEC + name, log_every=60)
     _compare(name, results, PS_TOLERANCE if strategy == "ps" else SYNC_TOLERANCE, strategy)
-    if strategy == "multiworker":
-        hashes = set(re.findall(r"weights_sha256=([0-9a-f]{64})", p.output))
-        assert hashes == {results["weights_sha256"]}
 
 
 # --- refused in one line -----------------------------------------------------------

@@ -14,11 +14,11 @@ import re
 
 import pytest
 
-from conftest import REPO, launch_cmd, read_results, tensorboard_tags
+from conftest import REPO, tensorboard_tags
+from tests.training.conformance import BATCH, CLUSTERS, EPOCHS, launched_results
 from tests.training import guide_tasks
 
 SPEC = str(REPO / "tests" / "training" / "guide_tasks.py") + ":"
-EPOCHS, BATCH = 2, 64
 SYNC_TOLERANCE, PS_TOLERANCE = 0.04, 0.06
 # What each task is judged by: ("test", metric) on the test split (Keras's evaluate),
 # ("train", log) the last training logs where Keras's evaluate cannot run.
@@ -135,8 +135,6 @@ def test_the_guides_train_as_fit_in_one_process(tmp_path, capsys, strategy, name
         assert len(said) == 1 and NOT_EVALUATED[name] in said[0], said
 
 
-CLUSTERS = {"multiworker": ["--workers", "2"], "ps": ["--workers", "2", "--ps", "1"],
-            "ps-sync": ["--workers", "2", "--ps", "1"]}
 # In the default tier: the GAN under multiworker (its two optimizers replicated,
 # its noise generator's state shared); every other cluster cell in the long tier.
 FAST_CLUSTER = {("multiworker", "GAN")}
@@ -150,15 +148,8 @@ CLUSTER = [pytest.param(s, n, marks=[pytest.mark.multiprocess]
 
 @pytest.mark.parametrize("strategy,name", CLUSTER)
 def test_the_guides_train_as_fit_on_a_cluster(tmp_path, spawn, strategy, name):
-    p = spawn(launch_cmd(strategy, *CLUSTERS[strategy], train_args=[
-        "--task", SPEC + name, "--epochs", str(EPOCHS), "--global-batch-size", str(BATCH),
-        "--log-every", "30", "--model-dir", str(tmp_path)]))
-    assert p.wait(timeout=300) == 0, p.output
-    results = read_results(tmp_path)
+    results = launched_results(tmp_path, spawn, strategy, SPEC + name, log_every=30)
     _compare(name, results, strategy)
-    if strategy == "multiworker":
-        hashes = set(re.findall(r"weights_sha256=([0-9a-f]{64})", p.output))
-        assert hashes == {results["weights_sha256"]}
 
 
 # --- refused in one line ---------------------------------------------------------------
