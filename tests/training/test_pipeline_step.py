@@ -24,8 +24,8 @@ S, M, STEPS = 2, 4, 3
 def port():
     s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
 spec = tf.train.ClusterSpec({"chief": [f"127.0.0.1:{port()}"],
-                             "worker": [f"127.0.0.1:{port()}" for _ in range(S)]})
-servers = [tf.distribute.Server(spec, job_name="worker", task_index=i) for i in range(S)]
+                             "worker": [f"127.0.0.1:{port()}" for _ in range(2 * S)]})
+servers = [tf.distribute.Server(spec, job_name="worker", task_index=i) for i in range(2 * S)]
 tf.config.experimental_connect_to_cluster(spec, job_name="chief", protocol="grpc",
                                           make_master_device_default=False)
 keras.utils.set_random_seed(3)
@@ -42,29 +42,39 @@ metrics = TrainMetrics(model)
 
 class Task: pass
 out = {"initial": [w.tolist() for w in initial]}
-for schedule in ("gpipe", "1f1b"):
-    local, cut = st.local_stages(Task(), model, st.PipelinePlan(S, M, 1))
-    row, opts, devs = [], [], []
-    for s in range(S):
-        device = pt.stage_device(s)
-        with tf.device(device):
-            stage = keras.models.clone_model(local[s])
-            opt = keras.optimizers.Adam(0.01)
-            opt.build(stage.trainable_variables)
-        row.append(stage); opts.append(opt); devs.append((f"worker:{s}", device))
-    state = pt.PipelineState([row], [opts], [devs], cut)
+# (name, schedule, copies, micro-batches per copy): two copies of M micro-batches
+# each see the same 2M micro-batches, in order, as one copy of 2M.
+CASES = [("gpipe", "gpipe", 1, M), ("1f1b", "1f1b", 1, M), ("one-copy-2m", "gpipe", 1, 2 * M),
+         ("two-copies", "gpipe", 2, M)]
+for name, schedule, P, micro in CASES:
+    local, cut = st.local_stages(Task(), model, st.PipelinePlan(S, micro, P))
+    copies, optimizers, devices = [], [], []
+    for p in range(P):
+        row, opts, devs = [], [], []
+        for s in range(S):
+            device = pt.stage_device(p * S + s)
+            with tf.device(device):
+                stage = keras.models.clone_model(local[s])
+                opt = keras.optimizers.Adam(0.01)
+                opt.build(stage.trainable_variables)
+            row.append(stage); opts.append(opt); devs.append((f"worker:{p * S + s}", device))
+        copies.append(row); optimizers.append(opts); devices.append(devs)
+    state = pt.PipelineState(copies, optimizers, devices, cut)
     for v, w in zip(state.model.weights, initial):
         v.assign(w)
-    step = pt.make_pipeline_step(state, model._compile_loss, metrics, M, schedule)
+    state.sync_copies()
+    step = pt.make_pipeline_step(state, model._compile_loss, metrics, micro, schedule)
     data = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
     fn = tf.function(lambda it: step(*next(it)))
     for _ in range(STEPS):
         loss, values, stamps = fn(data)
-    out[schedule] = {
+    out[name] = {
         "weights": [w.tolist() for w in state.model.get_weights()],
+        "copies": [[w.numpy().tolist() for m in row for w in m.weights] for row in copies],
         "loss": float(loss), "metrics": values.numpy().tolist(),
         "stamps": [s.numpy().tolist() for s in stamps],
         "transfers": pt.count_transfers(fn.get_concrete_function(data)),
+        "peak_rss": state.peak_rss_per_task(),
     }
 print("RESULT " + json.dumps(out))
 '''
@@ -117,3 +127,39 @@ def test_each_stage_runs_its_slots_in_its_schedules_order(stepped, schedule):
     # The last stage's first backward comes after the first stage's first forward.
     first, last = stepped[schedule]["stamps"]
     assert last[schedule_slots(schedule, S, M, 1).index(("B", 0))][0] >= first[0][1]
+
+
+def test_two_copies_average_their_gradients_as_one_copy_of_all_their_micro_batches(stepped):
+    """Two copies of M micro-batches (their gradients averaged by the placed
+    reduce-scatter and all-gather) make the update of one copy of 2M: the same
+    micro-batches, the same mean; and the copies end identical, to the bit."""
+    import numpy as np
+
+    two, one = stepped["two-copies"], stepped["one-copy-2m"]
+    for a, b in zip(two["weights"], one["weights"]):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)
+    assert abs(two["loss"] - one["loss"]) < 1e-5
+    first, second = two["copies"]
+    assert first == second
+    moved = [np.abs(np.array(a) - np.array(w)).max()
+             for a, w in zip(two["weights"], stepped["initial"])]
+    assert min(moved) > 1e-3, moved
+
+
+def test_two_copies_exchange_one_message_per_gradient_chunk(stepped):
+    S, M, P = 2, 4, 2
+    t = stepped["two-copies"]["transfers"]
+    # Each copy's activations and their gradients, and per stage a reduce-scatter
+    # and an all-gather: P - 1 chunks in and P - 1 out on each copy's task (not a
+    # message per variable). The metric's zero state (accuracy's total and count)
+    # is captured once, on the first copy's last stage, and read by the other.
+    metric_state = 2
+    assert t["between_stages"] == 2 * (S - 1) * M * P + 2 * P * (P - 1) * S + metric_state, t
+    assert t["from_client"] == 2 * P and t["control"] == 0, t
+
+
+def test_each_stage_tasks_peak_memory_is_read_on_the_task(stepped):
+    peaks = stepped["two-copies"]["peak_rss"]
+    assert sorted(peaks) == [f"worker:{i}" for i in range(4)], peaks
+    # A process with TensorFlow loaded holds hundreds of MB resident.
+    assert all(100 << 20 < v < 64 << 30 for v in peaks.values()), peaks

@@ -107,6 +107,35 @@ class PipelineState:
         return params, state
 
 
+    def peak_rss_per_task(self) -> dict:
+        """{worker: its process's peak resident bytes so far}: the kernel's high-water
+        mark (``VmHWM``), read by a ``ReadFile`` of ``/proc/self/status`` placed on
+        each stage's task, so the process that reads it is the task's own. Empty
+        where it cannot be read (no ``/proc``)."""
+        out = {}
+        for row in self.devices:
+            for name, device in row:
+                try:
+                    with tf.device(device):
+                        text = tf.io.read_file("/proc/self/status")
+                    peak = vm_hwm(text.numpy().decode())
+                except (tf.errors.OpError, UnicodeDecodeError):
+                    return {}
+                if peak is None:
+                    return {}
+                out[name] = peak
+        return out
+
+
+def vm_hwm(status: str) -> int | None:
+    """The ``VmHWM`` of a ``/proc/<pid>/status`` text, in bytes (pure)."""
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            value, unit = line.split()[1:3]
+            return int(value) * {"kB": 1024, "mB": 1 << 20, "gB": 1 << 30}.get(unit, 1)
+    return None
+
+
 def _nbytes(v) -> int:
     return int(math.prod(v.shape)) * tf.as_dtype(v.dtype).size
 
@@ -275,20 +304,65 @@ class _CopyPass:
         return acc[s] + ([self.grads_in[(s - 1, m)]] if s > 0 else [])
 
 
-def _update_stage(s: int, passes: list[_CopyPass], copies, optimizers, devices, anchors, clock) -> None:
-    """Stage ``s``'s one update: the copies' gradients averaged on copy 0's task, then
-    applied on every copy after its last slot, between two stamps of its clock."""
+def _chunk_sizes(n: int, parts: int) -> list[int]:
+    """``n`` elements as ``parts`` contiguous chunks, the first ``n % parts`` one longer (pure)."""
+    return [n // parts + (1 if c < n % parts else 0) for c in range(parts)]
+
+
+def _average_over_copies(s: int, passes: list[_CopyPass], devices) -> list[list]:
+    """Stage ``s``'s summed gradients averaged over its P copies: for each copy,
+    the mean on that copy's task.
+
+    A reduce-scatter then an all-gather, made of ops placed on the copies'
+    tasks (not TensorFlow's collective ops): each copy flattens its gradients
+    into one vector cut into P chunks; chunk c is summed over the copies and
+    divided by P on copy c's task (it receives P - 1 chunks), then every copy
+    receives the other P - 1 averaged chunks and reassembles the mean. Each
+    copy's task sends and receives 2 (P - 1) / P of the stage's gradient bytes,
+    as a ring all-reduce does, in one message per chunk; each chunk's mean is
+    computed once, so every copy applies the same values."""
     P = len(passes)
-    with tf.device(devices[0][s][1]):
-        mean = (passes[0].acc[s] if P == 1 else
-                [tf.add_n(list(gs)) / P for gs in zip(*(passes[p].acc[s] for p in range(P)))])
+    grads = [[tf.convert_to_tensor(g) for g in passes[p].acc[s]] for p in range(P)]
+    shapes = [g.shape for g in grads[0]]
+    sizes = [int(math.prod(shape)) for shape in shapes]
+    dtypes = {g.dtype for g in grads[0]}
+    if len(dtypes) != 1:  # one vector needs one dtype: each gradient on its own
+        groups = [[i] for i in range(len(shapes))]
+    else:
+        groups = [list(range(len(shapes)))]
+    means = [[None] * len(shapes) for _ in range(P)]
+    for group in groups:
+        total = sum(sizes[i] for i in group)
+        chunks = []  # chunks[p][c]: copy p's part c, on copy p's task
+        for p in range(P):
+            with tf.device(devices[p][s][1]):
+                flat = tf.concat([tf.reshape(grads[p][i], [-1]) for i in group], 0)
+                chunks.append(tf.split(flat, _chunk_sizes(total, P)))
+        reduced = []
+        for c in range(P):  # reduce-scatter: chunk c averaged on copy c's task
+            with tf.device(devices[c][s][1]):
+                reduced.append(tf.add_n([chunks[p][c] for p in range(P)]) / P)
+        for p in range(P):  # all-gather: every copy reassembles the mean
+            with tf.device(devices[p][s][1]):
+                parts = tf.split(tf.concat(reduced, 0), [sizes[i] for i in group])
+                for i, part in zip(group, parts):
+                    means[p][i] = tf.reshape(part, shapes[i])
+    return means
+
+
+def _update_stage(s: int, passes: list[_CopyPass], copies, optimizers, devices, anchors, clock) -> None:
+    """Stage ``s``'s one update: the copies' gradients averaged among them
+    (``_average_over_copies``), then applied on every copy after its last slot,
+    between two stamps of its clock."""
+    P = len(passes)
+    means = [passes[0].acc[s]] if P == 1 else _average_over_copies(s, passes, devices)
     for p in range(P):
         with tf.device(devices[p][s][1]):
             with tf.control_dependencies([passes[p].last_end[s]]):
                 start = clock(anchors[p][s])
             with tf.control_dependencies([start]):
                 variables = copies[p][s].trainable_variables
-                optimizers[p][s].apply(mean, variables)
+                optimizers[p][s].apply(means[p], variables)
                 # Read after the writes (automatic control dependencies
                 # order them), so the end stamp follows the update.
                 applied = [tf.identity(v.value) for v in variables]
@@ -552,6 +626,8 @@ class PipelineTrainer(Trainer):
                 "parameter_bytes_per_task": params,
                 "state_bytes_per_task": state_bytes,  # weights + optimizer slots
                 "model_parameter_bytes": total,
+                # Each stage task's process over the whole run (setup included).
+                "peak_rss_bytes_per_task": self.state.peak_rss_per_task(),
                 **self.stage_timing(),
             },
         }
