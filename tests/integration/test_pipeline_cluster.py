@@ -64,6 +64,14 @@ def test_two_stages_four_micro_batches_train_as_one_process(tmp_path, spawn):
     assert any(l.startswith("[worker:1]") and "is gone; stopping" in l for l in p.lines), p.output
     peaks = json.loads((tmp_path / "run" / "launch" / "outcome.json").read_text())
     assert set(peaks["peak_rss_bytes"]) == {"chief:0", "worker:0", "worker:1"}
+    # Each stage task's peak as the chief read it on the task, by the end of the
+    # run: the launcher's watch of the same process reads it later (a high-water
+    # mark only grows), so no lower, and not much higher.
+    own = r["pipeline"]["peak_rss_bytes_per_task"]
+    assert set(own) == {"worker:0", "worker:1"}, own
+    for name, value in own.items():
+        watched = peaks["peak_rss_bytes"][name]
+        assert 0.9 * watched <= value <= watched, (name, value, watched)
 
 
 @pytest.mark.long

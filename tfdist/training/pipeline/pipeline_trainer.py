@@ -12,9 +12,10 @@ micro-batches; each stage runs its forwards and backwards in its schedule's
 order (``--schedule``: GPipe, every forward then every backward; or 1F1B),
 chained on its own task and stamped there (busy time per stage), each
 stage's gradients accumulated on its own task. With ``P > 1`` each stage's accumulated
-gradients are averaged over its P copies on the first copy's task and the
-same average is applied by every copy's optimizer (identical weights and
-slots, so the copies stay identical). One update per step: the same math as
+gradients are averaged over its P copies by a reduce-scatter and an all-gather
+placed on the copies' tasks (``_average_over_copies``) and the same average is
+applied by every copy's optimizer (identical weights and slots, so the copies
+stay identical). One update per step: the same math as
 one process at the same global batch (the mean over P x M equal micro-
 batches is the batch mean), up to floating-point summation order.
 
