@@ -1,6 +1,8 @@
 """The pipeline step (training.pipeline.pipeline_trainer.make_pipeline_step) over
-two real ``tf.distribute.Server`` tasks: GPipe and 1F1B make the same update,
-and what crosses between tasks in a step is the fewest messages it needs.
+real ``tf.distribute.Server`` tasks: GPipe and 1F1B make the same update, P
+copies averaged among themselves make the update of one copy of all their
+micro-batches, and what crosses between tasks in a step is the fewest messages
+it needs.
 
 Connecting to a cluster changes the process's eager context, so the step
 runs in a child process of its own.
@@ -42,22 +44,24 @@ metrics = TrainMetrics(model)
 
 class Task: pass
 out = {"initial": [w.tolist() for w in initial]}
-# (name, schedule, copies, micro-batches per copy): two copies of M micro-batches
-# each see the same 2M micro-batches, in order, as one copy of 2M.
-CASES = [("gpipe", "gpipe", 1, M), ("1f1b", "1f1b", 1, M), ("one-copy-2m", "gpipe", 1, 2 * M),
-         ("two-copies", "gpipe", 2, M)]
-for name, schedule, P, micro in CASES:
-    local, cut = st.local_stages(Task(), model, st.PipelinePlan(S, micro, P))
+# (name, schedule, stages, copies, micro-batches per copy): two copies of M
+# micro-batches (or four of M / 2) see the same 2M micro-batches, in order, as one
+# copy of 2M. One stage of 837 weights does not split evenly into four chunks.
+CASES = [("gpipe", "gpipe", S, 1, M), ("1f1b", "1f1b", S, 1, M),
+         ("one-copy-2m", "gpipe", S, 1, 2 * M), ("two-copies", "gpipe", S, 2, M),
+         ("four-copies", "gpipe", 1, 4, M // 2)]
+for name, schedule, stages, P, micro in CASES:
+    local, cut = st.local_stages(Task(), model, st.PipelinePlan(stages, micro, P))
     copies, optimizers, devices = [], [], []
     for p in range(P):
         row, opts, devs = [], [], []
-        for s in range(S):
-            device = pt.stage_device(p * S + s)
+        for s in range(stages):
+            device = pt.stage_device(p * stages + s)
             with tf.device(device):
                 stage = keras.models.clone_model(local[s])
                 opt = keras.optimizers.Adam(0.01)
                 opt.build(stage.trainable_variables)
-            row.append(stage); opts.append(opt); devs.append((f"worker:{p * S + s}", device))
+            row.append(stage); opts.append(opt); devs.append((f"worker:{p * stages + s}", device))
         copies.append(row); optimizers.append(opts); devices.append(devs)
     state = pt.PipelineState(copies, optimizers, devices, cut)
     for v, w in zip(state.model.weights, initial):
@@ -146,6 +150,24 @@ def test_two_copies_average_their_gradients_as_one_copy_of_all_their_micro_batch
     assert min(moved) > 1e-3, moved
 
 
+def test_four_copies_of_one_stage_average_uneven_chunks_as_one_copy(stepped):
+    import numpy as np
+
+    four, one = stepped["four-copies"], stepped["one-copy-2m"]
+    assert sum(len(np.array(w).ravel()) for w in four["weights"]) % 4 != 0
+    for a, b in zip(four["weights"], one["weights"]):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)
+    assert all(copy == four["copies"][0] for copy in four["copies"][1:])
+
+
+def test_chunk_sizes_cover_the_vector_in_nearly_equal_parts():
+    from tfdist.training.pipeline.pipeline_trainer import _chunk_sizes
+
+    assert _chunk_sizes(837, 4) == [210, 209, 209, 209]
+    assert _chunk_sizes(480, 2) == [240, 240]
+    assert _chunk_sizes(2, 3) == [1, 1, 0]
+
+
 def test_two_copies_exchange_one_message_per_gradient_chunk(stepped):
     S, M, P = 2, 4, 2
     t = stepped["two-copies"]["transfers"]
@@ -163,3 +185,32 @@ def test_each_stage_tasks_peak_memory_is_read_on_the_task(stepped):
     assert sorted(peaks) == [f"worker:{i}" for i in range(4)], peaks
     # A process with TensorFlow loaded holds hundreds of MB resident.
     assert all(100 << 20 < v < 64 << 30 for v in peaks.values()), peaks
+
+
+def test_the_average_over_copies_is_each_gradients_mean_whatever_its_dtype():
+    """The placed reduce-scatter and all-gather on one process's CPU: gradients of two
+    dtypes (a vector each) and a stage whose size does not split evenly."""
+    import numpy as np
+    import tensorflow as tf
+
+    from tfdist.training.pipeline.pipeline_trainer import _average_over_copies
+
+    P = 3
+    rng = np.random.default_rng(0)
+    values = [[rng.normal(size=(3, 5)), rng.normal(size=(5,)), rng.normal(size=(2,))]
+              for _ in range(P)]
+    dtypes = [tf.float32, tf.float32, tf.float64]
+
+    class Pass:
+        def __init__(self, grads):
+            self.acc = [[tf.constant(g, dtype=d) for g, d in zip(grads, dtypes)]]
+
+    devices = [[("cpu", "/device:CPU:0")] for _ in range(P)]
+    means = _average_over_copies(0, [Pass(v) for v in values], devices)
+    assert len(means) == P
+    for copy in means:
+        for i, got in enumerate(copy):
+            assert got.dtype == dtypes[i] and got.shape == values[0][i].shape
+            tight = dtypes[i] == tf.float64
+            np.testing.assert_allclose(got.numpy(), np.mean([v[i] for v in values], axis=0),
+                                       rtol=1e-12 if tight else 1e-5, atol=0 if tight else 1e-6)

@@ -316,7 +316,7 @@ def _average_over_copies(s: int, passes: list[_CopyPass], devices) -> list[list]
 
     A reduce-scatter then an all-gather, made of ops placed on the copies'
     tasks (not TensorFlow's collective ops): each copy flattens its gradients
-    into one vector cut into P chunks; chunk c is summed over the copies and
+    into one vector (one per dtype) cut into P chunks; chunk c is summed over the copies and
     divided by P on copy c's task (it receives P - 1 chunks), then every copy
     receives the other P - 1 averaged chunks and reassembles the mean. Each
     copy's task sends and receives 2 (P - 1) / P of the stage's gradient bytes,
@@ -326,13 +326,11 @@ def _average_over_copies(s: int, passes: list[_CopyPass], devices) -> list[list]
     grads = [[tf.convert_to_tensor(g) for g in passes[p].acc[s]] for p in range(P)]
     shapes = [g.shape for g in grads[0]]
     sizes = [int(math.prod(shape)) for shape in shapes]
-    dtypes = {g.dtype for g in grads[0]}
-    if len(dtypes) != 1:  # one vector needs one dtype: each gradient on its own
-        groups = [[i] for i in range(len(shapes))]
-    else:
-        groups = [list(range(len(shapes)))]
+    groups = {}  # one vector per dtype (a vector has one)
+    for i, g in enumerate(grads[0]):
+        groups.setdefault(g.dtype, []).append(i)
     means = [[None] * len(shapes) for _ in range(P)]
-    for group in groups:
+    for group in groups.values():
         total = sum(sizes[i] for i in group)
         chunks = []  # chunks[p][c]: copy p's part c, on copy p's task
         for p in range(P):
