@@ -107,7 +107,6 @@ class PipelineState:
                 state[name] = weights + sum(_nbytes(v) for v in opt.variables)
         return params, state
 
-
     def peak_rss_per_task(self) -> dict:
         """{worker: its process's peak resident bytes so far}: the kernel's high-water
         mark (``VmHWM``), read by a ``ReadFile`` of ``/proc/self/status`` placed on
@@ -316,8 +315,8 @@ def _average_over_copies(s: int, passes: list[_CopyPass], devices) -> list[list]
 
     A reduce-scatter then an all-gather, made of ops placed on the copies'
     tasks (not TensorFlow's collective ops): each copy flattens its gradients
-    into one vector (one per dtype) cut into P chunks; chunk c is summed over the copies and
-    divided by P on copy c's task (it receives P - 1 chunks), then every copy
+    into one vector (one per dtype) cut into P chunks; chunk c is summed over
+    the copies and divided by P on copy c's task (it receives P - 1 chunks), then every copy
     receives the other P - 1 averaged chunks and reassembles the mean. Each
     copy's task sends and receives 2 (P - 1) / P of the stage's gradient bytes,
     as a ring all-reduce does, in one message per chunk; each chunk's mean is
