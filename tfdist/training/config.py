@@ -190,7 +190,7 @@ class TrainOptions:
         unset="gpipe")
     read_ahead: str | None = option(
         None, "ps: each worker reads its next weights from the ps while it computes a step "
-        "(within a call of --steps-per-execution steps), so the ps link carries weights out "
+        "and pushes its gradients, so the ps link carries weights out "
         "and gradients in at once; every step is then at least 1 stale "
         "(docs/performance.md)", choices=("on", "off"), group="cluster", unset="off")
     # Parameter servers: which variables are split over the ps tasks (None:

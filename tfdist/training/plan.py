@@ -300,11 +300,6 @@ def _read_ahead(config: TrainConfig, kind: StrategyKind, own_train_step: bool) -
         raise ConfigError(
             "--read-ahead on cannot be honoured: the model overrides train_step, which "
             "reads its weights itself; drop the flag")
-    if config.steps_per_execution < 2:
-        raise ConfigError(
-            f"--read-ahead on reads the next step's weights within one call of "
-            f"--steps-per-execution steps, received --steps-per-execution "
-            f"{config.steps_per_execution}; use 2 or more (e.g. 10), or drop --read-ahead")
     return True
 
 

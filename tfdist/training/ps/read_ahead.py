@@ -3,19 +3,20 @@
 Without it a worker's step is serial on the network: read every weight from
 the ps, compute, push the gradients, and only then read again; the ps host's
 outgoing link idles while gradients come in, and its incoming one while
-weights go out. With read-ahead a call of K steps reads the weights once
-up front and then, in each step, starts reading the weights for the *next*
-step as the step begins: that read crosses the network while the forward
-and backward pass run (the step computes on the weights read during the
-previous one, handed to the model through a ``keras.StatelessScope``), and
-the push follows. Two workers out of phase then keep both directions of the
-ps link busy at once.
+weights go out. With read-ahead each step starts reading the weights for
+the *next* step as it begins: that read crosses the network while the
+forward and backward pass run and while the gradients are pushed (the ps
+applies them once the read is done), and the step computes on the weights
+read during the previous one, handed to the model through a
+``keras.StatelessScope``. The last step of a call reads ahead too, and the
+worker keeps what it read for its next call (``WeightCache``), so a call of
+one step reads ahead as well as a call of many.
 
 The price is staleness: the weights a step computes on were read before this
-worker's own previous update was applied, so every step but a call's first
-is at least 1 stale on top of what other workers add. The staleness figures
-count it: a step's ``read_at`` is the global step read just before *its*
-weights were read.
+worker's own previous update was applied, so every step is at least 1 stale
+on top of what other workers add (a worker's first call starts from the ps).
+The staleness figures count it: a step's ``read_at`` is the global step read
+just before *its* weights were read.
 
 Only trainable weights are read ahead. Non-trainable state (batch-norm
 statistics, a dropout's seed) is read and written as the plain step does:
@@ -95,26 +96,44 @@ def make_read_ahead_step_fn(state: TrainState, metrics: TrainMetrics,
     return step_fn
 
 
+class WeightCache:
+    """The weights a worker read ahead at the end of its last call, kept on that worker
+    (``per_worker_variable``: one copy per worker, none on the ps) with the global
+    step read just before them, so the next call starts computing at once. A read
+    step of -1 means empty (a worker's first call, or a restarted worker's, whose
+    copies are made anew): that call reads the weights from the ps first."""
+
+    def __init__(self, strategy, variables):
+        with strategy.scope():
+            self.weights = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                                        per_worker_variable=True) for v in variables]
+            self.read_at = tf.Variable(tf.constant(-1, tf.int64), trainable=False,
+                                       per_worker_variable=True)
+
+
 def make_read_ahead_train_fn(strategy, step_fn, state: TrainState, num_metrics: int,
                              steps_by_worker: tf.Variable, batches_per_step: int = 1):
     """``train_fn(iterator, num_steps)`` as ``loop.step.make_train_fn``'s (the same
-    outputs), each step computing on weights read during the step before it."""
+    outputs), each step computing on weights read during the step before it, the
+    last step's read kept for the worker's next call (``WeightCache``)."""
     global_step, variables = state.global_step, state.model.trainable_variables
     replicas = local_replicas(strategy)
     local_fraction = replicas / strategy.num_replicas_in_sync
+    cache = WeightCache(strategy, variables)
 
-    def read_next(i, num_steps, weights, read_at):
-        # The last step of the call reads nothing ahead: the next call starts
-        # with a read of its own.
-        def ahead():
-            at = global_step.read_value()
-            with tf.control_dependencies([at]):
-                return [at] + read_weights(variables)
+    def read_from_ps():
+        at = global_step.read_value()
+        with tf.control_dependencies([at]):
+            return [at] + read_weights(variables)
 
-        def none():
-            return [read_at] + list(weights)
-
-        out = tf.cond(i + 1 < num_steps, ahead, none)
+    def first_weights():
+        # A worker's cached copies are not ordered by automatic control
+        # dependencies (TensorFlow's PerWorkerVariable): every use is explicit.
+        # Read outside the cond: a branch cannot see their call-time handles.
+        at = cache.read_at.read_value()
+        with tf.control_dependencies([at]):
+            cached = [c.read_value() for c in cache.weights]
+        out = tf.cond(at >= 0, lambda: [at] + cached, read_from_ps)
         return out[1:], out[0]
 
     @tf.function
@@ -122,13 +141,13 @@ def make_read_ahead_train_fn(strategy, step_fn, state: TrainState, num_metrics: 
         loss_sum = tf.constant(0.0)
         metric_sum = tf.zeros([num_metrics], tf.float32)
         staleness = tf.TensorArray(tf.int64, size=num_steps)
-        read_at = global_step.read_value()
-        with tf.control_dependencies([read_at]):
-            weights = read_weights(variables)
+        weights, read_at = first_weights()
         for i in tf.range(num_steps):
             # Created before the update below, so automatic control dependencies
-            # order these reads before it: they run during the step's compute.
-            next_weights, next_read_at = read_next(i, num_steps, weights, read_at)
+            # order these reads before it: they cross the network during the
+            # step's compute and its push.
+            ahead = read_from_ps()
+            next_weights, next_read_at = ahead[1:], ahead[0]
             if batches_per_step == 1:
                 batch = tuple(next(iterator))
             else:
@@ -140,13 +159,16 @@ def make_read_ahead_train_fn(strategy, step_fn, state: TrainState, num_metrics: 
             metric_sum += local_sum(strategy, values) / replicas
             staleness = staleness.write(i, applied_at - 1 - read_at)
             weights, read_at = next_weights, next_read_at
+        stored = [c.assign(w, read_value=False) for c, w in zip(cache.weights, weights)]
+        with tf.control_dependencies(stored):
+            stored = cache.read_at.assign(read_at, read_value=False)
         steps = tf.cast(num_steps, tf.float32)
         out = {"loss": loss_sum / steps, "metrics": metric_sum / steps,
                "staleness": staleness.stack()}
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()
         ran = tf.one_hot(worker, steps_by_worker.shape[0], dtype=tf.int64) * tf.cast(
             num_steps, tf.int64)
-        with tf.control_dependencies([out["loss"], out["staleness"]]):
+        with tf.control_dependencies([out["loss"], out["staleness"], stored]):
             steps_by_worker.assign_add(ran, read_value=False)
         return out
 
