@@ -110,3 +110,23 @@ def test_one_worker_reads_ahead_so_each_step_is_one_update_stale(tmp_path, spawn
     assert results["read_ahead"] is True
     assert results["staleness"]["histogram"] == {"0": 1, "1": 19}, results["staleness"]
     assert results["global_steps"] == 20 and results["test_accuracy"] > 0.5  # chance: 0.1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.long
+def test_a_restarted_worker_starts_from_the_ps_not_from_an_empty_copy(tmp_path, spawn):
+    """A worker killed and restarted has new, empty copies of the weights it read
+    ahead: its first call reads from the ps (a second 0-stale step) instead of
+    computing on zeros, and the run ends as accurate as without the fault."""
+    model_dir = tmp_path / "run"
+    p = spawn(launch_cmd("ps", "--workers", "1", "--ps", "1", "--kill", "worker:0@step=100",
+                         "--restart-tasks", "--restart-delay", "1", train_args=[
+                             "--task", "mnist-cnn", "--steps", "300", "--global-batch-size",
+                             "128", "--steps-per-execution", "10", "--read-ahead", "on",
+                             "--log-every", "50", "--model-dir", str(model_dir)]))
+    assert p.wait(timeout=400) == 0, p.output[-3000:]
+    assert "restarted worker:0" in p.output
+    results = read_results(model_dir)
+    histogram = results["staleness"]["histogram"]
+    assert histogram["0"] == 2 and set(histogram) == {"0", "1"}, results["staleness"]
+    assert results["test_accuracy"] > 0.95
