@@ -29,8 +29,9 @@ import keras
 import tensorflow as tf
 
 from tfdist.training.loop.state import TrainState
-from tfdist.training.loop.step import (TrainMetrics, accumulate, after_updates, forward,
-                                       local_replicas, local_sum, schedule_in_batches, to_wire)
+from tfdist.training.loop.step import (TrainMetrics, accumulate, after_updates, call_outputs,
+                                       forward, local_replicas, local_sum, schedule_in_batches,
+                                       to_wire)
 
 
 def sparse_layers(model: keras.Model) -> list[str]:
@@ -162,14 +163,7 @@ def make_read_ahead_train_fn(strategy, step_fn, state: TrainState, num_metrics: 
         stored = [c.assign(w, read_value=False) for c, w in zip(cache.weights, weights)]
         with tf.control_dependencies(stored):
             stored = cache.read_at.assign(read_at, read_value=False)
-        steps = tf.cast(num_steps, tf.float32)
-        out = {"loss": loss_sum / steps, "metrics": metric_sum / steps,
-               "staleness": staleness.stack()}
-        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
-        ran = tf.one_hot(worker, steps_by_worker.shape[0], dtype=tf.int64) * tf.cast(
-            num_steps, tf.int64)
-        with tf.control_dependencies([out["loss"], out["staleness"], stored]):
-            steps_by_worker.assign_add(ran, read_value=False)
-        return out
+        return call_outputs(num_steps, loss_sum, metric_sum, staleness, steps_by_worker,
+                            after=[stored])
 
     return train_fn
