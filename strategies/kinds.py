@@ -91,6 +91,9 @@ class StrategyKind:
     sample_weight_refusal = ""
     # Gradients all-reduced between processes in buckets (--all-reduce-bucket applies).
     buckets_all_reduce = False
+    # Workers read their next weights from the ps while they compute a step
+    # (--read-ahead applies; training.ps.read_ahead).
+    reads_ahead = False
 
     # --- the cluster ------------------------------------------------------
 
@@ -301,6 +304,7 @@ class ParameterServer(StrategyKind):
     serving_roles = ("worker", "ps")
     restartable_roles = ("worker",)
     asynchronous = True
+    reads_ahead = True
     own_step_optimizer_refusals = _ACCUMULATION_IN_COND
     # Measured: "Trying to access resource ... located in device /job:ps".
     jit_compile_refusal = ("an XLA-compiled step cannot read or update variables that live "
@@ -377,6 +381,8 @@ class SyncParameterServer(ParameterServer):
     summary = "synchronous ps, as SyncReplicasOptimizer: each update averages K fresh gradients"
     trainer = "ps-sync"
     asynchronous = False
+    # An update waits for K gradients computed on the current weights: nothing to read ahead.
+    reads_ahead = False
     aggregates_gradients = True
     # ps:0 applies the averaged gradients in its own call, outside any replica
     # context: Keras's accumulation runs as on one device (measured).

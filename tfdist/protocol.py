@@ -278,6 +278,9 @@ class Results:
     applied_steps: int | None = None
     reexecuted_steps: int | None = None
     staleness: dict | None = None
+    # Workers read each step's weights during the step before it
+    # (--read-ahead): every step but a call's first is at least 1 stale.
+    read_ahead: bool | None = None
     variables_per_ps: dict | None = None
     # Synchronous parameter servers (ps-sync); this run's counts.
     replicas_to_aggregate: int | None = None  # K, gradients averaged per update

@@ -188,6 +188,11 @@ class TrainOptions:
         None, "pipeline: each stage's order of forwards and backwards (1f1b holds at most S "
         "micro-batches' activations per stage)", metavar="gpipe|1f1b", group="cluster",
         unset="gpipe")
+    read_ahead: str | None = option(
+        None, "ps: each worker reads its next weights from the ps while it computes a step "
+        "and pushes its gradients, so the ps link carries weights out "
+        "and gradients in at once; every step is then at least 1 stale "
+        "(docs/performance.md)", choices=("on", "off"), group="cluster", unset="off")
     # Parameter servers: which variables are split over the ps tasks (None:
     # min-size under a strategy with ps, none otherwise) and the minimum size.
     variable_partitioner: str | None = option(

@@ -86,6 +86,8 @@ class RunPlan:
     # N: batches each replica sums its gradients over before one update (a step
     # is N batches); 1: none, or a model's own train_step that accumulates itself.
     accumulation_steps: int = 1
+    # ps read-ahead (training.ps.read_ahead): each step's weights read during the step before.
+    read_ahead: bool = False
 
     @property
     def examples_per_gradient(self) -> int:
@@ -164,6 +166,7 @@ class RunPlan:
             "per_replica_batch_size": self.global_batch_size // self.replicas,
             "gradients_per_update": self.gradients_per_update,
             "gradient_accumulation_steps": self.accumulation_steps,
+            "read_ahead": self.read_ahead,
             "train_examples": self.train_examples,
             "variable_partitioner": self.sharding.partitioner,
             "shards_per_split_variable": self.sharding.num_shards,
@@ -278,7 +281,26 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
         train_examples=train_examples, test_examples=test_examples, total_steps=total,
         steps_per_epoch=steps_per_epoch, optimizer=_optimizer(config, spec),
         sharding=_sharding(config, kind, cluster), accumulation_steps=accumulation,
+        read_ahead=_read_ahead(config, kind, own_train_step),
     )
+
+
+def _read_ahead(config: TrainConfig, kind: StrategyKind, own_train_step: bool) -> bool:
+    """--read-ahead on: refused where it cannot read anything ahead."""
+    asked = config.read_ahead
+    if asked is not None and not kind.reads_ahead:
+        able = "|".join(name for name, other in kinds.all_kinds().items() if other.reads_ahead)
+        raise ConfigError(
+            f"--read-ahead {asked} applies to --strategy {able} only (workers reading their "
+            f"next weights from the ps while they compute), received --strategy {kind.name}; "
+            "drop the flag")
+    if asked != "on":
+        return False
+    if own_train_step:
+        raise ConfigError(
+            "--read-ahead on cannot be honoured: the model overrides train_step, which "
+            "reads its weights itself; drop the flag")
+    return True
 
 
 def _accumulation(config: TrainConfig, spec: TaskSpec, task_value: int | None,

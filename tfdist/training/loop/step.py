@@ -321,21 +321,25 @@ def make_train_fn(strategy, step_fn, state: TrainState, num_metrics: int,
             step_values = local_sum(strategy, values) / replicas
             metric_sum += step_values
             staleness = staleness.write(i, applied_at - 1 - read_at)
-        steps = tf.cast(num_steps, tf.float32)
-        out = {
-            "loss": loss_sum / steps,
-            "metrics": metric_sum / steps,
-            "staleness": staleness.stack(),
-        }
-        if steps_by_worker is not None:
-            worker = tf.distribute.coordinator.experimental_get_current_worker_index()
-            ran = tf.one_hot(worker, steps_by_worker.shape[0], dtype=tf.int64) * tf.cast(
-                num_steps, tf.int64)
-            with tf.control_dependencies([out["loss"], out["staleness"]]):
-                steps_by_worker.assign_add(ran, read_value=False)
-        return out
+        return call_outputs(num_steps, loss_sum, metric_sum, staleness, steps_by_worker)
 
     return train_fn
+
+
+def call_outputs(num_steps, loss_sum, metric_sum, staleness, steps_by_worker=None, after=()):
+    """A call's outputs: its mean loss and metric values and each step's staleness;
+    with ``steps_by_worker`` (ps), the worker that ran the call adds its steps there
+    once they and ``after`` are done."""
+    steps = tf.cast(num_steps, tf.float32)
+    out = {"loss": loss_sum / steps, "metrics": metric_sum / steps,
+           "staleness": staleness.stack()}
+    if steps_by_worker is not None:
+        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        ran = tf.one_hot(worker, steps_by_worker.shape[0], dtype=tf.int64) * tf.cast(
+            num_steps, tf.int64)
+        with tf.control_dependencies([out["loss"], out["staleness"], *after]):
+            steps_by_worker.assign_add(ran, read_value=False)
+    return out
 
 
 def metric_dict(loss, names, values) -> dict[str, float]:

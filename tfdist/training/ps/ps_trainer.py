@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from tfdist.training.workload import data
 from tfdist.training.ps.coordinated import CoordinatedTrainer, variables_per_ps
+from tfdist.training.ps import read_ahead
 from tfdist.training.ps.rpc import fetch
 from tfdist.training.loop.step import make_step_fn, make_train_fn
 
@@ -167,12 +168,25 @@ class PsTrainer(CoordinatedTrainer):
         self._iterator = iter(self.coordinator.create_per_worker_dataset(
             lambda: strategy.distribute_datasets_from_function(dataset_fn)
         ))
-        self._train_fn = make_train_fn(
-            strategy, make_step_fn(state, train_metrics, self.config.gradient_dtype,
-                                   plan.accumulation_steps), state,
-            len(train_metrics.names),
-            steps_by_worker=self.steps_by_worker, batches_per_step=plan.accumulation_steps,
-        )
+        self.read_ahead = plan.read_ahead
+        sparse = read_ahead.sparse_layers(state.model) if self.read_ahead else []
+        if sparse:
+            print(f"warning: {self.cluster.member_name}: --read-ahead on reads the whole table "
+                  f"of Embedding layer(s) {', '.join(sparse[:3])} every step, where a step "
+                  "reads only the rows its batch touches", flush=True)
+        if self.read_ahead:
+            self._train_fn = read_ahead.make_read_ahead_train_fn(
+                strategy, read_ahead.make_read_ahead_step_fn(
+                    state, train_metrics, self.config.gradient_dtype, plan.accumulation_steps),
+                state, len(train_metrics.names), self.steps_by_worker,
+                batches_per_step=plan.accumulation_steps)
+        else:
+            self._train_fn = make_train_fn(
+                strategy, make_step_fn(state, train_metrics, self.config.gradient_dtype,
+                                       plan.accumulation_steps), state,
+                len(train_metrics.names),
+                steps_by_worker=self.steps_by_worker, batches_per_step=plan.accumulation_steps,
+            )
         # Enough closures in flight to keep every worker busy while we read results.
         self.max_in_flight = 4 * max(1, len(self.workers))
         self._pending: collections.deque = collections.deque()
@@ -332,6 +346,8 @@ class PsTrainer(CoordinatedTrainer):
             # that reran it); None if ps:0 did not answer.
             "steps_per_worker": dict(zip(self.workers, counts)) if counts else None,
             "staleness": staleness_stats(all_staleness),
+            # Workers read each step's weights during the step before (staleness >= 1).
+            "read_ahead": self.read_ahead,
             "stuck_workers": [
                 stuck.record(counts[self.workers.index(stuck.worker)] if counts else None)
                 for stuck in self._stuck],
