@@ -29,17 +29,22 @@ def _model(seed):
 @pytest.mark.parametrize("accumulation", [1, 3])
 def test_a_step_on_weights_read_now_is_the_plain_step(accumulation):
     """Handed the weights as they are, the read-ahead step makes the plain step's
-    update: the same weights, batch-norm statistics and optimizer state after it."""
+    update: the same weights, batch-norm statistics and optimizer state after it; so
+    does ps's step of N batches on one read of the weights."""
     import tensorflow as tf
 
     from tfdist.training.loop.step import TrainMetrics, make_step_fn
-    from tfdist.training.ps.read_ahead import make_read_ahead_step_fn, read_weights
+    from tfdist.training.ps.read_ahead import (make_read_ahead_step_fn, make_read_once_step_fn,
+                                               read_weights)
 
     rng = np.random.default_rng(0)
     batches = [(tf.constant(rng.normal(size=(16, 8)).astype("float32")),
                 tf.constant(rng.integers(0, 3, size=16))) for _ in range(3 * accumulation)]
     models = []
-    for make in (make_step_fn, make_read_ahead_step_fn):
+    makers = [make_step_fn, make_read_ahead_step_fn]
+    if accumulation > 1:  # ps's step of N batches on one read of the weights
+        makers.append(make_read_once_step_fn)
+    for make in makers:
         model = _model(0)
         model.optimizer.build(model.trainable_variables)
 
@@ -59,13 +64,15 @@ def test_a_step_on_weights_read_now_is_the_plain_step(accumulation):
             else:  # a step takes N batches
                 fn(*batches[i * accumulation:(i + 1) * accumulation])
         models.append(model)
-    plain, ahead = models
-    assert int(plain.optimizer.iterations) == int(ahead.optimizer.iterations) == 3
-    for got, want in zip(ahead.weights, plain.weights):  # moving mean/var and seeds too
-        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6,
-                                   err_msg=got.path)
-    for got, want in zip(ahead.optimizer.variables, plain.optimizer.variables):
-        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
+    plain, *others = models
+    assert plain.get_weights()[0].tolist() != _model(0).get_weights()[0].tolist()  # trained
+    for ahead in others:
+        assert int(plain.optimizer.iterations) == int(ahead.optimizer.iterations) == 3
+        for got, want in zip(ahead.weights, plain.weights):  # moving mean/var and seeds too
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6,
+                                       err_msg=got.path)
+        for got, want in zip(ahead.optimizer.variables, plain.optimizer.variables):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("argv,says", [

@@ -57,9 +57,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.training.workload import data
+from tfdist.training.ps.read_ahead import batch_on_weights, read_once
 from tfdist.training.ps.coordinated import CoordinatedTrainer, variables_per_ps
 from tfdist.training.loop.step import (
-    accumulate, after_updates, forward, local_replicas, local_sum, metric_dict,
+    after_updates, forward, local_replicas, local_sum, metric_dict,
     schedule_in_batches,
 )
 
@@ -195,6 +196,10 @@ def _replica_gradient_fn(model, train_metrics, accumulation: int):
         grads = tape.gradient(loss, variables)
         return grads, loss, train_metrics.batch_values(labels, y_pred, sample_weight)
 
+    # N batches on one read of the weights: each batch's own forward pass would
+    # read them from the ps again.
+    on_weights = read_once(batch_on_weights(model, train_metrics), variables, accumulation)
+
     def replica_gradient(step, *batches):
         # The weights are read after the step (so after its token): the
         # reads are created under this control dependency.
@@ -202,7 +207,7 @@ def _replica_gradient_fn(model, train_metrics, accumulation: int):
             if accumulation == 1:
                 grads, loss, values = one_batch(*batches)
             else:
-                grads, loss, values = accumulate(one_batch, batches)
+                grads, loss, values = on_weights(*batches)
         flat = tf.concat([tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads], 0)
         return flat, loss, values
 

@@ -181,9 +181,13 @@ class PsTrainer(CoordinatedTrainer):
                 state, len(train_metrics.names), self.steps_by_worker,
                 batches_per_step=plan.accumulation_steps)
         else:
+            # Accumulating N batches, the plain step would read the weights N times.
+            make = (read_ahead.make_read_once_step_fn
+                    if plan.accumulation_steps > 1 and not train_metrics.own_step
+                    else make_step_fn)
             self._train_fn = make_train_fn(
-                strategy, make_step_fn(state, train_metrics, self.config.gradient_dtype,
-                                       plan.accumulation_steps), state,
+                strategy, make(state, train_metrics, self.config.gradient_dtype,
+                               plan.accumulation_steps), state,
                 len(train_metrics.names),
                 steps_by_worker=self.steps_by_worker, batches_per_step=plan.accumulation_steps,
             )

@@ -55,6 +55,45 @@ def read_weights(variables) -> list[tf.Tensor]:
     return values
 
 
+def batch_on_weights(model: keras.Model, metrics: TrainMetrics, scale_loss=None):
+    """``one_batch(weights, features, labels, sample_weight=None) -> (gradients, loss,
+    metric values)``: the plain step's forward and backward pass on given values of the
+    model's trainable weights (a ``keras.StatelessScope`` hands them to the model), the
+    gradients taken with respect to them. ``scale_loss``: a LossScaleOptimizer's."""
+    trainable = model.trainable_variables
+    trainable_ids = {id(v) for v in trainable}
+    others = [v for v in model.variables if id(v) not in trainable_ids]
+
+    def one_batch(weights, features, labels, sample_weight=None):
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            with keras.StatelessScope(list(zip(trainable, weights)),
+                                      collect_losses=True) as scope:
+                y_pred, loss = forward(model, features, labels, sample_weight)
+                scaled = scale_loss(loss) if scale_loss else loss
+        grads = tape.gradient(scaled, weights)
+        # Batch-norm statistics, seeds: what the plain step would have assigned.
+        for v in others:
+            new = scope.get_current_value(v)
+            if new is not None:
+                v.assign(new)
+        return grads, loss, metrics.batch_values(labels, y_pred, sample_weight)
+
+    return one_batch
+
+
+def read_once(one_batch, variables, accumulation: int):
+    """``(gradients, loss, values) = f(*batches)``: the ``accumulation`` batches of one
+    step computed on one read of ``variables``. Each batch's forward pass would read
+    every weight from the ps again: N reads a step where one is needed."""
+
+    def run(*batches):
+        weights = read_weights(variables)
+        return accumulate(lambda *b: one_batch(weights, *b), batches)
+
+    return run
+
+
 def make_read_ahead_step_fn(state: TrainState, metrics: TrainMetrics,
                             gradient_dtype: str = "float32", accumulation: int = 1):
     """One replica's step on given weights: ``step_fn(weights, *batches)``.
@@ -66,23 +105,7 @@ def make_read_ahead_step_fn(state: TrainState, metrics: TrainMetrics,
     """
     model, optimizer = state.model, state.optimizer
     trainable = model.trainable_variables
-    trainable_ids = {id(v) for v in trainable}
-    others = [v for v in model.variables if id(v) not in trainable_ids]
-
-    def one_batch(weights, features, labels, sample_weight=None):
-        with tf.GradientTape() as tape:
-            tape.watch(weights)
-            with keras.StatelessScope(list(zip(trainable, weights)),
-                                      collect_losses=True) as scope:
-                y_pred, loss = forward(model, features, labels, sample_weight)
-                scaled = optimizer.scale_loss(loss)
-        grads = tape.gradient(scaled, weights)
-        # Batch-norm statistics, seeds: what the plain step would have assigned.
-        for v in others:
-            new = scope.get_current_value(v)
-            if new is not None:
-                v.assign(new)
-        return grads, loss, metrics.batch_values(labels, y_pred, sample_weight)
+    one_batch = batch_on_weights(model, metrics, optimizer.scale_loss)
 
     def step_fn(weights, *batches):
         if accumulation == 1:
@@ -93,6 +116,20 @@ def make_read_ahead_step_fn(state: TrainState, metrics: TrainMetrics,
         with schedule_in_batches(optimizer, accumulation):
             optimizer.apply_gradients(zip(grads, trainable))
         return loss, values
+
+    return step_fn
+
+
+def make_read_once_step_fn(state: TrainState, metrics: TrainMetrics,
+                           gradient_dtype: str = "float32", accumulation: int = 2):
+    """``step_fn(*batches)``: the plain step of N accumulated batches (``make_step_fn``'s
+    update), its weights read from the ps once, as the step starts, instead of once per
+    batch (``read_once``): one read and one push per N batches."""
+    step = make_read_ahead_step_fn(state, metrics, gradient_dtype, accumulation)
+    variables = state.model.trainable_variables
+
+    def step_fn(*batches):
+        return step(read_weights(variables), *batches)
 
     return step_fn
 
