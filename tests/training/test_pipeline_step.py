@@ -161,11 +161,11 @@ def test_four_copies_of_one_stage_average_uneven_chunks_as_one_copy(stepped):
 
 
 def test_chunk_sizes_cover_the_vector_in_nearly_equal_parts():
-    from tfdist.training.pipeline.pipeline_trainer import _chunk_sizes
+    from tfdist.training.pipeline.pipeline_trainer import chunk_sizes
 
-    assert _chunk_sizes(837, 4) == [210, 209, 209, 209]
-    assert _chunk_sizes(480, 2) == [240, 240]
-    assert _chunk_sizes(2, 3) == [1, 1, 0]
+    assert chunk_sizes(837, 4) == [210, 209, 209, 209]
+    assert chunk_sizes(480, 2) == [240, 240]
+    assert chunk_sizes(2, 3) == [1, 1, 0]
 
 
 def test_two_copies_exchange_one_message_per_gradient_chunk(stepped):
@@ -193,7 +193,7 @@ def test_the_average_over_copies_is_each_gradients_mean_whatever_its_dtype():
     import numpy as np
     import tensorflow as tf
 
-    from tfdist.training.pipeline.pipeline_trainer import _average_over_copies
+    from tfdist.training.pipeline.pipeline_trainer import average_over_copies
 
     P = 3
     rng = np.random.default_rng(0)
@@ -206,7 +206,7 @@ def test_the_average_over_copies_is_each_gradients_mean_whatever_its_dtype():
             self.acc = [[tf.constant(g, dtype=d) for g, d in zip(grads, dtypes)]]
 
     devices = [[("cpu", "/device:CPU:0")] for _ in range(P)]
-    means = _average_over_copies(0, [Pass(v) for v in values], devices)
+    means = average_over_copies(0, [Pass(v) for v in values], devices)
     assert len(means) == P
     for copy in means:
         for i, got in enumerate(copy):

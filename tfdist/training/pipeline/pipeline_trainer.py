@@ -13,7 +13,7 @@ order (``--schedule``: GPipe, every forward then every backward; or 1F1B),
 chained on its own task and stamped there (busy time per stage), each
 stage's gradients accumulated on its own task. With ``P > 1`` each stage's accumulated
 gradients are averaged over its P copies by a reduce-scatter and an all-gather
-placed on the copies' tasks (``_average_over_copies``) and the same average is
+placed on the copies' tasks (``average_over_copies``) and the same average is
 applied by every copy's optimizer (identical weights and slots, so the copies
 stay identical). One update per step: the same math as
 one process at the same global batch (the mean over P x M equal micro-
@@ -304,12 +304,12 @@ class _CopyPass:
         return acc[s] + ([self.grads_in[(s - 1, m)]] if s > 0 else [])
 
 
-def _chunk_sizes(n: int, parts: int) -> list[int]:
+def chunk_sizes(n: int, parts: int) -> list[int]:
     """``n`` elements as ``parts`` contiguous chunks, the first ``n % parts`` one longer (pure)."""
     return [n // parts + (1 if c < n % parts else 0) for c in range(parts)]
 
 
-def _average_over_copies(s: int, passes: list[_CopyPass], devices) -> list[list]:
+def average_over_copies(s: int, passes: list[_CopyPass], devices) -> list[list]:
     """Stage ``s``'s summed gradients averaged over its P copies: for each copy,
     the mean on that copy's task.
 
@@ -335,7 +335,7 @@ def _average_over_copies(s: int, passes: list[_CopyPass], devices) -> list[list]
         for p in range(P):
             with tf.device(devices[p][s][1]):
                 flat = tf.concat([tf.reshape(grads[p][i], [-1]) for i in group], 0)
-                chunks.append(tf.split(flat, _chunk_sizes(total, P)))
+                chunks.append(tf.split(flat, chunk_sizes(total, P)))
         reduced = []
         for c in range(P):  # reduce-scatter: chunk c averaged on copy c's task
             with tf.device(devices[c][s][1]):
@@ -350,10 +350,10 @@ def _average_over_copies(s: int, passes: list[_CopyPass], devices) -> list[list]
 
 def _update_stage(s: int, passes: list[_CopyPass], copies, optimizers, devices, anchors, clock) -> None:
     """Stage ``s``'s one update: the copies' gradients averaged among them
-    (``_average_over_copies``), then applied on every copy after its last slot,
+    (``average_over_copies``), then applied on every copy after its last slot,
     between two stamps of its clock."""
     P = len(passes)
-    means = [passes[0].acc[s]] if P == 1 else _average_over_copies(s, passes, devices)
+    means = [passes[0].acc[s]] if P == 1 else average_over_copies(s, passes, devices)
     for p in range(P):
         with tf.device(devices[p][s][1]):
             with tf.control_dependencies([passes[p].last_end[s]]):
