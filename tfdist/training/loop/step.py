@@ -208,6 +208,21 @@ def make_step_fn(state: TrainState, metrics: TrainMetrics, gradient_dtype: str =
         grads = tape.gradient(scaled, model.trainable_variables)
         return grads, loss, metrics.batch_values(labels, y_pred, sample_weight)
 
+    step_fn = make_update(one_batch, optimizer, model.trainable_variables, gradient_dtype,
+                          accumulation)
+    if getattr(model, "jit_compile", False):
+        # As fit compiles its step under jit_compile=True: the replica's
+        # step with XLA, called inside strategy.run.
+        return tf.function(step_fn, jit_compile=True, reduce_retracing=True)
+    return step_fn
+
+
+def make_update(one_batch, optimizer, variables, gradient_dtype: str = "float32",
+                accumulation: int = 1):
+    """``step_fn(*batches)``: ``one_batch``'s gradients (the mean of N batches'
+    with ``accumulation`` N > 1) sent as ``gradient_dtype`` and applied to
+    ``variables`` once; returns the loss and metric values."""
+
     def step_fn(*batches):
         if accumulation == 1:
             grads, loss, values = one_batch(*batches)
@@ -215,13 +230,9 @@ def make_step_fn(state: TrainState, metrics: TrainMetrics, gradient_dtype: str =
             grads, loss, values = accumulate(one_batch, batches)
         grads = to_wire(grads, gradient_dtype)
         with schedule_in_batches(optimizer, accumulation):
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            optimizer.apply_gradients(zip(grads, variables))
         return loss, values
 
-    if getattr(model, "jit_compile", False):
-        # As fit compiles its step under jit_compile=True: the replica's
-        # step with XLA, called inside strategy.run.
-        return tf.function(step_fn, jit_compile=True, reduce_retracing=True)
     return step_fn
 
 

@@ -30,8 +30,7 @@ import tensorflow as tf
 
 from tfdist.training.loop.state import TrainState
 from tfdist.training.loop.step import (TrainMetrics, accumulate, after_updates, call_outputs,
-                                       forward, local_replicas, local_sum, schedule_in_batches,
-                                       to_wire)
+                                       forward, local_replicas, local_sum, make_update)
 
 
 def sparse_layers(model: keras.Model) -> list[str]:
@@ -108,14 +107,8 @@ def make_read_ahead_step_fn(state: TrainState, metrics: TrainMetrics,
     one_batch = batch_on_weights(model, metrics, optimizer.scale_loss)
 
     def step_fn(weights, *batches):
-        if accumulation == 1:
-            grads, loss, values = one_batch(weights, *batches)
-        else:
-            grads, loss, values = accumulate(lambda *b: one_batch(weights, *b), batches)
-        grads = to_wire(grads, gradient_dtype)
-        with schedule_in_batches(optimizer, accumulation):
-            optimizer.apply_gradients(zip(grads, trainable))
-        return loss, values
+        return make_update(lambda *b: one_batch(weights, *b), optimizer, trainable,
+                           gradient_dtype, accumulation)(*batches)
 
     return step_fn
 
