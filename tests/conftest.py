@@ -131,3 +131,15 @@ def tensorboard_tags(logdir: str) -> dict[str, set]:
                 (plugin if value.metadata.plugin_data.plugin_name == "hparams"
                  else scalars).add(value.tag)
     return {"scalars": scalars, "plugin": plugin}
+
+
+def refused_line(argv, tmp_path, capsys) -> str:
+    """``train.py ARGV --dry-run``'s refusal: exit 2, one line on stderr (returned for the
+    caller's check of what it says), and no run directory made."""
+    from tfdist.cli import train
+
+    code = train.main([*argv, "--dry-run", "--model-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, (code, err)
+    assert not (tmp_path / "run").exists()
+    return err[0]
