@@ -61,10 +61,16 @@ JOB_TIMEOUT = 240
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = RayCluster()
+    yield from _running(RayCluster(), head_cpus=4, nodes=[("127.0.0.2", 3)])
+
+
+def _running(c, head_cpus: int, nodes):
+    """``c`` started (a head, then each (address, CPUs) node), yielded, then closed:
+    nothing of it may be left behind."""
     try:
-        c.start_head(num_cpus=4)
-        c.add_node("127.0.0.2", num_cpus=3)
+        c.start_head(num_cpus=head_cpus)
+        for address, cpus in nodes:
+            c.add_node(address, num_cpus=cpus)
         yield c
     finally:
         c.close()
@@ -293,15 +299,8 @@ def one_cpu_nodes():
     """A cluster of its own, beside the module's (its own addresses and worker ports):
     a head and one node of one CPU each, so each holds one worker and a lost node is a
     lost worker's room."""
-    c = RayCluster(head_ip="127.0.0.21", port_base=10000)
-    try:
-        c.start_head(num_cpus=1)
-        c.add_node("127.0.0.22", num_cpus=1)
-        yield c
-    finally:
-        c.close()
-    assert c.leftovers() == [], "Ray processes left behind"
-    assert not os.path.exists(c.root)
+    yield from _running(RayCluster(head_ip="127.0.0.21", port_base=10000), head_cpus=1,
+                        nodes=[("127.0.0.22", 1)])
 
 
 def _pending_sigterm(pid: int) -> bool:

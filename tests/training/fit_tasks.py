@@ -260,16 +260,10 @@ class GradientAccumulation(_OptimizerOption):
     options = {"gradient_accumulation_steps": 4}
 
 
-class OwnStepAccumulation(GradientAccumulation):
-    """A model's own train_step and an optimizer that accumulates: Keras's own
-    accumulation (a tf.cond around the all-reduce) runs inside the model's step."""
-
-    def build_model(self):
-        x = keras.Input((FEATURES,), name="x")
-        model = FlippedModel(x, _head(x))
-        model.compile(optimizer=self.optimizer(), loss="sparse_categorical_crossentropy",
-                      metrics=["accuracy"])
-        return model
+class OwnStepAccumulation(GradientAccumulation, FlippedTrainStep):
+    """A model's own train_step (FlippedTrainStep's model) and an optimizer that
+    accumulates (GradientAccumulation's): Keras's own accumulation (a tf.cond around
+    the all-reduce) runs inside the model's step."""
 
 
 class ClipNorm(_OptimizerOption):
