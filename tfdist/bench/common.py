@@ -123,6 +123,11 @@ def cluster_prefix(python: str, kind, workers: int, timeout: float, slow: str | 
     return [*cmd, "--"]
 
 
+def cell(value, spec: str, missing: str = "–") -> str:
+    """A table cell: a number formatted with ``spec``, else ``missing``."""
+    return format(value, spec) if isinstance(value, (int, float)) else missing
+
+
 def group_by_config(runs: list) -> dict[str, list]:
     """Runs grouped by their ``config`` (repeats of one configuration), in plan order."""
     groups: dict[str, list] = {}

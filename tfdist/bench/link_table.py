@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass
 
 from tfdist.bench import links
-from tfdist.bench.common import Run, cluster_prefix, machine_description, run_one
+from tfdist.bench.common import Run, cell, cluster_prefix, machine_description, run_one
 from tfdist.strategies import kinds as strategy_kinds
 
 LINK_RATE = "100mbit"
@@ -117,26 +117,20 @@ def figures(row: Row, shaped: dict, outcome: dict | None, unshaped: dict | None)
     return out
 
 
-def kb(r: dict) -> str:
-    value = r.get("bytes_per_example")
-    return "" if value is None else f"{value / 1e3:.2f}"
-
-
 def markdown(table: list[dict], link_rate: str) -> str:
     head = ("| row | examples/s | busiest link | kB per example | shaped step ms | transfer ms "
             "| unshaped step ms | exposed compute | fraction of link limit | staleness mean "
             "| test accuracy |\n" + "|---" * 11 + "|\n")
     lines = []
     for r in table:
-        def f(key, fmt):
-            value = r.get(key)
-            return "" if value is None else format(value, fmt)
+        per_example = r.get("bytes_per_example")
+        cells = [cell(r.get(key), spec, "") for key, spec in (
+            ("transfer_ms", ".1f"), ("compute_ms", ".1f"), ("exposed_compute", ".2f"),
+            ("fraction", ".2f"), ("staleness_mean", ".2f"), ("test_accuracy", ".4f"))]
         lines.append(
             f"| {r['row']} | {r['examples_per_sec']:,.0f} | {r.get('busiest', '')} "
-            f"| {kb(r)} "
-            f"| {r['step_ms']:.1f} | {f('transfer_ms', '.1f')} | {f('compute_ms', '.1f')} "
-            f"| {f('exposed_compute', '.2f')} | {f('fraction', '.2f')} | {f('staleness_mean', '.2f')} "
-            f"| {f('test_accuracy', '.4f')} |")
+            f"| {cell(per_example and per_example / 1e3, '.2f', '')} | {r['step_ms']:.1f} | "
+            + " | ".join(cells) + " |")
     return (f"Links shaped to {link_rate} each way; {machine_description()}.\n\n"
             + head + "\n".join(lines) + "\n")
 

@@ -29,7 +29,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from tfdist.bench.common import BASELINE, LAUNCH, TRAIN, Run, group_by_config
+from tfdist.bench.common import BASELINE, LAUNCH, Run, TRAIN, cell, group_by_config
 
 MODEL_PARALLEL = "model-parallel"
 TITLE = "model parallel: a chain cut into S stages, M micro-batches per step (pipeline)"
@@ -164,10 +164,6 @@ def check(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _fmt(value, spec: str) -> str:
-    return format(value, spec) if isinstance(value, (int, float)) else "–"
-
-
 def render(rows: list[dict]) -> list[str]:
     """The study's section of scenarios.md (pure); [] when it did not run."""
     rows = [r for r in rows if r["scenario"] == MODEL_PARALLEL]
@@ -204,8 +200,8 @@ def render(rows: list[dict]) -> list[str]:
         moved = row.get("transfers") or {}
         transfers = (f"{moved['between_stages']} / {moved['total']}" if moved else "–")
         lines.append(f"| {label} | {row['examples_per_sec']:,.0f} "
-                     f"| {_fmt(row.get('test_accuracy'), '.4f')} "
-                     f"| {_fmt(row.get('predicted_bubble'), '.2f')} "
+                     f"| {cell(row.get('test_accuracy'), '.4f')} "
+                     f"| {cell(row.get('predicted_bubble'), '.2f')} "
                      f"| {idle} | {transfers} | {shares} | {memory} |")
     return lines + [""]
 

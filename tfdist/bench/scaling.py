@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 
 from tfdist.bench import links
-from tfdist.bench.common import Run, cluster_prefix, group_by_config, parse_only, parse_workers
+from tfdist.bench.common import Run, cell, cluster_prefix, group_by_config, parse_only, parse_workers
 from tfdist.strategies import kinds as strategy_kinds
 
 SCALING = "scaling"
@@ -88,12 +88,8 @@ def summarize(results: dict[str, dict], outcomes: dict[str, dict],
     return rows
 
 
-def _fmt(value, spec: str) -> str:
-    return format(value, spec) if isinstance(value, (int, float)) else "–"
-
-
 def _mb(value) -> str:
-    return _fmt(value / 1e6 if isinstance(value, (int, float)) else None, ".3f")
+    return cell(value / 1e6 if isinstance(value, (int, float)) else None, ".3f")
 
 
 def render(rows: list[dict]) -> list[str]:
@@ -127,7 +123,7 @@ def render(rows: list[dict]) -> list[str]:
         lines.append(
             f"| {label} | {row['workers']} | {row['examples_per_sec']:,.0f} "
             f"| {link['host']} {link['direction']} | {_mb(link['bytes_per_step'])} "
-            f"| {_mb(link.get('model_bytes_per_step'))} | {_fmt(link.get('model_ratio'), '.2f')} "
+            f"| {_mb(link.get('model_bytes_per_step'))} | {cell(link.get('model_ratio'), '.2f')} "
             f"| {link['limit_examples_per_sec']:,.0f} | {link['fraction']:.0%} |")
     return lines + [""]
 

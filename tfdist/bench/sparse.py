@@ -20,7 +20,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from tfdist.bench.common import BASELINE, LAUNCH, TRAIN, Run, group_by_config, hosts_for
+from tfdist.bench.common import BASELINE, LAUNCH, Run, TRAIN, cell, group_by_config, hosts_for
 from tfdist.strategies import kinds as strategy_kinds
 
 SPARSE = "sparse"
@@ -125,10 +125,6 @@ def check(rows: list[dict]) -> list[dict]:
              "ratio": ratio, "text": "; ".join(parts)}]
 
 
-def _fmt(value, spec: str) -> str:
-    return format(value, spec) if isinstance(value, (int, float)) else "–"
-
-
 def render(rows: list[dict]) -> list[str]:
     """The study's section of scenarios.md (pure); [] when it did not run."""
     rows = [r for r in rows if r["scenario"] == SPARSE]
@@ -150,13 +146,13 @@ def render(rows: list[dict]) -> list[str]:
         peaks = row.get("peak_rss_bytes") or {}
         if not peaks and row.get("peak_rss_bytes_chief"):
             peaks = {"one process": row["peak_rss_bytes_chief"]}
-        memory = ", ".join(f"{t} {_fmt(b / 2**20, ',.0f')}" for t, b in peaks.items()) or "–"
+        memory = ", ".join(f"{t} {cell(b / 2**20, ',.0f')}" for t, b in peaks.items()) or "–"
         host = row.get("busiest_host")
         held = row.get("ps_variable_bytes") or {}
         lines.append(
             f"| {row['variant']} | {row['workers']} | {row['ps']} | {row['examples_per_sec']:,.0f} "
-            f"| {_fmt(row.get('ratio'), '.2f')} | {_fmt(row.get('auc'), '.4f')} "
-            f"| {_fmt(row.get('auc_ceiling'), '.4f')} | {memory} "
+            f"| {cell(row.get('ratio'), '.2f')} | {cell(row.get('auc'), '.4f')} "
+            f"| {cell(row.get('auc_ceiling'), '.4f')} | {memory} "
             f"| {f'{host[1] / 1e6:.3f} ({host[0]})' if host else '–'} "
             f"| {', '.join(f'{t} {b / 1e6:.0f}' for t, b in held.items()) or '–'} |")
     return lines + [""]
