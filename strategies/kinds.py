@@ -94,6 +94,9 @@ class StrategyKind:
     # Workers read their next weights from the ps while they compute a step
     # (--read-ahead applies; training.ps.read_ahead).
     reads_ahead = False
+    # The launcher pins each computing task to cores of its own when they fit
+    # (launcher.processes.share_cores): faster for data-parallel workers.
+    pins_busy_tasks = True
 
     # --- the cluster ------------------------------------------------------
 
@@ -426,6 +429,10 @@ class Pipeline(StrategyKind):
     computing_roles = ("worker",)  # the stages compute there; the chief only drives them
     serving_roles = ("worker",)
     pipelined = True
+    # Stages are unequal and take turns (the bubble): unpinned, a stage's
+    # transfers and dispatch run on the core the idle stage leaves; 1.07-1.15x
+    # the examples/s of pinned stages on dense-chain S = 2 (docs/pipeline.md).
+    pins_busy_tasks = False
     # What of Keras's fit contract the GPipe step does not carry over: it is the
     # chief's own step over stages that each have their own optimizer.
     own_train_step_refusal = ("the chief runs its own GPipe step over the model's stages, and a "

@@ -201,6 +201,19 @@ def test_core_shares_split_cores_between_computing_tasks():
                for s in processes.share_cores(ps_kind, ps, 6).values())
 
 
+def test_pipeline_stages_share_cores_unpinned():
+    kind = kinds.get("pipeline")
+    cluster = plans.build_cluster(kind, 2, ports=[1, 2, 3])
+    shares = processes.share_cores(kind, cluster, 2)
+    # Each stage still sizes its pool to its share, but no stage is pinned.
+    assert {n: s.env["TF_NUM_INTRAOP_THREADS"] for n, s in shares.items()} == {
+        "chief:0": "1", "worker:0": "1", "worker:1": "1"}
+    assert all(s.cpus == () for s in shares.values())
+    assert all(s.cpus for n, s in processes.share_cores(
+        kinds.get("multiworker"), plans.build_cluster(kinds.get("multiworker"), 2, ports=[1, 2]),
+        2).items())
+
+
 def test_pinned_task_runs_on_its_own_cores(tmp_path):
     """The CPU set reaches the child process (Linux)."""
     if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:

@@ -205,13 +205,14 @@ def share_cores(kind: StrategyKind, members, cpus: int) -> dict[str, CoreShare]:
     over. Tasks that only serve or dispatch (ps, and the ps chief) get one
     thread and no fixed cores. When the busy tasks fit, each is also pinned
     to cores of its own, as if on a host of its own, which was faster in
-    every run (docs/performance.md).
+    every run (docs/performance.md), unless the kind says its tasks run
+    faster unpinned (``pins_busy_tasks``: pipeline stages).
     """
     busy = [n for n in members if n.partition(":")[0] in kind.computing_roles]
     share = max(1, cpus // max(1, len(busy)))
     envs = {n: {"TF_NUM_INTRAOP_THREADS": str(share if n in busy else 1)} for n in members}
     pinned: dict[str, tuple[int, ...]] = {}
-    if 1 < len(busy) <= cpus:
+    if kind.pins_busy_tasks and 1 < len(busy) <= cpus:
         for i, n in enumerate(busy):
             pinned[n] = tuple(range(i * share, (i + 1) * share))
             # TensorFlow sizes its inter-op pool by the cores a process may
