@@ -41,3 +41,18 @@ def test_bad_options_are_one_line():
         _task(depth=3)
     with pytest.raises(ValueError, match="width='wide' must be a positive integer"):
         _task(width="wide")
+
+
+def _plan(*argv):
+    from tfdist.cli.train import config_from_args, parse_args
+    from tfdist.training.plan import resolve
+
+    return resolve(config_from_args(parse_args(["--task", "dense-chain", *argv])), [],
+                   train_examples=60_000, test_examples=10_000)
+
+
+def test_it_trains_with_its_compiled_optimizer_unless_a_flag_is_given():
+    # The flags' defaults (Adam 5e-3, cosine) left the chain at the class prior.
+    assert not _plan().optimizer.library
+    given = _plan("--learning-rate", "0.002").optimizer
+    assert given.library and given.learning_rate == 0.002
