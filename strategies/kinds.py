@@ -430,7 +430,7 @@ class Pipeline(StrategyKind):
     serving_roles = ("worker",)
     pipelined = True
     # Stages are unequal and take turns (the bubble): unpinned, a stage's
-    # transfers and dispatch run on the core the idle stage leaves; 1.07-1.15x
+    # transfers and dispatch run on the core the idle stage leaves; 1.07-1.17x
     # the examples/s of pinned stages on dense-chain S = 2 (docs/pipeline.md).
     pins_busy_tasks = False
     # What of Keras's fit contract the GPipe step does not carry over: it is the

@@ -209,9 +209,9 @@ def test_pipeline_stages_share_cores_unpinned():
     assert {n: s.env["TF_NUM_INTRAOP_THREADS"] for n, s in shares.items()} == {
         "chief:0": "1", "worker:0": "1", "worker:1": "1"}
     assert all(s.cpus == () for s in shares.values())
-    assert all(s.cpus for n, s in processes.share_cores(
-        kinds.get("multiworker"), plans.build_cluster(kinds.get("multiworker"), 2, ports=[1, 2]),
-        2).items())
+    mw = kinds.get("multiworker")
+    assert all(s.cpus for s in processes.share_cores(
+        mw, plans.build_cluster(mw, 2, ports=[1, 2]), 2).values())
 
 
 def test_pinned_task_runs_on_its_own_cores(tmp_path):
