@@ -31,8 +31,8 @@ def make_optimizer(name: str, learning_rate: float, schedule: str = "constant",
 
 def without_accumulation(optimizer) -> None:
     """Keras's own gradient accumulation off (the library's step accumulates)."""
-    for o in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-        if o is not None and getattr(o, "gradient_accumulation_steps", None):
+    for o in contract.with_inner(optimizer):
+        if getattr(o, "gradient_accumulation_steps", None):
             o.gradient_accumulation_steps = None
 
 

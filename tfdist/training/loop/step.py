@@ -148,7 +148,7 @@ def schedule_in_batches(optimizer, batches: int):
     schedule: only the traced update reads the shifted one."""
     swapped = []
     if batches > 1:
-        for o in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        for o in contract.with_inner(optimizer):
             rate = getattr(o, "_learning_rate", None)
             if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
                 swapped.append((o, rate))
@@ -229,15 +229,16 @@ def make_update(one_batch, optimizer, variables, gradient_dtype: str = "float32"
         else:
             grads, loss, values = accumulate(one_batch, batches)
         grads = to_wire(grads, gradient_dtype)
-        with schedule_in_batches(optimizer, accumulation):
-            apply_as_ready(optimizer, grads, variables)
+        with schedule_in_batches(optimizer, accumulation), updates_as_ready(optimizer):
+            optimizer.apply_gradients(zip(grads, variables))
         return loss, values
 
     return step_fn
 
 
-def apply_as_ready(optimizer, grads, variables) -> None:
-    """``optimizer.apply_gradients``, each variable's update free to start as soon
+@contextlib.contextmanager
+def updates_as_ready(optimizer):
+    """While an update is traced, each variable's update is free to start as soon
     as its own gradient exists.
 
     Keras's TensorFlow optimizer first sums the gradients over the replicas in
@@ -251,16 +252,15 @@ def apply_as_ready(optimizer, grads, variables) -> None:
     point and stays.
     """
     ctx = tf.distribute.get_replica_context()
-    # LossScaleOptimizer: the sum runs in its inner optimizer's update.
-    hooked = [o for o in (optimizer, getattr(optimizer, "inner_optimizer", None))
-              if o is not None and hasattr(o, "_all_reduce_sum_gradients")]
-    if ctx is None or ctx.num_replicas_in_sync != 1 or not hooked:
-        optimizer.apply_gradients(zip(grads, variables))
-        return
+    hooked = []
+    if ctx is not None and ctx.num_replicas_in_sync == 1:
+        # LossScaleOptimizer: the sum runs in its inner optimizer's update.
+        hooked = [o for o in contract.with_inner(optimizer)
+                  if hasattr(o, "_all_reduce_sum_gradients")]
     for o in hooked:
         o._all_reduce_sum_gradients = list  # the pairs as given (an instance attribute)
     try:
-        optimizer.apply_gradients(zip(grads, variables))
+        yield
     finally:
         for o in hooked:
             del o._all_reduce_sum_gradients

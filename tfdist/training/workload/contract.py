@@ -222,9 +222,16 @@ def accumulation_of(checked) -> tuple[int | None, bool]:
     inside the model's step, as Keras does; otherwise the library's step does)."""
     opt = getattr(checked.local_model, "optimizer", None)
     steps = None
-    for o in (opt, getattr(opt, "inner_optimizer", None)):
+    for o in with_inner(opt):
         steps = steps or getattr(o, "gradient_accumulation_steps", None)
     return steps, overrides(checked.local_model, "train_step")
+
+
+def with_inner(optimizer) -> list:
+    """The optimizer and, for a LossScaleOptimizer, the one it wraps (whose update
+    and settings Keras uses): those of the two that exist."""
+    return [o for o in (optimizer, getattr(optimizer, "inner_optimizer", None))
+            if o is not None]
 
 
 def _option(optimizer, option: str):

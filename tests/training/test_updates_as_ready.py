@@ -1,10 +1,12 @@
-"""Each variable's update may start once its own gradient exists (``loop.step.apply_as_ready``).
+"""Each variable's update may start once its own gradient exists (``loop.step.updates_as_ready``).
 
 Keras's optimizer sums gradients over the replicas in sync through an all-reduce whose
 ``tf.custom_gradient`` groups every gradient in one IdentityN; with one replica in sync
 the library leaves that sum out: the update must not wait on the whole backward pass,
 and must be the same update, bit for bit.
 """
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -41,11 +43,8 @@ def _step(model):
 
     from tfdist.training.loop.step import TrainMetrics, make_step_fn
 
-    class State:
-        optimizer = model.optimizer
-
-    State.model = model
-    return tf.function(make_step_fn(State, TrainMetrics(model)))
+    state = SimpleNamespace(model=model, optimizer=model.optimizer)
+    return tf.function(make_step_fn(state, TrainMetrics(model)))
 
 
 def test_no_update_waits_on_every_gradient():
