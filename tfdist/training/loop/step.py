@@ -200,6 +200,19 @@ def make_step_fn(state: TrainState, metrics: TrainMetrics, gradient_dtype: str =
     model, optimizer = state.model, state.optimizer
     if metrics.own_step:
         return _own_step_fn(model, metrics)
+    step_fn = make_update(make_one_batch(state, metrics), optimizer, model.trainable_variables,
+                          gradient_dtype, accumulation)
+    if getattr(model, "jit_compile", False):
+        # As fit compiles its step under jit_compile=True: the replica's
+        # step with XLA, called inside strategy.run.
+        return tf.function(step_fn, jit_compile=True, reduce_retracing=True)
+    return step_fn
+
+
+def make_one_batch(state: TrainState, metrics: TrainMetrics):
+    """``one_batch(features, labels, sample_weight=None) -> (gradients, loss, metric
+    values)``: one replica's forward and backward pass on one batch, unapplied."""
+    model, optimizer = state.model, state.optimizer
 
     def one_batch(features, labels, sample_weight=None):
         with tf.GradientTape() as tape:
@@ -208,13 +221,7 @@ def make_step_fn(state: TrainState, metrics: TrainMetrics, gradient_dtype: str =
         grads = tape.gradient(scaled, model.trainable_variables)
         return grads, loss, metrics.batch_values(labels, y_pred, sample_weight)
 
-    step_fn = make_update(one_batch, optimizer, model.trainable_variables, gradient_dtype,
-                          accumulation)
-    if getattr(model, "jit_compile", False):
-        # As fit compiles its step under jit_compile=True: the replica's
-        # step with XLA, called inside strategy.run.
-        return tf.function(step_fn, jit_compile=True, reduce_retracing=True)
-    return step_fn
+    return one_batch
 
 
 def make_update(one_batch, optimizer, variables, gradient_dtype: str = "float32",
@@ -252,11 +259,17 @@ def updates_as_ready(optimizer):
     point and stays.
     """
     ctx = tf.distribute.get_replica_context()
-    hooked = []
-    if ctx is not None and ctx.num_replicas_in_sync == 1:
-        # LossScaleOptimizer: the sum runs in its inner optimizer's update.
-        hooked = [o for o in contract.with_inner(optimizer)
-                  if hasattr(o, "_all_reduce_sum_gradients")]
+    with summed_already(optimizer, ctx is not None and ctx.num_replicas_in_sync == 1):
+        yield
+
+
+@contextlib.contextmanager
+def summed_already(optimizer, really: bool = True):
+    """While an update is traced, Keras's optimizer applies the gradients it is
+    given as the replicas' sum, without summing them itself (``really``)."""
+    # LossScaleOptimizer: the sum runs in its inner optimizer's update.
+    hooked = [o for o in contract.with_inner(optimizer)
+              if hasattr(o, "_all_reduce_sum_gradients")] if really else []
     for o in hooked:
         o._all_reduce_sum_gradients = list  # the pairs as given (an instance attribute)
     try:

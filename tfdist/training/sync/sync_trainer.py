@@ -7,6 +7,7 @@ SIGTERM to any worker makes every worker save at one agreed call and stop
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 
@@ -16,6 +17,8 @@ from tfdist.protocol import ConfigError
 from tfdist.training.workload import data
 from tfdist.training.loop.evaluation import local_copy, weights_sha256
 from tfdist.training.loop.lifetime import keep_alive_until_exit
+from tfdist.strategies.kinds import DEFAULT_BUCKET_BYTES
+from tfdist.training.sync import carried
 from tfdist.training.sync.preemption import preemption_handler
 from tfdist.training.loop.step import make_step_fn, make_train_fn
 from tfdist.training.loop.peers import PEER_ERRORS
@@ -98,10 +101,7 @@ class SyncTrainer(Trainer):
         self._iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
         # From its creation on, so an error path that drops the trainer is covered too.
         keep_alive_until_exit(self._iterator)
-        self._train_fn = make_train_fn(
-            strategy, make_step_fn(state, train_metrics, self.config.gradient_dtype,
-                                   plan.accumulation_steps), state,
-            len(train_metrics.names), batches_per_step=plan.accumulation_steps)
+        self._train_fn = self._make_train_fn(strategy, plan, state, train_metrics)
         self._out = None
         statistics = [v for v in state.model.non_trainable_variables
                       if tf.as_dtype(v.dtype).is_floating]
@@ -113,6 +113,17 @@ class SyncTrainer(Trainer):
         self._previous_sigterm = signal.getsignal(signal.SIGTERM)
         self._handler = preemption_handler(
             strategy, lambda: self.checkpointer.save(self.completed), lambda: self.completed)
+
+    def _make_train_fn(self, strategy, plan, state, train_metrics):
+        """The call of ``n`` steps: the all-reduce carried over each step's end
+        (``sync.carried``) where the model allows it, else the plain step's."""
+        dtype, n = self.config.gradient_dtype, plan.accumulation_steps
+        split = carried.split_for(state, strategy, train_metrics, dtype,
+                                  self.config.bucket_bytes or DEFAULT_BUCKET_BYTES)
+        if split is not None and os.environ.get("TFDIST_EXP_CARRY", "1") == "1":
+            return carried.make_carried_train_fn(strategy, state, train_metrics, split, dtype, n)
+        return make_train_fn(strategy, make_step_fn(state, train_metrics, dtype, n), state,
+                             len(train_metrics.names), batches_per_step=n)
 
     def train(self, num_steps: int) -> dict[str, float]:
         n = tf.constant(num_steps)

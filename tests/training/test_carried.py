@@ -1,0 +1,115 @@
+"""The all-reduce carried over the step boundary (``training.sync.carried``).
+
+The plan is pure; the carried call must give the plain call's weights, loss and
+metric values step for step (the same sums, the same update, every forward on
+every update before it). Run in a child process: two logical CPUs (a
+MirroredStrategy of two replicas) must be configured before TensorFlow starts.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from tfdist.training.sync.carried import Split, plan_split
+
+
+@pytest.mark.parametrize("elements, bucket, expected", [
+    # A CNN: two small convolutions, a large dense kernel, a small head.
+    ([288, 32, 9216, 64, 100000, 128, 1280, 10], 65536, Split(first=4, early=65536)),
+    # The first layer holds most of the bytes (an MLP): nothing goes first.
+    ([100000, 128, 1280, 10], 65536, None),
+    # The last layers fit in one bucket: nothing is left to carry.
+    ([3000, 10, 5000, 10], 65536, None),
+    ([3000, 10, 5000, 10], 1000, Split(first=2, early=1000)),
+    ([10], 4, None),
+])
+def test_plan_split(elements, bucket, expected):
+    assert plan_split(elements, bucket) == expected
+
+
+SCRIPT = r"""
+import tensorflow as tf
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, numpy as np
+from types import SimpleNamespace
+from tfdist.training.loop.step import TrainMetrics, make_step_fn, make_train_fn
+from tfdist.training.sync import carried
+
+GRADIENT_DTYPE, ACCUMULATION = {dtype!r}, {accumulation}
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+class Unused(keras.layers.Layer):
+    def build(self, shape):
+        self.unused = self.add_weight(shape=(3,), initializer="ones")
+
+    def call(self, h):
+        return h
+
+
+def state():
+    keras.utils.set_random_seed(3)
+    with strategy.scope():
+        x = keras.Input((8, 8, 1))
+        h = keras.layers.Conv2D(4, 3, activation="relu")(x)
+        h = keras.layers.Conv2D(4, 3, activation="relu")(h)
+        h = keras.layers.Flatten()(h)
+        h = keras.layers.Dense(64, activation="relu")(h)
+        h = Unused()(h)
+        model = keras.Model(x, keras.layers.Dense(5, activation="softmax")(h))
+        # AdamW: a zero gradient would still decay a weight; Keras leaves out the
+        # variables no gradient reaches, and so must the carried update.
+        model.compile(optimizer=keras.optimizers.AdamW(1e-2, weight_decay=0.1),
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        model.optimizer.build(model.trainable_variables)
+        step = tf.Variable(0, dtype=tf.int64, trainable=False)
+    return SimpleNamespace(model=model, optimizer=model.optimizer, global_step=step)
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(512, 8, 8, 1)).astype("float32")
+y = rng.integers(0, 5, size=512)
+def batches():
+    return iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(32)))
+
+runs = {{}}
+for name in ("plain", "carried"):
+    s = state()
+    metrics = TrainMetrics(s.model)
+    split = carried.split_for(s, strategy, metrics, GRADIENT_DTYPE, 4096)
+    assert split is not None and split.first == 4, split
+    if name == "plain":
+        fn = make_train_fn(strategy, make_step_fn(s, metrics, GRADIENT_DTYPE, ACCUMULATION), s,
+                           len(metrics.names), batches_per_step=ACCUMULATION)
+    else:
+        fn = carried.make_carried_train_fn(strategy, s, metrics, split, GRADIENT_DTYPE,
+                                           ACCUMULATION)
+    it = batches()
+    outs = [fn(it, tf.constant(n)) for n in (3, 1, 2)]
+    runs[name] = (s, outs)
+
+(a, outs_a), (b, outs_b) = runs["plain"], runs["carried"]
+assert int(b.global_step.numpy()) == 6 == int(a.global_step.numpy())
+for oa, ob in zip(outs_a, outs_b):
+    np.testing.assert_allclose(oa["loss"].numpy(), ob["loss"].numpy(), rtol=1e-6)
+    np.testing.assert_allclose(oa["metrics"].numpy(), ob["metrics"].numpy(), rtol=1e-6)
+    assert not ob["staleness"].numpy().any(), ob["staleness"]
+moved = 0
+for va, vb in zip(a.model.weights, b.model.weights):
+    np.testing.assert_allclose(va.numpy(), vb.numpy(), rtol=1e-6, atol=1e-7, err_msg=va.path)
+first = state()
+for v0, vb in zip(first.model.trainable_variables, b.model.trainable_variables):
+    moved += not np.allclose(v0.numpy(), vb.numpy())
+assert moved == len(b.model.trainable_variables) - 1, moved  # all but Unused's
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("dtype, accumulation", [("float32", 1), ("bfloat16", 1), ("float32", 2)])
+def test_carried_call_gives_the_plain_calls_weights(dtype, accumulation):
+    script = SCRIPT.format(dtype=dtype, accumulation=accumulation)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
