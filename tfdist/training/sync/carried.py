@@ -119,7 +119,9 @@ def make_carried_train_fn(strategy, state: TrainState, metrics: TrainMetrics, sp
 
     def apply(early, rest, first):
         ctx = tf.distribute.get_replica_context()
-        flat = tf.concat([early, ctx.all_reduce(total, rest)], 0)
+        # A loop-carried tensor has no device, and an all-reduce needs one: the
+        # identity takes the replica's.
+        flat = tf.concat([early, ctx.all_reduce(total, tf.identity(rest))], 0)
         pieces = tf.split(flat, [shapes[i].num_elements() for i in late])
         grads = list(first) + [None] * len(late)
         for i, piece in zip(late, pieces):
