@@ -225,12 +225,14 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
         raise ConfigError(f"unknown --all-reduce {config.all_reduce!r}; allowed: "
                           f"{', '.join(ALL_REDUCE)}")
     k = _gradients_per_update(config, kind, cluster)
-    if config.all_reduce_bucket is not None and not kind.buckets_all_reduce:
-        able = "|".join(name for name, other in kinds.all_kinds().items()
-                        if other.buckets_all_reduce)
-        raise ConfigError(
-            f"--all-reduce-bucket applies to --strategy {able} only (gradients all-reduced "
-            f"between processes), received --strategy {kind.name}; drop the flag")
+    for flag, value in (("--all-reduce-bucket", config.all_reduce_bucket),
+                        ("--carry-all-reduce", config.carry_all_reduce)):
+        if value is not None and not kind.buckets_all_reduce:
+            able = "|".join(name for name, other in kinds.all_kinds().items()
+                            if other.buckets_all_reduce)
+            raise ConfigError(
+                f"{flag} applies to --strategy {able} only (gradients all-reduced "
+                f"between processes), received --strategy {kind.name}; drop the flag")
     devices = plan_devices(kind.gpu_roles(), cluster, gpus)
     replicas = kind.replicas(cluster, len(devices["visible_gpus"]))
     if kind.pipelined:

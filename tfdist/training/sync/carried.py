@@ -71,19 +71,29 @@ def plan_split(elements: Sequence[int], bucket_elements: int) -> Split | None:
 
 
 def split_for(state: TrainState, strategy, metrics: TrainMetrics, gradient_dtype: str,
-              bucket_bytes: int) -> Split | None:
-    """The split for this model and optimizer, or None where the plain step trains."""
+              bucket_bytes: int) -> Split | str:
+    """The split for this model and optimizer, or why the plain step trains it."""
     model, optimizer = state.model, state.optimizer
     variables = model.trainable_variables
-    if (strategy.num_replicas_in_sync < 2 or metrics.own_step or not variables
-            or getattr(model, "jit_compile", False)
-            or len(contract.with_inner(optimizer)) > 1  # a LossScaleOptimizer's checked update
-            or len({v.dtype for v in variables}) > 1
-            or any(isinstance(layer, keras.layers.Embedding)  # row-sparse gradients
-                   for layer in model._flatten_layers(include_self=False))):  # pylint: disable=protected-access
-        return None
+    layers = model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+    why = (
+        "one replica in sync has nothing to all-reduce" if strategy.num_replicas_in_sync < 2
+        else "the model's own train_step makes its update itself" if metrics.own_step
+        else "the model has no trainable variables" if not variables
+        else "a step compiled with XLA (jit_compile) cannot be cut" if getattr(
+            model, "jit_compile", False)
+        else "a LossScaleOptimizer checks every gradient before any update"
+        if len(contract.with_inner(optimizer)) > 1
+        else "its variables have more than one dtype" if len({v.dtype for v in variables}) > 1
+        else "an Embedding's gradients are row-sparse"
+        if any(isinstance(layer, keras.layers.Embedding) for layer in layers)
+        else "")
+    if why:
+        return why
     size = tf.as_dtype(gradient_dtype if gradient_dtype != "float32" else variables[0].dtype).size
-    return plan_split([int(v.shape.num_elements()) for v in variables], bucket_bytes // size)
+    split = plan_split([int(v.shape.num_elements()) for v in variables], bucket_bytes // size)
+    return split or ("its first layers hold more than half the gradient bytes, or its last "
+                     "layers fit in one bucket (--all-reduce-bucket)")
 
 
 def make_carried_train_fn(strategy, state: TrainState, metrics: TrainMetrics, split: Split,
@@ -135,9 +145,11 @@ def make_carried_train_fn(strategy, state: TrainState, metrics: TrainMetrics, sp
         return tuple(next(iterator) for _ in range(accumulation))
 
     def start(iterator):
+        # Not a control input of the step, as in the plain call: the count is
+        # written after every update, and the first layers must not wait for the
+        # last layers' update to compute.
         read_at = global_step.read_value()
-        with tf.control_dependencies([read_at]):
-            return (read_at,) + tuple(strategy.run(compute, args=next_args(iterator)))
+        return (read_at,) + tuple(strategy.run(compute, args=next_args(iterator)))
 
     def finish(pending, i, sums):
         read_at, early, rest, first, loss, values = pending

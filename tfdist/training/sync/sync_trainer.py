@@ -7,7 +7,6 @@ SIGTERM to any worker makes every worker save at one agreed call and stop
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 
@@ -114,14 +113,23 @@ class SyncTrainer(Trainer):
         self._handler = preemption_handler(
             strategy, lambda: self.checkpointer.save(self.completed), lambda: self.completed)
 
+    all_reduce_carried = False  # each step's all-reduce carried over its end (sync.carried)
+
     def _make_train_fn(self, strategy, plan, state, train_metrics):
         """The call of ``n`` steps: the all-reduce carried over each step's end
         (``sync.carried``) where the model allows it, else the plain step's."""
-        dtype, n = self.config.gradient_dtype, plan.accumulation_steps
-        split = carried.split_for(state, strategy, train_metrics, dtype,
-                                  self.config.bucket_bytes or DEFAULT_BUCKET_BYTES)
-        if split is not None and os.environ.get("TFDIST_EXP_CARRY", "1") == "1":
-            return carried.make_carried_train_fn(strategy, state, train_metrics, split, dtype, n)
+        dtype, n, asked = self.config.gradient_dtype, plan.accumulation_steps, \
+            self.config.carry_all_reduce
+        if self.bundle.kind.buckets_all_reduce and asked != "off":
+            split = carried.split_for(state, strategy, train_metrics, dtype,
+                                      self.config.bucket_bytes or DEFAULT_BUCKET_BYTES)
+            if isinstance(split, carried.Split):
+                self.all_reduce_carried = True
+                return carried.make_carried_train_fn(strategy, state, train_metrics, split,
+                                                     dtype, n)
+            if asked == "on":
+                raise ConfigError(f"--carry-all-reduce on cannot be honoured: {split}; "
+                                  "drop the flag")
         return make_train_fn(strategy, make_step_fn(state, train_metrics, dtype, n), state,
                              len(train_metrics.names), batches_per_step=n)
 
@@ -156,6 +164,7 @@ class SyncTrainer(Trainer):
     def result_fields(self, ran: int) -> dict:
         return {
             "global_steps": int(self.state.global_step.numpy()),
+            "all_reduce_carried": self.all_reduce_carried,
             "steps_per_worker": {name: ran for name in self.bundle.kind.training_members(self.cluster)},
         }
 
