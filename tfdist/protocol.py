@@ -273,6 +273,9 @@ class Results:
     weights_sha256: str
     tf_version: str
     keras_version: str
+    # multiworker: each step's all-reduce partly carried under the next
+    # step's first layers (--carry-all-reduce; training.sync.carried).
+    all_reduce_carried: bool | None = None
     # Asynchronous parameter servers.
     scheduled_steps: int | None = None
     applied_steps: int | None = None
