@@ -11,8 +11,19 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, refused_line
 from tfdist.training.sync.carried import Split, plan_split
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--carry-all-reduce", "maybe"], "--carry-all-reduce"),
+    (["--carry-all-reduce", "on", "--strategy", "none"],
+     "--carry-all-reduce applies to --strategy multiworker only"),
+    (["--carry-all-reduce", "off", "--strategy", "mirrored"],
+     "--carry-all-reduce applies to --strategy multiworker only"),
+])
+def test_a_bad_carry_flag_is_one_line_and_exit_2(tmp_path, capsys, argv, says):
+    assert says in refused_line(argv, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("elements, bucket, expected", [
@@ -83,11 +94,18 @@ for name in ("plain", "carried"):
     if name == "plain":
         fn = make_train_fn(strategy, make_step_fn(s, metrics, GRADIENT_DTYPE, ACCUMULATION), s,
                            len(metrics.names), batches_per_step=ACCUMULATION)
+        flush = lambda: None
     else:
-        fn = carried.make_carried_train_fn(strategy, s, metrics, split, GRADIENT_DTYPE,
-                                           ACCUMULATION)
+        calls = carried.CarriedCalls(strategy, s, metrics, split, GRADIENT_DTYPE, ACCUMULATION)
+        fn, flush = calls.train_fn, calls.flush
     it = batches()
-    outs = [fn(it, tf.constant(n)) for n in (3, 1, 2)]
+    outs = []
+    # Calls resumed with a pending step, and started afresh after a flush.
+    for n in (3, 1, None, 2, None):
+        if n is None:
+            flush()
+        else:
+            outs.append(fn(it, tf.constant(n)))
     runs[name] = (s, outs)
 
 (a, outs_a), (b, outs_b) = runs["plain"], runs["carried"]
@@ -113,3 +131,38 @@ def test_carried_call_gives_the_plain_calls_weights(dtype, accumulation):
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
+
+
+def _train(spawn, model_dir, *args, code=0):
+    from conftest import launch_cmd
+
+    p = spawn(launch_cmd("multiworker", "--workers", "2", train_args=[
+        "--task", "mnist-cnn", "--steps", "12", "--global-batch-size", "64",
+        "--eval-every", "0", "--log-every", "12", "--model-dir", str(model_dir), *args]))
+    assert p.wait(timeout=300) == code, p.output[-3000:]
+    return p
+
+
+@pytest.mark.multiprocess
+def test_two_workers_carried_or_not_end_with_the_same_weights(tmp_path, spawn):
+    """Two workers: each element's sum is a + b however the gradients are cut, so the
+    carried step and the plain one give the same weights, bit for bit, on every worker."""
+    import re
+
+    from conftest import read_results
+
+    hashes = {}
+    for carry in ("on", "off"):
+        p = _train(spawn, tmp_path / carry, "--carry-all-reduce", carry)
+        found = set(re.findall(r"weights_sha256=([0-9a-f]{64})", p.output))
+        assert len(found) == 1, p.output[-3000:]  # both workers agree
+        results = read_results(tmp_path / carry)
+        assert results["all_reduce_carried"] is (carry == "on")
+        hashes[carry] = results["weights_sha256"]
+    assert hashes["on"] == hashes["off"]
+    # A model whose first layer holds most of the bytes (one Dense) cannot be cut: asked
+    # for, that is one line and exit 2 on every worker, before any step.
+    p = _train(spawn, tmp_path / "logreg", "--task", "mnist-logreg", "--carry-all-reduce", "on",
+               code=2)
+    assert "--carry-all-reduce on cannot be honoured: its first layers hold" in p.output
+    assert not (tmp_path / "logreg" / "results.json").exists()

@@ -148,10 +148,24 @@ class Controller:
                 break
             before = step
             step = self._call(step)
-            if schedule.drain_due(before, step) or trainer.stop_requested():
+            if self._drain_due(before, step):
                 self.metrics = trainer.drain()
             self._after_call(before, step)
         self.metrics = trainer.drain()
+
+    def _drain_due(self, before: int, after: int) -> bool:
+        """Drain after this call? Before checkpoints, evaluations and the end; and
+        where a call may leave an update pending, before anything else that reads
+        the weights too (callbacks at progress lines, periodic exports). Decided
+        from the schedule and the flags alone, the same on every worker: a drain
+        may be a collective."""
+        schedule, trainer = self.schedule, self.trainer
+        if schedule.drain_due(before, after) or trainer.stop_requested():
+            return True
+        every = self.config.export_every if self.config.export else 0
+        return trainer.leaves_update_pending and (
+            schedule.log_due(before, after)
+            or (bool(every) and after // every > before // every))
 
     def _call(self, step: int) -> int:
         n = self.schedule.call_size(step)

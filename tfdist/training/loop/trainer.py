@@ -62,6 +62,13 @@ class Trainer(abc.ABC):
     def on_started(self) -> None:
         """The first call returned: every peer is connected."""
 
+    @property
+    def leaves_update_pending(self) -> bool:
+        """Whether a call may return with its last update still to apply: the
+        controller then drains before anything reads the weights, not only
+        before checkpoints and evaluations (``drain()`` applies it)."""
+        return False
+
     def paused(self):
         """A context around the chief's own work (an evaluation): time spent
         in it does not count towards ``--stuck-timeout``."""

@@ -96,86 +96,157 @@ def split_for(state: TrainState, strategy, metrics: TrainMetrics, gradient_dtype
                      "layers fit in one bucket (--all-reduce-bucket)")
 
 
-def make_carried_train_fn(strategy, state: TrainState, metrics: TrainMetrics, split: Split,
-                          gradient_dtype: str = "float32", accumulation: int = 1):
-    """``train_fn(iterator, num_steps)`` as ``loop.step.make_train_fn``'s (the same
-    outputs, staleness 0 by measurement), with each step's all-reduce cut by ``split``."""
-    model, optimizer, global_step = state.model, state.optimizer, state.global_step
-    variables = model.trainable_variables
-    shapes = [v.shape for v in variables]
-    late = list(range(len(variables) - 1, split.first - 1, -1))  # backward order
-    one_batch = make_one_batch(state, metrics)
-    replicas = local_replicas(strategy)
-    local_fraction = replicas / strategy.num_replicas_in_sync
-    total = tf.distribute.ReduceOp.SUM
+class CarriedCalls:
+    """The calls of ``n`` steps with each step's all-reduce cut by ``split``.
 
-    # Variables the loss does not reach (known once traced): zeros cross the
-    # network in their place, and the update leaves them out, as Keras's does.
-    absent: set[int] = set()
+    ``train_fn(iterator, num_steps)`` returns what ``loop.step.make_train_fn``'s
+    does. A call leaves its last step's update pending (kept on each replica), so
+    the next call starts with it, its all-reduce under that call's first layers,
+    as between the steps of one call; ``flush()`` applies it. The controller
+    drains (``flush``) before anything reads the weights, on every worker at the
+    same steps: the flush is a collective.
+    """
 
-    def compute(*batches):
-        if accumulation == 1:
-            grads, loss, values = one_batch(*batches)
+    def __init__(self, strategy, state: TrainState, metrics: TrainMetrics, split: Split,
+                 gradient_dtype: str = "float32", accumulation: int = 1):
+        self.strategy, self.state, self.split = strategy, state, split
+        self.metrics, self.accumulation = metrics, accumulation
+        variables = state.model.trainable_variables
+        self.shapes = [v.shape for v in variables]
+        self.late = list(range(len(variables) - 1, split.first - 1, -1))  # backward order
+        self.one_batch = make_one_batch(state, metrics)
+        self.gradient_dtype = gradient_dtype
+        wire = tf.as_dtype(gradient_dtype) if gradient_dtype != "float32" else variables[0].dtype
+        done = split.early + sum(self.shapes[i].num_elements() for i in range(split.first))
+        rest = sum(self.shapes[i].num_elements() for i in self.late) - split.early
+        # Each replica's own copy (read and written in replica context only),
+        # outside the model: never checkpointed, never all-reduced.
+        with strategy.scope():
+            self.kept = [tf.Variable(tf.zeros([n], wire), trainable=False,
+                                     synchronization=tf.VariableSynchronization.ON_READ,
+                                     aggregation=tf.VariableAggregation.NONE)
+                         for n in (done, rest)]
+        # Variables the loss does not reach (known once traced): zeros cross the
+        # network in their place, and the update leaves them out, as Keras's does.
+        self.absent: set[int] = set()
+        self.pending = False
+        self._calls = {resume: self._make_call(resume) for resume in (False, True)}
+        self._flush = tf.function(self._flush_pending)
+
+    def train_fn(self, iterator, num_steps):
+        out = self._calls[self.pending](iterator, num_steps)
+        self.pending = True
+        return out
+
+    def flush(self) -> None:
+        """Apply the pending update, if any."""
+        if self.pending:
+            self._flush()
+            self.pending = False
+
+    # --- one replica's halves of a step ---------------------------------------------
+
+    def _compute(self, *batches):
+        """Forward, backward, and the all-reduce of parts 1 and 2; part 3 returned as is."""
+        if self.accumulation == 1:
+            grads, loss, values = self.one_batch(*batches)
         else:
-            grads, loss, values = accumulate(one_batch, batches)
-        absent.update(i for i, g in enumerate(grads) if g is None)
+            grads, loss, values = accumulate(self.one_batch, batches)
+        variables = self.state.model.trainable_variables
+        self.absent.update(i for i, g in enumerate(grads) if g is None)
         grads = to_wire([g if g is not None else tf.zeros(s, v.dtype)
-                         for g, s, v in zip(grads, shapes, variables)], gradient_dtype)
-        ctx = tf.distribute.get_replica_context()
-        flat = tf.concat([tf.reshape(grads[i], [-1]) for i in late], 0)
-        early = ctx.all_reduce(total, flat[:split.early])
-        first = ctx.all_reduce(total, grads[:split.first])
-        return early, flat[split.early:], first, loss, values
+                         for g, s, v in zip(grads, self.shapes, variables)], self.gradient_dtype)
+        ctx, total = tf.distribute.get_replica_context(), tf.distribute.ReduceOp.SUM
+        flat = tf.concat([tf.reshape(grads[i], [-1]) for i in self.late], 0)
+        early = ctx.all_reduce(total, flat[:self.split.early])
+        first = ctx.all_reduce(total, grads[:self.split.first])
+        done = tf.concat([early] + [tf.reshape(g, [-1]) for g in first], 0)
+        return done, flat[self.split.early:], loss, values
 
-    def apply(early, rest, first):
-        ctx = tf.distribute.get_replica_context()
+    def _apply(self, done, rest):
+        """Part 3's all-reduce, then the step's whole update."""
+        ctx, total = tf.distribute.get_replica_context(), tf.distribute.ReduceOp.SUM
         # A loop-carried tensor has no device, and an all-reduce needs one: the
         # identity takes the replica's.
-        flat = tf.concat([early, ctx.all_reduce(total, tf.identity(rest))], 0)
-        pieces = tf.split(flat, [shapes[i].num_elements() for i in late])
-        grads = list(first) + [None] * len(late)
-        for i, piece in zip(late, pieces):
-            grads[i] = tf.reshape(piece, shapes[i])
-        grads = [None if i in absent else g for i, g in enumerate(grads)]
-        optimizer.apply_gradients(zip(grads, variables))
+        rest = ctx.all_reduce(total, tf.identity(rest))
+        first_sizes = [self.shapes[i].num_elements() for i in range(self.split.first)]
+        early, *first = tf.split(done, [self.split.early] + first_sizes)
+        late = tf.split(tf.concat([early, rest], 0),
+                        [self.shapes[i].num_elements() for i in self.late])
+        grads = [tf.reshape(g, self.shapes[i]) for i, g in enumerate(first)]
+        grads += [None] * len(self.late)
+        for i, piece in zip(self.late, late):
+            grads[i] = tf.reshape(piece, self.shapes[i])
+        grads = [None if i in self.absent else g for i, g in enumerate(grads)]
+        self.state.optimizer.apply_gradients(zip(grads, self.state.model.trainable_variables))
 
-    def next_args(iterator):
-        if accumulation == 1:
-            return next(iterator)
-        return tuple(next(iterator) for _ in range(accumulation))
+    def _keep(self, done, rest):
+        for var, value in zip(self.kept, (done, rest)):
+            var.assign(value)
 
-    def start(iterator):
+    def _read_kept(self):
+        return [tf.identity(var.read_value()) for var in self.kept]
+
+    # --- the traced calls -----------------------------------------------------------
+
+    def _kept(self):
+        """The pending step, as ``_start`` returns one (its loss already counted)."""
+        done, rest = self.strategy.run(self._read_kept)
+        return self.state.global_step.read_value(), done, rest
+
+    def _sums(self, size):
+        return (tf.constant(0.0), tf.zeros([len(self.metrics.names)], tf.float32),
+                tf.TensorArray(tf.int64, size=size, element_shape=[]))
+
+    def _start(self, iterator, sums):
+        """Step i: its forward and backward pass, parts 1 and 2 sent; part 3 pending."""
+        args = (next(iterator) if self.accumulation == 1
+                else tuple(next(iterator) for _ in range(self.accumulation)))
         # Not a control input of the step, as in the plain call: the count is
         # written after every update, and the first layers must not wait for the
         # last layers' update to compute.
-        read_at = global_step.read_value()
-        return (read_at,) + tuple(strategy.run(compute, args=next_args(iterator)))
+        read_at = self.state.global_step.read_value()
+        done, rest, loss, values = self.strategy.run(self._compute, args=args)
+        replicas = local_replicas(self.strategy)
+        loss_sum, metric_sum, staleness = sums
+        loss_sum += (tf.cast(local_sum(self.strategy, loss), tf.float32)
+                     * self.strategy.num_replicas_in_sync / replicas)
+        metric_sum += local_sum(self.strategy, values) / replicas
+        return (read_at, done, rest), (loss_sum, metric_sum, staleness)
 
-    def finish(pending, i, sums):
-        read_at, early, rest, first, loss, values = pending
+    def _finish(self, pending, i, sums):
+        """A pending step's part 3 and update; its staleness written at ``i``."""
+        read_at, done, rest = pending
+        optimizer, variables = self.state.optimizer, self.state.model.trainable_variables
         # Set around the replicas' calls, not in them: a MirroredStrategy runs
         # each replica's in a thread of its own.
-        with schedule_in_batches(optimizer, accumulation), summed_already(optimizer):
-            strategy.run(apply, args=(early, rest, first))
+        with schedule_in_batches(optimizer, self.accumulation), summed_already(optimizer):
+            self.strategy.run(self._apply, args=(done, rest))
         with tf.control_dependencies(after_updates(variables)):
-            applied_at = global_step.assign_add(1)
+            applied_at = self.state.global_step.assign_add(1)
         loss_sum, metric_sum, staleness = sums
-        return (loss_sum + tf.cast(local_sum(strategy, loss), tf.float32) / local_fraction,
-                metric_sum + local_sum(strategy, values) / replicas,
-                staleness.write(i, applied_at - 1 - read_at))
+        return loss_sum, metric_sum, staleness.write(i, applied_at - 1 - read_at)
 
-    @tf.function
-    def train_fn(iterator, num_steps):
-        sums = (tf.constant(0.0), tf.zeros([len(metrics.names)], tf.float32),
-                tf.TensorArray(tf.int64, size=num_steps))
-        pending = start(iterator)
-        for i in tf.range(num_steps - 1):
-            # The update of step i is created before step i + 1: its all-reduce
-            # goes first on the link, and its writes come before the reads of
-            # the same variables (each variable's own program order).
-            sums = finish(pending, tf.cast(i, tf.int32), sums)
-            pending = start(iterator)
-        loss_sum, metric_sum, staleness = finish(pending, num_steps - 1, sums)
-        return call_outputs(num_steps, loss_sum, metric_sum, staleness)
+    def _flush_pending(self):
+        self._finish(self._kept(), 0, self._sums(1))
 
-    return train_fn
+    def _make_call(self, resume: bool):
+        @tf.function
+        def call(iterator, num_steps):
+            # Staleness of the steps this call applies: the pending one first
+            # (``resume``), then all of its own but the last, which it leaves pending.
+            sums = self._sums(num_steps - 1 + int(resume))
+            if resume:
+                sums = self._finish(self._kept(), 0, sums)
+            pending, sums = self._start(iterator, sums)
+            for i in tf.range(num_steps - 1):
+                # The update of step i is created before step i + 1: its all-reduce
+                # goes first on the link, and its writes come before the reads of
+                # the same variables (each variable's own program order).
+                sums = self._finish(pending, tf.cast(i, tf.int32) + int(resume), sums)
+                pending, sums = self._start(iterator, sums)
+            self.strategy.run(self._keep, args=pending[1:])
+            loss_sum, metric_sum, staleness = sums
+            return call_outputs(num_steps, loss_sum, metric_sum, staleness)
+
+        return call

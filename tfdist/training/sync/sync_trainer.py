@@ -111,9 +111,13 @@ class SyncTrainer(Trainer):
         # own notifier swallows it and the preemption would go unnoticed.
         self._previous_sigterm = signal.getsignal(signal.SIGTERM)
         self._handler = preemption_handler(
-            strategy, lambda: self.checkpointer.save(self.completed), lambda: self.completed)
+            strategy, self._save_preempted, lambda: self.completed)
 
-    all_reduce_carried = False  # each step's all-reduce carried over its end (sync.carried)
+    _carried = None  # sync.carried's calls, where each step's all-reduce is carried over
+
+    @property
+    def leaves_update_pending(self) -> bool:
+        return self._carried is not None
 
     def _make_train_fn(self, strategy, plan, state, train_metrics):
         """The call of ``n`` steps: the all-reduce carried over each step's end
@@ -124,14 +128,20 @@ class SyncTrainer(Trainer):
             split = carried.split_for(state, strategy, train_metrics, dtype,
                                       self.config.bucket_bytes or DEFAULT_BUCKET_BYTES)
             if isinstance(split, carried.Split):
-                self.all_reduce_carried = True
-                return carried.make_carried_train_fn(strategy, state, train_metrics, split,
+                self._carried = carried.CarriedCalls(strategy, state, train_metrics, split,
                                                      dtype, n)
+                return self._carried.train_fn
             if asked == "on":
                 raise ConfigError(f"--carry-all-reduce on cannot be honoured: {split}; "
                                   "drop the flag")
         return make_train_fn(strategy, make_step_fn(state, train_metrics, dtype, n), state,
                              len(train_metrics.names), batches_per_step=n)
+
+    def _save_preempted(self) -> None:
+        """The preemption handler's save, at the call every worker agreed on."""
+        if self._carried is not None:
+            self._carried.flush()
+        self.checkpointer.save(self.completed)
 
     def train(self, num_steps: int) -> dict[str, float]:
         n = tf.constant(num_steps)
@@ -146,6 +156,8 @@ class SyncTrainer(Trainer):
 
     def drain(self) -> dict[str, float]:
         """Each call returns with its steps applied; the replicas' statistics are averaged."""
+        if self._carried is not None:
+            self._carried.flush()
         if self._sync_statistics is not None:
             self._sync_statistics()
         return self._metrics()
@@ -164,7 +176,7 @@ class SyncTrainer(Trainer):
     def result_fields(self, ran: int) -> dict:
         return {
             "global_steps": int(self.state.global_step.numpy()),
-            "all_reduce_carried": self.all_reduce_carried,
+            "all_reduce_carried": self._carried is not None,
             "steps_per_worker": {name: ran for name in self.bundle.kind.training_members(self.cluster)},
         }
 
