@@ -138,6 +138,13 @@ class CarriedCalls:
         self.pending = True
         return out
 
+    def trace(self, iterator) -> None:
+        """Trace both calls now, before the first step: the one that resumes a
+        pending step would otherwise be traced at the third call, seconds inside
+        the timed steady state."""
+        for call in (self._calls[False], self._calls[True]):  # the plain one first: it
+            call.get_concrete_function(iterator, tf.TensorSpec([], tf.int32))  # finds absent
+
     def flush(self) -> None:
         """Apply the pending update, if any."""
         if self.pending:

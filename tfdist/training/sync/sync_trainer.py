@@ -101,6 +101,8 @@ class SyncTrainer(Trainer):
         # From its creation on, so an error path that drops the trainer is covered too.
         keep_alive_until_exit(self._iterator)
         self._train_fn = self._make_train_fn(strategy, plan, state, train_metrics)
+        if self._carried is not None:
+            self._carried.trace(self._iterator)
         self._out = None
         statistics = [v for v in state.model.non_trainable_variables
                       if tf.as_dtype(v.dtype).is_floating]
