@@ -140,10 +140,14 @@ class CarriedCalls:
 
     def trace(self, iterator) -> None:
         """Trace both calls now, before the first step: the one that resumes a
-        pending step would otherwise be traced at the third call, seconds inside
+        pending step would otherwise be traced at the third call, seconds into
         the timed steady state."""
         for call in (self._calls[False], self._calls[True]):  # the plain one first: it
             call.get_concrete_function(iterator, tf.TensorSpec([], tf.int32))  # finds absent
+        # And run once: a function's first run instantiates it (a fraction of a
+        # second). With no steps the resuming call keeps what is kept and
+        # applies nothing.
+        self._calls[True](iterator, tf.constant(0))
 
     def flush(self) -> None:
         """Apply the pending update, if any."""
@@ -242,15 +246,18 @@ class CarriedCalls:
         def call(iterator, num_steps):
             # Staleness of the steps this call applies: the pending one first
             # (``resume``), then all of its own but the last, which it leaves pending.
-            sums = self._sums(num_steps - 1 + int(resume))
             if resume:
-                sums = self._finish(self._kept(), 0, sums)
-            pending, sums = self._start(iterator, sums)
-            for i in tf.range(num_steps - 1):
+                sums = self._sums(num_steps)
+                pending, first = self._kept(), 0
+            else:
+                sums = self._sums(num_steps - 1)
+                pending, sums = self._start(iterator, sums)
+                first = 1
+            for i in tf.range(num_steps - first):
                 # The update of step i is created before step i + 1: its all-reduce
                 # goes first on the link, and its writes come before the reads of
                 # the same variables (each variable's own program order).
-                sums = self._finish(pending, tf.cast(i, tf.int32) + int(resume), sums)
+                sums = self._finish(pending, i, sums)
                 pending, sums = self._start(iterator, sums)
             self.strategy.run(self._keep, args=pending[1:])
             loss_sum, metric_sum, staleness = sums
