@@ -62,3 +62,10 @@ def test_an_unknown_row_is_one_line_and_exit_2(capsys):
     assert lt.main(["--rows", "ps-w3-f32-acc1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'ps-w3-f32-acc1' is not a row" in err[0]
+
+
+def test_the_carried_row_asks_for_it():
+    row = lt.Row("multiworker", 2, carry=True)
+    assert row.key == "multiworker-carry-w2-f32-acc1"
+    assert row.flags()[-2:] == ["--carry-all-reduce", "on"]
+    assert row in lt.all_rows() and "--carry-all-reduce" not in lt.Row("multiworker", 2).flags()

@@ -16,7 +16,8 @@ where the cores are the bound). From the two runs' records:
   (a synchronous all-reduce cannot hide the forward pass: hiding the whole
   backward pass leaves about 0.35 of the step).
 
-Rows: ``multiworker`` and ``ps`` (and ``ps`` with ``--read-ahead on``),
+Rows: ``multiworker`` and ``ps`` (``ps`` also with ``--read-ahead on``, ``multiworker``
+with ``--carry-all-reduce on``),
 float32 and bfloat16 gradients, gradient accumulation x1 and x4, 2 and 4
 workers (``--rows`` picks some). A step of accumulation x4 is 4 global
 batches: its examples/s and its link limit count them.
@@ -46,10 +47,12 @@ class Row:
     dtype: str = "float32"
     accumulation: int = 1
     read_ahead: bool = False
+    carry: bool = False  # multiworker: --carry-all-reduce on
 
     @property
     def key(self) -> str:
-        return (f"{self.kind}{'-ahead' if self.read_ahead else ''}-w{self.workers}-"
+        return (f"{self.kind}{'-ahead' if self.read_ahead else ''}"
+                f"{'-carry' if self.carry else ''}-w{self.workers}-"
                 f"{'bf16' if self.dtype == 'bfloat16' else 'f32'}-acc{self.accumulation}")
 
     def flags(self) -> list[str]:
@@ -58,6 +61,8 @@ class Row:
             out += ["--gradient-accumulation-steps", str(self.accumulation)]
         if self.read_ahead:
             out += ["--read-ahead", "on"]
+        if self.carry:
+            out += ["--carry-all-reduce", "on"]
         return out
 
 
@@ -68,7 +73,8 @@ def all_rows() -> list[Row]:
             for dtype in ("float32", "bfloat16"):
                 for accumulation in (1, 4):
                     rows.append(Row(kind, workers, dtype, accumulation))
-    rows += [Row("ps", 2, "float32", 1, True), Row("ps", 2, "bfloat16", 1, True)]
+    rows += [Row("ps", 2, "float32", 1, True), Row("ps", 2, "bfloat16", 1, True),
+             Row("multiworker", 2, "float32", 1, carry=True)]
     return rows
 
 
@@ -98,7 +104,7 @@ def figures(row: Row, shaped: dict, outcome: dict | None, unshaped: dict | None)
     examples = shaped["global_batch_size"] * (shaped.get("gradient_accumulation_steps") or 1)
     step = examples / shaped["examples_per_sec"]
     out = {"row": row.key, "kind": row.kind, "workers": row.workers, "dtype": row.dtype,
-           "accumulation": row.accumulation, "read_ahead": row.read_ahead,
+           "accumulation": row.accumulation, "read_ahead": row.read_ahead, "carry": row.carry,
            "examples_per_sec": shaped["examples_per_sec"], "step_ms": step * 1e3,
            "test_accuracy": shaped.get("test_accuracy"),
            "staleness_mean": (shaped.get("staleness") or {}).get("mean")}

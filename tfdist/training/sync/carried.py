@@ -26,8 +26,13 @@ The first layers: the longest run of variables, in the model's order, with at
 most half the gradient bytes (for a CNN its convolutions, which hold few
 bytes and most of the compute). A model where that run is empty or everything,
 or whose update cannot be split this way (a loss-scale optimizer, row-sparse
-gradients, a step compiled with XLA, the model's own ``train_step``) trains
-with the plain step.
+gradients, a step compiled with XLA, the model's own ``train_step``) is refused
+in one line (``split_for`` says why).
+
+Off unless asked (``--carry-all-reduce on``): on a slow link it hides the first
+layers' forward pass, but where the link is fast the overlap only makes compute
+and the collectives share the worker's cores, and the step is slower
+(docs/performance.md has both).
 """
 
 from __future__ import annotations

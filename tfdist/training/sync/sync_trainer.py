@@ -122,20 +122,19 @@ class SyncTrainer(Trainer):
         return self._carried is not None
 
     def _make_train_fn(self, strategy, plan, state, train_metrics):
-        """The call of ``n`` steps: the all-reduce carried over each step's end
-        (``sync.carried``) where the model allows it, else the plain step's."""
+        """The call of ``n`` steps: with ``--carry-all-reduce on``, each step's
+        all-reduce carried over its end (``sync.carried``), else the plain step's."""
         dtype, n, asked = self.config.gradient_dtype, plan.accumulation_steps, \
             self.config.carry_all_reduce
-        if self.bundle.kind.buckets_all_reduce and asked != "off":
+        if self.bundle.kind.buckets_all_reduce and asked == "on":
             split = carried.split_for(state, strategy, train_metrics, dtype,
                                       self.config.bucket_bytes or DEFAULT_BUCKET_BYTES)
             if isinstance(split, carried.Split):
                 self._carried = carried.CarriedCalls(strategy, state, train_metrics, split,
                                                      dtype, n)
                 return self._carried.train_fn
-            if asked == "on":
-                raise ConfigError(f"--carry-all-reduce on cannot be honoured: {split}; "
-                                  "drop the flag")
+            raise ConfigError(f"--carry-all-reduce on cannot be honoured: {split}; "
+                              "drop the flag")
         return make_train_fn(strategy, make_step_fn(state, train_metrics, dtype, n), state,
                              len(train_metrics.names), batches_per_step=n)
 
