@@ -13,8 +13,9 @@ where the cores are the bound). From the two runs' records:
   bytes per step at the set rate), ``compute`` (the unshaped step), and
   **exposed compute** = (shaped step - transfer) / unshaped step: 1 when
   compute and transfers take turns, 0 when the transfers hide all compute
-  (a synchronous all-reduce cannot hide the forward pass: hiding the whole
-  backward pass leaves about 0.35 of the step).
+  (an all-reduce that ends inside its step cannot hide the forward pass:
+  hiding the whole backward pass leaves about 0.35 of the step;
+  ``--carry-all-reduce on`` hides the first layers' forward pass too).
 
 Rows: ``multiworker`` and ``ps`` (``ps`` also with ``--read-ahead on``, ``multiworker``
 with ``--carry-all-reduce on``),
