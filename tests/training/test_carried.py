@@ -90,7 +90,7 @@ for name in ("plain", "carried"):
     s = state()
     metrics = TrainMetrics(s.model)
     split = carried.split_for(s, strategy, metrics, GRADIENT_DTYPE, 4096)
-    assert split is not None and split.first == 4, split
+    assert isinstance(split, carried.Split) and split.first == 4, split
     if name == "plain":
         fn = make_train_fn(strategy, make_step_fn(s, metrics, GRADIENT_DTYPE, ACCUMULATION), s,
                            len(metrics.names), batches_per_step=ACCUMULATION)

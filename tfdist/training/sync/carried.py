@@ -1,4 +1,4 @@
-"""All-reduce carried over the step boundary (``multiworker``, ``mirrored``).
+"""All-reduce carried over the step boundary (``multiworker``, ``--carry-all-reduce on``).
 
 On a slow link a step's all-reduce takes longer than its compute, and the
 buckets that start during the backward pass (``--all-reduce-bucket``) hide only
@@ -18,9 +18,9 @@ TensorFlow orders the reads and writes of one variable in program order and
 leaves reads of other variables free, so the first layers compute on their
 updated weights while part 3 crosses the network, and the last layers wait
 for theirs: every forward pass sees every update before it, as in the plain
-step, with the same sums and the same update. The call's last step finishes
-inside the call, so checkpoints, evaluations and other workers never see a
-step half applied.
+step, with the same sums and the same update. A call leaves its last step's
+update pending and the next call starts with it; the controller drains it
+before anything reads the weights (``CarriedCalls``).
 
 The first layers: the longest run of variables, in the model's order, with at
 most half the gradient bytes (for a CNN its convolutions, which hold few
@@ -29,9 +29,9 @@ or whose update cannot be split this way (a loss-scale optimizer, row-sparse
 gradients, a step compiled with XLA, the model's own ``train_step``) is refused
 in one line (``split_for`` says why).
 
-Off unless asked (``--carry-all-reduce on``): on a slow link it hides the first
-layers' forward pass, but where the link is fast the overlap only makes compute
-and the collectives share the worker's cores, and the step is slower
+Off unless asked: on a slow link it hides the first layers' forward pass, but
+where the link is fast the step is slower, partly because TensorFlow then ran
+the pooling gradient without oneDNN, for reasons not yet known
 (docs/performance.md has both).
 """
 
@@ -77,7 +77,7 @@ def plan_split(elements: Sequence[int], bucket_elements: int) -> Split | None:
 
 def split_for(state: TrainState, strategy, metrics: TrainMetrics, gradient_dtype: str,
               bucket_bytes: int) -> Split | str:
-    """The split for this model and optimizer, or why the plain step trains it."""
+    """The split for this model and optimizer, or why it cannot be cut."""
     model, optimizer = state.model, state.optimizer
     variables = model.trainable_variables
     layers = model._flatten_layers(include_self=False)  # pylint: disable=protected-access
@@ -147,10 +147,10 @@ class CarriedCalls:
         """Trace both calls now, before the first step: the one that resumes a
         pending step would otherwise be traced at the third call, seconds into
         the timed steady state."""
-        for call in (self._calls[False], self._calls[True]):  # the plain one first: it
-            call.get_concrete_function(iterator, tf.TensorSpec([], tf.int32))  # finds absent
-        # And run once: a function's first run instantiates it (a fraction of a
-        # second). With no steps the resuming call keeps what is kept and
+        # The call that starts afresh first: its trace finds ``absent``.
+        self._calls[False].get_concrete_function(iterator, tf.TensorSpec([], tf.int32))
+        # The resuming one traced by running it once, which also instantiates it
+        # (a fraction of a second): with no steps it keeps what is kept and
         # applies nothing.
         self._calls[True](iterator, tf.constant(0))
 

@@ -124,9 +124,8 @@ class SyncTrainer(Trainer):
     def _make_train_fn(self, strategy, plan, state, train_metrics):
         """The call of ``n`` steps: with ``--carry-all-reduce on``, each step's
         all-reduce carried over its end (``sync.carried``), else the plain step's."""
-        dtype, n, asked = self.config.gradient_dtype, plan.accumulation_steps, \
-            self.config.carry_all_reduce
-        if self.bundle.kind.buckets_all_reduce and asked == "on":
+        dtype, n = self.config.gradient_dtype, plan.accumulation_steps
+        if self.config.carry_all_reduce == "on":  # the plan allows it under multiworker only
             split = carried.split_for(state, strategy, train_metrics, dtype,
                                       self.config.bucket_bytes or DEFAULT_BUCKET_BYTES)
             if isinstance(split, carried.Split):
