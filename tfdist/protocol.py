@@ -276,6 +276,8 @@ class Results:
     # multiworker: each step's all-reduce partly carried under the next
     # step's first layers (--carry-all-reduce; training.sync.carried).
     all_reduce_carried: bool | None = None
+    # --carry-all-reduce auto: each step's time per step, and the choice.
+    carry_trial: dict | None = None
     # Asynchronous parameter servers.
     scheduled_steps: int | None = None
     applied_steps: int | None = None

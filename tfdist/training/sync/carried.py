@@ -205,11 +205,6 @@ class CarriedCalls:
 
     # --- the traced calls -----------------------------------------------------------
 
-    def _kept(self):
-        """The pending step, as ``_start`` returns one (its loss already counted)."""
-        done, rest = self.strategy.run(self._read_kept)
-        return self.state.global_step.read_value(), done, rest
-
     def _sums(self, size):
         return (tf.constant(0.0), tf.zeros([len(self.metrics.names)], tf.float32),
                 tf.TensorArray(tf.int64, size=size, element_shape=[]))
@@ -243,8 +238,24 @@ class CarriedCalls:
         loss_sum, metric_sum, staleness = sums
         return loss_sum, metric_sum, staleness.write(i, applied_at - 1 - read_at)
 
+    # Between the steps of one call too, the pending step waits in ``kept``, not
+    # in the loop's variables: carried by the loop, it put the pooling gradient on
+    # a cycle through the loop's back edge, and oneDNN's graph rewrite, which
+    # then met that node before its forward op in an order that varied from run
+    # to run, left it to TensorFlow's plain kernel (ten times slower) in about
+    # half the processes.
+    def _start_kept(self, iterator, sums):
+        (read_at, done, rest), sums = self._start(iterator, sums)
+        self.strategy.run(self._keep, args=(done, rest))
+        return read_at, sums
+
+    def _pending_at(self, read_at):
+        done, rest = self.strategy.run(self._read_kept)
+        return read_at, done, rest
+
     def _flush_pending(self):
-        self._finish(self._kept(), 0, self._sums(1))
+        # Its staleness is not counted: the step it was read at is not kept.
+        self._finish(self._pending_at(self.state.global_step.read_value()), 0, self._sums(1))
 
     def _make_call(self, resume: bool):
         @tf.function
@@ -253,18 +264,17 @@ class CarriedCalls:
             # (``resume``), then all of its own but the last, which it leaves pending.
             if resume:
                 sums = self._sums(num_steps)
-                pending, first = self._kept(), 0
+                read_at, first = self.state.global_step.read_value(), 0
             else:
                 sums = self._sums(num_steps - 1)
-                pending, sums = self._start(iterator, sums)
+                read_at, sums = self._start_kept(iterator, sums)
                 first = 1
             for i in tf.range(num_steps - first):
                 # The update of step i is created before step i + 1: its all-reduce
                 # goes first on the link, and its writes come before the reads of
                 # the same variables (each variable's own program order).
-                sums = self._finish(pending, i, sums)
-                pending, sums = self._start(iterator, sums)
-            self.strategy.run(self._keep, args=pending[1:])
+                sums = self._finish(self._pending_at(read_at), i, sums)
+                read_at, sums = self._start_kept(iterator, sums)
             loss_sum, metric_sum, staleness = sums
             return call_outputs(num_steps, loss_sum, metric_sum, staleness)
 

@@ -7,8 +7,10 @@ SIGTERM to any worker makes every worker save at one agreed call and stop
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import signal
+import time
 
 import tensorflow as tf
 
@@ -18,6 +20,7 @@ from tfdist.training.loop.evaluation import local_copy, weights_sha256
 from tfdist.training.loop.lifetime import keep_alive_until_exit
 from tfdist.strategies.kinds import DEFAULT_BUCKET_BYTES
 from tfdist.training.sync import carried
+from tfdist.training.sync.carry_trial import CARRIED, CarryTrial
 from tfdist.training.sync.preemption import preemption_handler
 from tfdist.training.loop.step import make_step_fn, make_train_fn
 from tfdist.training.loop.peers import PEER_ERRORS
@@ -49,6 +52,20 @@ def agree_on_start_step(strategy, step: int, me: str, tasks: list[str], model_di
         "the chief's checkpoints; put it on a shared file system, or copy the chief's "
         "checkpoints/ to every host before relaunching"
     )
+
+
+def sum_over_replicas(strategy, values: list[float]) -> list[float]:
+    """``values`` summed over every replica of the job (each worker's local
+    replicas count it once each): one small collective."""
+
+    @tf.function
+    def total(tensor):
+        # The identity gives the argument the replica's device: a collective needs one.
+        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.identity(tensor)))
+
+    out = total(tf.constant(values, tf.float64))
+    return [float(v) for v in strategy.experimental_local_results(out)[0].numpy()]
 
 
 def make_statistics_sync(strategy, variables):
@@ -100,7 +117,7 @@ class SyncTrainer(Trainer):
         self._iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
         # From its creation on, so an error path that drops the trainer is covered too.
         keep_alive_until_exit(self._iterator)
-        self._train_fn = self._make_train_fn(strategy, plan, state, train_metrics)
+        self._plain_fn = self._make_calls(strategy, plan, state, train_metrics)
         if self._carried is not None:
             self._carried.trace(self._iterator)
         self._out = None
@@ -116,26 +133,37 @@ class SyncTrainer(Trainer):
             strategy, self._save_preempted, lambda: self.completed)
 
     _carried = None  # sync.carried's calls, where each step's all-reduce is carried over
+    _carrying = False  # the calls run the carried step (else the plain one)
+    _trial = None  # --carry-all-reduce auto, until it has chosen (sync.carry_trial)
+    _trial_result = None
 
     @property
     def leaves_update_pending(self) -> bool:
-        return self._carried is not None
+        return self._carried is not None and self._carried.pending
 
-    def _make_train_fn(self, strategy, plan, state, train_metrics):
-        """The call of ``n`` steps: with ``--carry-all-reduce on``, each step's
-        all-reduce carried over its end (``sync.carried``), else the plain step's."""
+    def _make_calls(self, strategy, plan, state, train_metrics):
+        """The plain call of ``n`` steps, returned; and where ``--carry-all-reduce``
+        is on or auto (multiworker's default), the carried one (``sync.carried``)
+        beside it. Auto keeps the plain step for a model the carried one cannot cut."""
         dtype, n = self.config.gradient_dtype, plan.accumulation_steps
-        if self.config.carry_all_reduce == "on":  # the plan allows it under multiworker only
-            split = carried.split_for(state, strategy, train_metrics, dtype,
-                                      self.config.bucket_bytes or DEFAULT_BUCKET_BYTES)
-            if isinstance(split, carried.Split):
-                self._carried = carried.CarriedCalls(strategy, state, train_metrics, split,
-                                                     dtype, n)
-                return self._carried.train_fn
-            raise ConfigError(f"--carry-all-reduce on cannot be honoured: {split}; "
-                              "drop the flag")
-        return make_train_fn(strategy, make_step_fn(state, train_metrics, dtype, n), state,
-                             len(train_metrics.names), batches_per_step=n)
+        plain = make_train_fn(strategy, make_step_fn(state, train_metrics, dtype, n), state,
+                              len(train_metrics.names), batches_per_step=n)
+        # The plan refuses the flag where gradients are not all-reduced between processes.
+        mode = self.config.carry_all_reduce or (
+            "auto" if self.bundle.kind.buckets_all_reduce else "off")
+        if mode == "off":
+            return plain
+        split = carried.split_for(state, strategy, train_metrics, dtype,
+                                  self.config.bucket_bytes or DEFAULT_BUCKET_BYTES)
+        if not isinstance(split, carried.Split):
+            if mode == "on":
+                raise ConfigError(f"--carry-all-reduce on cannot be honoured: {split}; "
+                                  "drop the flag")
+            return plain
+        self._carried = carried.CarriedCalls(strategy, state, train_metrics, split, dtype, n)
+        self._carrying = mode == "on"
+        self._trial = CarryTrial() if mode == "auto" else None
+        return plain
 
     def _save_preempted(self) -> None:
         """The preemption handler's save, at the call every worker agreed on."""
@@ -144,15 +172,34 @@ class SyncTrainer(Trainer):
         self.checkpointer.save(self.completed)
 
     def train(self, num_steps: int) -> dict[str, float]:
-        n = tf.constant(num_steps)
+        trial = self._trial
+        carrying = self._carrying if trial is None else trial.next_kind() == CARRIED
+        if not carrying and self._carried is not None and self._carried.pending:
+            self._carried.flush()  # the plain step reads every weight: apply the pending update
+        fn = self._carried.train_fn if carrying else self._plain_fn
+        n, began = tf.constant(num_steps), time.perf_counter()
         # The handler checks for a preemption notice (any worker's) before
         # the call; at the agreed call it saves and raises Preempted.
         if self._handler is None:
-            self._out = self._train_fn(self._iterator, n)
+            self._out = fn(self._iterator, n)
         else:
-            self._out = self._handler.run(self._train_fn, self._iterator, n)
+            self._out = self._handler.run(fn, self._iterator, n)
+        metrics = self._metrics()  # its values read: the call has finished
         self.completed += num_steps
-        return self._metrics()
+        if trial is not None:
+            trial.record(num_steps, time.perf_counter() - began)
+            if trial.next_kind() is None:
+                self._choose(trial)
+        return metrics
+
+    def _choose(self, trial: CarryTrial) -> None:
+        """The trial's verdict, from every worker's times summed: the same on all."""
+        strategy = self.bundle.strategy
+        summed = sum_over_replicas(strategy, trial.totals())
+        self._trial_result = CarryTrial.choose(summed, strategy.num_replicas_in_sync)
+        self._carrying, self._trial = self._trial_result.carried, None
+        if self.is_chief:
+            print(self._trial_result.line(), flush=True)
 
     def drain(self) -> dict[str, float]:
         """Each call returns with its steps applied; the replicas' statistics are averaged."""
@@ -176,7 +223,9 @@ class SyncTrainer(Trainer):
     def result_fields(self, ran: int) -> dict:
         return {
             "global_steps": int(self.state.global_step.numpy()),
-            "all_reduce_carried": self._carried is not None,
+            "all_reduce_carried": self._carrying,
+            "carry_trial": (None if self._trial_result is None
+                            else dataclasses.asdict(self._trial_result)),
             "steps_per_worker": {name: ran for name in self.bundle.kind.training_members(self.cluster)},
         }
 
