@@ -1,4 +1,4 @@
-"""All-reduce carried over the step boundary (``multiworker``, ``--carry-all-reduce on``).
+"""All-reduce carried over the step boundary (``multiworker``, ``--carry-all-reduce``).
 
 On a slow link a step's all-reduce takes longer than its compute, and the
 buckets that start during the backward pass (``--all-reduce-bucket``) hide only
@@ -29,10 +29,11 @@ or whose update cannot be split this way (a loss-scale optimizer, row-sparse
 gradients, a step compiled with XLA, the model's own ``train_step``) is refused
 in one line (``split_for`` says why).
 
-Off unless asked: on a slow link it hides the first layers' forward pass, but
-where the link is fast the step is slower, partly because TensorFlow then ran
-the pooling gradient without oneDNN, for reasons not yet known
-(docs/performance.md has both).
+On a slow link it hides the first layers' forward pass; where the link is fast
+the step is slower (its all-reduce's CPU work runs beside the convolutions), so
+``multiworker`` times both steps early in the run and keeps the faster
+(``--carry-all-reduce auto``, ``sync.carry_trial``); ``on`` and ``off`` force
+one (docs/performance.md has the figures).
 """
 
 from __future__ import annotations
@@ -144,20 +145,19 @@ class CarriedCalls:
         return out
 
     def trace(self, iterator) -> None:
-        """Trace both calls now, before the first step: the one that resumes a
-        pending step would otherwise be traced at the third call, seconds into
-        the timed steady state."""
+        """Trace and instantiate both calls and the flush now, before the first
+        step: each would otherwise cost its first use most of a second inside the
+        timed steady state (``--carry-all-reduce auto`` switches between steps
+        there). Run with no steps, each starts and applies nothing."""
         # The call that starts afresh first: its trace finds ``absent``.
-        self._calls[False].get_concrete_function(iterator, tf.TensorSpec([], tf.int32))
-        # The resuming one traced by running it once, which also instantiates it
-        # (a fraction of a second): with no steps it keeps what is kept and
-        # applies nothing.
-        self._calls[True](iterator, tf.constant(0))
+        for call in (self._calls[False], self._calls[True]):
+            call(iterator, tf.constant(0))
+        self._flush(tf.constant(0))
 
     def flush(self) -> None:
         """Apply the pending update, if any."""
         if self.pending:
-            self._flush()
+            self._flush(tf.constant(1))
             self.pending = False
 
     # --- one replica's halves of a step ---------------------------------------------
@@ -253,9 +253,11 @@ class CarriedCalls:
         done, rest = self.strategy.run(self._read_kept)
         return read_at, done, rest
 
-    def _flush_pending(self):
-        # Its staleness is not counted: the step it was read at is not kept.
-        self._finish(self._pending_at(self.state.global_step.read_value()), 0, self._sums(1))
+    def _flush_pending(self, count):
+        # ``count`` 1 applies the pending step, 0 nothing (``trace``). Its
+        # staleness is not counted: the step it was read at is not kept.
+        for _ in tf.range(count):
+            self._finish(self._pending_at(self.state.global_step.read_value()), 0, self._sums(1))
 
     def _make_call(self, resume: bool):
         @tf.function
@@ -266,9 +268,10 @@ class CarriedCalls:
                 sums = self._sums(num_steps)
                 read_at, first = self.state.global_step.read_value(), 0
             else:
-                sums = self._sums(num_steps - 1)
-                read_at, sums = self._start_kept(iterator, sums)
-                first = 1
+                sums = self._sums(tf.maximum(num_steps - 1, 0))
+                read_at, first = self.state.global_step.read_value(), 1
+                for _ in tf.range(tf.minimum(num_steps, 1)):  # none in ``trace``
+                    read_at, sums = self._start_kept(iterator, sums)
             for i in tf.range(num_steps - first):
                 # The update of step i is created before step i + 1: its all-reduce
                 # goes first on the link, and its writes come before the reads of
