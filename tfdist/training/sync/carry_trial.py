@@ -48,7 +48,7 @@ class CarryTrial:
     (``--steps-per-execution``), so a window may run over.
     """
 
-    def __init__(self, window: int = 10, rounds: int = 2):
+    def __init__(self, window: int = 5, rounds: int = 2):
         if window < 1 or rounds < 1:
             raise ValueError(f"window and rounds must be positive, got {window}, {rounds}")
         self.order = [PLAIN, CARRIED] * rounds
