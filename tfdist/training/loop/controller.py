@@ -51,6 +51,7 @@ class Controller:
         reporter.hparams(run_hparams(plan))
         self.startup_seconds = 0.0
         self.steady_from = trainer.start_step
+        self._settling = False  # the trainer's, after the first call (Trainer.settling)
         self.metrics: dict[str, float] = {}  # what the trainer's latest train/drain returned
         # --export: the chief's SavedModels (training.loop.export); a failed final
         # export is raised after the end-of-job rendezvous, results written.
@@ -133,6 +134,7 @@ class Controller:
         self.startup_seconds = time.perf_counter() - self.started
         self.steady_from = self.trainer.completed
         self.reporter.steady_from(self.steady_from)
+        self._settling = self.trainer.settling
         if step < self.schedule.total_steps:
             self._after_call(step, step + self.schedule.call_size(step))
         return True
@@ -148,6 +150,12 @@ class Controller:
                 break
             before = step
             step = self._call(step)
+            if self._settling and not trainer.settling:
+                # The steady state begins here (auto's trial is over): the rates,
+                # and steady_steps, count from this call on.
+                self._settling = False
+                self.steady_from = step
+                self.reporter.rates_from(step)
             if self._drain_due(before, step):
                 self.metrics = trainer.drain()
             self._after_call(before, step)

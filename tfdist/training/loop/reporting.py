@@ -131,10 +131,14 @@ class Reporter:
 
     def steady_from(self, step: int) -> None:
         """Rates count from here: the first call (tracing, connecting) is startup."""
-        self.throughput = Throughput(self.plan.global_batch_size * self.plan.accumulation_steps, step)
+        self.rates_from(step)
         # resumed_from: the checkpoint's step this process started at (0: a fresh
         # run) and this process; the soak checks each relaunch against them (bench/soak.py).
         self.events.emit(protocol.STARTED, step, resumed_from=self._start_step, pid=os.getpid())
+
+    def rates_from(self, step: int) -> None:
+        """Rates count from here on (a trainer settled after its first call)."""
+        self.throughput = Throughput(self.plan.global_batch_size * self.plan.accumulation_steps, step)
 
     def progress(self, step: int, scalars: dict, extra: str = "", fields: dict | None = None,
                  learning_rate: float | None = None) -> None:

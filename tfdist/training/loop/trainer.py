@@ -63,6 +63,13 @@ class Trainer(abc.ABC):
         """The first call returned: every peer is connected."""
 
     @property
+    def settling(self) -> bool:
+        """Whether the calls still differ from the run's steady ones (a trial of
+        two steps, a call's first run): the controller's rates count from the
+        first call after which this is False, as they leave out the first call."""
+        return False
+
+    @property
     def leaves_update_pending(self) -> bool:
         """Whether a call may return with its last update still to apply: the
         controller then drains before anything reads the weights, not only

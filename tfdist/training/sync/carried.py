@@ -145,13 +145,14 @@ class CarriedCalls:
         return out
 
     def trace(self, iterator) -> None:
-        """Trace and instantiate both calls and the flush now, before the first
-        step: each would otherwise cost its first use most of a second inside the
-        timed steady state (``--carry-all-reduce auto`` switches between steps
-        there). Run with no steps, each starts and applies nothing."""
+        """Trace both calls and trace and instantiate the flush now, before the
+        first step: the flush would otherwise cost its first use most of a second
+        inside the timed steady state (``--carry-all-reduce auto`` switches
+        between steps there); run with a count of 0 it applies nothing. The calls
+        cannot run without a step: each is instantiated by its first use."""
         # The call that starts afresh first: its trace finds ``absent``.
         for call in (self._calls[False], self._calls[True]):
-            call(iterator, tf.constant(0))
+            call.get_concrete_function(iterator, tf.TensorSpec([], tf.int32))
         self._flush(tf.constant(0))
 
     def flush(self) -> None:
@@ -239,11 +240,8 @@ class CarriedCalls:
         return loss_sum, metric_sum, staleness.write(i, applied_at - 1 - read_at)
 
     # Between the steps of one call too, the pending step waits in ``kept``, not
-    # in the loop's variables: carried by the loop, it put the pooling gradient on
-    # a cycle through the loop's back edge, and oneDNN's graph rewrite, which
-    # then met that node before its forward op in an order that varied from run
-    # to run, left it to TensorFlow's plain kernel (ten times slower) in about
-    # half the processes.
+    # in the loop's variables: it would put the pooling gradient on a cycle
+    # (``_make_call`` says what that costs).
     def _start_kept(self, iterator, sums):
         (read_at, done, rest), sums = self._start(iterator, sums)
         self.strategy.run(self._keep, args=(done, rest))
@@ -264,19 +262,24 @@ class CarriedCalls:
         def call(iterator, num_steps):
             # Staleness of the steps this call applies: the pending one first
             # (``resume``), then all of its own but the last, which it leaves pending.
+            read_at = self.state.global_step.read_value()
             if resume:
-                sums = self._sums(num_steps)
-                read_at, first = self.state.global_step.read_value(), 0
+                sums = self._finish(self._pending_at(read_at), 0, self._sums(num_steps))
             else:
-                sums = self._sums(tf.maximum(num_steps - 1, 0))
-                read_at, first = self.state.global_step.read_value(), 1
-                for _ in tf.range(tf.minimum(num_steps, 1)):  # none in ``trace``
-                    read_at, sums = self._start_kept(iterator, sums)
-            for i in tf.range(num_steps - first):
+                sums = self._sums(num_steps - 1)
+            # The call's first step outside the loop, the only one at the default
+            # --steps-per-execution 1. In a loop the pooling gradient lies on a cycle
+            # (through the loop's back edge: the step's writes come before the next
+            # step's reads), and oneDNN's graph rewrite, whose walk then meets it
+            # before its forward op in some processes (the walk's order follows
+            # pointer values), leaves it to TensorFlow's plain kernel, ten times
+            # slower. Straight-line, it always comes after its forward op.
+            read_at, sums = self._start_kept(iterator, sums)
+            for i in tf.range(num_steps - 1):
                 # The update of step i is created before step i + 1: its all-reduce
                 # goes first on the link, and its writes come before the reads of
                 # the same variables (each variable's own program order).
-                sums = self._finish(self._pending_at(read_at), i, sums)
+                sums = self._finish(self._pending_at(read_at), i + int(resume), sums)
                 read_at, sums = self._start_kept(iterator, sums)
             loss_sum, metric_sum, staleness = sums
             return call_outputs(num_steps, loss_sum, metric_sum, staleness)

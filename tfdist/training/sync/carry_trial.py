@@ -30,6 +30,7 @@ class TrialResult:
     carried_ms: float
     steps_each: int  # timed steps of each kind, per worker
     carried: bool
+    seconds: float = 0.0  # the trial's wall time on the chief, its untimed calls included
 
     def line(self) -> str:
         chosen = "carried over the step's end" if self.carried else "plain"
@@ -41,22 +42,26 @@ class TrialResult:
 class CarryTrial:
     """Windows of ``window`` timed steps, plain and carried in turn, ``rounds`` of each.
 
-    A window's first call is not timed: it pays for the switch (the run's first
-    trace, the carried step's start with nothing pending, the flush of its last
-    update before a plain call), which the rest of the run does not. A timed call
-    counts whole in the window it starts in, however many steps it runs
-    (``--steps-per-execution``), so a window may run over.
+    A window's first ``warm`` calls are not timed: they pay for the switch (the
+    run's first trace, each carried call's first run, the carried step's start
+    with nothing pending, the flush of its last update before a plain call), which
+    the rest of the run does not. A timed call counts whole in the window it
+    starts in, however many steps it runs (``--steps-per-execution``), so a window
+    may run over.
     """
 
-    def __init__(self, window: int = 5, rounds: int = 2):
-        if window < 1 or rounds < 1:
-            raise ValueError(f"window and rounds must be positive, got {window}, {rounds}")
+    def __init__(self, window: int = 5, rounds: int = 2, warm: int = 2):
+        if window < 1 or rounds < 1 or warm < 0:
+            raise ValueError(f"window and rounds must be positive and warm not negative, "
+                             f"got {window}, {rounds}, {warm}")
         self.order = [PLAIN, CARRIED] * rounds
         self.window = window
         self._index = 0
         self._in_window = 0
-        self._warm = False  # the window's first call has run
+        self.warm = warm
+        self._warmed = 0  # calls of the window not timed so far
         self.seconds = {PLAIN: 0.0, CARRIED: 0.0}
+        self.wall = 0.0  # every call's seconds, the untimed ones too
         self.steps = {PLAIN: 0, CARRIED: 0}
 
     def next_kind(self) -> str | None:
@@ -68,22 +73,22 @@ class CarryTrial:
         kind = self.next_kind()
         if kind is None:
             raise RuntimeError("the trial is over: nothing more to record")
-        if not self._warm:
-            self._warm = True
+        self.wall += seconds
+        if self._warmed < self.warm:
+            self._warmed += 1
             return
         self.seconds[kind] += seconds
         self.steps[kind] += steps
         self._in_window += steps
         if self._in_window >= self.window:
-            self._index, self._in_window, self._warm = self._index + 1, 0, False
+            self._index, self._in_window, self._warmed = self._index + 1, 0, 0
 
     def totals(self) -> list[float]:
         """This worker's figures, in the order ``choose`` takes them summed."""
         return [self.seconds[PLAIN], float(self.steps[PLAIN]),
                 self.seconds[CARRIED], float(self.steps[CARRIED])]
 
-    @staticmethod
-    def choose(summed: list[float], workers: int) -> TrialResult:
+    def choose(self, summed: list[float], workers: int) -> TrialResult:
         """The faster step per step from every worker's ``totals`` summed; a tie
         keeps the plain step (the simpler one)."""
         plain_s, plain_n, carried_s, carried_n = summed
@@ -91,4 +96,5 @@ class CarryTrial:
         carried_ms = 1000 * carried_s / max(carried_n, 1)
         return TrialResult(plain_ms=plain_ms, carried_ms=carried_ms,
                            steps_each=int(round(min(plain_n, carried_n) / max(workers, 1))),
-                           carried=carried_n > 0 and carried_ms < plain_ms)
+                           carried=carried_n > 0 and carried_ms < plain_ms,
+                           seconds=round(self.wall, 3))

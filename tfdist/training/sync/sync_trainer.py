@@ -137,6 +137,12 @@ class SyncTrainer(Trainer):
     _trial = None  # --carry-all-reduce auto, until it has chosen (sync.carry_trial)
     _trial_result = None
 
+    _carried_calls = 0  # carried calls run: its two calls each run first in one
+
+    @property
+    def settling(self) -> bool:
+        return self._trial is not None or (self._carrying and self._carried_calls < 2)
+
     @property
     def leaves_update_pending(self) -> bool:
         return self._carried is not None and self._carried.pending
@@ -177,6 +183,7 @@ class SyncTrainer(Trainer):
         if not carrying and self._carried is not None and self._carried.pending:
             self._carried.flush()  # the plain step reads every weight: apply the pending update
         fn = self._carried.train_fn if carrying else self._plain_fn
+        self._carried_calls += carrying
         n, began = tf.constant(num_steps), time.perf_counter()
         # The handler checks for a preemption notice (any worker's) before
         # the call; at the agreed call it saves and raises Preempted.
@@ -196,7 +203,7 @@ class SyncTrainer(Trainer):
         """The trial's verdict, from every worker's times summed: the same on all."""
         strategy = self.bundle.strategy
         summed = sum_over_replicas(strategy, trial.totals())
-        self._trial_result = CarryTrial.choose(summed, strategy.num_replicas_in_sync)
+        self._trial_result = trial.choose(summed, strategy.num_replicas_in_sync)
         self._carrying, self._trial = self._trial_result.carried, None
         if self.is_chief:
             print(self._trial_result.line(), flush=True)
