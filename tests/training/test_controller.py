@@ -19,10 +19,10 @@ class FakeTrainer(Trainer):
     """Counts steps; its loss is 1/(step+1), or NaN from ``nan_at`` on; asks to stop at
     ``stop_at`` (a preemption); records every call the controller makes."""
 
-    def __init__(self, *, start_step=0, nan_at=None, stop_at=None, **parts):
+    def __init__(self, *, start_step=0, nan_at=None, stop_at=None, settled_at=0, **parts):
         super().__init__(start_step=start_step, **parts)
         self.calls: list[tuple] = []
-        self.nan_at, self.stop_at = nan_at, stop_at
+        self.nan_at, self.stop_at, self.settled_at = nan_at, stop_at, settled_at
         self.is_chief = False  # a worker: the run ends without the chief's evaluation
 
     def _metrics(self):
@@ -40,6 +40,10 @@ class FakeTrainer(Trainer):
     def drain(self):
         self.calls.append(("drain", self.completed))
         return self._metrics()
+
+    @property
+    def settling(self):
+        return self.completed < self.settled_at
 
     def stop_requested(self):
         return self.stop_at is not None and self.completed >= self.stop_at
@@ -63,11 +67,12 @@ def _plan(**flags):
 
 
 def _run(plan, **trainer_options):
-    saved, progress = [], []
+    saved, progress, rates = [], [], []
     checkpointer = types.SimpleNamespace(save=saved.append, saved_at=lambda: None,
                                          resume_step=None, on_saved=None)
     reporter = types.SimpleNamespace(
-        hparams=lambda h: None, checkpoint=lambda *a, **k: None, steady_from=lambda s: None,
+        hparams=lambda h: None, checkpoint=lambda *a, **k: None, steady_from=rates.append,
+        rates_from=rates.append,
         progress=lambda step, metrics, *a, **k: progress.append((step, dict(metrics))),
         evaluate=lambda *a: pytest.fail("a worker never evaluates"),
         throughput=types.SimpleNamespace(overall=lambda n: (1.0, 2.0)),
@@ -78,6 +83,7 @@ def _run(plan, **trainer_options):
                           state=types.SimpleNamespace(model=None, optimizer=None),
                           checkpointer=checkpointer, train_metrics=None, **trainer_options)
     controller = Controller(plan, trainer, checkpointer, reporter, started=0.0)
+    controller.rates = rates
     return controller, trainer, saved, progress
 
 
@@ -112,3 +118,14 @@ def test_a_stop_request_drains_saves_and_raises_preempted():
     with pytest.raises(Preempted) as stopped:
         controller.run()
     assert stopped.value.step == 15 and saved == [15] and trainer.completed == 15
+
+
+@pytest.mark.parametrize("settled_at, rates_from", [(0, [5]), (12, [5, 15]), (99, [5])])
+def test_the_rates_count_from_the_first_call_or_from_where_the_trainer_settles(
+        settled_at, rates_from):
+    """Rates leave out the first call, and a trainer's settling calls after it (auto's
+    trial); one that never settles keeps the first call's start."""
+    plan = _plan(steps=20, log_every=5, steps_per_execution=5)
+    controller, trainer, _, _ = _run(plan, settled_at=settled_at)
+    controller.run()
+    assert controller.rates == rates_from and controller.steady_from == rates_from[-1]
