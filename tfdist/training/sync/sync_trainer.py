@@ -136,8 +136,9 @@ class SyncTrainer(Trainer):
     _carrying = False  # the calls run the carried step (else the plain one)
     _trial = None  # --carry-all-reduce auto, until it has chosen (sync.carry_trial)
     _trial_result = None
-
-    _carried_calls = 0  # carried calls run: its two calls each run first in one
+    # Carried calls run so far: the first starts afresh and the second resumes,
+    # each the first run of its function (slow: instantiated then).
+    _carried_calls = 0
 
     @property
     def settling(self) -> bool:
