@@ -26,8 +26,9 @@ The first layers: the longest run of variables, in the model's order, with at
 most half the gradient bytes (for a CNN its convolutions, which hold few
 bytes and most of the compute). A model where that run is empty or everything,
 or whose update cannot be split this way (a loss-scale optimizer, row-sparse
-gradients, a step compiled with XLA, the model's own ``train_step``) is refused
-in one line (``split_for`` says why).
+gradients, a step compiled with XLA, the model's own ``train_step``) is not
+carried: ``on`` refuses it in one line (``split_for`` says why), ``auto`` keeps
+the plain step.
 
 On a slow link it hides the first layers' forward pass; where the link is fast
 the step is slower (its all-reduce's CPU work runs beside the convolutions), so
