@@ -156,7 +156,7 @@ class TrainOptions:
         None, "multiworker: the rest of the last layers' all-reduce crosses the network "
         "under the next step's first layers, the update still applied whole before "
         "either reads it: faster on slow links, slower on fast ones; auto times both "
-        "steps for 10 steps each early in the run and keeps the faster "
+        "steps for 20 steps each early in the run and keeps the faster "
         "(docs/performance.md)",
         choices=("auto", "on", "off"), group="cluster", unset="auto (multiworker), off")
     startup_timeout: float = option(120.0, "seconds to wait for the other tasks before giving up",

@@ -50,7 +50,7 @@ class CarryTrial:
     may run over.
     """
 
-    def __init__(self, window: int = 5, rounds: int = 2, warm: int = 2):
+    def __init__(self, window: int = 10, rounds: int = 2, warm: int = 2):
         if window < 1 or rounds < 1 or warm < 0:
             raise ValueError(f"window and rounds must be positive and warm not negative, "
                              f"got {window}, {rounds}, {warm}")
