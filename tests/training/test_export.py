@@ -165,13 +165,6 @@ def test_an_export_failure_is_not_relaunched():
     assert should_relaunch(Exit.TASK_LOST, attempt=0, max_restarts=3)
 
 
-def test_periodic_exports_are_due_when_a_call_crosses_a_multiple():
-    ex = export.Exporter("/nonexistent", 10, evaluator=None)
-    assert [ex.due(b, a) for b, a in [(0, 9), (9, 10), (10, 19), (18, 22), (5, 35)]] == \
-        [False, True, False, True, True]
-    assert not export.Exporter("/nonexistent", None, evaluator=None).due(0, 100)
-
-
 def test_outputs_are_named_as_a_signature_names_them():
     a, b = np.zeros((2, 1)), np.ones((2, 3))
     assert list(export._named_outputs(a)) == ["output_0"]

@@ -3,7 +3,7 @@
 import pytest
 
 from tfdist.strategies import ConfigError
-from tfdist.training.loop.schedule import Schedule
+from tfdist.training.loop.schedule import Schedule, ScheduleError
 
 
 def sched(**kw):
@@ -91,3 +91,25 @@ def test_drain_is_due_before_checkpoints_evaluations_and_the_end():
 def test_impossible_schedules_are_config_errors(kw, flag):
     with pytest.raises(ConfigError, match=flag):
         sched(**kw)
+
+
+def test_periodic_exports_are_due_when_a_call_crosses_a_multiple():
+    s = sched(export_every=10)
+    assert [s.export_due(b, a) for b, a in [(0, 9), (9, 10), (10, 19), (18, 22), (5, 35)]] == \
+        [False, True, False, True, True]
+    assert not sched().export_due(0, 100)
+
+
+def test_the_weights_are_read_at_progress_lines_and_periodic_exports():
+    """What a trainer that leaves an update pending must drain for, beyond checkpoints,
+    evaluations and the end."""
+    s = sched(log_every=25, export_every=10)
+    due = [a for a in range(1, 60) if s.weights_read_due(a - 1, a)]
+    assert due == [10, 20, 25, 30, 40, 50]
+    assert [a for a in range(1, 60) if sched(log_every=25).weights_read_due(a - 1, a)] == [25, 50]
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_a_bad_export_every_is_a_schedule_error(value):
+    with pytest.raises(ScheduleError, match="--export-every"):
+        sched(export_every=value)

@@ -111,6 +111,7 @@ class RunPlan:
             total_steps=self.total_steps, steps_per_epoch=self.steps_per_epoch,
             steps_per_execution=c.steps_per_execution, checkpoint_every=c.checkpoint_every,
             eval_every=c.eval_every, log_every=c.log_every, start_step=start_step,
+            export_every=(c.export_every or 0) if c.export else 0,
         )
 
     def defining_flags(self) -> dict:

@@ -55,8 +55,7 @@ class Controller:
         self.metrics: dict[str, float] = {}  # what the trainer's latest train/drain returned
         # --export: the chief's SavedModels (training.loop.export); a failed final
         # export is raised after the end-of-job rendezvous, results written.
-        self.exporter = (Exporter(self.config.export, self.config.export_every,
-                                  reporter.evaluator, reporter.checked.task)
+        self.exporter = (Exporter(self.config.export, reporter.evaluator, reporter.checked.task)
                          if self.config.export and trainer.is_chief else None)
         self.export_failed: ExportFailed | None = None
         # The task's Keras callbacks, on the chief (training.loop.callbacks); their
@@ -170,10 +169,7 @@ class Controller:
         schedule, trainer = self.schedule, self.trainer
         if schedule.drain_due(before, after) or trainer.stop_requested():
             return True
-        every = self.config.export_every if self.config.export else 0
-        return trainer.leaves_update_pending and (
-            schedule.log_due(before, after)
-            or (bool(every) and after // every > before // every))
+        return trainer.leaves_update_pending and schedule.weights_read_due(before, after)
 
     def _call(self, step: int) -> int:
         n = self.schedule.call_size(step)
@@ -208,7 +204,7 @@ class Controller:
         if trainer.is_chief and schedule.eval_due(before, after):
             with trainer.paused():  # the chief's own work, not a stuck peer
                 self.reporter.evaluate(after, trainer.state.model)
-        if self.exporter is not None and self.exporter.due(before, after):
+        if self.exporter is not None and schedule.export_due(before, after):
             with trainer.paused():  # the chief's own work, as an evaluation
                 self.exporter.periodic(trainer.state.model,
                                        int(trainer.state.global_step.numpy()))

@@ -79,25 +79,20 @@ def check_export_flags(export: str | None, export_every: int | None) -> None:
 
 
 class Exporter:
-    """The chief's exports: when they are due, and each one written and checked.
+    """The chief's exports, each one written and checked (when they are due: the
+    run's ``Schedule``).
 
     ``evaluator``: a callable returning the run's ``training.loop.evaluation.Evaluator``,
     whose local model is what is exported; ``task``: the task, whose test
     split's first examples the check runs.
     """
 
-    def __init__(self, base_dir: str, every: int | None, evaluator, task=None):
+    def __init__(self, base_dir: str, evaluator, task=None):
         self.base_dir = os.path.abspath(base_dir)
-        self.every = every
         self._evaluator = evaluator
         self._task = task
         self._batch = None
         self.failed = False  # a periodic export failed: no more of them
-
-    def due(self, before: int, after: int) -> bool:
-        """Whether a call that took the run from ``before`` to ``after`` steps crossed
-        a multiple of ``--export-every`` (the end always exports)."""
-        return bool(self.every) and after // self.every > before // self.every
 
     def periodic(self, model, step: int) -> dict | None:
         """A periodic export of ``model``'s current weights as version ``step``.
@@ -145,7 +140,7 @@ def export_finished_run(config, checked, state, results: dict) -> tuple[dict, Ex
     from tfdist.training.loop.evaluation import Evaluator
 
     evaluator = Evaluator(checked.task, checked.local_model)
-    exporter = Exporter(config.export, None, lambda: evaluator, checked.task)
+    exporter = Exporter(config.export, lambda: evaluator, checked.task)
     try:
         record = exporter.export(state.model, int(state.global_step.numpy()))
     except ExportFailed as err:

@@ -36,6 +36,7 @@ class Schedule:
     eval_every: int = 0  # 0: only the final evaluation
     log_every: int = 100
     start_step: int = 0
+    export_every: int = 0  # 0: no periodic export (the end exports, with --export)
 
     def __post_init__(self):
         positive = {
@@ -47,8 +48,11 @@ class Schedule:
         for name, value in positive.items():
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ScheduleError(f"--{name.replace('_', '-')}={value!r} must be a positive integer")
-        if not isinstance(self.eval_every, int) or self.eval_every < 0:
-            raise ScheduleError(f"--eval-every={self.eval_every!r} must be 0 or a positive integer")
+        for name in ("eval_every", "export_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ScheduleError(f"--{name.replace('_', '-')}={value!r} must be 0 or a "
+                                    "positive integer")
         if not 0 <= self.start_step:
             raise ScheduleError(f"resume position {self.start_step} is negative")
 
@@ -96,6 +100,16 @@ class Schedule:
         return bool(self.eval_every) and after < self.total_steps and _crossed(
             before, after, self.eval_every
         )
+
+    def export_due(self, before: int, after: int) -> bool:
+        """A periodic export (``--export-every``) after this call; the end's is not this."""
+        return bool(self.export_every) and _crossed(before, after, self.export_every)
+
+    def weights_read_due(self, before: int, after: int) -> bool:
+        """Whether anything reads the weights after this call besides what
+        ``drain_due`` covers: the task's callbacks at a progress line, a periodic
+        export. A trainer whose calls leave an update pending must apply it first."""
+        return self.log_due(before, after) or self.export_due(before, after)
 
     def epoch_ends(self, before: int, after: int) -> bool:
         """Whether a call from ``before`` to ``after`` steps ended an epoch (or the run)."""
