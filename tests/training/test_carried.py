@@ -182,3 +182,7 @@ def test_two_workers_carried_or_not_end_with_the_same_weights(tmp_path, spawn):
     _train(spawn, tmp_path / "logreg-auto", "--task", "mnist-logreg")
     results = read_results(tmp_path / "logreg-auto")
     assert results["all_reduce_carried"] is False and results["carry_trial"] is None
+    # 16-bit gradients: the carried step's kept copy is created (and broadcast) as
+    # every worker starts, which MultiWorkerMirroredStrategy cannot do in bfloat16.
+    _train(spawn, tmp_path / "bf16", "--gradient-dtype", "bfloat16")
+    assert read_results(tmp_path / "bf16")["global_steps"] == 12

@@ -126,10 +126,15 @@ class CarriedCalls:
         wire = tf.as_dtype(gradient_dtype) if gradient_dtype != "float32" else variables[0].dtype
         done = split.early + sum(self.shapes[i].num_elements() for i in range(split.first))
         rest = sum(self.shapes[i].num_elements() for i in self.late) - split.early
+        self.wire = wire
         # Each replica's own copy (read and written in replica context only),
-        # outside the model: never checkpointed, never all-reduced.
+        # outside the model: never checkpointed, never all-reduced. Held in float32
+        # when the wire is bfloat16 (exactly): MultiWorkerMirroredStrategy
+        # broadcasts a new variable's initial value, and its broadcast takes no
+        # bfloat16.
+        store = tf.float32 if wire == tf.bfloat16 else wire
         with strategy.scope():
-            self.kept = [tf.Variable(tf.zeros([n], wire), trainable=False,
+            self.kept = [tf.Variable(tf.zeros([n], store), trainable=False,
                                      synchronization=tf.VariableSynchronization.ON_READ,
                                      aggregation=tf.VariableAggregation.NONE)
                          for n in (done, rest)]
@@ -200,10 +205,10 @@ class CarriedCalls:
 
     def _keep(self, done, rest):
         for var, value in zip(self.kept, (done, rest)):
-            var.assign(value)
+            var.assign(tf.cast(value, var.dtype))
 
     def _read_kept(self):
-        return [tf.identity(var.read_value()) for var in self.kept]
+        return [tf.identity(tf.cast(var.read_value(), self.wire)) for var in self.kept]
 
     # --- the traced calls -----------------------------------------------------------
 
