@@ -28,7 +28,7 @@ class TrialResult:
 
     plain_ms: float  # per step
     carried_ms: float
-    steps_each: int  # timed steps of each kind, per worker
+    steps_each: int  # timed steps of each kind, per replica (each worker's, with one each)
     carried: bool
     seconds: float = 0.0  # the trial's wall time on the chief, its untimed calls included
 
@@ -88,13 +88,13 @@ class CarryTrial:
         return [self.seconds[PLAIN], float(self.steps[PLAIN]),
                 self.seconds[CARRIED], float(self.steps[CARRIED])]
 
-    def choose(self, summed: list[float], workers: int) -> TrialResult:
+    def choose(self, summed: list[float], replicas: int) -> TrialResult:
         """The faster step per step from every worker's ``totals`` summed; a tie
         keeps the plain step (the simpler one)."""
         plain_s, plain_n, carried_s, carried_n = summed
         plain_ms = 1000 * plain_s / max(plain_n, 1)
         carried_ms = 1000 * carried_s / max(carried_n, 1)
         return TrialResult(plain_ms=plain_ms, carried_ms=carried_ms,
-                           steps_each=int(round(min(plain_n, carried_n) / max(workers, 1))),
+                           steps_each=int(round(min(plain_n, carried_n) / max(replicas, 1))),
                            carried=carried_n > 0 and carried_ms < plain_ms,
                            seconds=round(self.wall, 3))
