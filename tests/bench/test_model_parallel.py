@@ -16,7 +16,7 @@ def _plan(*flags):
 def test_the_study_alone_runs_every_stage_and_micro_batch_count_and_no_mnist_cnn():
     runs = _plan("--scenarios", "model-parallel")
     cells = [f"S{s}-M{m}{x}" for s in (1, 2, 4) for m in (1, 2, 4, 8)
-             for x in ("", "-1f1b") if not (x and (m < s or s == 1))]
+             for x in ("", "-1f1b", "-dataflow") if not (x == "-1f1b" and (m < s or s == 1))]
     assert [r.variant for r in runs] == (["none"] + cells + ["dense-chain-none"]
                                          + [f"dense-chain-{c}" for c in cells])
     assert "S2-M1-1f1b" not in cells and "S4-M4-1f1b" in cells  # 1F1B needs M >= S
@@ -24,6 +24,7 @@ def test_the_study_alone_runs_every_stage_and_micro_batch_count_and_no_mnist_cnn
     assert "launch.py" not in by["none"] and "--task mnist-mlp" in by["none"]
     assert "--strategy pipeline --workers 4" in by["S4-M8"] and "--micro-batches 8" in by["S4-M8"]
     assert "--schedule gpipe" in by["S4-M8"] and "--schedule 1f1b" in by["S4-M8-1f1b"]
+    assert "--schedule dataflow" in by["S1-M1-dataflow"]
     assert all(f"--global-batch-size {mp.GLOBAL_BATCH}" in c for k, c in by.items()
                if not k.startswith("dense-chain"))
     assert "--task dense-chain" in by["dense-chain-S2-M8"]

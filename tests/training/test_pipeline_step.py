@@ -47,7 +47,7 @@ out = {"initial": [w.tolist() for w in initial]}
 # (name, schedule, stages, copies, micro-batches per copy): two copies of M
 # micro-batches (or four of M / 2) see the same 2M micro-batches, in order, as one
 # copy of 2M. One stage of 837 weights does not split evenly into four chunks.
-CASES = [("gpipe", "gpipe", S, 1, M), ("1f1b", "1f1b", S, 1, M),
+CASES = [("gpipe", "gpipe", S, 1, M), ("1f1b", "1f1b", S, 1, M), ("dataflow", "dataflow", S, 1, M),
          ("one-copy-2m", "gpipe", S, 1, 2 * M), ("two-copies", "gpipe", S, 2, M),
          ("four-copies", "gpipe", 1, 4, M // 2)]
 for name, schedule, stages, P, micro in CASES:
@@ -106,7 +106,15 @@ def test_1f1b_makes_the_same_update_as_gpipe(stepped):
     assert min(moved) > 1e-3, moved
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_dataflow_makes_gpipes_update_to_the_bit(stepped):
+    """Traced in GPipe's order, it sums the same gradients in the same order; only
+    when each slot may run differs."""
+    gpipe, flow = stepped["gpipe"], stepped["dataflow"]
+    assert flow["weights"] == gpipe["weights"]
+    assert flow["loss"] == gpipe["loss"]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "dataflow"])
 def test_a_step_sends_the_fewest_messages_it_needs(stepped, schedule):
     S, M = 2, 4
     t = stepped[schedule]["transfers"]
@@ -131,6 +139,45 @@ def test_each_stage_runs_its_slots_in_its_schedules_order(stepped, schedule):
     # The last stage's first backward comes after the first stage's first forward.
     first, last = stepped[schedule]["stamps"]
     assert last[schedule_slots(schedule, S, M, 1).index(("B", 0))][0] >= first[0][1]
+
+
+def test_under_dataflow_each_backward_follows_its_forward_and_the_update_every_slot(stepped):
+    from tfdist.training.pipeline.stages import schedule_slots
+
+    S, M = 2, 4
+    stamps = stepped["dataflow"]["stamps"]
+    for s, stage in enumerate(stamps):
+        slots = schedule_slots("dataflow", S, M, s)
+        assert len(stage) == len(slots) + 1 and all(a <= b for a, b in stage)
+        for m in range(M):
+            assert stage[slots.index(("F", m))][1] <= stage[slots.index(("B", m))][0]
+        assert max(b for _, b in stage[:-1]) <= stage[-1][0]
+    first, last = stamps
+    slots = [schedule_slots("dataflow", S, M, s) for s in range(S)]
+    for m in range(M):  # the data between the stages orders their slots
+        assert first[slots[0].index(("F", m))][1] <= last[slots[1].index(("F", m))][0]
+        assert last[slots[1].index(("B", m))][1] <= first[slots[0].index(("B", m))][0]
+
+
+def test_busy_time_is_the_time_a_stages_slots_cover():
+    import numpy as np
+    import tensorflow as tf
+
+    from tfdist.training.pipeline.pipeline_trainer import covered
+
+    stamps = tf.constant([[[0.0, 2.0], [1.0, 3.0], [5.0, 6.0]],  # overlapping: 3 + 1
+                          [[4.0, 5.0], [0.0, 1.0], [2.0, 3.0]],  # apart, out of order
+                          [[0.0, 10.0], [1.0, 2.0], [3.0, 4.0]]], tf.float64)  # nested
+    np.testing.assert_array_equal(covered(stamps).numpy(), [4.0, 3.0, 10.0])
+    rng = np.random.default_rng(0)
+    starts = rng.uniform(0, 10, size=(5, 7))
+    spans = np.stack([starts, starts + rng.uniform(0, 2, size=(5, 7))], -1)
+    grid = np.linspace(0, 12, 120001)
+    for row, got in zip(spans, covered(tf.constant(spans)).numpy()):
+        inside = np.zeros_like(grid, dtype=bool)
+        for a, b in row:
+            inside |= (grid >= a) & (grid < b)
+        assert abs(got - inside.mean() * 12) < 1e-3
 
 
 def test_two_copies_average_their_gradients_as_one_copy_of_all_their_micro_batches(stepped):
@@ -201,12 +248,9 @@ def test_the_average_over_copies_is_each_gradients_mean_whatever_its_dtype():
               for _ in range(P)]
     dtypes = [tf.float32, tf.float32, tf.float64]
 
-    class Pass:
-        def __init__(self, grads):
-            self.acc = [[tf.constant(g, dtype=d) for g, d in zip(grads, dtypes)]]
-
+    grads = [[tf.constant(g, dtype=d) for g, d in zip(v, dtypes)] for v in values]
     devices = [[("cpu", "/device:CPU:0")] for _ in range(P)]
-    means = average_over_copies(0, [Pass(v) for v in values], devices)
+    means = average_over_copies(0, grads, devices)
     assert len(means) == P
     for copy in means:
         for i, got in enumerate(copy):

@@ -134,7 +134,7 @@ def test_pipeline_flags_are_refused_under_other_strategies(flags):
         resolve(config, [], train_examples=60_000, test_examples=10_000)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "dataflow"])
 @pytest.mark.parametrize("S, M", [(1, 1), (2, 2), (2, 8), (3, 4), (4, 8)])
 def test_every_stage_runs_each_forward_then_its_backward_once(schedule, S, M):
     for s in range(S):
@@ -142,18 +142,31 @@ def test_every_stage_runs_each_forward_then_its_backward_once(schedule, S, M):
         assert sorted(slots) == sorted([("F", m) for m in range(M)] + [("B", m) for m in range(M)])
         assert all(slots.index(("F", m)) < slots.index(("B", m)) for m in range(M))
         # GPipe holds every micro-batch's activations; 1F1B at most S - s of them.
-        assert stages.in_flight(slots) == (M if schedule == "gpipe" else min(S - s, M))
+        # (dataflow is traced in GPipe's order and holds at most as many)
+        assert stages.in_flight(slots) == (min(S - s, M) if schedule == "1f1b" else M)
     if schedule == "1f1b":  # the last stage alternates from the start
         assert stages.schedule_slots("1f1b", S, M, S - 1)[:2] == [("F", 0), ("B", 0)]
 
 
 def test_the_schedule_is_checked_and_1f1b_needs_as_many_micro_batches_as_stages():
-    assert _resolve(2, micro_batches=2).pipeline.schedule == "gpipe"
+    assert _resolve(2, micro_batches=2).pipeline.schedule == "dataflow"
     assert _resolve(2, micro_batches=2, schedule="1f1b").pipeline.describe()["schedule"] == "1f1b"
     with pytest.raises(ConfigError, match="--schedule 1f1b with --micro-batches 1 under 2 stages"):
         _resolve(2, schedule="1f1b")
-    with pytest.raises(ConfigError, match="unknown --schedule 'pipedream'; allowed: gpipe, 1f1b"):
+    with pytest.raises(ConfigError,
+                       match="unknown --schedule 'pipedream'; allowed: gpipe, 1f1b, dataflow"):
         TrainConfig(strategy="pipeline", schedule="pipedream").validate()
+
+
+def test_only_dataflow_runs_a_stages_slots_unchained_and_only_1f1b_keeps_weight_gradients_per_micro_batch():
+    plans = {name: stages.PipelinePlan(2, 8, 1, schedule=name)
+             for name in ("gpipe", "1f1b", "dataflow")}
+    assert {n: p.chained for n, p in plans.items()} == {
+        "gpipe": True, "1f1b": True, "dataflow": False}
+    assert {n: p.defers_weight_gradients for n, p in plans.items()} == {
+        "gpipe": True, "1f1b": False, "dataflow": True}
+    # Traced in GPipe's order: the same sums in the same order as GPipe.
+    assert plans["dataflow"].slots(0) == plans["gpipe"].slots(0)
 
 
 # --- cutting Keras models (builds small models locally) --------------------------

@@ -36,7 +36,8 @@ TITLE = "model parallel: a chain cut into S stages, M micro-batches per step (pi
 TASK = "mnist-mlp"
 # (task, global batch): the small MLP and the compute-heavy chain.
 TASKS = (("mnist-mlp", 128), ("dense-chain", 256))
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "dataflow")
+DEFAULT_SCHEDULE = "dataflow"  # --schedule's default: the one the throughput plot draws
 STAGES = (1, 2, 4)
 MICRO_BATCHES = (1, 2, 4, 8)
 GLOBAL_BATCH = 128
@@ -86,7 +87,7 @@ def plan(args, python: str = sys.executable) -> list[ModelParallelRun]:
                 for schedule in SCHEDULES:
                     if schedule == "1f1b" and (m < s or s == 1):
                         continue  # 1F1B needs M >= S, and is GPipe at S = 1
-                    key = f"S{s}-M{m}" + ("" if schedule == "gpipe" else "-1f1b")
+                    key = f"S{s}-M{m}" + ("" if schedule == "gpipe" else f"-{schedule}")
                     runs.append(add(key, [python, LAUNCH, "--strategy", "pipeline",
                                           "--workers", str(s), "--timeout",
                                           str(args.run_timeout), "--", "--micro-batches",
@@ -173,7 +174,8 @@ def render(rows: list[dict]) -> list[str]:
              f"{', '.join(f'{t} at global batch {b}' for t, b in TASKS)}; {STEPS} steps, one "
              "worker task per stage and the chief driving them. examples/s: steady state of "
              "one run. Idle: predicted (S-1)/(M+S-1) against measured per stage, 1 - busy / "
-             "step (busy: the stage's own slots, stamped on its task). Transfers: tensors "
+             "step (busy: the time the stage's own slots cover, stamped on its task; under "
+             "dataflow they may overlap). Transfers: tensors "
              "crossing between tasks per step (between stages / in all; the minimum between "
              "stages is 2 (S-1) M). Parameter bytes: each worker's share of the model's "
              "weights. Peak memory: each task's peak resident set (MiB).", "",
@@ -240,7 +242,8 @@ def plot(plt, rows: list[dict], where: str, out: str, save) -> str | None:
     if shown:
         save(plot_schedule(plt, shown, f"one step per stage task — {where}"), out,
              "pipeline_schedule.png")
-    rows = [r for r in rows if r.get("task", TASK) == TASK and r.get("schedule") == "gpipe"]
+    rows = [r for r in rows
+            if r.get("task", TASK) == TASK and r.get("schedule") == DEFAULT_SCHEDULE]
     if not rows:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
@@ -265,5 +268,6 @@ def plot(plt, rows: list[dict], where: str, out: str, save) -> str | None:
     right.set_ylabel("idle fraction of a stage")
     left.set_title("Throughput", fontsize=10)
     right.set_title("The bubble: predicted and measured", fontsize=10)
-    fig.suptitle(f"pipeline, {TASK}, global batch {GLOBAL_BATCH} — {where}", fontsize=10)
+    fig.suptitle(f"pipeline ({DEFAULT_SCHEDULE}), {TASK}, global batch {GLOBAL_BATCH} — {where}",
+                 fontsize=10)
     return save(fig, out, "model_parallel.png")

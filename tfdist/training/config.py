@@ -31,7 +31,7 @@ OPTIMIZERS = ("adam", "sgd")
 DEFAULT_LEARNING_RATE = {"adam": 5e-3, "sgd": 0.1}
 LR_SCHEDULES = ("cosine", "constant")
 # --strategy pipeline: the order of each stage's forward and backward slots.
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "dataflow")
 # --variable-partitioner (training.sharding.POLICIES; this module imports no TensorFlow).
 PARTITIONERS = ("none", "min-size", "fixed")
 # What gradients cross the network as (--gradient-dtype); updates are float32 whatever it is.
@@ -192,9 +192,10 @@ class TrainOptions:
         None, "pipeline: the first layer of each stage after the first", metavar="I,J,...",
         group="cluster", unset="stages balanced by parameter count")
     schedule: str | None = option(
-        None, "pipeline: each stage's order of forwards and backwards (1f1b holds at most S "
-        "micro-batches' activations per stage)", metavar="gpipe|1f1b", group="cluster",
-        unset="gpipe")
+        None, "pipeline: each stage's order of forwards and backwards: dataflow runs each as "
+        "soon as its input is there, several at once on a stage's free threads; gpipe every "
+        "forward then every backward; 1f1b holds at most S micro-batches' activations per "
+        "stage", metavar="dataflow|gpipe|1f1b", group="cluster", unset="dataflow")
     read_ahead: str | None = option(
         None, "ps: each worker reads its next weights from the ps while it computes a step "
         "and pushes its gradients, so the ps link carries weights out "

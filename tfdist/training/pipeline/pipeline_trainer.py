@@ -36,6 +36,7 @@ import tensorflow as tf
 from tfdist.training.workload import data
 
 from tfdist.training.pipeline import stages as stage_cut
+from tfdist.training.pipeline import weight_grads
 from tfdist.training.loop.state import make_optimizer
 from tfdist.training.loop.step import metric_dict
 from tfdist.training.loop.peers import PEER_ERRORS
@@ -201,9 +202,12 @@ class _CopyPass:
     between its stages (activations forward, their gradients backward), each slot's
     tape, each stage's summed gradients, slot times and the end of its last slot."""
 
-    def __init__(self, stages, devices, anchors, clock, compile_loss, metrics, xs, ys, M: int):
+    def __init__(self, stages, devices, anchors, clock, compile_loss, metrics, xs, ys,
+                 plan: stage_cut.PipelinePlan):
         self.stages, self.devices, self.anchors, self.clock = stages, devices, anchors, clock
-        self.compile_loss, self.metrics, self.ys, self.M = compile_loss, metrics, ys, M
+        self.compile_loss, self.metrics, self.ys = compile_loss, metrics, ys
+        M = self.M = plan.micro_batches
+        self.chained = plan.chained
         S = self.S = len(stages)
         self.losses, self.values = [], []
         self.acts = {}  # (s, m): stage s's input for micro-batch m
@@ -212,7 +216,13 @@ class _CopyPass:
         for m in range(M):
             self.acts[(0, m)] = xs[m]
         self.last_end = [None] * S
-        self.acc = [None] * S  # each stage's gradients, summed over the micro-batches
+        self.ends = [[] for _ in range(S)]  # every slot's end stamp, per stage
+        self.forward_end = {}  # (s, m): the end of its forward, which its backward follows
+        self.acc = [[None] * len(st.trainable_variables) for st in stages]  # summed over micro-batches
+        # Each stage's products' gradients (training.pipeline.weight_grads).
+        self.products = [weight_grads.WeightGrads(st.trainable_variables,
+                                                  plan.defers_weight_gradients)
+                         for st in stages]
         self.times = [[] for _ in range(S)]
 
     def build(self, orders, schedule: str) -> None:
@@ -241,7 +251,11 @@ class _CopyPass:
 
     def _run(self, s, kind, m) -> None:
         with tf.device(self.devices[s][1]):
-            deps = [self.last_end[s]] if self.last_end[s] is not None else []
+            # Chained, a slot follows the stage's previous one (the schedule's order);
+            # under dataflow only its input, and a backward its own forward.
+            deps = [self.last_end[s]] if self.chained and self.last_end[s] is not None else []
+            if kind == "B":
+                deps.append(self.forward_end.pop((s, m)))
             # The slot starts once its input is here: waiting for it is idle.
             source = self.acts if kind == "F" else self.grads_in
             if (s, m) in source:
@@ -256,7 +270,10 @@ class _CopyPass:
                     out = self._backward(s, m)
             with tf.control_dependencies(out):
                 end = self.clock(self.anchors[s])
+            if kind == "F":
+                self.forward_end[(s, m)] = end
             self.times[s].append(tf.stack([start, end]))
+            self.ends[s].append(end)
             self.last_end[s] = end
 
     def _forward(self, s, m) -> list:
@@ -288,20 +305,42 @@ class _CopyPass:
         g = self.grads_in.pop((s, m), None)
         variables = self.stages[s].trainable_variables
         sources = ([h] if s > 0 else []) + list(variables)
-        if g is None:
-            grads = tape.gradient(loss, sources)
-        elif loss is None:
-            grads = tape.gradient(out, sources, output_gradients=g)
-        else:
-            grads = tape.gradient([out, loss], sources,
-                                  output_gradients=[g, tf.ones_like(loss)])
+        with weight_grads.recording(self.products[s]):
+            if g is None:
+                grads = tape.gradient(loss, sources)
+            elif loss is None:
+                grads = tape.gradient(out, sources, output_gradients=g)
+            else:
+                grads = tape.gradient([out, loss], sources,
+                                      output_gradients=[g, tf.ones_like(loss)])
         if s > 0:
             self.grads_in[(s - 1, m)], grads = grads[0], grads[1:]
-        grads = [tf.zeros_like(v) if gr is None else gr
-                 for gr, v in zip(grads, variables)]
-        acc = self.acc
-        acc[s] = grads if acc[s] is None else [a + b for a, b in zip(acc[s], grads)]
-        return acc[s] + ([self.grads_in[(s - 1, m)]] if s > 0 else [])
+        # None where the tape had nothing for a variable (its products' weight
+        # gradients are made apart, once per step when deferred).
+        self.acc[s] = [a if b is None else b if a is None else a + b
+                       for a, b in zip(self.acc[s], grads)]
+        done = [a for a in self.acc[s] if a is not None] + self.products[s].pending()
+        return done + ([self.grads_in[(s - 1, m)]] if s > 0 else [])
+
+    def gradients(self, s) -> list:
+        """Stage ``s``'s gradients summed over the micro-batches, one per variable."""
+        return self.products[s].weight_gradients(self.acc[s])
+
+
+def covered(intervals):
+    """The length of the union of ``[start, end]`` intervals ``[..., K, 2]``, per
+    row: a stage's busy time when its slots may overlap (``dataflow``), its slots'
+    sum when they cannot."""
+    starts, ends = intervals[..., 0], intervals[..., 1]
+    order = tf.argsort(starts, axis=-1)
+    batch = len(intervals.shape) - 2
+    starts = tf.gather(starts, order, batch_dims=batch)
+    ends = tf.gather(ends, order, batch_dims=batch)
+    k = tf.shape(starts)[-1]
+    before = tf.range(k)[None, :] < tf.range(k)[:, None]  # [i, j]: j sorted before i
+    lowest = tf.fill(tf.shape(ends), tf.constant(-float("inf"), ends.dtype))
+    reach = tf.reduce_max(tf.where(before, ends[..., None, :], lowest[..., None]), axis=-1)
+    return tf.reduce_sum(tf.maximum(ends - tf.maximum(starts, reach), 0), axis=-1)
 
 
 def chunk_sizes(n: int, parts: int) -> list[int]:
@@ -309,7 +348,7 @@ def chunk_sizes(n: int, parts: int) -> list[int]:
     return [n // parts + (1 if c < n % parts else 0) for c in range(parts)]
 
 
-def average_over_copies(s: int, passes: list[_CopyPass], devices) -> list[list]:
+def average_over_copies(s: int, grads: list[list], devices) -> list[list]:
     """Stage ``s``'s summed gradients averaged over its P copies: for each copy,
     the mean on that copy's task.
 
@@ -321,8 +360,8 @@ def average_over_copies(s: int, passes: list[_CopyPass], devices) -> list[list]:
     copy's task sends and receives 2 (P - 1) / P of the stage's gradient bytes,
     as a ring all-reduce does, in one message per chunk; each chunk's mean is
     computed once, so every copy applies the same values."""
-    P = len(passes)
-    grads = [[tf.convert_to_tensor(g) for g in passes[p].acc[s]] for p in range(P)]
+    P = len(grads)
+    grads = [[tf.convert_to_tensor(g) for g in row] for row in grads]
     shapes = [g.shape for g in grads[0]]
     sizes = [int(math.prod(shape)) for shape in shapes]
     groups = {}  # one vector per dtype (a vector has one)
@@ -349,15 +388,21 @@ def average_over_copies(s: int, passes: list[_CopyPass], devices) -> list[list]:
 
 
 def _update_stage(s: int, passes: list[_CopyPass], copies, optimizers, devices, anchors, clock) -> None:
-    """Stage ``s``'s one update: the copies' gradients averaged among them
-    (``average_over_copies``), then applied on every copy after its last slot,
-    between two stamps of its clock."""
+    """Stage ``s``'s one update: each copy's deferred weight gradients made and
+    the copies' gradients averaged among them (``average_over_copies``), then
+    applied on every copy, after its last slot, between two stamps of its clock."""
     P = len(passes)
-    means = [passes[0].acc[s]] if P == 1 else average_over_copies(s, passes, devices)
+    starts, sums = [], []
     for p in range(P):
         with tf.device(devices[p][s][1]):
-            with tf.control_dependencies([passes[p].last_end[s]]):
-                start = clock(anchors[p][s])
+            with tf.control_dependencies(passes[p].ends[s]):  # after every slot
+                starts.append(clock(anchors[p][s]))
+            with tf.control_dependencies([starts[p]]):
+                sums.append(passes[p].gradients(s))
+    means = sums if P == 1 else average_over_copies(s, sums, devices)
+    for p in range(P):
+        start = starts[p]
+        with tf.device(devices[p][s][1]):
             with tf.control_dependencies([start]):
                 variables = copies[p][s].trainable_variables
                 optimizers[p][s].apply(means[p], variables)
@@ -370,7 +415,7 @@ def _update_stage(s: int, passes: list[_CopyPass], copies, optimizers, devices, 
 
 
 def make_pipeline_step(state: PipelineState, compile_loss, metrics, micro_batches: int,
-                       schedule: str = "gpipe"):
+                       schedule: str = "dataflow"):
     """``step(features, labels)``: one step over every copy; returns (mean loss,
     mean metric values, slot times).
 
@@ -388,7 +433,8 @@ def make_pipeline_step(state: PipelineState, compile_loss, metrics, micro_batche
     """
     copies, optimizers, devices = state.copies, state.optimizers, state.devices
     P, S, M = len(copies), len(copies[0]), micro_batches
-    orders = [stage_cut.schedule_slots(schedule, S, M, s) for s in range(S)]
+    plan = stage_cut.PipelinePlan(S, M, P, schedule=schedule)
+    orders = [plan.slots(s) for s in range(S)]
     anchors = _clock_anchors(devices)
 
     @tf.function(autograph=False)
@@ -406,7 +452,7 @@ def make_pipeline_step(state: PipelineState, compile_loss, metrics, micro_batche
             with tf.device(devices[p][S - 1][1]):
                 ys = _split(per_copy_y[p], M)
             copy = _CopyPass(copies[p], devices[p], anchors[p], clock, compile_loss, metrics,
-                             xs, ys, M)
+                             xs, ys, plan)
             copy.build(orders, schedule)
             passes.append(copy)
             with tf.device(devices[p][S - 1][1]):
@@ -527,7 +573,7 @@ class PipelineTrainer(Trainer):
                 last = tf.stack(stamps)
                 return {"loss": tf.identity(loss), "metrics": tf.identity(values),
                         "last_step": last,
-                        "busy": tf.reduce_sum(last[:, :, 1] - last[:, :, 0], axis=1)}
+                        "busy": covered(last)}
 
         self._train_fn = train_fn
         self._out = None

@@ -33,12 +33,25 @@ class PipelinePlan:
     micro_batches: int  # M
     pipelines: int  # P: data-parallel copies of the S-stage pipeline
     boundaries: tuple[int, ...] | None = None  # --stages: the first layer of stages 1..S-1
-    schedule: str = "gpipe"  # --schedule: gpipe | 1f1b
+    schedule: str = "dataflow"  # --schedule: dataflow | gpipe | 1f1b
 
     def slots(self, stage: int) -> list[tuple[str, int]]:
         """Stage ``stage``'s order of work in a step: ("F", m) forwards and ("B", m)
         backwards of micro-batch m (``schedule_slots``)."""
         return schedule_slots(self.schedule, self.stages, self.micro_batches, stage)
+
+    @property
+    def chained(self) -> bool:
+        """Whether each stage runs its slots one after the other in the schedule's
+        order (``gpipe``, ``1f1b``), or as their inputs arrive (``dataflow``)."""
+        return self.schedule != "dataflow"
+
+    @property
+    def defers_weight_gradients(self) -> bool:
+        """Whether each stage's weight gradients wait for many micro-batches' rows
+        (``training.pipeline.weight_grads``), which keeps their layer inputs to
+        the step's end: not under 1F1B, whose point is to hold fewer of them."""
+        return self.schedule != "1f1b"
 
     def worker(self, copy: int, stage: int) -> int:
         """The worker task index holding ``stage`` of ``copy``: copy p takes workers p*S..p*S+S-1."""
@@ -61,14 +74,17 @@ def schedule_slots(schedule: str, stages: int, micro_batches: int,
     """One stage's slots, in the order it runs them (pure).
 
     ``gpipe``: every forward, then every backward in reverse, so a stage holds
-    the activations of all M micro-batches at once. ``1f1b`` (PipeDream's
+    the activations of all M micro-batches at once. ``dataflow`` is traced in
+    GPipe's order (so it sums the same gradients in the same order) but runs
+    each slot as soon as its input is there, several at once where the task
+    has free threads: at most GPipe's M in flight. ``1f1b`` (PipeDream's
     one-forward-one-backward, flushed each step): stage s runs S - 1 - s
     forwards to fill the pipeline, then alternates one forward with one
     backward, then drains its backwards; it never holds more than S - s
     micro-batches' activations.
     """
     m_all = range(micro_batches)
-    if schedule == "gpipe":
+    if schedule in ("gpipe", "dataflow"):
         return [("F", m) for m in m_all] + [("B", m) for m in reversed(m_all)]
     warm = min(stages - 1 - stage, micro_batches)
     out = [("F", m) for m in range(warm)]
@@ -128,12 +144,12 @@ def make_plan(workers: int, micro_batches: int, pipelines: int, stages_text: str
             f"--global-batch-size={global_batch} does not split into {pipelines} pipeline "
             f"copies x {micro_batches} micro-batches of equal size; use a multiple of "
             f"{pipelines * micro_batches}")
-    schedule = schedule or "gpipe"
+    schedule = schedule or "dataflow"
     if schedule == "1f1b" and micro_batches < stages:
         raise ConfigError(
             f"--schedule 1f1b with --micro-batches {micro_batches} under {stages} stages has no "
             f"steady one-forward-one-backward phase (it needs M >= S); use --micro-batches "
-            f"{stages} or more, or --schedule gpipe")
+            f"{stages} or more, or --schedule dataflow")
     return PipelinePlan(stages, micro_batches, pipelines, boundaries, schedule)
 
 
