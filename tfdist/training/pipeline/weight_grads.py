@@ -58,7 +58,7 @@ class WeightGrads:
                        for i, v in enumerate(self.variables)}
         self._transposed = {}
         self._rows = {}  # variable index: [(x, dy) per product]
-        self._direct = {}  # variable index: [dW per product] (not deferring)
+        self._direct = {}  # variable index: the running sum of its products' dW (not deferring)
         self._new = []  # what the slot being traced made: its end waits for them
 
     def _variable(self, op):
@@ -80,8 +80,11 @@ class WeightGrads:
                 self._rows.setdefault(i, []).append((x, grad))
                 self._new.append(grad)
             else:
+                # Summed as made, so a stage holds one weight-sized sum, not one per product.
                 dw = tf.matmul(x, grad, transpose_a=True)
-                self._direct.setdefault(i, []).append(dw)
+                if i in self._direct:
+                    dw = self._direct[i] + dw
+                self._direct[i] = dw
                 self._new.append(dw)
         return dx, None
 
@@ -107,7 +110,8 @@ class WeightGrads:
                 xs = tf.concat([x for x, _ in rows], 0)
                 dys = tf.concat([dy for _, dy in rows], 0)
                 parts.append(tf.matmul(xs, dys, transpose_a=True))
-            parts.extend(self._direct.get(i, []))
+            if i in self._direct:
+                parts.append(self._direct[i])
             out.append(tf.add_n(parts) if parts else tf.zeros_like(v))
         return out
 
