@@ -417,14 +417,15 @@ class SyncParameterServer(ParameterServer):
 class Pipeline(StrategyKind):
     """Model parallelism: the chief (the client) cuts the task's model into S
     consecutive stages, one per worker, and trains them through one
-    ``tf.function`` per step (GPipe: M micro-batches forward, then backward);
+    ``tf.function`` per step (M micro-batches forward and backward, in
+    ``--schedule``'s order);
     ``--pipelines P`` runs P such copies over P x S workers, data-parallel
     (``training.pipeline.pipeline_trainer``). Workers only serve a ``tf.distribute.Server``.
     """
 
     name = "pipeline"
     summary = ("model parallelism: the model's consecutive stages on the workers, one "
-               "tf.function per step over --micro-batches (GPipe); --pipelines P copies: hybrid")
+               "tf.function per step over --micro-batches (--schedule); --pipelines P copies: hybrid")
     trainer = "pipeline"
     computing_roles = ("worker",)  # the stages compute there; the chief only drives them
     serving_roles = ("worker",)
@@ -433,11 +434,11 @@ class Pipeline(StrategyKind):
     # transfers and dispatch run on the core the idle stage leaves; 1.07-1.17x
     # the examples/s of pinned stages on dense-chain S = 2 (docs/pipeline.md).
     pins_busy_tasks = False
-    # What of Keras's fit contract the GPipe step does not carry over: it is the
+    # What of Keras's fit contract the pipeline step does not carry over: it is the
     # chief's own step over stages that each have their own optimizer.
-    own_train_step_refusal = ("the chief runs its own GPipe step over the model's stages, and a "
+    own_train_step_refusal = ("the chief runs its own pipeline step over the model's stages, and a "
                               "model's train_step needs the whole model, which no task holds")
-    own_compute_loss_refusal = ("the chief's GPipe step applies the compiled loss to the last "
+    own_compute_loss_refusal = ("the chief's pipeline step applies the compiled loss to the last "
                                 "stage's output, and a model's compute_loss needs the whole "
                                 "model, which no task holds")
     jit_compile_refusal = "its step spans several tasks' devices, which one XLA cluster cannot"

@@ -129,7 +129,7 @@ def test_one_process_strategies_train_as_fit(tmp_path, capsys, strategy, name):
 REFUSED = {"multiworker": ("JIT",),
            "ps": ("JIT",),
            "ps-sync": ("FLIPPED_TRAIN_STEP", "LOSS_SCALED", "JIT"),
-           # The GPipe step over stages (docs/pipeline.md): model parallelism.
+           # The pipeline step over stages (docs/pipeline.md): model parallelism.
            "pipeline": ("GRADIENT_ACCUMULATION", "JIT", "FLIPPED_TRAIN_STEP", "LOSS_SCALED",
                         "SAMPLE_WEIGHTED", "CLASS_WEIGHTED", "GLOBAL_CLIP_NORM", "EMA")}
 # In the default tier: one cluster strategy for the fit contract, one for the

@@ -158,13 +158,17 @@ def test_the_schedule_is_checked_and_1f1b_needs_as_many_micro_batches_as_stages(
         TrainConfig(strategy="pipeline", schedule="pipedream").validate()
 
 
-def test_only_dataflow_runs_a_stages_slots_unchained_and_only_1f1b_keeps_weight_gradients_per_micro_batch():
+def test_only_dataflow_runs_slots_unchained_and_only_1f1b_makes_weight_gradients_per_micro_batch():
     plans = {name: stages.PipelinePlan(2, 8, 1, schedule=name)
              for name in ("gpipe", "1f1b", "dataflow")}
     assert {n: p.chained for n, p in plans.items()} == {
         "gpipe": True, "1f1b": True, "dataflow": False}
     assert {n: p.defers_weight_gradients for n, p in plans.items()} == {
         "gpipe": True, "1f1b": False, "dataflow": True}
+    # One micro-batch has nothing to gather; a transposed copy pays from three products.
+    assert not stages.PipelinePlan(2, 1, 1).defers_weight_gradients
+    assert [stages.PipelinePlan(2, m, 1).transposes_weights for m in (1, 2, 3, 8)] == [
+        False, False, True, True]
     # Traced in GPipe's order: the same sums in the same order as GPipe.
     assert plans["dataflow"].slots(0) == plans["gpipe"].slots(0)
 

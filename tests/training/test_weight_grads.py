@@ -20,7 +20,7 @@ def _model():
                              keras.layers.Dense(3)])
 
 
-def _gradients(model, micro, defer=None, extra=None):
+def _gradients(model, micro, defer=None, extra=None, transpose=True):
     """The model's summed gradients over ``micro`` micro-batches, by the tape
     alone (defer None) or through ``recording``; and the products it kept."""
     x = tf.constant(np.random.default_rng(0).normal(size=(16, 6)), tf.float32)
@@ -30,7 +30,7 @@ def _gradients(model, micro, defer=None, extra=None):
     @tf.function
     def run():
         variables = model.trainable_variables
-        products = None if defer is None else wg.WeightGrads(variables, defer)
+        products = None if defer is None else wg.WeightGrads(variables, defer, transpose)
         acc = [None] * len(variables)
         inputs = []
         for xs, ys in zip(tf.split(x, micro), tf.split(y, micro)):
@@ -56,11 +56,11 @@ def _gradients(model, micro, defer=None, extra=None):
     return [g.numpy() for g in grads], inputs.numpy(), seen
 
 
-@pytest.mark.parametrize("defer", [True, False])
-def test_the_products_gradients_are_tensorflows_own(defer):
+@pytest.mark.parametrize("defer, transpose", [(True, True), (False, True), (True, False)])
+def test_the_products_gradients_are_tensorflows_own(defer, transpose):
     model = _model()
     want, want_in, _ = _gradients(model, 4)
-    got, got_in, seen = _gradients(model, 4, defer=defer)
+    got, got_in, seen = _gradients(model, 4, defer=defer, transpose=transpose)
     # The kernels' gradients came from the products, not the tape; the biases' from the tape.
     assert seen["untouched"] == [True, False, True, False]
     for a, b in zip(got, want):

@@ -12,10 +12,10 @@ model (S - 1) / (M + S - 1).
 
 ``dense-chain`` (4 x Dense(2048) over 256 features, 13 M parameters, a
 compute-heavy chain) runs the same cells at global batch 256, and both run
-GPipe and 1F1B (``--schedule``; 1F1B where M >= S).
+GPipe, 1F1B and dataflow (``--schedule``; 1F1B where M >= S).
 
-The measured idle fraction of a stage is 1 - busy / step: busy is the sum of
-the stage's own slots (each forward, backward and its update, stamped on the
+The measured idle fraction of a stage is 1 - busy / step: busy is the time
+covered by the stage's own slots (each forward, backward and its update, stamped on the
 stage's task from the moment its input is there), step the chief's measured
 time per step (``training.pipeline.pipeline_trainer``). Time a stage's thread
 waits for a core counts as busy: on a host shared with other jobs the

@@ -8,10 +8,13 @@ built in the same scope: the stage's variables and optimizer slots live on
 that task, and only activations and their gradients cross the network.
 
 A step is one ``tf.function`` call: the global batch is split into P x M
-micro-batches; each stage runs its forwards and backwards in its schedule's
-order (``--schedule``: GPipe, every forward then every backward; or 1F1B),
-chained on its own task and stamped there (busy time per stage), each
-stage's gradients accumulated on its own task. With ``P > 1`` each stage's accumulated
+micro-batches; each stage runs its forwards and backwards on its own task,
+stamped there (busy time per stage): under ``--schedule`` dataflow (the
+default) each as soon as its input is there, several at once where the task
+has free threads; under gpipe (every forward then every backward) and 1f1b
+chained in that order. Each stage's gradients are summed on its own task, its
+matrix products' weight gradients once per step from every micro-batch's rows
+(``training.pipeline.weight_grads``). With ``P > 1`` each stage's accumulated
 gradients are averaged over its P copies by a reduce-scatter and an all-gather
 placed on the copies' tasks (``average_over_copies``) and the same average is
 applied by every copy's optimizer (identical weights and slots, so the copies
@@ -221,7 +224,8 @@ class _CopyPass:
         self.acc = [[None] * len(st.trainable_variables) for st in stages]  # summed over micro-batches
         # Each stage's products' gradients (training.pipeline.weight_grads).
         self.products = [weight_grads.WeightGrads(st.trainable_variables,
-                                                  plan.defers_weight_gradients)
+                                                  plan.defers_weight_gradients,
+                                                  plan.transposes_weights)
                          for st in stages]
         self.times = [[] for _ in range(S)]
 
@@ -426,10 +430,12 @@ def make_pipeline_step(state: PipelineState, compile_loss, metrics, micro_batche
     stage's slot times and the last stage's loss and metric means.
 
     Each stage runs its slots (``stages.schedule_slots``: GPipe's or 1F1B's
-    order) one after the other, chained by control dependencies, each between
-    two ``tf.timestamp``s on the stage's own task: slot times ``[P, S, slots +
-    1, 2]`` (start, end; the last slot is the stage's optimizer update), so a
-    stage's busy time is its own compute, measured where it runs.
+    order) one after the other, chained by control dependencies, or under
+    dataflow (traced in GPipe's order) each once its input is there; each
+    between two ``tf.timestamp``s on the stage's own task: slot times ``[P, S,
+    slots + 1, 2]`` (start, end; the last slot is the stage's optimizer update,
+    after every other), so a stage's busy time (``covered``) is its own
+    compute, measured where it runs.
     """
     copies, optimizers, devices = state.copies, state.optimizers, state.devices
     P, S, M = len(copies), len(copies[0]), micro_batches
@@ -534,7 +540,7 @@ def count_transfers(concrete) -> dict:
 
 class PipelineTrainer(Trainer):
     """``pipeline`` on the chief: owns the model's stages placed on the workers (and their
-    optimizers, per copy), the GPipe step over micro-batches, keeping the copies
+    optimizers, per copy), the step over micro-batches in --schedule's order, keeping the copies
     identical, and the per-worker parameter and optimizer bytes of the results."""
 
     peer_errors = PEER_ERRORS

@@ -46,12 +46,14 @@ class WeightGrads:
     """One stage's deferred weight gradients and transposed weights for one traced
     step. ``defer``: the weight gradients once per step from every micro-batch's rows
     (which keeps each micro-batch's layer inputs until the step's end, as GPipe does
-    anyway); otherwise once per micro-batch."""
+    anyway); otherwise once per micro-batch, summed as made. ``transpose``: the
+    input gradients against a transposed copy of the weight, made once per step;
+    otherwise as TensorFlow makes them. (``PipelinePlan`` decides both.)"""
 
-    def __init__(self, variables, defer: bool):
+    def __init__(self, variables, defer: bool, transpose: bool = True):
         graph = tf.compat.v1.get_default_graph()
         self.variables = list(variables)
-        self.defer = defer
+        self.defer, self.transpose = defer, transpose
         # A variable's handle as the traced step sees it (its capture), which is the
         # input of every ReadVariableOp of it in the step.
         self._index = {graph.capture(v.handle).ref(): i
@@ -74,7 +76,12 @@ class WeightGrads:
             return original(op, grad)
         skip = getattr(op, "skip_input_indices", None) or ()
         x, w = op.inputs
-        dx = None if 0 in skip else tf.matmul(grad, self._transpose(i, w))
+        if 0 in skip:
+            dx = None
+        elif self.transpose:
+            dx = tf.matmul(grad, self._transpose(i, w))
+        else:
+            dx = tf.matmul(grad, w, transpose_b=True)
         if 1 not in skip:
             if self.defer:
                 self._rows.setdefault(i, []).append((x, grad))
