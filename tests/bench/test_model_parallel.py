@@ -70,3 +70,9 @@ def test_summary_idle_fraction_targets_and_table():
     assert "| mnist-mlp | gpipe | 2 | 4 |" in table and "FAILED (see runs/mp-S4-M1.log)" in table
     assert "worker:0 1,593 (50%)" in table and "| 16 / 21 |" in table
     assert "worker:0 0.20, worker:1 0.20" in table
+
+
+def test_overlapping_slots_get_lanes_of_their_own_and_the_fewest_lanes():
+    assert mp.lanes([(0, 2), (1, 3), (2, 4), (5, 6)]) == [0, 1, 0, 0]
+    assert mp.lanes([(3, 4), (0, 10), (1, 2)]) == [1, 0, 1]
+    assert mp.lanes([]) == []

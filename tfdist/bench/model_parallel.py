@@ -208,21 +208,43 @@ def render(rows: list[dict]) -> list[str]:
     return lines + [""]
 
 
+def lanes(spans: list[tuple[float, float]]) -> list[int]:
+    """A lane per (start, end) span so that spans in one lane do not overlap, the
+    fewest lanes taken first (pure): a stage's slots under dataflow overlap."""
+    ends: list[float] = []  # each lane's latest end
+    out = [0] * len(spans)
+    for i in sorted(range(len(spans)), key=lambda i: spans[i][0]):
+        start, end = spans[i]
+        free = [k for k, e in enumerate(ends) if e <= start]
+        if free:
+            out[i] = free[0]
+            ends[free[0]] = end
+        else:
+            out[i] = len(ends)
+            ends.append(end)
+    return out
+
+
 def plot_schedule(plt, cells: list[tuple[str, dict]], title: str):
     """One step's slots per stage task, one panel per (label, last_step_slots):
-    forwards light, backwards dark, the update grey; the gaps are the bubble."""
+    forwards light, backwards dark, the update grey; the gaps are the bubble.
+    Slots that overlap (dataflow) are drawn in lanes of the stage's row, each from
+    its input's arrival to its end (waiting for a thread included)."""
     fig, axes = plt.subplots(len(cells), 1, figsize=(11, 1.2 + 1.1 * len(cells)), squeeze=False)
     for ax, (label, slots) in zip(axes[:, 0], cells):
         names = list(slots)
+        longest = max(e for row in slots.values() for *_, e in row)
         for y, name in enumerate(names):
-            for kind, m, start, end in slots[name]:
+            lane_of = lanes([(start, end) for _, _, start, end in slots[name]])
+            height = 0.8 / (max(lane_of) + 1)
+            for (kind, m, start, end), lane in zip(slots[name], lane_of):
                 colour = {"F": "#9ecae1", "B": "#3182bd"}.get(kind, "#969696")
-                ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (y - 0.4, 0.8),
+                bottom = y - 0.4 + lane * height
+                ax.broken_barh([(start * 1e3, (end - start) * 1e3)], (bottom, height),
                                facecolors=colour, edgecolors="white", linewidth=0.5)
-                if kind != "U" and (end - start) * 1e3 > 0.04 * max(
-                        e for row in slots.values() for *_, e in row) * 1e3:
-                    ax.text((start + end) / 2 * 1e3, y, f"{kind}{m}", ha="center",
-                            va="center", fontsize=6)
+                if kind != "U" and (end - start) > 0.04 * longest:
+                    ax.text((start + end) / 2 * 1e3, bottom + height / 2, f"{kind}{m}",
+                            ha="center", va="center", fontsize=6)
         ax.set_yticks(range(len(names)), names, fontsize=7)
         ax.invert_yaxis()
         ax.set_title(label, fontsize=8, loc="left")
