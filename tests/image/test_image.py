@@ -115,6 +115,9 @@ class Podman:
     def __init__(self, state: Path):
         self.state = state
         self.cgroup_parent = f"/tfdist-image-{uuid.uuid4().hex[:8]}"
+        # An image build (buildah) makes a cgroup of its own in every controller and
+        # leaves it behind: the ones that were not there before are this run's.
+        self.build_cgroups_before = set(Path("/sys/fs/cgroup").glob("*/buildah-*"))
         (state / "tmp").mkdir()
         (state / "cni").mkdir()
         conf = state / "containers.conf"
@@ -219,6 +222,11 @@ network_config_dir = "{state}/cni"
                     d.rmdir()
                 except OSError as err:
                     problems.append(f"cgroup {d}: {err}")
+        for d in sorted(set(Path("/sys/fs/cgroup").glob("*/buildah-*")) - self.build_cgroups_before):
+            try:
+                d.rmdir()
+            except OSError as err:
+                problems.append(f"build cgroup {d}: {err}")
         for d in self.created_dirs:
             try:
                 d.rmdir()
