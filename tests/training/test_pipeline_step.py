@@ -51,7 +51,8 @@ CASES = [("gpipe", "gpipe", S, 1, M), ("1f1b", "1f1b", S, 1, M), ("dataflow", "d
          ("one-copy-2m", "gpipe", S, 1, 2 * M), ("two-copies", "gpipe", S, 2, M),
          ("four-copies", "gpipe", 1, 4, M // 2)]
 for name, schedule, stages, P, micro in CASES:
-    local, cut = st.local_stages(Task(), model, st.PipelinePlan(stages, micro, P))
+    plan = st.PipelinePlan(stages, micro, P, schedule=schedule)
+    local, cut = st.local_stages(Task(), model, plan)
     copies, optimizers, devices = [], [], []
     for p in range(P):
         row, opts, devs = [], [], []
@@ -67,7 +68,7 @@ for name, schedule, stages, P, micro in CASES:
     for v, w in zip(state.model.weights, initial):
         v.assign(w)
     state.sync_copies()
-    step = pt.make_pipeline_step(state, model._compile_loss, metrics, micro, schedule)
+    step = pt.make_pipeline_step(state, model._compile_loss, metrics, plan)
     data = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
     fn = tf.function(lambda it: step(*next(it)))
     for _ in range(STEPS):

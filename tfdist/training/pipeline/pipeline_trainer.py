@@ -203,7 +203,7 @@ def _clock_anchors(devices) -> list[list]:
 class _CopyPass:
     """One copy's forward and backward slots in one traced step: what is in flight
     between its stages (activations forward, their gradients backward), each slot's
-    tape, each stage's summed gradients, slot times and the end of its last slot."""
+    tape, each stage's summed gradients, slot times and end stamps."""
 
     def __init__(self, stages, devices, anchors, clock, compile_loss, metrics, xs, ys,
                  plan: stage_cut.PipelinePlan):
@@ -218,8 +218,7 @@ class _CopyPass:
         self.tapes = {}  # (s, m): (tape, input, output, loss or None)
         for m in range(M):
             self.acts[(0, m)] = xs[m]
-        self.last_end = [None] * S
-        self.ends = [[] for _ in range(S)]  # every slot's end stamp, per stage
+        self.ends = [[] for _ in range(S)]  # every slot's end stamp, per stage, in order
         self.forward_end = {}  # (s, m): the end of its forward, which its backward follows
         self.acc = [[None] * len(st.trainable_variables) for st in stages]  # summed over micro-batches
         # Each stage's products' gradients (training.pipeline.weight_grads).
@@ -257,7 +256,7 @@ class _CopyPass:
         with tf.device(self.devices[s][1]):
             # Chained, a slot follows the stage's previous one (the schedule's order);
             # under dataflow only its input, and a backward its own forward.
-            deps = [self.last_end[s]] if self.chained and self.last_end[s] is not None else []
+            deps = self.ends[s][-1:] if self.chained else []
             if kind == "B":
                 deps.append(self.forward_end.pop((s, m)))
             # The slot starts once its input is here: waiting for it is idle.
@@ -278,7 +277,6 @@ class _CopyPass:
                 self.forward_end[(s, m)] = end
             self.times[s].append(tf.stack([start, end]))
             self.ends[s].append(end)
-            self.last_end[s] = end
 
     def _forward(self, s, m) -> list:
         S, M, stage = self.S, self.M, self.stages[s]
@@ -418,10 +416,11 @@ def _update_stage(s: int, passes: list[_CopyPass], copies, optimizers, devices, 
             passes[p].times[s].append(tf.stack([start, end]))
 
 
-def make_pipeline_step(state: PipelineState, compile_loss, metrics, micro_batches: int,
-                       schedule: str = "dataflow"):
-    """``step(features, labels)``: one step over every copy; returns (mean loss,
-    mean metric values, slot times).
+def make_pipeline_step(state: PipelineState, compile_loss, metrics,
+                       plan: stage_cut.PipelinePlan):
+    """``step(features, labels)``: one step over every copy of ``plan`` (its S, M and
+    schedule; P is ``state``'s copies); returns (mean loss, mean metric values, slot
+    times).
 
     What crosses between tasks is only what the step needs: each copy's
     features once to its first stage and its labels once to its last (each
@@ -438,8 +437,7 @@ def make_pipeline_step(state: PipelineState, compile_loss, metrics, micro_batche
     compute, measured where it runs.
     """
     copies, optimizers, devices = state.copies, state.optimizers, state.devices
-    P, S, M = len(copies), len(copies[0]), micro_batches
-    plan = stage_cut.PipelinePlan(S, M, P, schedule=schedule)
+    P, S, M = len(copies), len(copies[0]), plan.micro_batches
     orders = [plan.slots(s) for s in range(S)]
     anchors = _clock_anchors(devices)
 
@@ -459,7 +457,7 @@ def make_pipeline_step(state: PipelineState, compile_loss, metrics, micro_batche
                 ys = _split(per_copy_y[p], M)
             copy = _CopyPass(copies[p], devices[p], anchors[p], clock, compile_loss, metrics,
                              xs, ys, plan)
-            copy.build(orders, schedule)
+            copy.build(orders, plan.schedule)
             passes.append(copy)
             with tf.device(devices[p][S - 1][1]):
                 copy_means.append(copy.means())
@@ -560,8 +558,7 @@ class PipelineTrainer(Trainer):
             synthetic=self.config.synthetic_data, in_memory=plan.in_memory)
         self._iterator = iter(bundle.strategy.distribute_datasets_from_function(dataset_fn))
         compile_loss = task.local_model._compile_loss  # pylint: disable=protected-access
-        step = make_pipeline_step(state, compile_loss, train_metrics, pp.micro_batches,
-                                  pp.schedule)
+        step = make_pipeline_step(state, compile_loss, train_metrics, pp)
         global_step = state.global_step
 
         # One step per call, the steps looped here: inside a traced loop every
