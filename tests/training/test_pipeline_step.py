@@ -49,7 +49,7 @@ out = {"initial": [w.tolist() for w in initial]}
 # copy of 2M. One stage of 837 weights does not split evenly into four chunks.
 CASES = [("gpipe", "gpipe", S, 1, M), ("1f1b", "1f1b", S, 1, M), ("dataflow", "dataflow", S, 1, M),
          ("one-copy-2m", "gpipe", S, 1, 2 * M), ("two-copies", "gpipe", S, 2, M),
-         ("four-copies", "gpipe", 1, 4, M // 2)]
+         ("four-copies", "gpipe", 1, 4, M // 2), ("dataflow-one-call", "dataflow", S, 1, M)]
 for name, schedule, stages, P, micro in CASES:
     plan = st.PipelinePlan(stages, micro, P, schedule=schedule)
     local, cut = st.local_stages(Task(), model, plan)
@@ -70,9 +70,21 @@ for name, schedule, stages, P, micro in CASES:
     state.sync_copies()
     step = pt.make_pipeline_step(state, model._compile_loss, metrics, plan)
     data = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
-    fn = tf.function(lambda it: step(*next(it)))
-    for _ in range(STEPS):
-        loss, values, stamps = fn(data)
+    if name.endswith("one-call"):  # the trainer's way: STEPS steps in one traced call
+        global_step = tf.Variable(0, dtype=tf.int64)
+        fn = pt.make_call(step, global_step, STEPS)
+        called = fn(data)
+        loss, values = called["loss"] / STEPS, called["metrics"] / STEPS
+        stamps = list(called["stamps"][-1])
+        out["calls"] = {"stamps": called["stamps"].numpy().tolist(),
+                        "global_step": int(global_step.numpy()), "mean_loss": float(loss)}
+    else:
+        fn = tf.function(lambda it: step(*next(it))[:3])
+        losses = []
+        for _ in range(STEPS):
+            loss, values, stamps = fn(data)
+            losses.append(float(loss))
+        out.setdefault("mean_loss", {})[name] = sum(losses) / STEPS
     out[name] = {
         "weights": [w.tolist() for w in state.model.get_weights()],
         "copies": [[w.numpy().tolist() for m in row for w in m.weights] for row in copies],
@@ -113,6 +125,35 @@ def test_dataflow_makes_gpipes_update_to_the_bit(stepped):
     gpipe, flow = stepped["gpipe"], stepped["dataflow"]
     assert flow["weights"] == gpipe["weights"]
     assert flow["loss"] == gpipe["loss"]
+
+
+def test_steps_in_one_call_make_the_updates_of_one_call_per_step(stepped):
+    """The trainer runs a call's steps as one traced function, where a stage may
+    start its next step while a later stage still updates: the same updates."""
+    one, per_step = stepped["dataflow-one-call"], stepped["dataflow"]
+    assert one["weights"] == per_step["weights"]
+    assert abs(stepped["calls"]["mean_loss"] - stepped["mean_loss"]["dataflow"]) < 1e-6
+    assert stepped["calls"]["global_step"] == 3
+
+
+def test_in_one_call_a_stage_starts_its_next_step_after_its_own_update(stepped):
+    """Its variables order it: the next step's first slot on a stage starts after
+    that stage's update ends, but need not wait for the other stages'."""
+    steps = stepped["calls"]["stamps"]  # [step, stage, slot (update last), start/end]
+    assert len(steps) == 3
+    for before, after in zip(steps, steps[1:]):
+        for s, (done, nxt) in enumerate(zip(before, after)):
+            update_end = done[-1][1]
+            assert min(a for a, _ in nxt) >= update_end, (s, nxt, update_end)
+
+
+def test_a_call_of_several_steps_sends_each_steps_messages_once_per_step(stepped):
+    S, M, STEPS = 2, 4, 3
+    t = stepped["dataflow-one-call"]["transfers"]
+    assert t["between_stages"] == STEPS * 2 * (S - 1) * M, t
+    assert t["from_client"] == STEPS * 2 and t["control"] == 0, t
+    # Each step's loss and metric means and its slot times per stage, as one step does.
+    assert t["to_client"] == STEPS * (1 + S), t
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "dataflow"])
