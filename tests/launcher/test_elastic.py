@@ -401,11 +401,13 @@ def test_multiworker_shrinks_then_grows_back_when_the_host_returns(tmp_path, spa
     from conftest import descendants_alive, read_results
 
     model_dir = str(tmp_path / "grow")
+    # Long enough that the shrunk job is still running when the host returns
+    # (at 600 steps the two survivors finished first).
     p = _elastic_job(spawn, model_dir, "multiworker", 3, 3, "host2@step=150+25",
-                     "--min-workers", "2")
+                     "--min-workers", "2", steps=1800)
     assert p.wait(550) == 0, p.output
     r = read_results(model_dir)
-    assert r["global_steps"] == 600 and r["replicas_in_sync"] == 3
+    assert r["global_steps"] == 1800 and r["replicas_in_sync"] == 3
     assert [m["workers"] for m in r["membership"]] == [3, 2, 3], r["membership"]
     assert r["membership"][2]["why"] == "worker:2 back (host2 reachable again)"
     # The grow-back is a preemption: every worker saved at one agreed step, none redone.
