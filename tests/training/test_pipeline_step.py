@@ -49,7 +49,8 @@ out = {"initial": [w.tolist() for w in initial]}
 # copy of 2M. One stage of 837 weights does not split evenly into four chunks.
 CASES = [("gpipe", "gpipe", S, 1, M), ("1f1b", "1f1b", S, 1, M), ("dataflow", "dataflow", S, 1, M),
          ("one-copy-2m", "gpipe", S, 1, 2 * M), ("two-copies", "gpipe", S, 2, M),
-         ("four-copies", "gpipe", 1, 4, M // 2), ("dataflow-one-call", "dataflow", S, 1, M)]
+         ("four-copies", "gpipe", 1, 4, M // 2), ("dataflow-one-call", "dataflow", S, 1, M),
+         ("1f1b-one-call", "1f1b", S, 1, M)]
 for name, schedule, stages, P, micro in CASES:
     plan = st.PipelinePlan(stages, micro, P, schedule=schedule)
     local, cut = st.local_stages(Task(), model, plan)
@@ -76,8 +77,9 @@ for name, schedule, stages, P, micro in CASES:
         called = fn(data)
         loss, values = called["loss"] / STEPS, called["metrics"] / STEPS
         stamps = list(called["stamps"][-1])
-        out["calls"] = {"stamps": called["stamps"].numpy().tolist(),
-                        "global_step": int(global_step.numpy()), "mean_loss": float(loss)}
+        out.setdefault("calls", {})[schedule] = {
+            "stamps": called["stamps"].numpy().tolist(),
+            "global_step": int(global_step.numpy()), "mean_loss": float(loss)}
     else:
         fn = tf.function(lambda it: step(*next(it))[:3])
         losses = []
@@ -127,19 +129,22 @@ def test_dataflow_makes_gpipes_update_to_the_bit(stepped):
     assert flow["loss"] == gpipe["loss"]
 
 
-def test_steps_in_one_call_make_the_updates_of_one_call_per_step(stepped):
+@pytest.mark.parametrize("schedule", ["dataflow", "1f1b"])
+def test_steps_in_one_call_make_the_updates_of_one_call_per_step(stepped, schedule):
     """The trainer runs a call's steps as one traced function, where a stage may
     start its next step while a later stage still updates: the same updates."""
-    one, per_step = stepped["dataflow-one-call"], stepped["dataflow"]
+    one, per_step = stepped[f"{schedule}-one-call"], stepped[schedule]
     assert one["weights"] == per_step["weights"]
-    assert abs(stepped["calls"]["mean_loss"] - stepped["mean_loss"]["dataflow"]) < 1e-6
-    assert stepped["calls"]["global_step"] == 3
+    call = stepped["calls"][schedule]
+    assert abs(call["mean_loss"] - stepped["mean_loss"][schedule]) < 1e-6
+    assert call["global_step"] == 3
 
 
-def test_in_one_call_a_stage_starts_its_next_step_after_its_own_update(stepped):
+@pytest.mark.parametrize("schedule", ["dataflow", "1f1b"])
+def test_in_one_call_a_stage_starts_its_next_step_after_its_own_update(stepped, schedule):
     """Its variables order it: the next step's first slot on a stage starts after
     that stage's update ends, but need not wait for the other stages'."""
-    steps = stepped["calls"]["stamps"]  # [step, stage, slot (update last), start/end]
+    steps = stepped["calls"][schedule]["stamps"]  # [step, stage, slot (update last), start/end]
     assert len(steps) == 3
     for before, after in zip(steps, steps[1:]):
         for s, (done, nxt) in enumerate(zip(before, after)):
