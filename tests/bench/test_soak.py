@@ -153,6 +153,16 @@ def test_a_correct_job():
     assert [r.redone for r in j.relaunches] == [150]
 
 
+def test_a_relaunch_may_resume_from_a_checkpoint_whose_event_was_lost():
+    """ps:0 killed as the chief saved at step 200: the checkpoint was complete and
+    listed, its CHECKPOINT event never written; the relaunch resumed from it."""
+    events = [started(0, 1), ev(protocol.PROGRESS, 200), started(200, 2), ev(protocol.DONE, 600)]
+    j = job()
+    soak.check_records(j, 600, 0.85, outcome(KILLED_PS), results(), events)
+    assert j.problems == [] and j.correct, j.problems
+    assert [(r.resumed_from, r.expected, r.reached) for r in j.relaunches] == [(200, 0, 200)]
+
+
 @pytest.mark.parametrize("over,code,events,words", [
     ({}, 75, RELAUNCHED, "exit code 75"),
     ({"completed_steps": 590}, 0, RELAUNCHED, "completed 590 steps of 600"),
@@ -160,6 +170,8 @@ def test_a_correct_job():
     ({"global_steps": 601}, 0, RELAUNCHED, "global step 601 != 600"),
     ({"test_accuracy": 0.5}, 0, RELAUNCHED, "under the floor 0.85"),
     ({"resumed_from_step": 0}, 0, [*RELAUNCHED[:3], started(0, 2)], "newest checkpoint was at 200"),
+    ({"resumed_from_step": 600}, 0, [*RELAUNCHED[:3], started(600, 2)],
+     "past step 350, the furthest the attempts before it reached"),
     ({}, 0, [], "no STARTED"),
 ])
 def test_a_wrong_job_says_why(over, code, events, words):

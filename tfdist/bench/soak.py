@@ -181,6 +181,7 @@ class Relaunch:
     expected: int  # the newest checkpoint the earlier attempts saved (0: none)
     redone: int  # steps reached before that this attempt ran again
     allowed: int  # what docs/reliability.md promises: 0 after a preemption
+    reached: int = 0  # the furthest step the attempts before it reached (from their events)
 
     @property
     def beyond(self) -> int:
@@ -203,7 +204,8 @@ def relaunches(attempts: list[Attempt], checkpoint_every: int) -> list[Relaunch]
         before, a = attempts[i - 1], attempts[i]
         newest = max((c for b in attempts[:i] for c in b.checkpoints), default=0)
         out.append(Relaunch(a.resumed_from, newest, max(0, before.reached - a.resumed_from),
-                            0 if before.preempted_at is not None else checkpoint_every))
+                            0 if before.preempted_at is not None else checkpoint_every,
+                            max(b.reached for b in attempts[:i])))
     return out
 
 
@@ -288,9 +290,17 @@ def check_records(job: Job, steps: int, floor: float, outcome: protocol.LaunchOu
         job.problems.append("the lead task's events have no STARTED")
     job.relaunches = relaunches(attempts, CHECKPOINT_EVERY)
     for r in job.relaunches:
-        if r.resumed_from != r.expected:
+        # Newer than the newest CHECKPOINT event is right when a save completed
+        # as a task was lost, before its event: seen when ps:0 was killed during
+        # the save (under ps, a ps's share is written by the ps itself). Older
+        # loses a checkpoint; past what the attempts before reached (their events
+        # come every LOG_EVERY steps) cannot have been saved by them.
+        if r.resumed_from < r.expected:
             job.problems.append(f"a relaunch resumed from step {r.resumed_from}, the newest "
                                 f"checkpoint was at {r.expected}")
+        elif r.resumed_from > r.reached + LOG_EVERY:
+            job.problems.append(f"a relaunch resumed from step {r.resumed_from}, past step "
+                                f"{r.reached}, the furthest the attempts before it reached")
     if results is not None and attempts and results.resumed_from_step != attempts[-1].resumed_from:
         job.problems.append(f"results.json resumed from {results.resumed_from_step}, its "
                             f"STARTED event from {attempts[-1].resumed_from}")
