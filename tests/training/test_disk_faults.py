@@ -545,7 +545,8 @@ def _chief_pid(model_dir) -> int:
     from tfdist.launcher.processes import live_processes
 
     for pid, cmd, env in live_processes(environ=True):
-        if str(model_dir) in cmd and "train.py" in cmd and env and any(
+        # The launcher starts each task as ``python -m tfdist.cli.train``.
+        if str(model_dir) in cmd and "tfdist.cli.train" in cmd and env and any(
                 e.startswith(b"TF_CONFIG=") and b'"type": "chief"' in e for e in env):
             return pid
     raise AssertionError(f"no chief process runs with {model_dir}")
