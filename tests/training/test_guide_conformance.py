@@ -35,9 +35,10 @@ JUDGED = {
 # The GAN's losses move with every batch the two players see: the library's must
 # lie within the range plain fit gives over these seeds, widened by the margin.
 # Under asynchronous ps each worker's generator step meets a discriminator its
-# peer may have moved meanwhile, and g_loss lands lower (measured 0.54 and 0.58
-# against fit's 0.75-0.77: docs/fit-conformance.md): a margin of its own.
-GAN_SEEDS, GAN_MARGIN, GAN_PS_MARGIN = (0, 1, 2), 0.1, 0.25
+# peer may have moved meanwhile, and g_loss lands lower (measured 0.52-0.63 in
+# nine launches and once under 0.50 in a long-tier run, against fit's 0.75-0.77:
+# docs/fit-conformance.md): a margin of its own.
+GAN_SEEDS, GAN_MARGIN, GAN_PS_MARGIN = (0, 1, 2), 0.1, 0.35
 # The logs each task's own train_step gives, as fit's History names them.
 TRAIN_LOGS = {
     "FIRST": {"loss", "mae"},
