@@ -224,7 +224,7 @@ class _CopyPass:
         self.tapes = {}  # (s, m): (tape, input, output, loss or None)
         for m in range(M):
             self.acts[(0, m)] = xs[m]
-        self.ends = [[] for _ in range(S)]  # every slot's end stamp, per stage, in order
+        self.ends = [[] for _ in range(S)]  # every slot's end stamp, per stage, in order (the update's last)
         self.forward_end = {}  # (s, m): the end of its forward, which its backward follows
         self.acc = [[None] * len(st.trainable_variables) for st in stages]  # summed over micro-batches
         # Each stage's products' gradients (training.pipeline.weight_grads).
@@ -233,7 +233,6 @@ class _CopyPass:
                                                   plan.transposes_weights)
                          for st in stages]
         self.times = [[] for _ in range(S)]
-        self.update_end = [None] * S  # its update's end stamp, per stage
 
     def build(self, orders, schedule: str) -> None:
         """Every stage's slots, in an order that respects both each stage's schedule
@@ -422,7 +421,7 @@ def _update_stage(s: int, passes: list[_CopyPass], copies, optimizers, devices, 
             with tf.control_dependencies(applied):
                 end = clock(anchors[p][s])
             passes[p].times[s].append(tf.stack([start, end]))
-            passes[p].update_end[s] = end
+            passes[p].ends[s].append(end)  # the stage's last stamp: its update's end
 
 
 def make_pipeline_step(state: PipelineState, compile_loss, metrics,
@@ -480,7 +479,7 @@ def make_pipeline_step(state: PipelineState, compile_loss, metrics,
             for s in range(S):
                 with tf.device(devices[p][s][1]):
                     stamps.append(tf.stack(passes[p].times[s]))  # one transfer per stage
-        return loss, value, stamps, [copy.update_end for copy in passes]
+        return loss, value, stamps, [[ends[-1] for ends in copy.ends] for copy in passes]
 
     return step
 
@@ -518,12 +517,11 @@ def make_call(step, global_step, steps: int):
             stamps.append(stamp)
         with tf.device(client):
             global_step.assign_add(steps)
-            per_step = tf.stack([tf.stack(s) for s in stamps])  # [steps, P * S, slots + 1, 2]
-            every = tf.concat(tf.unstack(per_step), 1)  # [P * S, steps * (slots + 1), 2]
+            per_step = [tf.stack(s) for s in stamps]  # each [P * S, slots + 1, 2]
             return {"loss": tf.add_n(losses), "metrics": tf.add_n(values),
-                    "stamps": per_step,
+                    "stamps": tf.stack(per_step),
                     # Over every step's slots at once: a step's may overlap the next's.
-                    "busy": covered(every)}
+                    "busy": covered(tf.concat(per_step, 1))}
 
     return call
 
