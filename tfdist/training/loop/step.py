@@ -308,6 +308,17 @@ def local_sum(strategy, per_replica):
     return tf.add_n(strategy.experimental_local_results(per_replica))
 
 
+def add_step(strategy, loss_sum, metric_sum, loss, values):
+    """The running sums a call returns the means of (``call_outputs``), one step on:
+    this worker's replicas' loss counted as their share of the global batch's (each
+    replica's loss is already divided by every replica in sync), their metric values
+    averaged."""
+    replicas = local_replicas(strategy)
+    local_fraction = replicas / strategy.num_replicas_in_sync
+    return (loss_sum + tf.cast(local_sum(strategy, loss), tf.float32) / local_fraction,
+            metric_sum + local_sum(strategy, values) / replicas)
+
+
 def local_replicas(strategy) -> int:
     try:
         return len(strategy.extended.worker_devices)
@@ -343,9 +354,6 @@ def make_train_fn(strategy, step_fn, state: TrainState, num_metrics: int,
     ``batches_per_step``: batches one step takes (gradient accumulation).
     """
     global_step, variables = state.global_step, state.model.trainable_variables
-    replicas = local_replicas(strategy)
-    # This worker's share of the global batch, to turn local loss sums into means.
-    local_fraction = replicas / strategy.num_replicas_in_sync
 
     @tf.function
     def train_fn(iterator, num_steps):
@@ -371,9 +379,7 @@ def make_train_fn(strategy, step_fn, state: TrainState, num_metrics: int,
             # (docs/performance.md).
             with tf.control_dependencies(after_updates(variables)):
                 applied_at = global_step.assign_add(1)
-            loss_sum += tf.cast(local_sum(strategy, loss), tf.float32) / local_fraction
-            step_values = local_sum(strategy, values) / replicas
-            metric_sum += step_values
+            loss_sum, metric_sum = add_step(strategy, loss_sum, metric_sum, loss, values)
             staleness = staleness.write(i, applied_at - 1 - read_at)
         return call_outputs(num_steps, loss_sum, metric_sum, staleness, steps_by_worker)
 

@@ -29,8 +29,8 @@ import keras
 import tensorflow as tf
 
 from tfdist.training.loop.state import TrainState
-from tfdist.training.loop.step import (TrainMetrics, accumulate, after_updates, call_outputs,
-                                       forward, local_replicas, local_sum, make_update)
+from tfdist.training.loop.step import (TrainMetrics, accumulate, add_step, after_updates,
+                                       call_outputs, forward, make_update)
 
 
 def sparse_layers(model: keras.Model) -> list[str]:
@@ -148,8 +148,6 @@ def make_read_ahead_train_fn(strategy, step_fn, state: TrainState, num_metrics: 
     outputs), each step computing on weights read during the step before it, the
     last step's read kept for the worker's next call (``WeightCache``)."""
     global_step, variables = state.global_step, state.model.trainable_variables
-    replicas = local_replicas(strategy)
-    local_fraction = replicas / strategy.num_replicas_in_sync
     cache = WeightCache(strategy, variables)
 
     def read_from_ps():
@@ -186,8 +184,7 @@ def make_read_ahead_train_fn(strategy, step_fn, state: TrainState, num_metrics: 
             loss, values = strategy.run(step_fn, args=(weights,) + batch)
             with tf.control_dependencies(after_updates(variables)):
                 applied_at = global_step.assign_add(1)
-            loss_sum += tf.cast(local_sum(strategy, loss), tf.float32) / local_fraction
-            metric_sum += local_sum(strategy, values) / replicas
+            loss_sum, metric_sum = add_step(strategy, loss_sum, metric_sum, loss, values)
             staleness = staleness.write(i, applied_at - 1 - read_at)
             weights, read_at = next_weights, next_read_at
         stored = [c.assign(w, read_value=False) for c, w in zip(cache.weights, weights)]

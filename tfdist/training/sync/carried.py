@@ -46,8 +46,8 @@ import keras
 import tensorflow as tf
 
 from tfdist.training.loop.state import TrainState
-from tfdist.training.loop.step import (TrainMetrics, accumulate, after_updates, call_outputs,
-                                       local_replicas, local_sum, make_one_batch,
+from tfdist.training.loop.step import (TrainMetrics, accumulate, add_step, after_updates,
+                                       call_outputs, make_one_batch,
                                        schedule_in_batches, summed_already, to_wire)
 from tfdist.training.workload import contract
 
@@ -225,11 +225,8 @@ class CarriedCalls:
         # last layers' update to compute.
         read_at = self.state.global_step.read_value()
         done, rest, loss, values = self.strategy.run(self._compute, args=args)
-        replicas = local_replicas(self.strategy)
         loss_sum, metric_sum, staleness = sums
-        loss_sum += (tf.cast(local_sum(self.strategy, loss), tf.float32)
-                     * self.strategy.num_replicas_in_sync / replicas)
-        metric_sum += local_sum(self.strategy, values) / replicas
+        loss_sum, metric_sum = add_step(self.strategy, loss_sum, metric_sum, loss, values)
         return (read_at, done, rest), (loss_sum, metric_sum, staleness)
 
     def _finish(self, pending, i, sums):
