@@ -283,3 +283,17 @@ def test_resuming_with_another_stage_count_names_flags_that_exist(tmp_path):
     assert {"--pipelines", "--stages"} <= named, line
     for flag in named:
         assert flag in help_text.getvalue(), (flag, line)
+
+
+def test_an_unbalanced_cut_is_said_at_the_start_and_a_balanced_one_is_not():
+    # dense-chain's cut into two (4.7 M | 8.4 M): stage 0 waits for stage 1.
+    note = stages.imbalance([4_722_688, 8_413_194])
+    assert note.startswith("stage 0 holds 36% of the parameters against stage 1's 64%")
+    assert "--stages" in note
+    # Four stages: the lightest and the heaviest are named, wherever they are.
+    assert stages.imbalance([4_200_000, 524_800, 4_200_000, 4_200_000]).startswith(
+        "stage 1 holds 4% of the parameters against stage 0's")
+    # Five wide layers (8.9 M | 8.4 M), one stage, no weights: nothing to say.
+    assert stages.imbalance([8_919_040, 8_413_194]) == ""
+    assert stages.imbalance([10]) == ""
+    assert stages.imbalance([0, 0]) == ""

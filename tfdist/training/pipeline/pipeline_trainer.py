@@ -633,6 +633,9 @@ class PipelineTrainer(Trainer):
             print(f"pipeline: {pp.pipelines} cop{'y' if pp.pipelines == 1 else 'ies'} x "
                   f"{pp.stages} stages, {pp.micro_batches} micro-batches per step "
                   f"(predicted bubble {pp.bubble():.0%}); {state.cut}", flush=True)
+            note = stage_cut.imbalance([m.count_params() for m in state.copies[0]])
+            if note:
+                print(f"pipeline: {note}", flush=True)
 
     def _on_sigterm(self, *_):
         self._preempted = True
