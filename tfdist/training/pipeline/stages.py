@@ -252,15 +252,13 @@ def imbalance(params: Sequence[int]) -> str:
     the cut's own), or "" (pure). The lightest stage waits for the heaviest beyond the
     bubble, whatever the schedule: no schedule removes that wait, a cut that balances
     does."""
-    heavy = max(params, default=0)
-    if len(params) < 2 or heavy == 0 or min(params) / heavy >= BALANCED:
+    if len(params) < 2 or max(params) == 0 or min(params) / max(params) >= BALANCED:
         return ""
+    light, heavy = params.index(min(params)), params.index(max(params))
     total = sum(params)
-    light = min(range(len(params)), key=lambda s: params[s])
-    worst = params.index(heavy)
     return (f"stage {light} holds {params[light] / total:.0%} of the parameters against "
-            f"stage {worst}'s {heavy / total:.0%}, so it will wait for it beyond the bubble; "
-            "a cut with stages of equal work (--stages) avoids that (docs/pipeline.md)")
+            f"stage {heavy}'s {params[heavy] / total:.0%}, so it will wait for it beyond the "
+            "bubble; a cut with stages of equal work (--stages) avoids that (docs/pipeline.md)")
 
 
 def local_stages(task, model, plan: PipelinePlan, name: str = "task") -> tuple[list, str]:
