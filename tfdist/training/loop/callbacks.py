@@ -56,8 +56,11 @@ class Callbacks:
         # The trained optimizer: the one whose learning rate the steps read.
         self._optimizer = trainer.state.optimizer
         # Every training task agrees with the chief (several tasks train in step).
-        self._agree = (make_agreement(trainer.bundle.strategy)
-                       if callable(given) and trainer.in_lockstep() else None)
+        self._agree = None
+        if callable(given) and trainer.in_lockstep():
+            from tfdist.training.loop.step import make_replica_sum
+
+            self._agree = make_replica_sum(trainer.bundle.strategy, first_only=True)
         if not trainer.is_chief or not callable(given):
             return
         import keras
@@ -224,21 +227,3 @@ def _rate(optimizer) -> float | None:
         return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
     except Exception:  # pylint: disable=broad-except
         return None
-
-
-def make_agreement(strategy):
-    """``agree(values)``: the chief's first replica's ``values`` on every task, by one
-    all-reduce (every other replica contributes zeros)."""
-    import tensorflow as tf
-
-    @tf.function
-    def agree(values):
-        def replica_fn():
-            ctx = tf.distribute.get_replica_context()
-            mine = tf.where(tf.equal(ctx.replica_id_in_sync_group, 0), values,
-                            tf.zeros_like(values))
-            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, mine)
-
-        return strategy.experimental_local_results(strategy.run(replica_fn))[0]
-
-    return agree

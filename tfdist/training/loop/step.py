@@ -319,6 +319,28 @@ def add_step(strategy, loss_sum, metric_sum, loss, values):
             metric_sum + local_sum(strategy, values) / replicas)
 
 
+def make_replica_sum(strategy, first_only: bool = False):
+    """``total(values)``: ``values`` summed over every replica of the job by one small
+    all-reduce (each worker's local replicas count once each), as this task's first
+    replica holds the sum. ``first_only``: every replica but the job's first adds
+    zeros, so every task gets the chief's values and the tasks agree on them."""
+
+    @tf.function
+    def total(values):
+        def replica_fn():
+            ctx = tf.distribute.get_replica_context()
+            # The identity gives the argument the replica's device: a collective needs one.
+            mine = tf.identity(values)
+            if first_only:
+                mine = tf.where(tf.equal(ctx.replica_id_in_sync_group, 0), mine,
+                                tf.zeros_like(mine))
+            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+
+        return strategy.experimental_local_results(strategy.run(replica_fn))[0]
+
+    return total
+
+
 def local_replicas(strategy) -> int:
     try:
         return len(strategy.extended.worker_devices)

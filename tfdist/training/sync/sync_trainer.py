@@ -22,7 +22,7 @@ from tfdist.strategies.kinds import DEFAULT_BUCKET_BYTES
 from tfdist.training.sync import carried
 from tfdist.training.sync.carry_trial import CARRIED, CarryTrial
 from tfdist.training.sync.preemption import preemption_handler
-from tfdist.training.loop.step import make_step_fn, make_train_fn
+from tfdist.training.loop.step import make_replica_sum, make_step_fn, make_train_fn
 from tfdist.training.loop.peers import PEER_ERRORS
 from tfdist.training.loop.trainer import Trainer
 
@@ -52,20 +52,6 @@ def agree_on_start_step(strategy, step: int, me: str, tasks: list[str], model_di
         "the chief's checkpoints; put it on a shared file system, or copy the chief's "
         "checkpoints/ to every host before relaunching"
     )
-
-
-def sum_over_replicas(strategy, values: list[float]) -> list[float]:
-    """``values`` summed over every replica of the job (each worker's local
-    replicas count it once each): one small collective."""
-
-    @tf.function
-    def total(tensor):
-        # The identity gives the argument the replica's device: a collective needs one.
-        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
-            tf.distribute.ReduceOp.SUM, tf.identity(tensor)))
-
-    out = total(tf.constant(values, tf.float64))
-    return [float(v) for v in strategy.experimental_local_results(out)[0].numpy()]
 
 
 def make_statistics_sync(strategy, variables):
@@ -203,7 +189,8 @@ class SyncTrainer(Trainer):
     def _choose(self, trial: CarryTrial) -> None:
         """The trial's verdict, from every worker's times summed: the same on all."""
         strategy = self.bundle.strategy
-        summed = sum_over_replicas(strategy, trial.totals())
+        total = make_replica_sum(strategy)(tf.constant(trial.totals(), tf.float64))
+        summed = [float(v) for v in total.numpy()]
         self._trial_result = trial.choose(summed, strategy.num_replicas_in_sync)
         self._carrying, self._trial = self._trial_result.carried, None
         if self.is_chief:
