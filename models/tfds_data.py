@@ -6,6 +6,7 @@ Used by the built-in MNIST tasks; a user's task may use it too.
 from __future__ import annotations
 
 import os
+import socket
 
 from tfdist.protocol import ConfigError
 
@@ -16,6 +17,10 @@ KNOWN = {"mnist": ("MNIST", "mnist/3.0.1")}
 SPLITS = ("train", "test")
 # A TFRecord frames each record with a length, its CRC and the data's CRC.
 _RECORD_FRAMING = 16
+# Where tfds downloads MNIST from (and its own prepared copies): offline, a
+# download retries against it for minutes before it gives up.
+DOWNLOAD_HOST = ("storage.googleapis.com", 443)
+_PROXIES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 
 
 def _names(name: str) -> tuple[str, str]:
@@ -90,6 +95,10 @@ def ensure_available(name: str, data_dir: str | None) -> None:
                 # A directory the user chose should already hold the data;
                 # downloading into it offline only retries for minutes.
                 raise FileNotFoundError(f"no prepared {name}/{builder.version} there")
+            offline = unreachable()
+            if offline:
+                raise FileNotFoundError(f"no prepared {name}/{builder.version} there, and "
+                                        f"it cannot be downloaded: {offline}")
             builder.download_and_prepare()
     except Exception as err:  # offline download failures come in many types
         raise ConfigError(
@@ -98,6 +107,19 @@ def ensure_available(name: str, data_dir: str | None) -> None:
         ) from None
     for split in SPLITS:
         check_split(builder, split, title)
+
+
+def unreachable(host: tuple[str, int] = DOWNLOAD_HOST, timeout: float = 5.0) -> str | None:
+    """Why tfds's download host cannot be reached, or None when it can (or when a
+    proxy, which a direct connection would not use, is set): a check of seconds
+    where an offline download retries for minutes."""
+    if any(os.environ.get(v) for v in _PROXIES):
+        return None
+    try:
+        with socket.create_connection(host, timeout=timeout):
+            return None
+    except OSError as err:
+        return f"{host[0]} cannot be reached ({err.strerror or err})"
 
 
 def check_split(builder, split: str, title: str = "MNIST") -> None:
