@@ -20,7 +20,7 @@ _RECORD_FRAMING = 16
 # Where tfds downloads MNIST from (and its own prepared copies): offline, a
 # download retries against it for minutes before it gives up.
 DOWNLOAD_HOST = ("storage.googleapis.com", 443)
-_PROXIES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 
 
 def _names(name: str) -> tuple[str, str]:
@@ -113,7 +113,7 @@ def unreachable(host: tuple[str, int] = DOWNLOAD_HOST, timeout: float = 5.0) -> 
     """Why tfds's download host cannot be reached, or None when it can (or when a
     proxy, which a direct connection would not use, is set): a check of seconds
     where an offline download retries for minutes."""
-    if any(os.environ.get(v) for v in _PROXIES):
+    if any(os.environ.get(v) for v in PROXY_VARIABLES):
         return None
     try:
         with socket.create_connection(host, timeout=timeout):

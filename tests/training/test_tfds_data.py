@@ -30,7 +30,7 @@ def unprepared(monkeypatch):
 
     builder = _Unprepared()
     monkeypatch.setattr(tfds, "builder", lambda name, data_dir=None: builder)
-    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+    for name in tfds_data.PROXY_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     return builder
 
