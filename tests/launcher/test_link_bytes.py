@@ -127,7 +127,8 @@ def _hosts_problem():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("strategy,launch_args", [
-    ("multiworker", ["--workers", "2", "--hosts", "2"]),
+    # Shaped, with the link trace: its samples add up to the record's bytes.
+    ("multiworker", ["--workers", "2", "--hosts", "2", "--link-rate", "1gbit", "--link-trace"]),
     # The long tier: one strategy in make test (CI time)
     pytest.param("ps", ["--workers", "2", "--ps", "1", "--hosts", "3"], marks=pytest.mark.long),
 ])
@@ -160,7 +161,27 @@ def test_launch_records_each_hosts_bytes_per_step(strategy, launch_args, tmp_pat
             # ps chief's host under multiworker has none) is not checked.
             if c[f"{way}_model"]:
                 assert 0.9 * c[f"{way}_model"] <= c[way] <= 4 * c[f"{way}_model"], (name, c, record)
+    if "--link-trace" in launch_args:
+        _check_link_trace(model_dir, record, p.lines)
     assert descendants_alive(model_dir) == []
+
+
+def _check_link_trace(model_dir: str, record: dict, lines: list[str]) -> None:
+    """The trace spans the job: each host's bytes in it are the record's (the
+    counters read just before its first sample and just before its last)."""
+    with open(os.path.join(model_dir, "launch", "link_trace.json")) as f:
+        trace = json.load(f)
+    assert trace["rate_bits_per_sec"] == 10**9 and not trace["truncated"]
+    start, end = trace["training_seconds"]
+    assert 0 < start < end <= trace["seconds"][-1]
+    for host, counts in record["hosts"].items():
+        for way in ("tx", "rx"):
+            sampled = sum(trace["hosts"][host][f"{way}_bytes"])
+            # The record's counters are read just before the first sample and
+            # just before the last: a few packets may fall either side.
+            assert abs(sampled - counts[f"{way}_bytes"]) <= counts[f"{way}_bytes"] * 0.01 + 20_000, (
+                host, way, sampled, counts)
+    assert [l for l in lines if l.startswith("[launch] link trace:")], lines
 
 
 # --- why a link runs below its rate (pure) ------------------------------------------------------

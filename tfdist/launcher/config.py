@@ -59,6 +59,10 @@ class Cluster:
         None, "with --hosts: shape every host's link to RATE each way (tc tbf; e.g. 1gbit, "
         "100mbit; no latency emulation), measured once at start", metavar="RATE",
         group=NETWORK, unset="links not shaped")
+    link_trace: bool = option(
+        False, "with --link-rate: sample every host's link each 10 ms for the whole job into "
+        "<model-dir>/launch/link_trace.json, to see when each link idled (python -m "
+        "tfdist.bench.link_trace RUN_DIR prints and draws it)", group=NETWORK)
     netns: str = option("auto", "run the cluster in a private network namespace, unreachable "
                         "from outside: auto (when the OS allows it; else a warning), on (or "
                         "fail), off", choices=NETNS_MODES, group=NETWORK)
@@ -194,6 +198,7 @@ class LaunchConfig:
     netns_inside: bool = False  # this is the launcher re-run inside its namespace
     link_rate: str | None = None  # --link-rate as given, e.g. "1gbit"
     rate_bits: int | None = None  # ... in bits per second
+    link_trace: bool = False  # --link-trace: sample every link each 10 ms (launcher.linktrace)
     launch_argv: tuple[str, ...] = ()  # launch.py's own flags, to re-run it in the namespace
     # --memory-limit: each limited task's bytes (launcher.memory.parse_limits).
     memory_limits: Mapping[str, int] = field(default_factory=dict)

@@ -180,6 +180,7 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
         train_args=tuple(train_args), model_dir=model_dir, program=program,
         limits=request.limits, dry_run=request.dry_run, netns=request.cluster.netns,
         netns_inside=request.netns_inside, link_rate=link_rate, rate_bits=rate,
+        link_trace=request.cluster.link_trace,
         launch_argv=tuple(dataclasses.replace(request, strategy=kind.name).to_argv()),
         memory_limits=limits, elastic=elastic_plan)
 
@@ -189,7 +190,7 @@ def decide_network(config: LaunchConfig) -> tuple[bool, str | None]:
     if config.netns_inside:
         return False, None
     network.check_hosts_mode(config.cluster.hosts, config.netns, config.link_rate,
-                             network.hosts_problem)
+                             network.hosts_problem, link_trace=config.link_trace)
     use_netns, warning = (True, None) if config.cluster.hosts else network.decide_netns(
         config.netns, config.kind, network.netns_problem)
     processes.check_launch_dir(config.launch_dir)

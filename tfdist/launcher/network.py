@@ -76,8 +76,14 @@ def decide_netns(mode: str, kind: StrategyKind, probe) -> tuple[bool, str | None
     )
 
 
-def check_hosts_mode(hosts: int, netns: str, link_rate: str | None, probe) -> None:
-    """``--hosts`` and ``--link-rate`` need namespaces; say so in one line (pure but for ``probe``)."""
+def check_hosts_mode(hosts: int, netns: str, link_rate: str | None, probe,
+                     link_trace: bool = False) -> None:
+    """``--hosts``, ``--link-rate`` and ``--link-trace`` need namespaces; say so in one
+    line (pure but for ``probe``)."""
+    if link_trace and link_rate is None:
+        raise LaunchError(
+            "--link-trace samples the shaped links between simulated hosts and gives each "
+            "sample as a fraction of their rate; add --hosts N --link-rate RATE (e.g. 100mbit)")
     if link_rate is not None and hosts < 2:
         raise LaunchError(
             f"--link-rate {link_rate} shapes the links between simulated hosts; add --hosts N "

@@ -80,6 +80,7 @@ def check_request(request: LaunchRequest) -> None:
     refused = [
         ("--hosts", cluster.hosts, "Ray places the tasks on its own nodes"),
         ("--link-rate", cluster.link_rate, "the links are the cluster's own"),
+        ("--link-trace", cluster.link_trace or None, "the links are the cluster's own"),
         ("--host", cluster.host if cluster.host != "localhost" else None,
          "each task's address is its Ray node's"),
         ("--slow", faults.slow, "slow-downs use this host's cgroups"),

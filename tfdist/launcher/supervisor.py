@@ -23,6 +23,7 @@ from tfdist.launcher.injector import FaultInjector
 from tfdist.launcher.restarter import TaskRestarter
 from tfdist.launcher.slowdown import Slowdown
 from tfdist.launcher import elastic, policy, processes
+from tfdist.launcher import linktrace
 from tfdist.launcher import traffic as trafficlib
 from tfdist.launcher.config import LaunchConfig
 from tfdist.launcher.memory import MemoryLimits, PeakMemory
@@ -343,11 +344,13 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
 
         # After the link probe (build_hosts), so only the job's bytes count.
         before = _counters(network, log)
+        tracer = _start_link_trace(config, network)
         code, attempt = _attempts(config, starter, [injector, *filter(None, [restarter]), peaks],
                                   restarter, slowdown, holder, log, network=network,
                                   injector=injector, engine=engine, membership=membership,
                                   formation=formation, command=command)
         after = _counters(network, log) if before is not None else None
+        _finish_link_trace(tracer, config, launch_dir, list(paths.values()), log)
         oom, limited = limits.oom_killed(), limits.record()
     finally:
         if slowdown is not None:
@@ -441,6 +444,40 @@ def _counters(network, log) -> dict | None:
         log(f"[launch] warning: could not read the hosts' byte counters ({err!r}); "
             "outcome.json will have no traffic")
         return None
+
+
+def _start_link_trace(config: LaunchConfig, network) -> linktrace.LinkTrace | None:
+    """``--link-trace``: sampling every host's link from here to the job's end."""
+    if not config.link_trace or network is None:
+        return None
+    return linktrace.LinkTrace(config.cluster.hosts).start()
+
+
+def _finish_link_trace(tracer, config: LaunchConfig, launch_dir: str | None,
+                       event_paths: list[str], log) -> None:
+    """``launch/link_trace.json`` and the launcher's one line on it (``--link-trace``)."""
+    if tracer is None:
+        return
+    trace = tracer.stop()
+    plan = config.cluster
+    host_tasks = {f"host{i}": [n for n, h in plan.host_of.items() if h == i]
+                  for i in range(plan.hosts)}
+    events = [(e.kind, e.time) for p in event_paths for e in protocol.read_all_events(p)]
+    trace = {**trace, "rate_bits_per_sec": config.rate_bits, "host_tasks": host_tasks,
+             "training_seconds": linktrace.training_span(events, trace["wall_start"])}
+    if launch_dir is None or not os.path.isdir(launch_dir):
+        return
+    path = os.path.join(launch_dir, "link_trace.json")
+    try:
+        with open(path, "w") as f:
+            json.dump(trace, f, separators=(",", ":"))
+    except OSError as err:
+        log(f"[launch] warning: could not write {path} ({err.strerror or err})")
+        return
+    if trace.get("truncated"):
+        log(f"[launch] link trace: sampled the first {linktrace.MAX_SECONDS:.0f} s only")
+    seconds = trace["seconds"][-1] if trace["seconds"] else 0.0
+    log(linktrace.describe(linktrace.summary(trace, config.rate_bits), seconds, host_tasks))
 
 
 def _chief_steps(model_dir: str) -> tuple[int | None, dict | None]:
