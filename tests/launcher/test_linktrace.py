@@ -66,6 +66,17 @@ def test_summary_counts_full_and_idle_samples_over_the_training_steps():
     assert linktrace.summary(bare, RATE)["host0"]["tx"]["mean"] == pytest.approx(0.625)
 
 
+def test_a_sample_microseconds_long_counts_for_its_time_not_as_a_whole_one():
+    samples = [(0.0, _counters(0, 0)), (0.01, _counters(0, 0)), (0.0101, _counters(10_000, 0)),
+               (0.0201, _counters(10_000, 0))]
+    trace = {**linktrace.record(samples, 0.01), "training_seconds": [0.0, 0.03]}
+    assert linktrace.utilisation(trace, RATE)["host0"]["tx"][1] == pytest.approx(8.0)
+    f = linktrace.summary(trace, RATE)["host0"]["tx"]
+    assert f["mean"] == pytest.approx(10_000 * 8 / (RATE * 0.0201), abs=1e-3)
+    assert f["full"] == pytest.approx(0.0001 / 0.0201, abs=1e-3)
+    assert f["idle"] == pytest.approx(0.02 / 0.0201, abs=1e-3)
+
+
 def test_training_span_runs_from_the_first_step_to_the_last_progress_report():
     events = [(protocol.STARTED, 110.0), (protocol.PROGRESS, 120.0), (protocol.STARTED, 111.0),
               (protocol.PROGRESS, 130.5), (protocol.CHECKPOINT, 140.0)]

@@ -73,11 +73,14 @@ class LinkTrace:
 
     def _run(self) -> None:
         start = self._clock()
-        # Sleeping to the next multiple of the interval keeps the bins even:
-        # a late wake-up shortens the next wait instead of shifting them all.
-        tick = 1
-        while not self._stop.wait(max(0.0, start + tick * self.interval - self._clock())):
-            tick += 1
+        while True:
+            now = self._clock()
+            # Sleeping to the next multiple of the interval keeps the samples
+            # even: a late wake-up skips the ticks it missed (sampling them at
+            # once would make samples microseconds long) instead of shifting all.
+            tick = int((now - start) / self.interval) + 1 if self.interval > 0 else 0
+            if self._stop.wait(max(0.0, start + tick * self.interval - now)):
+                return
             if self._clock() - start > self.max_seconds:
                 self._truncated = True
                 return
@@ -160,19 +163,25 @@ def training_span(events: list[tuple[str, float]], wall_start: float) -> list[fl
 
 def summary(trace: dict, rate_bits: float) -> dict[str, dict[str, dict[str, float]]]:
     """Per host and direction, over the training steps (``training_window``; pure): the
-    mean use of the link, and the fractions of samples in which it was full (>= FULL)
-    and idle (< IDLE)."""
+    link's mean use (its bytes over the window's time at the rate), and the fractions
+    of that time in samples where it was full (>= FULL) and idle (< IDLE). Weighted
+    by time: a sample a few microseconds long that caught a packet runs far above
+    the rate, and must not count as much as a whole one."""
     use = utilisation(trace, rate_bits)
     lo, hi = training_window(trace, use)
+    seconds = trace["seconds"]
+    spans = [b - a for a, b in zip(seconds, seconds[1:])][lo:hi]
+    total = sum(spans) or 1.0
     out: dict = {}
     for host, ways in use.items():
         out[host] = {}
         for way, values in ways.items():
+            sent = sum(trace["hosts"][host][f"{way}_bytes"][lo:hi])
             window = values[lo:hi]
-            n = max(1, len(window))
-            out[host][way] = {"mean": round(sum(window) / n, 3),
-                              "full": round(sum(v >= FULL for v in window) / n, 3),
-                              "idle": round(sum(v < IDLE for v in window) / n, 3)}
+            out[host][way] = {
+                "mean": round(sent * 8 / (rate_bits * total), 3),
+                "full": round(sum(dt for v, dt in zip(window, spans) if v >= FULL) / total, 3),
+                "idle": round(sum(dt for v, dt in zip(window, spans) if v < IDLE) / total, 3)}
     return out
 
 

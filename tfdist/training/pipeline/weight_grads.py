@@ -17,10 +17,11 @@ Dense layer's kernel) is made as:
 - ``dx`` against the transpose of the weight, made once per step and
   copied (``Snapshot``) so that Grappler does not fold the transpose back
   into the product;
-- ``dW`` left out of the tape's answer (it returns None for that input) and
-  kept as the pair (``x``, ``dy``); ``weight_gradients`` makes it once per
-  step as ``concat(x)ᵀ @ concat(dy)`` over every micro-batch (when deferring;
-  otherwise per micro-batch, as TensorFlow would).
+- ``dW``, when deferring, left out of the tape's answer (it returns None for
+  that input) and kept as the pair (``x``, ``dy``); ``weight_gradients``
+  makes it once per step as ``concat(x)ᵀ @ concat(dy)`` over every
+  micro-batch. Otherwise it is in the tape's answer per micro-batch, as
+  TensorFlow would make it, and summed with the stage's other gradients.
 
 The same sums in another order: the same update up to the rounding of float
 sums. Any other product (transposed operands, a weight cast to another dtype,
@@ -60,7 +61,6 @@ class WeightGrads:
                        for i, v in enumerate(self.variables)}
         self._transposed = {}
         self._rows = {}  # variable index: [(x, dy) per product]
-        self._direct = {}  # variable index: the running sum of its products' dW (not deferring)
         self._new = []  # what the slot being traced made: its end waits for them
 
     def _variable(self, op):
@@ -82,17 +82,14 @@ class WeightGrads:
             dx = tf.matmul(grad, self._transpose(i, w))
         else:
             dx = tf.matmul(grad, w, transpose_b=True)
-        if 1 not in skip:
-            if self.defer:
-                self._rows.setdefault(i, []).append((x, grad))
-                self._new.append(grad)
-            else:
-                # Summed as made, so a stage holds one weight-sized sum, not one per product.
-                dw = tf.matmul(x, grad, transpose_a=True)
-                if i in self._direct:
-                    dw = self._direct[i] + dw
-                self._direct[i] = dw
-                self._new.append(dw)
+        if 1 in skip:
+            return dx, None
+        if not self.defer:
+            # In the tape's answer: the stage sums it over the micro-batches with
+            # its other gradients, holding one weight-sized sum per variable.
+            return dx, tf.matmul(x, grad, transpose_a=True)
+        self._rows.setdefault(i, []).append((x, grad))
+        self._new.append(grad)
         return dx, None
 
     def pending(self) -> list:
@@ -108,7 +105,7 @@ class WeightGrads:
 
     def weight_gradients(self, grads: list) -> list:
         """``grads`` (the tape's sums per variable, None where it had none) with the
-        products' weight gradients added; zeros for a variable nothing reached."""
+        deferred products' weight gradients added; zeros for a variable nothing reached."""
         out = []
         for i, (g, v) in enumerate(zip(grads, self.variables)):
             parts = [] if g is None else [g]
@@ -117,8 +114,6 @@ class WeightGrads:
                 xs = tf.concat([x for x, _ in rows], 0)
                 dys = tf.concat([dy for _, dy in rows], 0)
                 parts.append(tf.matmul(xs, dys, transpose_a=True))
-            if i in self._direct:
-                parts.append(self._direct[i])
             out.append(tf.add_n(parts) if parts else tf.zeros_like(v))
         return out
 
