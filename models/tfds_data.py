@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 
 from tfdist.protocol import ConfigError
 
@@ -115,11 +116,25 @@ def unreachable(host: tuple[str, int] = DOWNLOAD_HOST, timeout: float = 5.0) -> 
     where an offline download retries for minutes."""
     if any(os.environ.get(v) for v in PROXY_VARIABLES):
         return None
-    try:
-        with socket.create_connection(host, timeout=timeout):
-            return None
-    except OSError as err:
-        return f"{host[0]} cannot be reached ({err.strerror or err})"
+    answer: list = []
+
+    def connect() -> None:
+        try:
+            with socket.create_connection(host, timeout=timeout):
+                answer.append(None)
+        except OSError as err:
+            answer.append(f"{host[0]} cannot be reached ({err.strerror or err})")
+
+    # The connection's timeout does not cover the name lookup, which a
+    # resolver that does not answer can hold for half a minute: the whole
+    # check waits ``timeout`` at most, and a lookup still running is left to
+    # its daemon thread.
+    attempt = threading.Thread(target=connect, name="tfds-reachable", daemon=True)
+    attempt.start()
+    attempt.join(timeout)
+    if not answer:
+        return f"{host[0]} cannot be reached (no answer within {timeout:g} s, name lookup included)"
+    return answer[0]
 
 
 def check_split(builder, split: str, title: str = "MNIST") -> None:

@@ -2,6 +2,7 @@
 line at once, not minutes of retries."""
 
 import socket
+import threading
 import time
 
 import pytest
@@ -69,3 +70,19 @@ def test_online_or_behind_a_proxy_the_download_runs(monkeypatch, unprepared):
     with pytest.raises(ConfigError, match="the download ran"):
         tfds_data.ensure_available("mnist", None)
     assert unprepared.downloads == 2
+
+
+def test_a_name_lookup_that_never_answers_is_bounded_by_the_timeout(monkeypatch, unprepared):
+    release = threading.Event()
+
+    def hangs(*args, **kwargs):
+        release.wait(30)  # a resolver that does not answer
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "create_connection", hangs)
+    try:
+        why = tfds_data.unreachable(timeout=0.2)
+    finally:
+        release.set()
+    assert why == ("storage.googleapis.com cannot be reached (no answer within 0.2 s, "
+                   "name lookup included)")
