@@ -77,6 +77,7 @@ PARSER_SOURCES = {
     "tfdist.launcher.traffic": _module_main("tfdist.launcher.traffic"),
     "tfdist.training.prepare_data": _module_main("tfdist.training.prepare_data"),
     "tfdist.bench.overlap": _module_main("tfdist.bench.overlap"),
+    "tfdist.bench.link_trace": _module_main("tfdist.bench.link_trace"),
 }
 MODULE_COMMANDS = {"tfdist.cli.train": "train", "tfdist.cli.launch": "launch",
                    "tfdist.cli.bench": "bench"}
