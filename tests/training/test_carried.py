@@ -144,7 +144,11 @@ def _train(spawn, model_dir, *args, code=0, steps=12):
 
 
 @pytest.mark.multiprocess
-def test_two_workers_carried_or_not_end_with_the_same_weights(tmp_path, spawn):
+@pytest.mark.parametrize("long_tier", [
+    False,
+    # The long tier: --carry-all-reduce on against off bit for bit, and the refusals (CI time).
+    pytest.param(True, marks=pytest.mark.long)])
+def test_two_workers_carried_or_not_end_with_the_same_weights(tmp_path, spawn, long_tier):
     """Two workers: each element's sum is a + b however the gradients are cut, so the
     carried step and the plain one give the same weights, bit for bit, on every worker.
     The default (auto) runs both in turn (20 timed steps of each, and the switches)
@@ -156,6 +160,8 @@ def test_two_workers_carried_or_not_end_with_the_same_weights(tmp_path, spawn):
 
     hashes = {}
     for carry in ("on", "off", "auto"):
+        if carry == "on" and not long_tier:
+            continue
         p = _train(spawn, tmp_path / carry, *(["--carry-all-reduce", carry] if carry != "auto"
                                               else []), steps=56)
         found = set(re.findall(r"weights_sha256=([0-9a-f]{64})", p.output))
@@ -169,9 +175,13 @@ def test_two_workers_carried_or_not_end_with_the_same_weights(tmp_path, spawn):
             assert p.output.count("(--carry-all-reduce auto: carried") == 1  # the chief's line
         else:
             assert trial is None and results["all_reduce_carried"] is (carry == "on")
-    assert hashes["on"] == hashes["off"]
     assert read_results(tmp_path / "auto")["test_loss"] == pytest.approx(
         read_results(tmp_path / "off")["test_loss"], abs=1e-3)
+    if not long_tier:
+        # make test: the default (auto) against the plain step; the carried call's
+        # weights against the plain call's are checked in one process above.
+        return
+    assert hashes["on"] == hashes["off"]
     # A model whose first layer holds most of the bytes (one Dense) cannot be cut: asked
     # for, that is one line and exit 2 on every worker, before any step; by default it
     # trains with the plain step.
