@@ -36,6 +36,7 @@ RAY = dict(engine="ray")
 @pytest.mark.parametrize("cluster, faults, dry_run, words", [
     (dict(RAY, hosts=3), {}, False, "--hosts does not apply with --engine ray"),
     (RAY, dict(slow=("worker:0=0.5",)), False, "--slow does not apply"),
+    (dict(RAY, link_trace=True), {}, False, "--link-trace does not apply with --engine ray"),
     (RAY, dict(memory_limit=("ps=1G",)), False, "--memory-limit does not apply"),
     (RAY, {}, True, "--dry-run does not apply"),
     (dict(RAY, host="10.0.0.5"), {}, False, "--host does not apply"),
