@@ -3,11 +3,12 @@
 ``python -m tfdist.bench.link_trace RUN_DIR [--png PICTURE] [--start S] [--seconds N]``
 reads ``RUN_DIR/launch/link_trace.json`` (``launch.py --hosts N --link-rate RATE
 --link-trace``) and prints, per host and direction, the mean use of the link
-while the job trained (from its first step's end to its last progress report), and the fractions of 10 ms samples in which it was
-full (>= 80 % of the rate) and idle (< 10 %). ``--png`` draws every link's use
-over ``--seconds`` from ``--start`` seconds into the training steps' window: one row per
-host and direction, so a worker's read, push and wait can be lined up with
-the ps host's links.
+while the job trained (from its first step's end to its last progress report)
+and the fractions of that time in which it ran full (>= 80 % of the rate) and
+idle (< 10 %). ``--png`` draws every link's use over ``--seconds`` from
+``--start`` seconds into the training steps' window: one row per host and
+direction, so a worker's read, push and wait can be lined up with the ps
+host's links.
 """
 
 from __future__ import annotations

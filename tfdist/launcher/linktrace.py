@@ -24,7 +24,7 @@ import time
 from typing import Callable
 
 from tfdist import protocol
-from tfdist.launcher.network import host_counters, parse_net_dev
+from tfdist.launcher.network import host_counters, parse_net_dev, read_net_dev
 
 INTERVAL = 0.01
 # Ten minutes of samples at 10 ms: some 2 MB of JSON for three hosts.
@@ -33,15 +33,10 @@ MAX_SECONDS = 600.0
 FULL, IDLE = 0.8, 0.1
 
 
-def read_proc_net_dev() -> str:
-    with open("/proc/net/dev") as f:
-        return f.read()
-
-
 class LinkTrace:
     """Samples every host's counters on a daemon thread from ``start`` until ``stop``."""
 
-    def __init__(self, hosts: int, read: Callable[[], str] = read_proc_net_dev,
+    def __init__(self, hosts: int, read: Callable[[], str] = read_net_dev,
                  interval: float = INTERVAL, max_seconds: float = MAX_SECONDS,
                  clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time):
@@ -115,10 +110,15 @@ def record(samples: list[tuple[float, dict]], interval: float, truncated: bool =
     return out
 
 
+def _spans(trace: dict) -> list[float]:
+    """Each sample's length in seconds (pure)."""
+    seconds = trace["seconds"]
+    return [b - a for a, b in zip(seconds, seconds[1:])]
+
+
 def utilisation(trace: dict, rate_bits: float) -> dict[str, dict[str, list[float]]]:
     """Each host's link use per sample each way, as a fraction of ``rate_bits`` (pure)."""
-    seconds = trace["seconds"]
-    spans = [b - a for a, b in zip(seconds, seconds[1:])]
+    spans = _spans(trace)
     out = {}
     for host, ways in trace["hosts"].items():
         out[host] = {way.partition("_")[0]: [
@@ -153,7 +153,6 @@ def training_span(events: list[tuple[str, float]], wall_start: float) -> list[fl
     """``(kind, wall time)`` of the tasks' events -> the training steps' span in trace
     seconds (pure): from the first ``started`` (a first step ran) to the last
     ``progress``; ``None`` without both."""
-
     starts = [t for kind, t in events if kind == protocol.STARTED]
     ends = [t for kind, t in events if kind == protocol.PROGRESS]
     if not starts or not ends or max(ends) <= min(starts):
@@ -169,8 +168,7 @@ def summary(trace: dict, rate_bits: float) -> dict[str, dict[str, dict[str, floa
     the rate, and must not count as much as a whole one."""
     use = utilisation(trace, rate_bits)
     lo, hi = training_window(trace, use)
-    seconds = trace["seconds"]
-    spans = [b - a for a, b in zip(seconds, seconds[1:])][lo:hi]
+    spans = _spans(trace)[lo:hi]
     total = sum(spans) or 1.0
     out: dict = {}
     for host, ways in use.items():

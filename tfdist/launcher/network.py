@@ -270,6 +270,13 @@ def parse_net_dev(text: str) -> dict[str, tuple[int, int]]:
     return out
 
 
+def read_net_dev() -> str:
+    """This namespace's ``/proc/net/dev``: ``/sys/class/net`` would show the
+    namespace that mounted sysfs, not this one."""
+    with open("/proc/net/dev") as f:
+        return f.read()
+
+
 def host_counters(devices: dict[str, tuple[int, int]], hosts: int) -> dict[int, dict[str, int]]:
     """Each host's bytes sent and received, from its veth's bridge end (pure).
 
@@ -354,11 +361,9 @@ class SimulatedHosts:
         """Every host's bytes sent and received so far (its veth's counters).
 
         Read from ``/proc/net/dev`` of this (the launcher's) namespace, where
-        the bridge ends live: ``/sys/class/net`` would show the namespace
-        that mounted sysfs, not this one.
+        the bridge ends live (``read_net_dev``).
         """
-        with open("/proc/net/dev") as f:
-            out = host_counters(parse_net_dev(f.read()), self.count)
+        out = host_counters(parse_net_dev(read_net_dev()), self.count)
         # Why a link runs below its rate: TCP segments sent and sent again
         # (the host's own namespace) and packets its shapers dropped, the
         # uplink's (eth0, in the host) and the downlink's (its bridge end).
