@@ -36,7 +36,7 @@ test-ray: venv
 	$(PY) -m pytest -q -m ray tests/launcher/test_ray.py
 
 # The long multiprocess suites: every fault and task feature under every cluster
-# strategy, several launches each (178 tests, about 70 minutes on a 2-core host); `make test` runs one of each kind.
+# strategy, several launches each (183 tests, about 72 minutes on a 2-core host); `make test` runs one of each kind.
 test-long: venv
 	$(PY) -m pytest -q -m long
 

@@ -125,7 +125,11 @@ print("OK")
 """
 
 
-@pytest.mark.parametrize("dtype, accumulation", [("float32", 1), ("bfloat16", 1), ("float32", 2)])
+@pytest.mark.parametrize("dtype, accumulation", [
+    ("float32", 1),
+    # 16-bit gradients and accumulation carried: the long tier (35 s of make test).
+    pytest.param("bfloat16", 1, marks=pytest.mark.long),
+    pytest.param("float32", 2, marks=pytest.mark.long)])
 def test_carried_call_gives_the_plain_calls_weights(dtype, accumulation):
     script = SCRIPT.format(dtype=dtype, accumulation=accumulation)
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
@@ -145,8 +149,11 @@ def _train(spawn, model_dir, *args, code=0, steps=12):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("long_tier", [
-    False,
-    # The long tier: --carry-all-reduce on against off bit for bit, and the refusals (CI time).
+    # Both in the long tier (CI time): every multiworker job of make test runs the
+    # default (auto), and the in-process test above holds a carried call's weights
+    # equal to the plain call's. Here: auto against the plain step on a cluster, and
+    # --carry-all-reduce on against off bit for bit, with the refusals.
+    pytest.param(False, marks=pytest.mark.long),
     pytest.param(True, marks=pytest.mark.long)])
 def test_two_workers_carried_or_not_end_with_the_same_weights(tmp_path, spawn, long_tier):
     """Two workers: each element's sum is a + b however the gradients are cut, so the
