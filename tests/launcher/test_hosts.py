@@ -251,6 +251,19 @@ def test_worker_rates_from_ps_chief_events(tmp_path):
     assert "worker:1 22 local steps (17%), 1.0 steps/s" in supervisor.describe_rates(rates)
 
 
+def test_worker_rates_from_one_report_say_why_there_is_no_rate(tmp_path):
+    path = str(tmp_path / "chief-0.jsonl")
+    with open(path, "w") as f:
+        f.write(protocol.Event(protocol.PROGRESS, "chief:0", 200, 100.0,
+                               {"steps_per_worker": {"worker:0": 98, "worker:1": 102}}
+                               ).to_json() + "\n")
+    rates = supervisor.worker_rates(kinds.get("ps"), {"chief:0": path})
+    assert rates["worker:0"] == {"steps": 98, "share": 0.49, "steps_per_sec": None}
+    line = supervisor.describe_rates(rates)
+    assert line.startswith("worker:0 98 local steps (49%); worker:1 102 local steps (51%) (no ")
+    assert "?" not in line and "--log-every" in line
+
+
 def test_worker_rates_from_sync_workers_own_events(tmp_path):
     paths = {}
     for name, per_sec in (("worker:0", 20.0), ("worker:1", 20.0)):

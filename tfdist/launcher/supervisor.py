@@ -291,11 +291,15 @@ def worker_rates(kind: StrategyKind, event_paths: dict[str, str]) -> dict[str, d
 def describe_rates(rates: dict[str, dict]) -> str:
     parts = []
     for name, r in rates.items():
-        rate = f"{r['steps_per_sec']:.1f} steps/s" if r.get("steps_per_sec") is not None else "? steps/s"
+        known = r.get("steps_per_sec") is not None
+        rate = f", {r['steps_per_sec']:.1f} steps/s" if known else ""
         if r.get("share") is not None:
-            parts.append(f"{name} {r['steps']} local steps ({r['share']:.0%}), {rate}")
+            parts.append(f"{name} {r['steps']} local steps ({r['share']:.0%}){rate}")
         else:
-            parts.append(f"{name} step {r['steps']}, {rate}")
+            parts.append(f"{name} step {r['steps']}{rate}")
+    if any(r.get("steps_per_sec") is None for r in rates.values()):
+        # A rate needs two progress reports of that worker since its last start.
+        parts[-1] += " (no steps/s where one progress report came: a smaller --log-every gives it)"
     return "; ".join(parts)
 
 
