@@ -245,7 +245,8 @@ def test_worker_rates_from_ps_chief_events(tmp_path):
                                {"steps_per_worker": {"worker:0": a, "worker:1": b}})
         with open(log.path, "a") as f:
             f.write(event.to_json() + "\n")
-    rates = supervisor.worker_rates(kinds.get("ps"), {"chief:0": path, "worker:0": str(tmp_path / "none")})
+    rates = supervisor.worker_rates(kinds.get("ps"), supervisor.job_events(
+        {"chief:0": path, "worker:0": str(tmp_path / "none")}))
     assert rates == {"worker:0": {"steps": 110, "share": 0.8333, "steps_per_sec": 5.0},
                      "worker:1": {"steps": 22, "share": 0.1667, "steps_per_sec": 1.0}}
     assert "worker:1 22 local steps (17%), 1.0 steps/s" in supervisor.describe_rates(rates)
@@ -257,10 +258,10 @@ def test_worker_rates_from_one_report_say_why_there_is_no_rate(tmp_path):
         f.write(protocol.Event(protocol.PROGRESS, "chief:0", 200, 100.0,
                                {"steps_per_worker": {"worker:0": 98, "worker:1": 102}}
                                ).to_json() + "\n")
-    rates = supervisor.worker_rates(kinds.get("ps"), {"chief:0": path})
+    rates = supervisor.worker_rates(kinds.get("ps"), supervisor.job_events({"chief:0": path}))
     assert rates["worker:0"] == {"steps": 98, "share": 0.49, "steps_per_sec": None}
     line = supervisor.describe_rates(rates)
-    assert line.startswith("worker:0 98 local steps (49%); worker:1 102 local steps (51%) (no ")
+    assert line.startswith("worker:0 98 local steps (49%); worker:1 102 local steps (51%) (steps/s needs")
     assert "?" not in line and "--log-every" in line
 
 
@@ -272,7 +273,7 @@ def test_worker_rates_from_sync_workers_own_events(tmp_path):
             for step in (100, 200, 300):
                 f.write(protocol.Event(protocol.PROGRESS, name, step, step / per_sec,
                                        {"steps_per_sec": 1.0}).to_json() + "\n")
-    rates = supervisor.worker_rates(kinds.get("multiworker"), paths)
+    rates = supervisor.worker_rates(kinds.get("multiworker"), supervisor.job_events(paths))
     assert rates["worker:1"] == {"steps": 300, "share": None, "steps_per_sec": 20.0}
 
 

@@ -241,8 +241,15 @@ class Supervisor:
 
 # --- each worker's rate, from the progress events -------------------------------------------
 
-def worker_rates(kind: StrategyKind, event_paths: dict[str, str]) -> dict[str, dict]:
-    """Each computing task's steps, share and steps/s, from its progress events.
+def job_events(event_paths: dict[str, str]) -> dict[str, list[protocol.Event]]:
+    """Every task's events file, read once at the job's end (the per-worker rates and
+    the link trace's training span both come from them)."""
+    return {n: protocol.read_all_events(p) for n, p in event_paths.items()}
+
+
+def worker_rates(kind: StrategyKind, job: dict[str, list[protocol.Event]]) -> dict[str, dict]:
+    """Each computing task's steps, share and steps/s, from its progress events
+    (``job``: each task's events, ``job_events``).
 
     A task whose progress events carry ``steps_per_worker`` (the ps chief)
     speaks for every worker: local steps, their share of all steps, and a
@@ -250,9 +257,8 @@ def worker_rates(kind: StrategyKind, event_paths: dict[str, str]) -> dict[str, d
     each computing task reports its own steps and steps/s (synchronous
     workers all run every step: no share).
     """
-    events = {n: [e for e in protocol.read_all_events(p)
-                  if e.kind in (protocol.STARTED, protocol.PROGRESS)]
-              for n, p in event_paths.items()}
+    events = {n: [e for e in evs if e.kind in (protocol.STARTED, protocol.PROGRESS)]
+              for n, evs in job.items()}
     reports = sorted((e.time, e.data["steps_per_worker"]) for evs in events.values() for e in evs
                      if e.kind == protocol.PROGRESS
                      and isinstance(e.data.get("steps_per_worker"), dict))
@@ -299,7 +305,7 @@ def describe_rates(rates: dict[str, dict]) -> str:
             parts.append(f"{name} step {r['steps']}{rate}")
     if any(r.get("steps_per_sec") is None for r in rates.values()):
         # A rate needs two progress reports of that worker since its last start.
-        parts[-1] += " (no steps/s where one progress report came: a smaller --log-every gives it)"
+        parts[-1] += " (steps/s needs two progress reports; a smaller --log-every gives them)"
     return "; ".join(parts)
 
 
@@ -354,7 +360,8 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
                                   injector=injector, engine=engine, membership=membership,
                                   formation=formation, command=command)
         after = _counters(network, log) if before is not None else None
-        _finish_link_trace(tracer, config, launch_dir, list(paths.values()), log)
+        events = job_events(paths)
+        _finish_link_trace(tracer, config, launch_dir, events, log)
         oom, limited = limits.oom_killed(), limits.record()
     finally:
         if slowdown is not None:
@@ -364,15 +371,10 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
     restarts = sum(restarter.restarts.values()) if restarter is not None else 0
     _log_recovery(membership, injector, restarts, attempt, log)
     _log_memory(config, peaks, limited, oom, log)
-    rates = worker_rates(config.kind, paths) if paths else {}
+    rates = worker_rates(config.kind, events) if events else {}
     if rates:
         log(f"[launch] per worker: {describe_rates(rates)}")
-    traffic = None
-    if after is not None:
-        steps, shares = _chief_steps(config.model_dir)
-        traffic = trafficlib.measured_record(before, after, steps, dict(config.cluster.host_of),
-                                             config.kind.trainer, shares)
-        log(trafficlib.describe(traffic))
+    traffic = _traffic(config, before, after, log)
     if launch_dir is not None and os.path.isdir(launch_dir):
         plan, slowed = config.cluster, [str(s) for s in recovery.slow]
         _write_outcome(os.path.join(launch_dir, "outcome.json"), protocol.LaunchOutcome(
@@ -457,8 +459,20 @@ def _start_link_trace(config: LaunchConfig, network) -> linktrace.LinkTrace | No
     return linktrace.LinkTrace(config.cluster.hosts).start()
 
 
+def _traffic(config: LaunchConfig, before, after, log) -> dict | None:
+    """The job's bytes per step on each host's link, from the counters read before and
+    after it (None without ``--hosts``, or when they could not be read)."""
+    if after is None:
+        return None
+    steps, shares = _chief_steps(config.model_dir)
+    traffic = trafficlib.measured_record(before, after, steps, dict(config.cluster.host_of),
+                                         config.kind.trainer, shares)
+    log(trafficlib.describe(traffic))
+    return traffic
+
+
 def _finish_link_trace(tracer, config: LaunchConfig, launch_dir: str | None,
-                       event_paths: list[str], log) -> None:
+                       job: dict[str, list[protocol.Event]], log) -> None:
     """``launch/link_trace.json`` and the launcher's one line on it (``--link-trace``)."""
     if tracer is None:
         return
@@ -466,7 +480,7 @@ def _finish_link_trace(tracer, config: LaunchConfig, launch_dir: str | None,
     plan = config.cluster
     host_tasks = {f"host{i}": [n for n, h in plan.host_of.items() if h == i]
                   for i in range(plan.hosts)}
-    events = [(e.kind, e.time) for p in event_paths for e in protocol.read_all_events(p)]
+    events = [(e.kind, e.time) for evs in job.values() for e in evs]
     trace = {**trace, "rate_bits_per_sec": config.rate_bits, "host_tasks": host_tasks,
              "training_seconds": linktrace.training_span(events, trace["wall_start"])}
     if launch_dir is None or not os.path.isdir(launch_dir):
