@@ -302,8 +302,11 @@ def test_left_behind_counts_a_marked_process_and_the_namespace_it_holds(spawn, t
 def test_a_soak_is_correct_and_leaves_nothing(spawn, tmp_path, strategies):
     out = tmp_path / "soak"
     jobs = len(strategies)
+    # The default tier's one job draws one fault (each fault costs a recovery: its
+    # time ran 72 to 121 s with up to three); the long tier's jobs draw 1 to 3.
+    faults = ["--max-faults", "1"] if jobs == 1 else []
     proc = spawn([sys.executable, "-m", "tfdist.bench.soak", "--jobs", str(jobs),
-                  "--steps", "600", "--strategies", ",".join(strategies),
+                  "--steps", "600", "--strategies", ",".join(strategies), *faults,
                   "--job-timeout", "240", "--out", str(out)])
     code = proc.wait(timeout=400)
     record = json.loads((out / "soak.json").read_text())
@@ -311,7 +314,7 @@ def test_a_soak_is_correct_and_leaves_nothing(spawn, tmp_path, strategies):
     assert (record["jobs"], record["correct"], record["hung"], record["left_behind"],
             record["steps_lost_beyond_promise"]) == (jobs, jobs, 0, 0, 0), proc.output[-4000:]
     assert sorted(j["strategy"] for j in record["per_job"]) == sorted(strategies)
-    assert all(1 <= len(j["faults"]) <= 3 for j in record["per_job"])
+    assert all(1 <= len(j["faults"]) <= (1 if faults else 3) for j in record["per_job"])
     for row in record["table"]:
         assert row["survived"] == row["injected"] and row["correct"] == row["jobs"], row
     assert "| strategy | fault |" in (out / "soak.md").read_text()

@@ -121,20 +121,29 @@ def test_tensorflow_start_up_noise_is_hidden_unless_verbose(tmp_path):
 
     from conftest import REPO, child_env
 
-    def run(*extra):
-        out = subprocess.run(
+    def start(*extra):
+        return subprocess.Popen(
             [sys.executable, str(REPO / "train.py"), "--strategy=mirrored", "--model", "logreg",
              "--steps", "20", "--log-every", "10", "--model-dir", str(tmp_path / f"m{len(extra)}"),
              *extra],
-            env=child_env(), capture_output=True, text=True, timeout=240,
-        )
-        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-        # stderr first: TensorFlow's lines come before any progress line.
-        return out.stderr.splitlines() + out.stdout.splitlines()
+            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    quiet = _lines_before_progress(run())
+    def lines(proc):
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out[-2000:] + err[-2000:]
+        # stderr first: TensorFlow's lines come before any progress line.
+        return err.splitlines() + out.splitlines()
+
+    # Both at once: each is mostly TensorFlow's start-up (half the test's time).
+    quiet_run, loud_run = start(), start("--verbose")
+    try:
+        quiet = _lines_before_progress(lines(quiet_run))
+        loud = _lines_before_progress(lines(loud_run))
+    finally:
+        for proc in (quiet_run, loud_run):
+            proc.kill()
+            proc.wait(timeout=10)
     assert len(quiet) <= 1, quiet
-    loud = _lines_before_progress(run("--verbose"))
     assert any("oneDNN" in line or "cuda" in line for line in loud), loud
 
 
