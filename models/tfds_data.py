@@ -5,8 +5,11 @@ Used by the built-in MNIST tasks; a user's task may use it too.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import socket
+import tempfile
 import threading
 
 from tfdist.protocol import ConfigError
@@ -66,10 +69,25 @@ def load(name: str, split: str, data_dir: str | None):
         ) from None
 
 
+@contextlib.contextmanager
+def _scratch_tmp():
+    """tfds's builder makes an empty temporary directory whenever the data are not
+    prepared (``DatasetInfo.initialize_from_bucket``) and never removes it: while a
+    builder is made, temporary files go into one of ours, removed after."""
+    scratch = tempfile.mkdtemp(prefix="tfdist-tfds-")
+    saved, tempfile.tempdir = tempfile.tempdir, scratch
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def _files_key(tfds, name: str, split: str, data_dir: str | None):
     """What identifies a prepared split's bytes, or None when it is not prepared
     (then tfds.load itself says why)."""
-    builder = tfds.builder(name, data_dir=data_dir)
+    with _scratch_tmp():
+        builder = tfds.builder(name, data_dir=data_dir)
     if not builder.is_prepared():
         return None
     stats = []
@@ -90,7 +108,8 @@ def ensure_available(name: str, data_dir: str | None) -> None:
     title, version = _names(name)
     where = data_dir or os.path.join("~", "tensorflow_datasets")
     try:
-        builder = tfds.builder(name, data_dir=data_dir)
+        with _scratch_tmp():
+            builder = tfds.builder(name, data_dir=data_dir)
         if not builder.is_prepared():
             if data_dir is not None:
                 # A directory the user chose should already hold the data;

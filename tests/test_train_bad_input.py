@@ -553,12 +553,16 @@ def test_missing_mnist_is_one_line_without_download(tmp_path):
     """A data dir without MNIST: a pointer to --data-dir, not minutes of retries."""
     empty = tmp_path / "no-data"
     empty.mkdir()
+    tmp = tmp_path / "tmp"  # the run's temporary directory: it must stay empty
+    tmp.mkdir()
     proc = subprocess.run(
         [sys.executable, str(REPO / "train.py"), "--steps=1", "--data-dir", str(empty),
          "--model-dir", str(tmp_path / "m")],
-        env=child_env(), capture_output=True, text=True, timeout=120,
+        env={**child_env(), "TMPDIR": str(tmp)}, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
+    # tfds leaves an empty directory there whenever the data are missing; ours removes it.
+    assert [p.name for p in tmp.iterdir()] == []
     errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
     assert len(errors) == 1 and "--data-dir" in errors[0] and str(empty) in errors[0]
     assert "Traceback" not in proc.stderr
