@@ -78,12 +78,12 @@ def _running(c, head_cpus: int, nodes):
     assert not os.path.exists(c.root)
 
 
-def _launch(spawn, strategy, model_dir, *launch_args, train_args=(), address=None):
+def _launch(spawn, strategy, model_dir, *launch_args, train_args=(), address=None, **env):
     cmd = launch_cmd(strategy, "--engine", "ray", *(("--address", address) if address else ()),
                      *launch_args, train_args=[*([] if "--task" in train_args else LOGREG),
                                                "--log-every", "50", *train_args,
                                                "--model-dir", str(model_dir)])
-    return spawn(cmd, child_env(**ENV))
+    return spawn(cmd, child_env(**ENV, **env))
 
 
 def _placement(model_dir) -> list[dict]:
@@ -275,23 +275,32 @@ def test_node_lost_mid_run_multiworker_relaunches_from_checkpoint(cluster, spawn
 
 
 def test_local_instance_started_and_stopped(spawn, tmp_path):
-    """Without --address: a local Ray instance for the job, stopped after (nothing left)."""
+    """Without --address: a local Ray instance for the job, stopped after (nothing left).
+
+    Ray keeps each instance's session (its logs and sockets) under $RAY_TMPDIR/ray,
+    /tmp/ray by default, after the instance stops: here a short directory of the
+    test's own (Ray's socket paths must stay under 108 bytes), removed after."""
+    import shutil
+    import tempfile
+
     model_dir = tmp_path / "local"
-    before = {line.split(":")[0] for line in descendants_alive("/tmp/ray/session_")}
-    p = _launch(spawn, "ps", model_dir, "--workers", "2", "--ps", "1",
-                train_args=["--steps", "60"])
-    assert p.wait(JOB_TIMEOUT) == 0, p.output
-    assert "[launch] ray: a local Ray instance (num_cpus=4)" in p.output
-    assert read_results(model_dir)["global_steps"] == 60
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        left = [line for line in descendants_alive("/tmp/ray/session_")
-                if line.split(":")[0] not in before]
-        if not left:
-            break
-        time.sleep(0.2)
-    assert left == []
-    assert descendants_alive(str(model_dir)) == []
+    ray_tmp = tempfile.mkdtemp(prefix="tfdist-raytmp-")
+    try:
+        p = _launch(spawn, "ps", model_dir, "--workers", "2", "--ps", "1",
+                    train_args=["--steps", "60"], RAY_TMPDIR=ray_tmp)
+        assert p.wait(JOB_TIMEOUT) == 0, p.output
+        assert "[launch] ray: a local Ray instance (num_cpus=4)" in p.output
+        assert read_results(model_dir)["global_steps"] == 60
+        # The instance was this job's: its session is under the test's directory.
+        assert [d for d in os.listdir(os.path.join(ray_tmp, "ray"))
+                if d.startswith("session_2")] != []
+        deadline = time.monotonic() + 20
+        while (left := descendants_alive(ray_tmp)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert left == []
+        assert descendants_alive(str(model_dir)) == []
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 @pytest.fixture
