@@ -31,7 +31,8 @@ test-image: venv
 # The Ray tier (README, docs/deployment.md): --engine ray jobs on a real multi-node Ray
 # cluster started here (ray start --head on 127.0.0.3, a node on 127.0.0.2), every
 # strategy, a killed actor, a lost node (multiworker, and a ps worker's); a local Ray
-# instance. 8 tests: 5 min 18 s on a 2-core host at load 2 (9 to 14 min at load 7 to 21).
+# instance; an elastic job losing a node and growing back. 10 tests: 7 min 44 s on a
+# 2-core host (CI); 5 min 18 s for the first 8 at load 2 (9 to 14 min at load 7 to 21).
 test-ray: venv
 	$(PY) -m pytest -q -m ray tests/launcher/test_ray.py
 

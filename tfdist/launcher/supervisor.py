@@ -295,15 +295,16 @@ def worker_rates(kind: StrategyKind, job: dict[str, list[protocol.Event]]) -> di
 
 
 def describe_rates(rates: dict[str, dict]) -> str:
-    parts = []
+    parts, unknown = [], False
     for name, r in rates.items():
         known = r.get("steps_per_sec") is not None
+        unknown = unknown or not known
         rate = f", {r['steps_per_sec']:.1f} steps/s" if known else ""
         if r.get("share") is not None:
             parts.append(f"{name} {r['steps']} local steps ({r['share']:.0%}){rate}")
         else:
             parts.append(f"{name} step {r['steps']}{rate}")
-    if any(r.get("steps_per_sec") is None for r in rates.values()):
+    if unknown:
         # A rate needs two progress reports of that worker since its last start.
         parts[-1] += " (steps/s needs two progress reports; a smaller --log-every gives them)"
     return "; ".join(parts)
