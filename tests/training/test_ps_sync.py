@@ -85,6 +85,21 @@ def test_default_k_is_the_number_of_workers_and_sets_the_gradient_batch():
     assert plan(strategy="ps").gradients_per_update == 1
 
 
+def test_tokens_are_given_again_only_after_no_update_for_a_while():
+    """A restarted worker's token can be taken by its dead closure's dequeue, so the
+    chief gives the tokens again when no update comes; never while updates come (a
+    long call, or a pause between calls), and not before the first update's own wait
+    (the workers' first run of the closure) has had FIRST_REISSUE_AFTER seconds."""
+    from tfdist.training.ps.ps_sync_trainer import FIRST_REISSUE_AFTER, tokens_due
+
+    assert not tokens_due(step=160, seen=120, restored=100, since_start=30)  # updates came
+    assert tokens_due(step=160, seen=160, restored=100, since_start=30)  # none since
+    # Before this process's first update (resumed at 100, or a new run at 0).
+    assert not tokens_due(step=100, seen=100, restored=100, since_start=30)
+    assert not tokens_due(step=0, seen=0, restored=0, since_start=FIRST_REISSUE_AFTER - 1)
+    assert tokens_due(step=0, seen=0, restored=0, since_start=FIRST_REISSUE_AFTER)
+
+
 def test_the_kind_names_its_trainer_and_is_never_auto():
     from tfdist.strategies import kinds
 

@@ -79,7 +79,19 @@ TOP_UP_AFTER = 0.1
 # update could then complete. Far above an update's time on the slowest
 # link measured (docs/ps-sync.md), so a healthy run never re-issues.
 REISSUE_AFTER = 10.0
+# Before this process's first update: that one also waits for the workers'
+# first run of the traced closure, which took over 10 s on a loaded 2-core host
+# (a re-issue then cost a healthy run one dropped gradient).
+FIRST_REISSUE_AFTER = 60.0
 PS0 = "/job:ps/replica:0/task:0/device:CPU:0"
+
+
+def tokens_due(step: int, seen: int, restored: int, since_start: float) -> bool:
+    """Whether to give the current step's tokens again, REISSUE_AFTER seconds after
+    the global step was last seen at ``seen``: no update since then, and either this
+    process has applied one (``step`` is past the ``restored`` step) or its first has
+    been awaited for FIRST_REISSUE_AFTER seconds."""
+    return step == seen and (step != restored or since_start >= FIRST_REISSUE_AFTER)
 
 
 def interval_stats(seconds) -> dict:
@@ -390,7 +402,11 @@ class PsSyncTrainer(CoordinatedTrainer):
         self._finished_seen = 0
         self._stuck_workers: list[dict] = []
         self._reissued = 0
-        self._quiet_since = time.monotonic()
+        # When the global step was last seen, and its value then: "quiet" is no
+        # update for REISSUE_AFTER seconds, not a long call (many updates) or a
+        # pause between calls (evaluation, a checkpoint).
+        self._started = self._quiet_since = time.monotonic()
+        self._quiet_step = self.applied_before
         self._last_time: float | None = None
         self._intervals: list[float] = []
         # The first tokens: every worker may compute on the restored step.
@@ -404,7 +420,7 @@ class PsSyncTrainer(CoordinatedTrainer):
         """Apply ``num_steps`` updates; returns once they are applied."""
         n = tf.constant(num_steps)
         self._top_up(n)
-        waiting_since = time.monotonic()
+        waiting_since = self._quiet_since = time.monotonic()
 
         def check():
             # coordinator.done() raises the error of any failed closure.
@@ -416,11 +432,12 @@ class PsSyncTrainer(CoordinatedTrainer):
                 self._finished_seen = int(self._q.finished.numpy())
                 self._top_up(n)
             if now - self._quiet_since > REISSUE_AFTER:
-                self._reissue_tokens()
-                self._quiet_since = now
+                step = int(self.state.global_step.read_value())
+                if tokens_due(step, self._quiet_step, self.applied_before, now - self._started):
+                    self._reissue_tokens()
+                self._quiet_since, self._quiet_step = now, step
 
         out = self._aggregate(n, check=check)
-        self._quiet_since = time.monotonic()
         if self._stall is not None:
             self._stall.progress()
         self._finished_seen = max(self._finished_seen, int(out["finished"]))
