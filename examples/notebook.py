@@ -42,16 +42,19 @@ print([(t.member, t.steps) for t in two.members])
 # ## Your own task, asynchronous parameter servers, and a worker killed mid-run
 #
 # `tfdist.launch` takes the launcher's options as typed groups, the same fields as
-# launch.py's flags: here worker:1 is killed at step 150 and restarted (`Recovery`'s
-# `restart_tasks`); under `ps` the other worker runs on meanwhile, and every scheduled
-# step is still applied once.
+# launch.py's flags: here worker:1 is killed once the job reports step 150 or later (its
+# progress lines come every `log_every` steps) and restarted (`Recovery`'s
+# `restart_tasks`); under `ps` the other worker runs on meanwhile, and no scheduled step
+# is lost: a step the killed worker had under way runs again, so `global_step` (the
+# updates applied) can end a step or two past `steps`, and results.json counts those
+# as `reexecuted_steps`.
 
 # %%
 from tfdist import Cluster, Faults, Recovery
 
 ps = tfdist.launch("ps", CUSTOM_TASK, cluster=Cluster(workers=2, ps=1),
                    faults=Faults(kill=("worker:1@step=150",)), recovery=Recovery(restart_tasks=True),
-                   options=TrainOptions(steps=300, model_dir="runs/ps"))
+                   options=TrainOptions(steps=300, model_dir="runs/custom-ps-killed"))
 print(ps.metrics["accuracy"], ps.global_step, {t.member: t.restarts for t in ps.members})
 
 # %% [markdown]

@@ -6,6 +6,7 @@ Used by the built-in MNIST tasks; a user's task may use it too.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import socket
@@ -70,15 +71,22 @@ def load(name: str, split: str, data_dir: str | None):
 
 
 @contextlib.contextmanager
-def _scratch_tmp():
-    """tfds's builder makes an empty temporary directory whenever the data are not
-    prepared (``DatasetInfo.initialize_from_bucket``) and never removes it: while a
-    builder is made, temporary files go into one of ours, removed after."""
+def _making_builder():
+    """Around ``tfds.builder`` and its ``is_prepared``, which leave two things behind
+    when the data are not prepared. The builder makes an empty temporary directory
+    (``DatasetInfo.initialize_from_bucket``) and never removes it: temporary files go
+    into one of ours, removed after. ``is_prepared`` logs absl warnings (``Variant
+    folder … has no dataset_info.json``) ahead of the one line that says what is
+    missing: those are held back."""
+    absl = logging.getLogger("absl")
     scratch = tempfile.mkdtemp(prefix="tfdist-tfds-")
     saved, tempfile.tempdir = tempfile.tempdir, scratch
+    level = absl.level
+    absl.setLevel(logging.ERROR)
     try:
         yield
     finally:
+        absl.setLevel(level)
         tempfile.tempdir = saved
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -86,9 +94,10 @@ def _scratch_tmp():
 def _files_key(tfds, name: str, split: str, data_dir: str | None):
     """What identifies a prepared split's bytes, or None when it is not prepared
     (then tfds.load itself says why)."""
-    with _scratch_tmp():
+    with _making_builder():
         builder = tfds.builder(name, data_dir=data_dir)
-    if not builder.is_prepared():
+        prepared = builder.is_prepared()
+    if not prepared:
         return None
     stats = []
     for path in builder.info.splits[split].filepaths:
@@ -108,9 +117,10 @@ def ensure_available(name: str, data_dir: str | None) -> None:
     title, version = _names(name)
     where = data_dir or os.path.join("~", "tensorflow_datasets")
     try:
-        with _scratch_tmp():
+        with _making_builder():
             builder = tfds.builder(name, data_dir=data_dir)
-        if not builder.is_prepared():
+            prepared = builder.is_prepared()
+        if not prepared:
             if data_dir is not None:
                 # A directory the user chose should already hold the data;
                 # downloading into it offline only retries for minutes.
