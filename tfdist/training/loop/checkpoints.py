@@ -368,6 +368,9 @@ class RunLock:
 
     def release(self) -> None:
         if self._fd is not None:
+            # The pid goes with the lock, so the next run's chief only notes a
+            # take-over from a holder that died holding it.
+            os.ftruncate(self._fd, 0)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
