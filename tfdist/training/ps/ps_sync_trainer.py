@@ -80,8 +80,9 @@ TOP_UP_AFTER = 0.1
 # link measured (docs/ps-sync.md), so a healthy run never re-issues.
 REISSUE_AFTER = 10.0
 # Before this process's first update: that one also waits for the workers'
-# first run of the traced closure, which took over 10 s on a loaded 2-core host
-# (a re-issue then cost a healthy run one dropped gradient).
+# first run of the traced closure, seconds longer on a loaded host. (Counted
+# from a call's start, not the last update, a healthy run on a loaded 2-core
+# host re-issued once and dropped a gradient.)
 FIRST_REISSUE_AFTER = 60.0
 PS0 = "/job:ps/replica:0/task:0/device:CPU:0"
 
