@@ -59,11 +59,12 @@ install_slurm() {
     if [[ ! -e $policy ]]; then
         printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy" && added=1
     fi
-    local rc=0
+    local rc=0 log="${TMPDIR:-/tmp}/local-cluster-apt.log"
     { apt-get update -qq && apt-get install -y -qq --no-install-recommends slurm-wlm munge; } \
-        >"${TMPDIR:-/tmp}/local-cluster-apt.log" 2>&1 || rc=$?
+        >"$log" 2>&1 || rc=$?
     [[ $added -eq 1 ]] && rm -f "$policy"
-    [[ $rc -eq 0 ]] || die "apt-get install slurm-wlm munge failed (exit $rc); see ${TMPDIR:-/tmp}/local-cluster-apt.log"
+    [[ $rc -eq 0 ]] || die "apt-get install slurm-wlm munge failed (exit $rc); see $log"
+    rm -f "$log"  # kept only to explain a failure
 }
 
 write_config() {
