@@ -435,7 +435,7 @@ class PsSyncTrainer(CoordinatedTrainer):
             if now - self._quiet_since > REISSUE_AFTER:
                 step = int(self.state.global_step.read_value())
                 if tokens_due(step, self._quiet_step, self.applied_before, now - self._started):
-                    self._reissue_tokens()
+                    self._reissue_tokens(step)
                 self._quiet_since, self._quiet_step = now, step
 
         out = self._aggregate(n, check=check)
@@ -463,18 +463,18 @@ class PsSyncTrainer(CoordinatedTrainer):
             self.coordinator.schedule(self._work, args=(self._iterator, n))
             self._scheduled += 1
 
-    def _reissue_tokens(self) -> None:
-        """Give the current step's token to every worker that has none queued.
+    def _reissue_tokens(self, step: int) -> None:
+        """Give the current step's token (``step``, just read) to every worker that has
+        none queued.
 
         Safe at any time: a worker takes the largest token it holds, and the
         aggregator accepts one gradient per worker per update, so a token
         for a step already over is skipped and a second gradient for the
         same step is dropped.
         """
-        step = self.state.global_step.read_value()
         for token_queue in self._q.tokens:
             if int(token_queue.size().numpy()) == 0:
-                token_queue.enqueue(step)
+                token_queue.enqueue(tf.constant(step, tf.int64))
                 self._reissued += 1
 
     def drain(self) -> dict[str, float]:
