@@ -14,10 +14,13 @@ raylet, GCS, actor or task process, no temp dir.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
+import shutil
 import signal
+import tempfile
 import time
 
 import pytest
@@ -35,9 +38,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.multiprocess]
 def no_scratch_left():
     """Each job's temporary files (its tasks' TMPDIR) are gone when it ends, a killed
     actor's and a lost node's included (the nodes here share this host's /tmp)."""
-    import glob
-    import tempfile
-
     # A multiworker worker's private checkpoints and the preemption counter were
     # left in /tmp before the tasks had a TMPDIR of the job's.
     patterns = [os.path.join(tempfile.gettempdir(), p)
@@ -280,9 +280,6 @@ def test_local_instance_started_and_stopped(spawn, tmp_path):
     Ray keeps each instance's session (its logs and sockets) under $RAY_TMPDIR/ray,
     /tmp/ray by default, after the instance stops: here a short directory of the
     test's own (Ray's socket paths must stay under 108 bytes), removed after."""
-    import shutil
-    import tempfile
-
     model_dir = tmp_path / "local"
     ray_tmp = tempfile.mkdtemp(prefix="tfdist-raytmp-")
     try:
