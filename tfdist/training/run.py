@@ -109,6 +109,8 @@ def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None
     run_request = request(config, task)
     config = run_request.config  # its run directory resolved
     if config.dry_run:
+        # Bad flags are answered before TensorFlow is imported to list GPUs (seconds).
+        check_without_runtime(run_request, task)
         print(json.dumps(preflight(run_request).describe(), indent=None, sort_keys=True),
               flush=True)
         return None
@@ -125,8 +127,7 @@ def prepare_process(run_request: RunRequest, task=None) -> list[str]:
     then the process's environment and devices. Writes nothing; the GPUs to use."""
     config, kind, spec = run_request.config, run_request.kind, run_request.task
     cluster = config.cluster
-    if task is None and tasks.static_sizes(spec)[0] is not None:
-        preflight(run_request, gpus=[])
+    check_without_runtime(run_request, task)
     if not cluster.is_local and kind.role(cluster) != "evaluator":
         check_own_port(cluster)
     gpus = _physical_gpus() if kind.role(cluster) in kind.gpu_roles() else []
@@ -141,6 +142,14 @@ def prepare_process(run_request: RunRequest, task=None) -> list[str]:
         tasks.load(spec, config.data_dir).check_data()
     configure_devices(kind.gpu_roles(), cluster)
     return gpus
+
+
+def check_without_runtime(run_request: RunRequest, task=None) -> None:
+    """The plan's checks with no GPU listed, where they need no TensorFlow: a
+    built-in task, whose split sizes are known up front (a user's task is
+    imported and inspected by ``preflight`` itself)."""
+    if task is None and tasks.static_sizes(run_request.task)[0] is not None:
+        preflight(run_request, gpus=[])
 
 
 def serve_or_skip(run_request: RunRequest) -> bool:
