@@ -55,6 +55,23 @@ def test_bad_aggregation_is_one_line_and_exit_2(args, message):
     assert message in proc.stderr
 
 
+def test_a_dry_run_refuses_bad_aggregation_before_tensorflow_is_imported():
+    """A dry run lists GPUs with TensorFlow (seconds to import), but only after the
+    checks that need none: bad flags are answered at once."""
+    script = ("import sys, train\n"
+              "code = train.main(['--strategy', 'ps-sync', '--replicas-to-aggregate', '3',"
+              " '--dry-run'])\n"
+              "assert 'tensorflow' not in sys.modules, 'TensorFlow was imported'\n"
+              "print(code)\n")
+    tf_config = {"cluster": CLUSTER, "task": {"type": "chief", "index": 0}}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO,
+                          env=child_env(tf_config=tf_config), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "2"
+    assert proc.stderr.startswith("error: --replicas-to-aggregate=3 is more than the 2 worker(s)")
+
+
 def test_replicas_to_aggregate_belongs_to_ps_sync_only():
     tf_config = {"cluster": CLUSTER, "task": {"type": "chief", "index": 0}}
     proc = subprocess.run([sys.executable, "train.py", "--strategy", "ps",
