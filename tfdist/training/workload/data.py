@@ -25,14 +25,26 @@ def _in_memory(source: tf.data.Dataset):
     return source.batch(1 << 30).get_single_element()
 
 
-def _seed_tensor(seed: int | None) -> tf.Tensor:
+def _shuffle_key(seed: int | None) -> tf.Tensor:
+    """The three words added to ``(0, epoch, 0)`` to key an epoch's permutation.
+
+    ``RandomIndexShuffle`` reads only the low 8 bits of each key word (measured,
+    TF 2.21: seeds 256 apart give the same permutation of 60,000), so a seed
+    spread over one word allows 256 orders. A given seed keeps its word as it
+    is: the same order as before, run to run. Without one, the three words are
+    drawn from the time the pipeline is built, i.e. on each ps worker: the
+    coordinator traces one dataset_fn for all of them (each sees input pipeline
+    0 of 1), and any seed fixed at trace time, the global seed's too, would feed
+    every worker the same batches. Three drawn words make two workers' orders
+    collide once in 2**24 pairs, where one word of time did once in 256.
+    """
     if seed is not None:
-        return tf.constant(seed, tf.int64)
-    # Evaluated where the pipeline is built, i.e. on each ps worker: the
-    # coordinator traces one dataset_fn for all of them (each sees input
-    # pipeline 0 of 1), and any seed fixed at trace time, the global seed's
-    # too, would feed every worker the same batches.
-    return tf.bitcast(tf.timestamp(), tf.int64)
+        return tf.constant([seed, 0, 0], tf.int64)
+    stamp = tf.bitcast(tf.timestamp(), tf.int64)
+    pair = tf.stack([stamp, tf.bitwise.right_shift(stamp, 32)])
+    words = tf.random.stateless_uniform([3], seed=pair, minval=None, maxval=None,
+                                        dtype=tf.int64)
+    return tf.bitwise.bitwise_and(words, 0xFFFFFFFF)
 
 
 def build_pipeline(
@@ -65,7 +77,7 @@ def build_pipeline(
             )
     elements = _in_memory(source)
     n = tf.shape(tf.nest.flatten(elements)[0], out_type=tf.int64)[0]
-    seed_t = _seed_tensor(seed)
+    key = _shuffle_key(seed)
 
     b = tf.constant(batch, tf.int64)
 
@@ -79,7 +91,8 @@ def build_pipeline(
         index = positions % n
         if shuffle:
             epoch = positions // n
-            keys = tf.stack([tf.fill(tf.shape(epoch), seed_t), epoch, tf.zeros_like(epoch)],
+            keys = tf.stack([tf.fill(tf.shape(epoch), key[0]), epoch + key[1],
+                             tf.fill(tf.shape(epoch), key[2])],
                             axis=1)
             # The raw op: tf.random.experimental.index_shuffle's wrapper
             # mangles a batch of [n, 3] seeds in TF 2.21.
