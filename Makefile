@@ -22,7 +22,7 @@ demo: venv
 
 # Two passes over the default tier (pyproject.toml's addopts: not image, long or ray).
 # The tests that start no cluster run on two pytest workers: 7.7 minutes one at a
-# time, 4.5 on two (a 2-core host). The launched-cluster tests then run one at a
+# time, 3.6 to 4.1 on two (a 2-core host). The launched-cluster tests then run one at a
 # time: each cluster already keeps both cores busy, and its timeouts assume so.
 # Both passes always run; the exit code is non-zero if either failed.
 DEFAULT_TIER := not image and not long and not ray
