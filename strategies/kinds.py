@@ -435,22 +435,17 @@ class Pipeline(StrategyKind):
     # the examples/s of pinned stages on dense-chain S = 2 (docs/pipeline.md).
     pins_busy_tasks = False
     # What of Keras's fit contract the pipeline step does not carry over: it is the
-    # chief's own step over stages that each have their own optimizer.
-    own_train_step_refusal = ("the chief runs its own pipeline step over the model's stages, and a "
-                              "model's train_step needs the whole model, which no task holds")
+    # chief's own step over stages that each have their own optimizer. What acts on
+    # the whole model (global_clipnorm, a LossScaleOptimizer's scale, accumulation)
+    # the step does across the stages (training.pipeline.updates).
+    own_train_step_refusal = ("the chief's pipeline step cuts the model into stages on the "
+                              "workers and runs each stage's forward and backward there; a "
+                              "train_step is one function over the whole model, which the cut "
+                              "cannot split into stages")
     own_compute_loss_refusal = ("the chief's pipeline step applies the compiled loss to the last "
                                 "stage's output, and a model's compute_loss needs the whole "
                                 "model, which no task holds")
     jit_compile_refusal = "its step spans several tasks' devices, which one XLA cluster cannot"
-    callbacks_refusal = "the model lives in stages on the workers; callbacks are not wired to it"
-    optimizer_refusals = {
-        **_ACCUMULATION_IN_COND,
-        "global_clipnorm": "each stage has an optimizer of its own, so the norm would be one "
-                           "stage's, not the whole model's",
-        "use_ema": "the stages' optimizers are not finalized into the evaluated model",
-    }
-    loss_scale_refusal = "each stage's optimizer is rebuilt from the compiled one's config"
-    sample_weight_refusal = "its micro-batches are (features, label) pairs"
 
     def check(self, cluster):
         if cluster.num_ps:

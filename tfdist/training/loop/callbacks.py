@@ -27,9 +27,9 @@ Under a strategy of several training tasks in lockstep (``multiworker``) the
 chief's decisions reach every worker: at every epoch begin, progress line and
 epoch end, every task takes part in one all-reduce in which only the chief's
 first replica contributes its stop flag and learning rate; every worker then
-stops at the same step and trains at the chief's rate. ``pipeline`` refuses a
-task with callbacks in one line (``StrategyKind.callbacks_refusal``, checked
-by ``training.workload.contract``).
+stops at the same step and trains at the chief's rate. Under ``pipeline`` the
+model is the task's assembled from the stages (copy 0's weights), refreshed as
+under ``ps``; a rate set on its optimizer reaches every stage's optimizer.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from __future__ import annotations
 import numpy as np
 
 from tfdist.protocol import ConfigError
-from tfdist.training.sharding import set_full_weights
 
 
 class Callbacks:
@@ -54,7 +53,7 @@ class Callbacks:
         self._given_weights: list | None = None  # what a refreshed copy was given
         given = getattr(trainer.task.task, "callbacks", None)
         # The trained optimizer: the one whose learning rate the steps read.
-        self._optimizer = trainer.state.optimizer
+        self._optimizer = trainer.trained_optimizer()
         # Every training task agrees with the chief (several tasks train in step).
         self._agree = None
         if callable(given) and trainer.in_lockstep():
@@ -132,7 +131,7 @@ class Callbacks:
             now = self.model.get_weights()
             if any(not np.array_equal(a, b) for a, b in zip(now, self._given_weights)):
                 # EarlyStopping(restore_best_weights=True), or any set_weights.
-                set_full_weights(self._trainer.state.model, now)
+                self._trainer.set_weights(now)
         copy = getattr(self.model, "optimizer", None)
         if copy is None or copy is self._optimizer:
             return

@@ -18,7 +18,6 @@ import os
 import time
 
 from tfdist import protocol
-from tfdist.training.workload import contract
 from tfdist.training.loop.callbacks import Callbacks
 from tfdist.training.loop.checkpoints import Checkpointer, save_model
 from tfdist.training.loop.evaluation import local_copy, split_metrics
@@ -88,7 +87,7 @@ class Controller:
                 self.callbacks.train_begin()
                 begun = self._first_call()
                 self._loop()
-                contract.finish_training(trainer.state.model, trainer.state.optimizer)
+                trainer.finish_training()
                 self.callbacks.train_end(self.metrics)
                 finished = True
             except Preempted as err:

@@ -102,6 +102,26 @@ class Trainer(abc.ABC):
         optimizer by ``training.loop.callbacks``."""
         return self.state.model
 
+    def trained_optimizer(self):
+        """The optimizer whose learning rate the steps read, which a rate the callbacks
+        set reaches (``training.loop.callbacks``): ``state.optimizer``; the pipeline's
+        is every stage's at once."""
+        return self.state.optimizer
+
+    def set_weights(self, weights: list) -> None:
+        """Weights the callbacks set on ``local_model()`` (the unsplit model's, in its
+        order), into the trained model."""
+        from tfdist.training.sharding import set_full_weights
+
+        set_full_weights(self.state.model, weights)
+
+    def finish_training(self) -> None:
+        """What ``fit`` does to the weights once training ends (``contract.finish_training``:
+        ``use_ema``'s averages written into them)."""
+        from tfdist.training.workload import contract
+
+        contract.finish_training(self.state.model, self.state.optimizer)
+
     def in_lockstep(self) -> bool:
         """Whether other tasks run this same loop, step for step (multiworker's
         workers): the chief's callbacks' stop and learning rate must then reach them

@@ -30,6 +30,7 @@ counters; after a restore every other copy is set from copy 0.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import signal
@@ -41,9 +42,9 @@ import tensorflow as tf
 from tfdist.training.workload import data
 
 from tfdist.training.pipeline import stages as stage_cut
+from tfdist.training.pipeline import updates
 from tfdist.training.pipeline import weight_grads
-from tfdist.training.loop.state import make_optimizer
-from tfdist.training.loop.step import metric_dict
+from tfdist.training.loop.step import metric_dict, schedule_in_batches
 from tfdist.training.loop.peers import PEER_ERRORS
 from tfdist.training.loop.trainer import Trainer
 
@@ -81,8 +82,10 @@ class StagedModel:
 class PipelineState:
     """``training.loop.state.TrainState``'s fields, plus every copy's stages."""
 
-    def __init__(self, copies, optimizers, devices, cut: str):
+    def __init__(self, copies, optimizers, devices, cut: str, global_clipnorm=None):
         self.copies, self.optimizers, self.devices, self.cut = copies, optimizers, devices, cut
+        # The whole model's (training.pipeline.updates); the stages' optimizers clip none.
+        self.global_clipnorm = global_clipnorm
         self.model = StagedModel(copies[0])
         self.optimizer = optimizers[0][0]
         # On the client (make_master_device_default=False keeps them local).
@@ -146,14 +149,6 @@ def _nbytes(v) -> int:
     return int(math.prod(v.shape)) * tf.as_dtype(v.dtype).size
 
 
-def _optimizer(plan, task_model):
-    o = plan.optimizer
-    if o.library:
-        return make_optimizer(o.name, o.learning_rate, o.schedule, plan.total_steps)
-    own = task_model.optimizer
-    return type(own).from_config(own.get_config())
-
-
 def build_pipeline_state(plan, task, strategy) -> PipelineState:
     """The task's model, cut and placed: one stage per worker, per copy."""
     pp = plan.pipeline
@@ -167,7 +162,7 @@ def build_pipeline_state(plan, task, strategy) -> PipelineState:
             device = stage_device(worker)
             with tf.device(device):
                 stage = keras.models.clone_model(local[s])
-                opt = _optimizer(plan, model)
+                opt = updates.stage_optimizer(plan, model)
                 # Built here, so the slots land on the stage's task too.
                 opt.build(stage.trainable_variables)
             stage.set_weights(local[s].get_weights())
@@ -177,7 +172,8 @@ def build_pipeline_state(plan, task, strategy) -> PipelineState:
         copies.append(row)
         optimizers.append(opts)
         devices.append(devs)
-    return PipelineState(copies, optimizers, devices, cut)
+    clip = None if plan.optimizer.library else updates.global_clipnorm(model.optimizer)
+    return PipelineState(copies, optimizers, devices, cut, clip)
 
 
 def _split(structure, n: int) -> list:
@@ -205,11 +201,14 @@ def _clock_anchors(devices) -> list[list]:
 class _CopyPass:
     """One copy's forward and backward slots in one traced step: what is in flight
     between its stages (activations forward, their gradients backward), each slot's
-    tape, each stage's summed gradients, slot times and end stamps."""
+    tape, each stage's summed gradients, slot times and end stamps. ``ws``: the
+    micro-batches' sample weights (or None), beside their labels on the last stage;
+    ``optimizers``: the copy's, whose ``scale_loss`` each stage's loss takes."""
 
     def __init__(self, stages, devices, anchors, clock, compile_loss, metrics, xs, ys,
-                 plan: stage_cut.PipelinePlan, after=None):
+                 plan: stage_cut.PipelinePlan, after=None, optimizers=None, ws=None):
         self.stages, self.devices, self.anchors, self.clock = stages, devices, anchors, clock
+        self.optimizers, self.ws = optimizers, ws
         # Per stage, the end stamp of its previous update in the same call (or
         # None): every slot's start follows it, so the time a slot's input
         # waits for the stage's new weights is not counted as busy.
@@ -295,15 +294,22 @@ class _CopyPass:
             loss = None
             if s == S - 1:
                 y = self.ys[m]
-                loss = self.compile_loss(y, out)
+                w = None if self.ws is None else self.ws[m]
+                # Keras's reduction divides the weighted sum by the micro-batch's
+                # size, so the mean of M equal micro-batches is the batch's.
+                loss = self.compile_loss(y, out, sample_weight=w)
                 self.losses.append(loss)
-                self.values.append(self.metrics.batch_values(y, out))
+                self.values.append(self.metrics.batch_values(y, out, w))
                 # The copy's batch mean is the mean of its M micro-batch means.
                 loss = loss / M
             extra = stage.losses
             if extra:  # a stage's own (regularization) losses, once per step
                 reg = tf.add_n([tf.reduce_sum(x) for x in extra]) / M
                 loss = reg if loss is None else loss + reg
+            if loss is not None and self.optimizers is not None:
+                # A LossScaleOptimizer's scale (every stage's is the same:
+                # training.pipeline.updates); the loss itself otherwise.
+                loss = self.optimizers[s].scale_loss(loss)
         self.tapes[(s, m)] = (tape, h, out, loss)
         if s < S - 1:
             self.acts[(s + 1, m)] = out
@@ -396,10 +402,10 @@ def average_over_copies(s: int, grads: list[list], devices) -> list[list]:
     return means
 
 
-def _update_stage(s: int, passes: list[_CopyPass], copies, optimizers, devices, anchors, clock) -> None:
-    """Stage ``s``'s one update: each copy's deferred weight gradients made and
-    the copies' gradients averaged among them (``average_over_copies``), then
-    applied on every copy, after its last slot, between two stamps of its clock."""
+def _stage_means(s: int, passes: list[_CopyPass], devices, anchors, clock):
+    """Stage ``s``'s gradients for its update: each copy's deferred weight gradients
+    made and the copies' gradients averaged among them (``average_over_copies``),
+    after its last slot; (each copy's start stamp, each copy's means)."""
     P = len(passes)
     starts, sums = [], []
     for p in range(P):
@@ -408,13 +414,21 @@ def _update_stage(s: int, passes: list[_CopyPass], copies, optimizers, devices, 
                 starts.append(clock(anchors[p][s]))
             with tf.control_dependencies([starts[p]]):
                 sums.append(passes[p].gradients(s))
-    means = sums if P == 1 else average_over_copies(s, sums, devices)
-    for p in range(P):
+    return starts, sums if P == 1 else average_over_copies(s, sums, devices)
+
+
+def _update_stage(s: int, passes: list[_CopyPass], copies, optimizers, devices, anchors, clock,
+                  starts, means, accumulation: int = 1) -> None:
+    """Stage ``s``'s one update: ``means`` applied on every copy, between its start
+    stamp (``_stage_means``) and a stamp of its clock; a learning-rate schedule read
+    at the batch count when a step takes ``accumulation`` batches, as Keras's."""
+    for p in range(len(passes)):
         start = starts[p]
         with tf.device(devices[p][s][1]):
             with tf.control_dependencies([start]):
                 variables = copies[p][s].trainable_variables
-                optimizers[p][s].apply(means[p], variables)
+                with schedule_in_batches(optimizers[p][s], accumulation):
+                    optimizers[p][s].apply(means[p], variables)
                 # Read after the writes (automatic control dependencies
                 # order them), so the end stamp follows the update.
                 applied = [tf.identity(v.value) for v in variables]
@@ -425,11 +439,13 @@ def _update_stage(s: int, passes: list[_CopyPass], copies, optimizers, devices, 
 
 
 def make_pipeline_step(state: PipelineState, compile_loss, metrics,
-                       plan: stage_cut.PipelinePlan):
-    """``step(features, labels)``: one step over every copy of ``plan`` (its S, M and
-    schedule; P is ``state``'s copies); returns (mean loss, mean metric values, slot
-    times, each copy's update end stamps per stage). ``after``: the previous step's
-    end stamps in the same traced call, which each stage's slots start after.
+                       plan: stage_cut.PipelinePlan, accumulation: int = 1):
+    """``step(features, labels, sample_weight=None)``: one step over every copy of
+    ``plan`` (its S, M and schedule; P is ``state``'s copies); returns (mean loss,
+    mean metric values, slot times, each copy's update end stamps per stage).
+    ``after``: the previous step's end stamps in the same traced call, which each
+    stage's slots start after. ``accumulation``: batches the step's micro-batches
+    come from (``plan``'s M counts them all), for the learning-rate schedule.
 
     What crosses between tasks is only what the step needs: each copy's
     features once to its first stage and its labels once to its last (each
@@ -455,23 +471,32 @@ def make_pipeline_step(state: PipelineState, compile_loss, metrics,
         del anchor
         return tf.timestamp()
 
-    def step(features, labels, after=None):
+    def step(features, labels, sample_weight=None, after=None):
         per_copy_x = _split(features, P) if P > 1 else [features]
-        per_copy_y = _split(labels, P) if P > 1 else [labels]
+        # The labels and sample weights travel together, to each copy's last stage.
+        targets = labels if sample_weight is None else (labels, sample_weight)
+        per_copy_t = _split(targets, P) if P > 1 else [targets]
         passes, copy_means = [], []
         for p in range(P):
             with tf.device(devices[p][0][1]):
                 xs = _split(per_copy_x[p], M)  # one transfer of the copy's batch
             with tf.device(devices[p][S - 1][1]):
-                ys = _split(per_copy_y[p], M)
+                ts = _split(per_copy_t[p], M)
+            ys, ws = (ts, None) if sample_weight is None else (
+                [t[0] for t in ts], [t[1] for t in ts])
             copy = _CopyPass(copies[p], devices[p], anchors[p], clock, compile_loss, metrics,
-                             xs, ys, plan, after[p] if after else None)
+                             xs, ys, plan, after[p] if after else None, optimizers[p], ws)
             copy.build(orders, plan.schedule)
             passes.append(copy)
             with tf.device(devices[p][S - 1][1]):
                 copy_means.append(copy.means())
+        starts, means = zip(*[_stage_means(s, passes, devices, anchors, clock)
+                              for s in range(S)])
+        # The whole model's decisions: its global norm, a non-finite loss-scaled step.
+        means = updates.agree_and_clip(list(means), optimizers, devices, state.global_clipnorm)
         for s in range(S):
-            _update_stage(s, passes, copies, optimizers, devices, anchors, clock)
+            _update_stage(s, passes, copies, optimizers, devices, anchors, clock, starts[s],
+                          means[s], accumulation)
         means = copy_means[0] if P == 1 else tf.add_n(copy_means) / P
         loss, value = means[0], means[1:]
         stamps = []
@@ -493,7 +518,7 @@ def make_pipeline_step(state: PipelineState, compile_loss, metrics,
 MAX_STEPS_PER_CALL = 4
 
 
-def make_call(step, global_step, steps: int):
+def make_call(step, global_step, steps: int, accumulation: int = 1):
     """``call(iterator)``: ``steps`` pipeline steps (``make_pipeline_step``'s) as
     one traced function; returns the sums of their losses and metric values,
     every step's slot times and the busy seconds of each stage over them all.
@@ -503,6 +528,8 @@ def make_call(step, global_step, steps: int):
     dependencies order every use of a variable). The steps are unrolled, not
     looped: in a traced loop every stateful op on a stage would become a
     control edge to the loop's state on the client, a message per op and step.
+    ``accumulation`` N: each step takes N batches (``step``'s plan splits them into
+    N x M micro-batches).
     """
     client = global_step.device  # the chief's own device
 
@@ -510,8 +537,13 @@ def make_call(step, global_step, steps: int):
     def call(iterator):
         losses, values, stamps, after = [], [], [], None
         for _ in range(steps):
-            features, labels = next(iterator)
-            loss, value, stamp, after = step(features, labels, after)
+            batch = next(iterator)
+            if accumulation > 1:
+                # N batches as one of N x M micro-batches: their mean is Keras's
+                # accumulated update (the mean of N batch means).
+                more = [next(iterator) for _ in range(accumulation - 1)]
+                batch = tf.nest.map_structure(lambda *t: tf.concat(t, 0), batch, *more)
+            loss, value, stamp, after = step(*batch, after=after)
             losses.append(loss)
             values.append(value)
             stamps.append(stamp)
@@ -603,18 +635,23 @@ class PipelineTrainer(Trainer):
                          checkpointer=checkpointer, start_step=start_step,
                          train_metrics=train_metrics)
         pp = plan.pipeline
+        n = plan.accumulation_steps
+        # gradient_accumulation_steps N: a step takes N batches, N x M micro-batches,
+        # and applies their mean once (training.pipeline.updates).
+        self.step_plan = dataclasses.replace(pp, micro_batches=pp.micro_batches * n)
         state.sync_copies()  # the restored copy 0 everywhere
         dataset_fn = data.make_dataset_fn(
-            task.task, plan.global_batch_size, seed=self.config.seed, start_step=start_step,
+            task.task, plan.global_batch_size, seed=self.config.seed,
+            start_step=start_step * n,  # a step takes N batches
             synthetic=self.config.synthetic_data, in_memory=plan.in_memory)
         self._iterator = iter(bundle.strategy.distribute_datasets_from_function(dataset_fn))
         compile_loss = task.local_model._compile_loss  # pylint: disable=protected-access
-        step = make_pipeline_step(state, compile_loss, train_metrics, pp)
+        step = make_pipeline_step(state, compile_loss, train_metrics, self.step_plan, n)
         global_step = state.global_step
         # One traced function per number of steps a call runs (at most
         # MAX_STEPS_PER_CALL, and a cadence's remainder), made when first used.
         self._calls_of = {}
-        self._make_call = lambda n: make_call(step, global_step, n)
+        self._make_call = lambda k: make_call(step, global_step, k, n)
         self._out = None
         self._timed_steps, self._wall = 0, 0.0
         self._busy = None
@@ -630,9 +667,12 @@ class PipelineTrainer(Trainer):
         except ValueError:  # not the main thread (a caller's own thread): no handler
             pass
         if self.is_chief:
+            per_step = (f"{pp.micro_batches} micro-batches per step" if n == 1 else
+                        f"{pp.micro_batches} micro-batches per batch x {n} batches "
+                        "(gradient_accumulation_steps) per step")
             print(f"pipeline: {pp.pipelines} cop{'y' if pp.pipelines == 1 else 'ies'} x "
-                  f"{pp.stages} stages, {pp.micro_batches} micro-batches per step "
-                  f"(predicted bubble {pp.bubble():.0%}); {state.cut}", flush=True)
+                  f"{pp.stages} stages, {per_step} (predicted bubble "
+                  f"{self.step_plan.bubble():.0%}); {state.cut}", flush=True)
             note = stage_cut.imbalance([m.count_params() for m in state.copies[0]])
             if note:
                 print(f"pipeline: {note}", flush=True)
@@ -684,7 +724,7 @@ class PipelineTrainer(Trainer):
                                      for n, b in zip(names, busy)}}
         if self._last_step is not None:
             t0 = float(self._last_step[:, :, 0].min())
-            order = self.plan.pipeline
+            order = self.step_plan
             out["last_step_slots"] = {
                 n: [[kind, m, round(float(a) - t0, 6), round(float(b) - t0, 6)]
                     for (kind, m), (a, b) in zip(
@@ -697,6 +737,35 @@ class PipelineTrainer(Trainer):
     def drain(self) -> dict[str, float]:
         """Each call returns with its steps applied."""
         return self._metrics()
+
+    def finish_training(self) -> None:
+        """``use_ema``'s averages into every stage of every copy (fit's end)."""
+        updates.finish_training(self.state.copies, self.state.optimizers)
+
+    def local_model(self):
+        """The task's model assembled from the stages (copy 0's weights, in the model's
+        order), the chief's copy evaluation uses too; its optimizer's ``iterations``
+        is the global step, as ``fit``'s would be."""
+        from tfdist.training.loop.evaluation import local_copy
+
+        local = local_copy(self.state.model, self.task.local_model)
+        optimizer = getattr(local, "optimizer", None)
+        if optimizer is not None:
+            optimizer.iterations.assign(int(self.state.global_step.numpy()))
+        return local
+
+    def trained_optimizer(self):
+        """Every stage's optimizer (of every copy), whose learning rate a callback sets."""
+        return updates.StageOptimizers(self.state.optimizers)
+
+    def set_weights(self, weights: list) -> None:
+        """Weights a callback set on the assembled model, into copy 0's stages and every
+        other copy's."""
+        super().set_weights(weights)
+        for p in range(1, len(self.state.copies)):
+            for dst, src in zip(self.state.copies[p], self.state.copies[0]):
+                for a, b in zip(dst.weights, src.weights):
+                    a.assign(b)
 
     def _metrics(self) -> dict[str, float]:
         if self._out is None:

@@ -1,0 +1,236 @@
+"""The pipeline step makes Keras's own update for what ``fit`` takes: sample weights,
+``global_clipnorm`` (the whole model's norm), ``gradient_accumulation_steps``,
+``use_ema`` and a ``LossScaleOptimizer`` (training.pipeline.updates).
+
+Each case trains the same model from the same weights two ways: cut into two
+stages on two real ``tf.distribute.Server`` tasks, stepped by
+``make_pipeline_step`` over M micro-batches, and whole in this process by
+Keras's ``train_on_batch`` (the step ``fit`` runs). The weights must agree to
+float rounding after every case's steps. Connecting to a cluster changes the
+process's eager context, so the cases run in a child process of their own.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+CHILD = r'''
+import json, os, socket, sys, types
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import numpy as np, tensorflow as tf, keras
+from tfdist.training.pipeline import pipeline_trainer as pt, stages as st
+from tfdist.training.loop.step import TrainMetrics
+
+S, M, BATCH = 2, 4, 32
+def port():
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+spec = tf.train.ClusterSpec({"chief": [f"127.0.0.1:{port()}"],
+                             "worker": [f"127.0.0.1:{port()}" for _ in range(S)]})
+servers = [tf.distribute.Server(spec, job_name="worker", task_index=i) for i in range(S)]
+tf.config.experimental_connect_to_cluster(spec, job_name="chief", protocol="grpc",
+                                          make_master_device_default=False)
+rng = np.random.default_rng(0)
+DATA = [(rng.normal(size=(BATCH, 12)).astype("float32"), rng.integers(0, 5, size=BATCH),
+         rng.uniform(0.1, 3.0, size=BATCH).astype("float32")) for _ in range(8)]
+# The loss-scaled cases' second batch has an infinite feature: its loss and every
+# stage's gradients are not finite, so the step is skipped and the scale halved.
+POISONED = [tuple(a.copy() for a in b) for b in DATA]
+POISONED[1][0][5, 3] = np.inf
+
+def build(optimizer, dtype=None):
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential(
+        [keras.Input((12,))]
+        + [keras.layers.Dense(16, activation="relu", dtype=dtype,
+                              kernel_regularizer=keras.regularizers.L2(1e-3)) for _ in range(3)]
+        + [keras.layers.Dense(5, dtype="float32")])
+    model.compile(optimizer=optimizer(),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], weighted_metrics=["accuracy"])
+    return model
+
+class Task:
+    def __init__(self, optimizer, dtype): self.optimizer, self.dtype = optimizer, dtype
+    def build_model(self): return build(self.optimizer, self.dtype)
+
+def pipelined(optimizer, weighted, n, dtype, steps, data):
+    task = Task(optimizer, dtype)
+    model = task.build_model()
+    model(DATA[0][0][:1]); model.compute_metrics(DATA[0][0][:1], DATA[0][1][:1], model(DATA[0][0][:1]))
+    plan = types.SimpleNamespace(
+        pipeline=st.PipelinePlan(S, M, 1, schedule="dataflow"), total_steps=steps,
+        accumulation_steps=n, task=types.SimpleNamespace(name="t"),
+        optimizer=types.SimpleNamespace(library=False))
+    state = pt.build_pipeline_state(plan, task, None)
+    step_plan = st.PipelinePlan(S, M * n, 1, schedule="dataflow")
+    step = pt.make_pipeline_step(state, model._compile_loss, TrainMetrics(model), step_plan, n)
+    global_step = tf.Variable(0, dtype=tf.int64)
+    call = pt.make_call(step, global_step, steps, n)
+    batches = [b if weighted else b[:2] for b in data[:steps * n]]
+    it = iter(tf.data.Dataset.from_tensor_slices(
+        tuple(np.stack([b[i] for b in batches]) for i in range(len(batches[0])))))
+    call(it)
+    pt.PipelineTrainer.finish_training(types.SimpleNamespace(state=state))
+    return state
+
+def keras_fit(optimizer, weighted, n, dtype, steps, data):
+    model = build(optimizer, dtype)
+    for b in data[:steps * n]:
+        model.train_on_batch(b[0], b[1], sample_weight=b[2] if weighted else None)
+    if model.optimizer.use_ema if not hasattr(model.optimizer, "inner_optimizer") else \
+            model.optimizer.inner_optimizer.use_ema:
+        model.optimizer.finalize_variable_values(model.trainable_variables)
+    return model
+
+# (optimizer, sample weights?, gradient_accumulation_steps, layers' dtype policy, steps)
+CASES = {
+    "sample_weight": (lambda: keras.optimizers.Adam(1e-2), True, 1, None, 3),
+    "global_clipnorm": (lambda: keras.optimizers.Adam(1e-2, global_clipnorm=0.05),
+                        False, 1, None, 3),
+    "accumulation": (lambda: keras.optimizers.Adam(1e-2, gradient_accumulation_steps=2),
+                     False, 2, None, 3),
+    "ema": (lambda: keras.optimizers.Adam(1e-2, use_ema=True, ema_momentum=0.5),
+            False, 1, None, 3),
+    # float32 layers: mixed_float16's rounding differs between a batch and its
+    # micro-batches (the conformance tests compare that at fit's tolerance).
+    "loss_scale": (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2)),
+                   False, 1, None, 4),
+    "loss_scale_clipped": (lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(1e-2, global_clipnorm=0.05)), True, 1, None, 4),
+}
+out = {}
+for name in sys.argv[1:]:
+    args = CASES[name] + (POISONED if name.startswith("loss_scale") else DATA,)
+    state = pipelined(*args)
+    ref = keras_fit(*args)
+    got = state.model.get_weights()
+    initial = build(args[0], args[3]).get_weights()
+    scales = [float(o.dynamic_scale.numpy()) for o in state.optimizers[0]
+              if hasattr(o, "dynamic_scale")]
+    out[name] = {
+        "diff": max(float(np.abs(a - b).max()) for a, b in zip(got, ref.get_weights())),
+        "moved": min(float(np.abs(a - b).max()) for a, b in zip(ref.get_weights(), initial)),
+        "scales": scales,
+        "keras_scale": float(ref.optimizer.dynamic_scale.numpy())
+            if hasattr(ref.optimizer, "dynamic_scale") else None,
+        "iterations": [int(o.iterations.numpy()) for o in state.optimizers[0]],
+        "keras_iterations": int(ref.optimizer.iterations.numpy()),
+        "steps": args[4],
+    }
+print("RESULT " + json.dumps(out))
+'''
+
+# In the default tier (one child process, about a minute): the cases whose update
+# crosses the stages; the others in the long tier.
+FAST = ("sample_weight", "global_clipnorm", "loss_scale")
+SLOW = ("accumulation", "ema", "loss_scale_clipped")
+
+
+def _run(cases) -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, *cases], cwd=REPO, capture_output=True,
+                          text=True, timeout=400)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(lines[0][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def stepped():
+    return _run(FAST)
+
+
+def _same_update(got):
+    assert got["diff"] < 1e-5, got
+    assert got["moved"] > 1e-3, got  # it trained: every weight moved
+    # One update per step on every stage (Keras's own count under accumulation).
+    assert got["iterations"] == [got["keras_iterations"]] * 2, got
+
+
+@pytest.mark.parametrize("case", FAST)
+def test_the_pipeline_makes_kerass_update(stepped, case):
+    _same_update(stepped[case])
+
+
+@pytest.mark.long
+def test_accumulation_ema_and_a_clipped_loss_scale_make_kerass_update():
+    stepped = _run(SLOW)
+    for case in SLOW:
+        _same_update(stepped[case])
+    # Keras's iterations count updates: 3 steps of 2 batches each.
+    assert stepped["accumulation"]["iterations"] == [3, 3]
+    assert stepped["loss_scale_clipped"]["scales"] == [stepped["loss_scale_clipped"][
+        "keras_scale"]] * 2
+
+
+def test_every_stage_keeps_kerass_loss_scale(stepped):
+    """A step whose gradients are not finite is skipped on every stage at once:
+    each stage's scale is the one Keras's own LossScaleOptimizer ends with, the
+    default 2**15 halved once."""
+    got = stepped["loss_scale"]
+    assert got["scales"] == [got["keras_scale"]] * 2 == [2.0 ** 14] * 2, got
+    assert got["iterations"] == [got["steps"] - 1] * 2, got  # the poisoned step skipped
+
+
+def _stage_grads():
+    import numpy as np
+
+    rng = np.random.default_rng(4)
+    return [[rng.normal(size=(3, 4)).astype("float32"), rng.normal(size=(4,)).astype("float32")],
+            [rng.normal(size=(4, 2)).astype("float32")]]
+
+
+def test_the_global_norm_is_the_whole_models_across_stages():
+    """Two stages' gradients scaled by Keras's clip_by_global_norm factor over all of them."""
+    import numpy as np
+    import tensorflow as tf
+    from keras.src.optimizers.base_optimizer import clip_by_global_norm
+
+    from tfdist.training.pipeline import updates
+
+    grads = _stage_grads()
+    devices = [[("a", "/device:CPU:0"), ("b", "/device:CPU:0")]]
+    optimizers = [[object(), object()]]
+    means = [[[tf.constant(g) for g in stage]] for stage in grads]  # [stage][copy]
+    got = updates.agree_and_clip(means, optimizers, devices, clipnorm=0.5)
+    want = clip_by_global_norm([tf.constant(g) for stage in grads for g in stage], 0.5)
+    flat = [g.numpy() for stage in got for g in stage[0]]
+    for a, b in zip(flat, want):
+        np.testing.assert_allclose(a, b.numpy(), rtol=1e-6)
+    assert np.sqrt(sum((g ** 2).sum() for g in flat)) == pytest.approx(0.5, rel=1e-5)
+    # Under the norm: untouched.
+    same = updates.agree_and_clip(means, optimizers, devices, clipnorm=1e3)
+    for a, b in zip([g.numpy() for stage in same for g in stage[0]],
+                    [g for stage in grads for g in stage]):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_one_stages_non_finite_gradient_makes_every_stage_skip():
+    """Under loss scaling, a stage whose gradients are finite still gets NaN when
+    another stage's are not: every stage's LossScaleOptimizer then skips the step."""
+    import numpy as np
+    import keras
+    import tensorflow as tf
+
+    from tfdist.training.pipeline import updates
+
+    grads = _stage_grads()
+    grads[1][0][1, 1] = np.inf
+    devices = [[("a", "/device:CPU:0"), ("b", "/device:CPU:0")]]
+    optimizers = [[]]
+    for stage in grads:
+        opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())
+        opt.build([keras.Variable(np.zeros_like(g)) for g in stage])
+        optimizers[0].append(opt)
+    means = [[[tf.constant(g) for g in stage]] for stage in grads]
+    got = updates.agree_and_clip(means, optimizers, devices, clipnorm=None)
+    assert all(np.isnan(g.numpy()).all() for stage in got for g in stage[0])
+    grads[1][0][1, 1] = 0.0
+    means = [[[tf.constant(g) for g in stage]] for stage in grads]
+    got = updates.agree_and_clip(means, optimizers, devices, clipnorm=None)
+    for a, b in zip([g.numpy() for stage in got for g in stage[0]],
+                    [g for stage in grads for g in stage]):
+        np.testing.assert_array_equal(a, b)
