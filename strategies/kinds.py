@@ -445,7 +445,7 @@ class Pipeline(StrategyKind):
     own_compute_loss_refusal = ("the chief's pipeline step applies the compiled loss to the last "
                                 "stage's output, and a model's compute_loss needs the whole "
                                 "model, which no task holds")
-    jit_compile_refusal = "its step spans several tasks' devices, which one XLA cluster cannot"
+    # jit_compile=True: each stage's forward and backward is one XLA cluster on its task.
 
     def check(self, cluster):
         if cluster.num_ps:

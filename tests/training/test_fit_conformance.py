@@ -130,7 +130,7 @@ REFUSED = {"multiworker": ("JIT",),
            "ps": ("JIT",),
            "ps-sync": ("FLIPPED_TRAIN_STEP", "LOSS_SCALED", "JIT"),
            # The pipeline step over stages (docs/pipeline.md): model parallelism.
-           "pipeline": ("JIT", "FLIPPED_TRAIN_STEP")}
+           "pipeline": ("FLIPPED_TRAIN_STEP",)}
 # What the pipeline's cut refuses (not a chain of layers: a task gives stages()).
 NOT_A_CHAIN = ("SUBCLASSED", "TWO_OUTPUTS", "LIST_OUTPUTS")
 # In the default tier: one cluster strategy for the fit contract, one for the
@@ -176,7 +176,6 @@ OWN_STEP_ACCUMULATION_REFUSED = ("mirrored", "multiworker", "ps", "ps-sync", "pi
     ("multiworker", "JIT", "jit_compile=True, which multiworker cannot honour"),
     ("ps", "JIT", "jit_compile=True, which ps cannot honour"),
     ("pipeline", "FLIPPED_TRAIN_STEP", "overrides train_step, which pipeline cannot honour"),
-    ("pipeline", "JIT", "jit_compile=True, which pipeline cannot honour"),
 ])
 def test_what_a_strategy_cannot_honour_is_one_line(strategy, name, says):
     from tfdist.protocol import ConfigError
@@ -192,6 +191,20 @@ def test_what_a_strategy_cannot_honour_is_one_line(strategy, name, says):
         if other != strategy and name not in REFUSED.get(other, ()) and not (
                 name == "OWN_STEP_ACCUMULATION" and other in OWN_STEP_ACCUMULATION_REFUSED):
             contract.check(kinds.get(other), _checked(name))
+
+
+@pytest.mark.parametrize("name", NOT_A_CHAIN)
+def test_the_pipelines_cut_refuses_a_model_that_is_not_a_chain_in_one_line(name):
+    from tfdist.protocol import ConfigError
+    from tfdist.training.pipeline import stages
+    from tfdist.training.workload import tasks
+
+    spec = tasks.parse_spec(SPEC + name)
+    task = tasks.load(spec)
+    with pytest.raises(ConfigError) as refused:
+        stages.local_stages(task, task.build_model(), stages.PipelinePlan(2, 2, 1), spec.name)
+    line = str(refused.value)
+    assert "is not a chain of layers; provide stages" in line and "\n" not in line, line
 
 
 @pytest.mark.parametrize("argv,says", [

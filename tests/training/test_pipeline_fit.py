@@ -41,7 +41,7 @@ DATA = [(rng.normal(size=(BATCH, 12)).astype("float32"), rng.integers(0, 5, size
 POISONED = [tuple(a.copy() for a in b) for b in DATA]
 POISONED[1][0][5, 3] = np.inf
 
-def build(optimizer, dtype=None):
+def build(optimizer, dtype=None, jit=False):
     keras.utils.set_random_seed(3)
     model = keras.Sequential(
         [keras.Input((12,))]
@@ -50,15 +50,16 @@ def build(optimizer, dtype=None):
         + [keras.layers.Dense(5, dtype="float32")])
     model.compile(optimizer=optimizer(),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"], weighted_metrics=["accuracy"])
+                  metrics=["accuracy"], weighted_metrics=["accuracy"], jit_compile=jit)
     return model
 
 class Task:
-    def __init__(self, optimizer, dtype): self.optimizer, self.dtype = optimizer, dtype
-    def build_model(self): return build(self.optimizer, self.dtype)
+    def __init__(self, optimizer, dtype, jit):
+        self.optimizer, self.dtype, self.jit = optimizer, dtype, jit
+    def build_model(self): return build(self.optimizer, self.dtype, self.jit)
 
-def pipelined(optimizer, weighted, n, dtype, steps, data):
-    task = Task(optimizer, dtype)
+def pipelined(optimizer, weighted, n, dtype, steps, jit, data):
+    task = Task(optimizer, dtype, jit)
     model = task.build_model()
     model(DATA[0][0][:1]); model.compute_metrics(DATA[0][0][:1], DATA[0][1][:1], model(DATA[0][0][:1]))
     plan = types.SimpleNamespace(
@@ -67,7 +68,8 @@ def pipelined(optimizer, weighted, n, dtype, steps, data):
         optimizer=types.SimpleNamespace(library=False))
     state = pt.build_pipeline_state(plan, task, None)
     step_plan = st.PipelinePlan(S, M * n, 1, schedule="dataflow")
-    step = pt.make_pipeline_step(state, model._compile_loss, TrainMetrics(model), step_plan, n)
+    step = pt.make_pipeline_step(state, model._compile_loss, TrainMetrics(model), step_plan, n,
+                                 jit_compile=jit)
     global_step = tf.Variable(0, dtype=tf.int64)
     call = pt.make_call(step, global_step, steps, n)
     batches = [b if weighted else b[:2] for b in data[:steps * n]]
@@ -75,10 +77,14 @@ def pipelined(optimizer, weighted, n, dtype, steps, data):
         tuple(np.stack([b[i] for b in batches]) for i in range(len(batches[0])))))
     call(it)
     pt.PipelineTrainer.finish_training(types.SimpleNamespace(state=state))
+    # The functions the traced call runs that XLA must compile.
+    library = call.get_concrete_function(it).graph.as_graph_def().library.function
+    state.xla = sorted({f.signature.name for f in library
+                        if f.attr["_XlaMustCompile"].b})
     return state
 
-def keras_fit(optimizer, weighted, n, dtype, steps, data):
-    model = build(optimizer, dtype)
+def keras_fit(optimizer, weighted, n, dtype, steps, jit, data):
+    model = build(optimizer, dtype, jit)
     for b in data[:steps * n]:
         model.train_on_batch(b[0], b[1], sample_weight=b[2] if weighted else None)
     if model.optimizer.use_ema if not hasattr(model.optimizer, "inner_optimizer") else \
@@ -86,7 +92,8 @@ def keras_fit(optimizer, weighted, n, dtype, steps, data):
         model.optimizer.finalize_variable_values(model.trainable_variables)
     return model
 
-# (optimizer, sample weights?, gradient_accumulation_steps, layers' dtype policy, steps)
+# (optimizer, sample weights?, gradient_accumulation_steps, layers' dtype policy, steps[,
+# jit_compile])
 CASES = {
     "sample_weight": (lambda: keras.optimizers.Adam(1e-2), True, 1, None, 3),
     "global_clipnorm": (lambda: keras.optimizers.Adam(1e-2, global_clipnorm=0.05),
@@ -101,10 +108,12 @@ CASES = {
                    False, 1, None, 4),
     "loss_scale_clipped": (lambda: keras.optimizers.LossScaleOptimizer(
         keras.optimizers.Adam(1e-2, global_clipnorm=0.05)), True, 1, None, 4),
+    # Each stage's forward and backward one XLA cluster on its task (Keras: the step's).
+    "jit": (lambda: keras.optimizers.Adam(1e-2), True, 1, None, 3, True),
 }
 out = {}
 for name in sys.argv[1:]:
-    args = CASES[name] + (POISONED if name.startswith("loss_scale") else DATA,)
+    args = (CASES[name] + (False,))[:6] + (POISONED if name.startswith("loss_scale") else DATA,)
     state = pipelined(*args)
     ref = keras_fit(*args)
     got = state.model.get_weights()
@@ -120,14 +129,15 @@ for name in sys.argv[1:]:
         "iterations": [int(o.iterations.numpy()) for o in state.optimizers[0]],
         "keras_iterations": int(ref.optimizer.iterations.numpy()),
         "steps": args[4],
+        "xla": state.xla,
     }
 print("RESULT " + json.dumps(out))
 '''
 
 # In the default tier (one child process, about a minute): the cases whose update
 # crosses the stages; the others in the long tier.
-FAST = ("sample_weight", "global_clipnorm", "loss_scale")
-SLOW = ("accumulation", "ema", "loss_scale_clipped")
+FAST = ("global_clipnorm", "loss_scale", "jit")
+SLOW = ("sample_weight", "accumulation", "ema", "loss_scale_clipped")
 
 
 def _run(cases) -> dict:
@@ -164,6 +174,15 @@ def test_accumulation_ema_and_a_clipped_loss_scale_make_kerass_update():
     assert stepped["accumulation"]["iterations"] == [3, 3]
     assert stepped["loss_scale_clipped"]["scales"] == [stepped["loss_scale_clipped"][
         "keras_scale"]] * 2
+
+
+def test_under_jit_compile_each_stages_forward_and_backward_is_compiled_by_xla(stepped):
+    """One forward (as the tape records it) and one backward per stage, each a
+    function XLA must compile; without jit_compile, none."""
+    compiled = stepped["jit"]["xla"]
+    assert len([f for f in compiled if f.startswith("__forward_call")]) == 2, compiled
+    assert len([f for f in compiled if "backward" in f]) == 2, compiled
+    assert stepped["global_clipnorm"]["xla"] == []
 
 
 def test_every_stage_keeps_kerass_loss_scale(stepped):

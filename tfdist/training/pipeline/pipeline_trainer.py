@@ -149,6 +149,15 @@ def _nbytes(v) -> int:
     return int(math.prod(v.shape)) * tf.as_dtype(v.dtype).size
 
 
+def _clone_layer(layer):
+    """A layer of a stage made anew from its config, as ``clone_model`` makes it; a
+    ``Lambda`` layer (no weights) is the task's own, reused: remade from its config
+    its Python function would be deserialized, which Keras's safe mode refuses."""
+    if isinstance(layer, keras.layers.Lambda) and not layer.weights:
+        return layer
+    return type(layer).from_config(layer.get_config())
+
+
 def build_pipeline_state(plan, task, strategy) -> PipelineState:
     """The task's model, cut and placed: one stage per worker, per copy."""
     pp = plan.pipeline
@@ -161,7 +170,7 @@ def build_pipeline_state(plan, task, strategy) -> PipelineState:
             worker = pp.worker(p, s)
             device = stage_device(worker)
             with tf.device(device):
-                stage = keras.models.clone_model(local[s])
+                stage = keras.models.clone_model(local[s], clone_function=_clone_layer)
                 opt = updates.stage_optimizer(plan, model)
                 # Built here, so the slots land on the stage's task too.
                 opt.build(stage.trainable_variables)
@@ -206,7 +215,8 @@ class _CopyPass:
     ``optimizers``: the copy's, whose ``scale_loss`` each stage's loss takes."""
 
     def __init__(self, stages, devices, anchors, clock, compile_loss, metrics, xs, ys,
-                 plan: stage_cut.PipelinePlan, after=None, optimizers=None, ws=None):
+                 plan: stage_cut.PipelinePlan, after=None, optimizers=None, ws=None,
+                 calls=None):
         self.stages, self.devices, self.anchors, self.clock = stages, devices, anchors, clock
         self.optimizers, self.ws = optimizers, ws
         # Per stage, the end stamp of its previous update in the same call (or
@@ -232,6 +242,8 @@ class _CopyPass:
                                                   plan.transposes_weights)
                          for st in stages]
         self.times = [[] for _ in range(S)]
+        # Each stage's forward (``_stage_call``), one per stage for every step traced.
+        self.calls = calls or [_stage_call(stage, False) for stage in stages]
 
     def build(self, orders, schedule: str) -> None:
         """Every stage's slots, in an order that respects both each stage's schedule
@@ -285,12 +297,12 @@ class _CopyPass:
             self.ends[s].append(end)
 
     def _forward(self, s, m) -> list:
-        S, M, stage = self.S, self.M, self.stages[s]
+        S, M = self.S, self.M
         h = self.acts.pop((s, m))
         with tf.GradientTape() as tape:
             if s > 0:
                 tape.watch(h)
-            out = stage(h, training=True)
+            out, reg = self.calls[s](h)
             loss = None
             if s == S - 1:
                 y = self.ys[m]
@@ -302,10 +314,8 @@ class _CopyPass:
                 self.values.append(self.metrics.batch_values(y, out, w))
                 # The copy's batch mean is the mean of its M micro-batch means.
                 loss = loss / M
-            extra = stage.losses
-            if extra:  # a stage's own (regularization) losses, once per step
-                reg = tf.add_n([tf.reduce_sum(x) for x in extra]) / M
-                loss = reg if loss is None else loss + reg
+            if reg is not None:  # a stage's own (regularization) losses, once per step
+                loss = reg / M if loss is None else loss + reg / M
             if loss is not None and self.optimizers is not None:
                 # A LossScaleOptimizer's scale (every stage's is the same:
                 # training.pipeline.updates); the loss itself otherwise.
@@ -340,6 +350,19 @@ class _CopyPass:
     def gradients(self, s) -> list:
         """Stage ``s``'s gradients summed over the micro-batches, one per variable."""
         return self.products[s].weight_gradients(self.acc[s])
+
+
+def _stage_call(stage, jit: bool):
+    """``call(h) -> (output, the stage's own losses summed, or None)``: the stage's
+    forward in training mode; with ``jit`` one XLA cluster on the stage's task (the
+    tape then differentiates the compiled function, so its backward is one too)."""
+
+    def call(h):
+        out = stage(h, training=True)
+        extra = stage.losses
+        return out, (tf.add_n([tf.reduce_sum(x) for x in extra]) if extra else None)
+
+    return tf.function(call, jit_compile=True, autograph=False) if jit else call
 
 
 def covered(intervals):
@@ -439,7 +462,8 @@ def _update_stage(s: int, passes: list[_CopyPass], copies, optimizers, devices, 
 
 
 def make_pipeline_step(state: PipelineState, compile_loss, metrics,
-                       plan: stage_cut.PipelinePlan, accumulation: int = 1):
+                       plan: stage_cut.PipelinePlan, accumulation: int = 1,
+                       jit_compile: bool = False):
     """``step(features, labels, sample_weight=None)``: one step over every copy of
     ``plan`` (its S, M and schedule; P is ``state``'s copies); returns (mean loss,
     mean metric values, slot times, each copy's update end stamps per stage).
@@ -465,6 +489,9 @@ def make_pipeline_step(state: PipelineState, compile_loss, metrics,
     P, S, M = len(copies), len(copies[0]), plan.micro_batches
     orders = [plan.slots(s) for s in range(S)]
     anchors = _clock_anchors(devices)
+    # jit_compile: each stage's forward (and so its backward) one XLA cluster on its
+    # task; the transfers, the loss and the update stay outside it.
+    calls = [[_stage_call(stage, jit_compile) for stage in row] for row in copies]
 
     @tf.function(autograph=False)
     def clock(anchor):
@@ -485,7 +512,8 @@ def make_pipeline_step(state: PipelineState, compile_loss, metrics,
             ys, ws = (ts, None) if sample_weight is None else (
                 [t[0] for t in ts], [t[1] for t in ts])
             copy = _CopyPass(copies[p], devices[p], anchors[p], clock, compile_loss, metrics,
-                             xs, ys, plan, after[p] if after else None, optimizers[p], ws)
+                             xs, ys, plan, after[p] if after else None, optimizers[p], ws,
+                             calls[p])
             copy.build(orders, plan.schedule)
             passes.append(copy)
             with tf.device(devices[p][S - 1][1]):
@@ -646,7 +674,9 @@ class PipelineTrainer(Trainer):
             synthetic=self.config.synthetic_data, in_memory=plan.in_memory)
         self._iterator = iter(bundle.strategy.distribute_datasets_from_function(dataset_fn))
         compile_loss = task.local_model._compile_loss  # pylint: disable=protected-access
-        step = make_pipeline_step(state, compile_loss, train_metrics, self.step_plan, n)
+        # compile(jit_compile=True): each stage's forward and backward with XLA.
+        jit = getattr(task.local_model, "jit_compile", False) is True
+        step = make_pipeline_step(state, compile_loss, train_metrics, self.step_plan, n, jit)
         global_step = state.global_step
         # One traced function per number of steps a call runs (at most
         # MAX_STEPS_PER_CALL, and a cadence's remainder), made when first used.

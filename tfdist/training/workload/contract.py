@@ -266,7 +266,8 @@ CONTRACT = {
         "run_eagerly": "refused: a distributed step is always traced",
         "steps_per_execution": "mapped: --steps-per-execution; refused in compile",
         "jit_compile": "honoured: the replica's step compiled with XLA inside strategy.run "
-                       "(none, mirrored); refused under multiworker, ps, ps-sync",
+                       "(none, mirrored), each stage's forward and backward (pipeline); "
+                       "refused under multiworker, ps, ps-sync",
         "auto_scale_loss": "honoured: Keras's LossScaleOptimizer (refused under ps-sync)",
     },
     "fit": {
@@ -278,7 +279,8 @@ CONTRACT = {
         "callbacks": "honoured: a task's callbacks() on the chief (multiworker: its stop "
                      "and learning rate reach every worker; ps, ps-sync: self.model is a "
                      "chief-side copy refreshed from the ps, its learning rate assigned to "
-                     "the trained optimizer); refused under pipeline",
+                     "the trained optimizer; pipeline: the model assembled from the "
+                     "stages, its learning rate set on every stage's optimizer)",
         "validation_split": "refused: not offered (give a test split)",
         "validation_data": "mapped: the test split, evaluated every --eval-every steps",
         "shuffle": "honoured: every epoch reshuffled with --seed",
