@@ -99,18 +99,24 @@ def test_bad_accumulation_is_one_line_and_exit_2(tmp_path, capsys, argv, says):
     assert says in refused_line(argv, tmp_path, capsys)
 
 
-def test_pipeline_refuses_the_flag_in_one_line():
+def test_pipeline_takes_the_flag_as_n_batches_a_step(monkeypatch):
+    """Under pipeline a step of N batches runs them as N x M micro-batches
+    (training.pipeline.updates): the plan counts steps of N batches, as elsewhere."""
+    import json
+
     from tfdist.cli.train import config_from_args, parse_args
-    from tfdist.protocol import ConfigError
     from tfdist.strategies import kinds
     from tfdist.training.plan import RunRequest, request, resolve
 
-    config = config_from_args(parse_args(["--gradient-accumulation-steps", "2"]))
+    monkeypatch.setenv("TF_CONFIG", json.dumps({
+        "cluster": {"chief": ["localhost:1"], "worker": ["localhost:2", "localhost:3"]},
+        "task": {"type": "chief", "index": 0}}))
+    config = config_from_args(parse_args(["--gradient-accumulation-steps", "2",
+                                          "--micro-batches", "2", "--global-batch-size", "64"]))
     run = RunRequest(config, kinds.get("pipeline"), request(config).task)
-    with pytest.raises(ConfigError, match="--gradient-accumulation-steps 2 cannot be honoured "
-                                          "under pipeline") as refused:
-        resolve(run, [], train_examples=60_000, test_examples=10_000)
-    assert "\n" not in str(refused.value)
+    plan = resolve(run, [], train_examples=60_000, test_examples=10_000)
+    assert plan.accumulation_steps == 2 and plan.pipeline.micro_batches == 2
+    assert plan.steps_per_epoch == 60_000 // (64 * 2)
 
 
 def test_the_flag_trains_a_built_in_style_run_under_mirrored(tmp_path):
