@@ -125,9 +125,13 @@ class Recovery:
     # worker's host may stay unreachable before it does (launcher.elastic).
     min_workers: int | None = option(
         None, "multiworker: when a worker's host stays unreachable for --rejoin-timeout, "
-        "re-form the job with the survivors (at least M; same global batch, from the newest "
-        "checkpoint), and with the lost worker again when its host is back; below M, exit 75",
-        metavar="M", unset="a lost worker ends the job")
+        "or its process fails more than --max-restarts times, re-form the job with the "
+        "survivors (at least M; one global batch, decided at launch, from the newest "
+        "checkpoint), and with a lost host's worker again when the host is back; below M, "
+        "exit 75", metavar="M", unset="a lost worker ends the job")
+    shrink_at_once: bool = option(
+        False, "with --min-workers: a worker whose process fails while its host is "
+        "reachable leaves the job at once, instead of after --max-restarts relaunches with it")
     rejoin_timeout: float | None = option(
         None, "with --min-workers: how long a lost worker's host may stay unreachable before "
         "the job goes on without it", metavar="SECONDS",

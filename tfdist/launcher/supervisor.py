@@ -618,6 +618,8 @@ def _reform(config: LaunchConfig, membership, code: int, sup: Supervisor, inject
     code = membership.after_attempt(code, wait_links)
     if code is not None:
         return code
+    # Decided at launch (job.pin_elastic_batch) and in every formation's command;
+    # under --program, the one its run recorded.
     batch = elastic.global_batch(config.model_dir, list(config.train_args))
     n = len(membership.members)
     if batch is not None and batch % n:
@@ -627,7 +629,8 @@ def _reform(config: LaunchConfig, membership, code: int, sup: Supervisor, inject
             f"multiple of every size down to --min-workers")
         membership.members = before
         return Exit.TASK_LOST
-    pinned = ["--global-batch-size", str(batch)] if batch is not None else []
+    given = processes.has_flag(list(config.train_args), "--global-batch-size")
+    pinned = ["--global-batch-size", str(batch)] if batch is not None and not given else []
     args, k_line = elastic.aggregate_args(command, n)
     if k_line:
         log(f"[launch] {k_line}")
