@@ -449,7 +449,8 @@ def test_with_shrink_at_once_the_first_failure_leaves_the_worker_behind(tmp_path
 def test_a_failure_below_min_workers_ends_the_job_with_its_code(tmp_path):
     mem, lines = _failing(tmp_path, m=3)
     assert _fail_worker_1(mem) == Exit.TASK_LOST and mem.members == WORKERS
-    assert "2 worker(s) left without it, below --min-workers=3; stopping (exit 75)" in lines[-1]
+    assert "2 worker(s) left without it, below --min-workers=3: the job cannot go on " \
+        "without it (exit 75)" in lines[-1]
 
 
 def test_a_preemption_not_ours_and_success_go_on_as_before(tmp_path):
@@ -570,6 +571,59 @@ def test_multiworker_shrinks_then_grows_back_when_the_host_returns(tmp_path, spa
     assert back["steps_redone_at_least"] == 0 and back["members"] == WORKERS
     assert any(re.match(r"^\[launch\] worker:2 back \(host2 reachable again\): growing back "
                         r"to 3 workers from step \d+$", l) for l in p.lines), p.output
+    assert descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.timeout(600)
+def test_a_host_lost_before_any_checkpoint_grows_back_with_the_batch_chosen_at_launch(
+        tmp_path, spawn):
+    from conftest import descendants_alive, read_results
+
+    model_dir = str(tmp_path / "early")
+    # Lost at step 10, before the first checkpoint (every 100) recorded anything:
+    # the re-formed cluster must not choose its own batch (128 = 64 x 2), which
+    # would not divide over 3 workers when the host is back.
+    p = _elastic_job(spawn, model_dir, "multiworker", 3, 3, "host2@step=10+25",
+                     "--min-workers", "2", "--max-restarts", "2", steps=1800)
+    assert p.wait(550) == 0, p.output
+    chosen = [l for l in p.lines if l.startswith("[launch] elastic: global batch")]
+    assert chosen == ["[launch] elastic: global batch 192 for every formation, 2 to 3 workers "
+                      "(each replica's share: 64 at 3, 96 at 2); --global-batch-size sets "
+                      "another"], p.output
+    assert any(l.startswith("[launch] worker:2 lost for good (host2 unreachable for 5 s): "
+                            "continuing with 2 workers from step 0") for l in p.lines), p.output
+    assert not any("does not divide" in l or "relaunching" in l for l in p.lines), p.output
+    r = read_results(model_dir)
+    assert r["global_steps"] == 1800 and r["global_batch_size"] == 192
+    assert r["replicas_in_sync"] == 3
+    assert [m["workers"] for m in r["membership"]] == [3, 2, 3], r["membership"]
+    assert r["membership"][1]["step"] == 0
+    outcome = _outcome(model_dir)
+    assert outcome["exit_code"] == 0 and outcome["job_relaunches"] == 0
+    assert descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.timeout(600)
+def test_multiworker_goes_on_without_a_worker_killed_with_its_host_up(tmp_path, spawn):
+    from conftest import descendants_alive, read_results
+
+    model_dir = str(tmp_path / "killed")
+    p = _elastic_job(spawn, model_dir, "multiworker", 3, 3, None, "--min-workers", "2",
+                     "--kill", "worker:2@step=150", steps=600)
+    assert p.wait(550) == 0, p.output
+    assert any(l.startswith("[launch] worker:2 failed 1 time(s) with its host reachable "
+                            "(last exit -9, --max-restarts=0): continuing with 2 workers "
+                            "from step 100") for l in p.lines), p.output
+    r = read_results(model_dir)
+    assert r["global_steps"] == 600 and r["global_batch_size"] == 192
+    assert [m["workers"] for m in r["membership"]] == [3, 2], r["membership"]
+    assert [e.kind for e in _events(model_dir, "worker:2")].count(protocol.STARTED) == 1
     assert descendants_alive(model_dir) == []
 
 

@@ -525,7 +525,8 @@ class Membership:
                                  f", --max-restarts={self.plan.max_restarts})"))
         if len(survivors) < self.plan.min_workers:
             self.log(f"[launch] {why}: {len(survivors)} worker(s) left without it, below "
-                     f"--min-workers={self.plan.min_workers}; stopping (exit {code})")
+                     f"--min-workers={self.plan.min_workers}: the job cannot go on without "
+                     f"it (exit {code})")
             return code
         self.members = survivors
         self.dropped.append(name)
