@@ -439,6 +439,9 @@ class LaunchOutcome:
     # a task reported before it), "steps_redone_at_least" and
     # "first_step_after_seconds": from the loss or return to its first step).
     membership: list | None = None
+    # --host-cpus: each simulated host's {"cores" (its budget), "members",
+    # "cpu_seconds" (the CPU time its members used over the job)}.
+    host_cpus: dict | None = None
 
     def write(self, path: str) -> None:
         write_json_atomic(path, dataclasses.asdict(self))

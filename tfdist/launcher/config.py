@@ -55,6 +55,11 @@ class Cluster:
         f"address ({plans.host_address(0)}, {plans.host_address(1)}, ...) on a private bridge; "
         "coordinating tasks (ps chief, ps) on host 0, workers spread over the others "
         "(0: every task on this host's loopback)", metavar="N", group=NETWORK)
+    host_cpus: float | None = option(
+        None, "with --hosts: give every simulated host a CPU budget of C cores (one CFS "
+        "quota for all its members; hosts x C at most this machine's cores), so N hosts "
+        "compute like N small machines; root on Linux (cgroup v1)", metavar="C",
+        group=NETWORK, unset="the hosts share every core")
     link_rate: str | None = option(
         None, "with --hosts: shape every host's link to RATE each way (tc tbf; e.g. 1gbit, "
         "100mbit; no latency emulation), measured once at start", metavar="RATE",
@@ -207,6 +212,7 @@ class LaunchConfig:
     # --memory-limit: each limited task's bytes (launcher.memory.parse_limits).
     memory_limits: Mapping[str, int] = field(default_factory=dict)
     elastic: ElasticPlan | None = None  # --min-workers (launcher.elastic)
+    host_cpus: float | None = None  # --host-cpus: each host's cores (launcher.hostcpus)
 
     @property
     def timeout(self) -> float | None:

@@ -20,7 +20,8 @@ import sys
 import tempfile
 
 from tfdist.protocol import Exit, default_model_dir
-from tfdist.launcher import elastic, memory, network, processes, ray_engine, supervisor
+from tfdist.launcher import elastic, hostcpus, memory, network, processes, ray_engine
+from tfdist.launcher import supervisor
 from tfdist.launcher import plan as plans
 from tfdist.launcher.config import Cluster, LaunchConfig, LaunchRequest, Limits
 from tfdist.launcher.faults import plan_recovery
@@ -179,15 +180,19 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
     if problem is not None:
         raise LaunchError(f"--memory-limit needs a memory cgroup: {problem}; run as root on "
                           "Linux with cgroup v1, or drop the flag")
+    host_cpus = hostcpus.plan_host_cpus(
+        request.cluster.host_cpus, request.cluster.hosts, os.cpu_count() or 1,
+        slowed=bool(asked.slow), problem=hostcpus.cgroups_problem()
+        if request.cluster.host_cpus is not None else None)
     return LaunchConfig(
         kind=kind, cluster=cluster, recovery=recovery,
-        cores=processes.share_cores(kind, cluster.names, os.cpu_count() or 1),
+        cores=processes.share_cores(kind, cluster.names, os.cpu_count() or 1, host_cpus),
         train_args=tuple(train_args), model_dir=model_dir, program=program,
         limits=request.limits, dry_run=request.dry_run, netns=request.cluster.netns,
         netns_inside=request.netns_inside, link_rate=link_rate, rate_bits=rate,
         link_trace=request.cluster.link_trace,
         launch_argv=tuple(dataclasses.replace(request, strategy=kind.name).to_argv()),
-        memory_limits=limits, elastic=elastic_plan)
+        memory_limits=limits, elastic=elastic_plan, host_cpus=host_cpus)
 
 
 def _int_arg(train_args: list[str], flag: str) -> int | None:

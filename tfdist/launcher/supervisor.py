@@ -26,6 +26,7 @@ from tfdist.launcher import elastic, policy, processes
 from tfdist.launcher import linktrace
 from tfdist.launcher import traffic as trafficlib
 from tfdist.launcher.config import LaunchConfig
+from tfdist.launcher.hostcpus import HostCpus
 from tfdist.launcher.memory import MemoryLimits, PeakMemory
 from tfdist.launcher.processes import Placement, MemberProcess
 from tfdist.launcher.state import JobState, RestartMember, SetLink, SignalMember, SlowMember, MemberView
@@ -327,12 +328,14 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
     """
     names, recovery = config.names, config.recovery
     cores, task_envs, paths = _member_envs(config, launch_dir)
-    slowdown, limits = None, None
+    slowdown, limits, budgets = None, None, None
     if recovery.slow:
         total = os.cpu_count() or 1
         slowdown = Slowdown({n: cores[n].cores(total) for n in names}, log=log)
     try:
         limits = MemoryLimits(dict(config.memory_limits), log=log)
+        if config.host_cpus is not None and engine is None:
+            budgets = HostCpus(config.host_cpus, dict(config.cluster.host_of), log=log)
         injector, restarter = _hooks(config, slowdown, list(paths.values()), log)
         # VmHWM is read from this host's /proc: not for tasks on other nodes.
         peaks = PeakMemory() if engine is None else PeakMemory(read=lambda pid: None)
@@ -349,7 +352,8 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
             place = Placement(
                 netns=network.netns(config.cluster.host_of[name]) if network is not None else None,
                 cgroup=slowdown.cgroup_for(name) if slowdown is not None else None,
-                memory_cgroup=limits.cgroup_for(name), cpus=cores[name].cpus)
+                memory_cgroup=limits.cgroup_for(name), cpus=cores[name].cpus,
+                host_cgroups=budgets.cgroups_for(name) if budgets is not None else ())
             return processes.start_member(name, formation["tf_configs"][name], cmd, env,
                                           task_env=task_env, place=place)
 
@@ -364,11 +368,11 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
         events = job_events(paths)
         _finish_link_trace(tracer, config, launch_dir, events, log)
         oom, limited = limits.oom_killed(), limits.record()
+        host_cpus = budgets.finish() if budgets is not None else None
     finally:
-        if slowdown is not None:
-            slowdown.close()
-        if limits is not None:
-            limits.close()
+        for held in (slowdown, limits, budgets):  # their cgroups removed whatever happened
+            if held is not None:
+                held.close()
     restarts = sum(restarter.restarts.values()) if restarter is not None else 0
     _log_recovery(membership, injector, restarts, attempt, log)
     _log_memory(config, peaks, limited, oom, log)
@@ -386,7 +390,8 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
             memory_limits=limited or None, oom_killed=oom or None,
             restarts_per_task=dict(restarter.restarts) if restarter is not None and
             restarter.restarts else None,
-            membership=membership.history if membership is not None else None), log)
+            membership=membership.history if membership is not None else None,
+            host_cpus=host_cpus), log)
     return code
 
 
