@@ -440,7 +440,8 @@ class LaunchOutcome:
     # "first_step_after_seconds": from the loss or return to its first step).
     membership: list | None = None
     # --host-cpus: each simulated host's {"cores" (its budget), "members",
-    # "cpu_seconds" (the CPU time its members used over the job)}.
+    # "cpu_seconds" (the CPU time its members used over the job),
+    # "throttled_seconds" (how long its quota held them back)}.
     host_cpus: dict | None = None
 
     def write(self, path: str) -> None:

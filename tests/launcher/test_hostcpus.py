@@ -76,11 +76,15 @@ def test_each_host_gets_one_quota_and_one_account_and_they_are_recorded(tmp_path
         str(cgroups.CFS_PERIOD_US)
     with open(os.path.join(acct_dir, "cpuacct.usage"), "w") as f:
         f.write(str(3_500_000_000))
+    with open(os.path.join(quota_dir, "cpu.stat"), "w") as f:
+        f.write("nr_periods 100\nnr_throttled 40\nthrottled_time 1250000000\n")
     assert budgets.record() == {
-        "host0": {"cores": 0.5, "members": ["chief:0", "ps:0"], "cpu_seconds": None},
-        "host1": {"cores": 0.5, "members": ["worker:0"], "cpu_seconds": 3.5}}
+        "host0": {"cores": 0.5, "members": ["chief:0", "ps:0"], "cpu_seconds": None,
+                  "throttled_seconds": None},
+        "host1": {"cores": 0.5, "members": ["worker:0"], "cpu_seconds": 3.5,
+                  "throttled_seconds": 1.25}}
     assert budgets.describe(10.0) == ("[launch] CPU time used per host: host0 ? s; host1 3.5 s "
-                                      "(70% of its budget over 10 s)")
+                                      "(70% of its budget over 10 s, held back 1.25 s)")
     assert lines == ["[launch] host CPUs: 2 host(s) of 0.5 core(s) each (CFS quota 50000 us "
                      "per 100000 us)"]
 

@@ -141,6 +141,20 @@ def cpu_usage_seconds(path: str) -> float | None:
         return None
 
 
+def throttled_seconds(path: str) -> float | None:
+    """How long the ``cpu`` cgroup ``path``'s processes were held back by its quota
+    (``cpu.stat``'s ``throttled_time``), in seconds, or ``None``."""
+    try:
+        with open(os.path.join(path, "cpu.stat")) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "throttled_time":
+                    return int(value) / 1e9
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def join(path: str, pid: int) -> None:
     """Move process ``pid`` into the cgroup ``path`` (cgroup v1: all its threads)."""
     with open(os.path.join(path, "cgroup.procs"), "w") as f:

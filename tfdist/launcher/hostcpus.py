@@ -85,23 +85,31 @@ class HostCpus:
         return self.paths[self.host_of[member]]
 
     def record(self) -> dict:
-        """Each host's budget, members and CPU time used so far."""
+        """Each host's budget, members, CPU time used so far, and how long its quota
+        held them back (a host using less than its budget while never held back
+        was waiting: on its peers, or for a core the machine's other work had)."""
         out = {}
-        for host, (_, acct) in self.paths.items():
-            used = cgroups.cpu_usage_seconds(acct)
+        for host, (quota, acct) in self.paths.items():
+            used, held = cgroups.cpu_usage_seconds(acct), cgroups.throttled_seconds(quota)
             out[f"host{host}"] = {
                 "cores": self.cores,
                 "members": [n for n, h in self.host_of.items() if h == host],
-                "cpu_seconds": round(used, 2) if used is not None else None}
+                "cpu_seconds": round(used, 2) if used is not None else None,
+                "throttled_seconds": round(held, 2) if held is not None else None}
         return out
 
     def describe(self, wall_seconds: float) -> str:
         parts = []
         for host, r in self.record().items():
-            used = r["cpu_seconds"]
-            share = (f" ({used / (wall_seconds * self.cores):.0%} of its budget over "
-                     f"{wall_seconds:.0f} s)" if used is not None and wall_seconds > 0 else "")
-            parts.append(f"{host} {used if used is not None else '?'} s{share}")
+            used, held = r["cpu_seconds"], r["throttled_seconds"]
+            said = []
+            if used is not None and wall_seconds > 0:
+                said.append(f"{used / (wall_seconds * self.cores):.0%} of its budget over "
+                            f"{wall_seconds:.0f} s")
+            if held is not None:
+                said.append(f"held back {held:g} s")
+            parts.append(f"{host} {used if used is not None else '?'} s"
+                         + (f" ({', '.join(said)})" if said else ""))
         return "[launch] CPU time used per host: " + "; ".join(parts)
 
     def finish(self) -> dict:
