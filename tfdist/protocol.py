@@ -443,6 +443,10 @@ class LaunchOutcome:
     # "cpu_seconds" (the CPU time its members used over the job),
     # "throttled_seconds" (how long its quota held them back)}.
     host_cpus: dict | None = None
+    # Seconds from the launcher starting the members to the first one's first
+    # step (its "started" event), and the launcher's own CPU time over the job.
+    first_step_seconds: float | None = None
+    launcher_cpu_seconds: float | None = None
 
     def write(self, path: str) -> None:
         write_json_atomic(path, dataclasses.asdict(self))

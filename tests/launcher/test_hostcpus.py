@@ -110,14 +110,44 @@ def test_two_hosts_of_half_a_core_each_train_within_their_budgets(tmp_path, spaw
     wall = time.monotonic() - started
     assert read_results(model_dir)["global_steps"] == 40
     with open(os.path.join(model_dir, "launch", "outcome.json")) as f:
-        budget = json.load(f)["host_cpus"]
+        outcome = json.load(f)
+    budget = outcome["host_cpus"]
     assert set(budget) == {"host0", "host1"}
     for host, member in (("host0", "worker:0"), ("host1", "worker:1")):
         record = budget[host]
         assert record["cores"] == 0.5 and record["members"] == [member]
         # Each member used CPU, never more than its host's half core allows.
         assert 0 < record["cpu_seconds"] <= 0.5 * wall * 1.05 + 0.5, (record, wall)
+    assert outcome["first_step_seconds"] > 0 and outcome["launcher_cpu_seconds"] > 0
     assert any(l.startswith("[launch] CPU time used per host: host0 ") for l in p.lines)
+    for root in (cgroups.cpu_cgroup_root(), cgroups.cgroup_root("cpuacct")):
+        assert glob.glob(os.path.join(root, f"{cgroups.CGROUP_PREFIX}*-host*")) == []
+    assert descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.skipif(CGROUP_PROBLEM is not None, reason=f"no CPU cgroups here: {CGROUP_PROBLEM}")
+@pytest.mark.timeout(900)
+def test_sixteen_workers_on_sixteen_small_hosts_train_and_leave_nothing(tmp_path, spawn):
+    from conftest import descendants_alive, launch_cmd, read_results
+
+    model_dir = str(tmp_path / "w16")
+    cores = round(int((os.cpu_count() or 1) / 16 * 100) / 100, 2)  # the machine, shared out
+    p = spawn(launch_cmd("multiworker", "--workers", "16", "--hosts", "16", "--host-cpus",
+                         str(cores), "--timeout", "800",
+                         train_args=["--model", "logreg", "--steps", "200", "--log-every", "50",
+                                     "--model-dir", model_dir]))
+    assert p.wait(850) == 0, p.output
+    r = read_results(model_dir)
+    assert r["global_steps"] == 200 and r["num_workers"] == 16 and r["replicas_in_sync"] == 16
+    with open(os.path.join(model_dir, "launch", "outcome.json")) as f:
+        outcome = json.load(f)
+    assert outcome["exit_code"] == 0 and len(outcome["host_cpus"]) == 16
+    assert all(h["cpu_seconds"] > 0 for h in outcome["host_cpus"].values())
+    assert len(outcome["peak_rss_bytes"]) == 16
+    assert outcome["first_step_seconds"] > 0 and outcome["launcher_cpu_seconds"] > 0
     for root in (cgroups.cpu_cgroup_root(), cgroups.cgroup_root("cpuacct")):
         assert glob.glob(os.path.join(root, f"{cgroups.CGROUP_PREFIX}*-host*")) == []
     assert descendants_alive(model_dir) == []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import signal
 import time
 from typing import Callable
@@ -326,7 +327,7 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
     ``engine`` (``ray_engine.RayEngine``) starts the tasks elsewhere instead: it
     places them (and builds their TF_CONFIGs) anew for each attempt.
     """
-    names, recovery = config.names, config.recovery
+    names, recovery, started = config.names, config.recovery, time.time()
     cores, task_envs, paths = _member_envs(config, launch_dir)
     slowdown, limits, budgets = None, None, None
     if recovery.slow:
@@ -376,9 +377,7 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
     restarts = sum(restarter.restarts.values()) if restarter is not None else 0
     _log_recovery(membership, injector, restarts, attempt, log)
     _log_memory(config, peaks, limited, oom, log)
-    rates = worker_rates(config.kind, events) if events else {}
-    if rates:
-        log(f"[launch] per worker: {describe_rates(rates)}")
+    rates, scale = _rates(config, events, log), _scale(events, started, log)
     traffic = _traffic(config, before, after, log)
     if launch_dir is not None and os.path.isdir(launch_dir):
         plan, slowed = config.cluster, [str(s) for s in recovery.slow]
@@ -391,8 +390,29 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
             restarts_per_task=dict(restarter.restarts) if restarter is not None and
             restarter.restarts else None,
             membership=membership.history if membership is not None else None,
-            host_cpus=host_cpus), log)
+            host_cpus=host_cpus, **scale), log)
     return code
+
+
+def _rates(config: LaunchConfig, events: dict, log) -> dict:
+    rates = worker_rates(config.kind, events) if events else {}
+    if rates:
+        log(f"[launch] per worker: {describe_rates(rates)}")
+    return rates
+
+
+def _scale(events: dict[str, list[protocol.Event]], started: float, log) -> dict:
+    """What a job's size costs before and around its steps: the seconds from the
+    launcher starting the members to the first member's first step (its
+    ``started`` event: after its first call, start-up and tracing included), and
+    the launcher's own CPU time (its polling, pumps and hooks; the members' not)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    firsts = [e.time for evs in events.values() for e in evs if e.kind == protocol.STARTED]
+    first = round(min(firsts) - started, 1) if firsts else None
+    cpu = round(usage.ru_utime + usage.ru_stime, 2)
+    log(f"[launch] launcher CPU {cpu:g} s" + (f"; first step {first:g} s after the members "
+                                              "were started" if first is not None else ""))
+    return {"first_step_seconds": first, "launcher_cpu_seconds": cpu}
 
 
 def _member_envs(config: LaunchConfig, launch_dir: str | None):
