@@ -4,14 +4,22 @@
 When a worker's host stays unreachable for ``--rejoin-timeout`` seconds
 (``--partition`` for good), the job is stopped and re-formed with the
 survivors, if at least M remain: each survivor gets a new TF_CONFIG naming
-only the members, the global batch stays the one the run recorded
-(``run.json``: each replica's share grows), the data is sharded over the
-members by TensorFlow's input context, and training resumes from the newest
+only the members, the global batch stays the one decided at launch (each
+replica's share grows), the data is sharded over the members by
+TensorFlow's input context, and training resumes from the newest
 checkpoint, so the step count is exact (the steps since that checkpoint are
 redone, and counted). When the lost host is reachable again the job is
 preempted (every worker saves at one agreed step) and re-formed with it, up
-to the original workers, never more. Below M the job stops, exit 75, with
-one line.
+to the original workers, never more. A worker whose process fails while
+its host is reachable is left out the same way, after ``--max-restarts``
+relaunches with it (at once with ``--shrink-at-once``), and not taken back.
+Below M the job stops, exit 75, with one line.
+
+The global batch is one that every size from M to N divides, decided once
+before anything starts (``batch_divisors``, ``check_batch``,
+``choose_batch``: pure; ``launcher.job.pin_elastic_batch`` passes it to
+every formation), so a cluster re-formed before any checkpoint recorded
+the batch never chooses its own.
 
 ``ElasticPlan`` is the checked request (pure); ``Membership`` is the
 supervisor hook and the record of each change (``membership`` in
