@@ -439,6 +439,14 @@ class LaunchOutcome:
     # a task reported before it), "steps_redone_at_least" and
     # "first_step_after_seconds": from the loss or return to its first step).
     membership: list | None = None
+    # --host-cpus: each simulated host's {"cores" (its budget), "members",
+    # "cpu_seconds" (the CPU time its members used over the job),
+    # "throttled_seconds" (how long its quota held them back)}.
+    host_cpus: dict | None = None
+    # Seconds from the launcher starting the members to the first one's first
+    # step (its "started" event), and the launcher's own CPU time over the job.
+    first_step_seconds: float | None = None
+    launcher_cpu_seconds: float | None = None
 
     def write(self, path: str) -> None:
         write_json_atomic(path, dataclasses.asdict(self))

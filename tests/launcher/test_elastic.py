@@ -50,6 +50,16 @@ def test_without_simulated_hosts_no_host_can_be_lost_so_it_is_refused():
         elastic.plan_elastic(MW, 3, 2, None, "local", hosts=0)
 
 
+@pytest.mark.parametrize("strategy,m,engine,words", [
+    ("multiworker", None, "local", "needs --min-workers M"),
+    ("ps", 1, "local", "--strategy multiworker|ps-sync only, received --strategy ps"),
+    ("multiworker", 2, "ray", "received --strategy multiworker --engine ray"),
+])
+def test_shrink_at_once_is_refused_where_it_cannot_apply(strategy, m, engine, words):
+    with pytest.raises(LaunchError, match=re.escape(words)):
+        elastic.plan_elastic(kinds.get(strategy), 3, m, None, engine, hosts=3, at_once=True)
+
+
 def test_elastic_plan_defaults_and_none_without_the_flag():
     # Ray: no simulated hosts; its nodes are what is lost.
     assert elastic.plan_elastic(MW, 2, 1, None, "ray", hosts=0) == elastic.ElasticPlan(1, 20.0)
@@ -101,11 +111,114 @@ def test_ps_sync_k_is_at_most_the_workers_left(args, n, expected, said):
         assert "K = min(K, workers)" in line
 
 
-def test_global_batch_is_read_from_the_run_record_unless_a_flag_sets_it(tmp_path):
+def test_global_batch_is_the_flags_else_the_run_record(tmp_path):
     assert elastic.global_batch(str(tmp_path), []) is None
     (tmp_path / "run.json").write_text(json.dumps({"global_batch_size": 192}))
     assert elastic.global_batch(str(tmp_path), []) == 192
-    assert elastic.global_batch(str(tmp_path), ["--global-batch-size", "96"]) is None
+    assert elastic.global_batch(str(tmp_path), ["--global-batch-size", "96"]) == 96
+    assert elastic.global_batch(str(tmp_path), ["--global-batch-size=102"]) == 102
+
+
+# --- one global batch for every formation --------------------------------------------
+
+PS_SYNC = kinds.get("ps-sync")
+
+
+@pytest.mark.parametrize("kind,roles,sizes,k,expected", [
+    (MW, {"worker": 3}, range(2, 4), None, {2: 2, 3: 3}),
+    (MW, {"worker": 4}, range(1, 5), None, {1: 1, 2: 2, 3: 3, 4: 4}),
+    # A separate chief trains too: one more replica at every size.
+    (MW, {"worker": 3, "chief": 1}, range(2, 4), None, {2: 3, 3: 4}),
+    # ps-sync divides the batch into K gradients, K = min(K, workers).
+    (PS_SYNC, {"chief": 1, "worker": 3, "ps": 1}, range(2, 4), None, {2: 2, 3: 3}),
+    (PS_SYNC, {"chief": 1, "worker": 3, "ps": 1}, range(2, 4), 2, {2: 2, 3: 2}),
+    # ps: each worker's step is a whole batch.
+    (kinds.get("ps"), {"chief": 1, "worker": 3, "ps": 1}, range(1, 4), None,
+     {1: 1, 2: 1, 3: 1}),
+])
+def test_what_the_batch_divides_by_at_each_size(kind, roles, sizes, k, expected):
+    assert elastic.batch_divisors(kind, roles, sizes, k) == expected
+
+
+def test_a_given_batch_some_size_cannot_divide_is_refused_naming_sizes_and_fixes():
+    with pytest.raises(LaunchError) as err:
+        elastic.check_batch(100, {2: 2, 3: 3})
+    text = str(err.value)
+    assert "\n" not in text
+    assert text.startswith("--global-batch-size=100 does not divide over 3 workers")
+    assert "(2 to 3 workers" in text and "multiple of 6, e.g. 96 or 102" in text
+    with pytest.raises(LaunchError, match="over 3 or 4 workers.*multiple of 12, e.g. 24 or 36"):
+        elastic.check_batch(26, {2: 2, 3: 3, 4: 4})
+    with pytest.raises(LaunchError, match="multiple of 6, e.g. 6 or 12"):
+        elastic.check_batch(9, {2: 2, 3: 3})
+    for fine in (96, 102, 6):
+        elastic.check_batch(fine, {2: 2, 3: 3})  # no error
+
+
+@pytest.mark.parametrize("default,divisors,chosen", [
+    (192, {2: 2, 3: 3}, 192),  # the full cluster's own choice divides every size
+    (256, {2: 2, 3: 3, 4: 4}, 252),  # nearest multiple of 12
+    (128, {2: 2, 3: 3, 4: 4}, 132),
+    (9, {2: 2, 3: 3}, 12),  # a tie: the larger
+    (4, {2: 2, 3: 3}, 6),  # never below one example per replica
+    (320, {2: 3, 3: 4}, 324),
+])
+def test_the_chosen_batch_divides_every_size_and_is_nearest_the_default(default, divisors,
+                                                                        chosen):
+    batch = elastic.choose_batch(default, divisors)
+    assert batch == chosen and all(batch % d == 0 for d in divisors.values())
+
+
+def test_the_chosen_batch_is_stated_in_one_line():
+    line = elastic.batch_line(192, {2: 2, 3: 3})
+    assert line == ("[launch] elastic: global batch 192 for every formation, 2 to 3 workers "
+                    "(each replica's share: 64 at 3, 96 at 2); --global-batch-size sets another")
+
+
+def test_the_launcher_refuses_a_batch_a_size_cannot_divide_before_anything(tmp_path, capsys):
+    from tfdist.cli import launch
+
+    model_dir = tmp_path / "run"
+    code = launch.main(["--strategy", "multiworker", "--workers", "3", "--hosts", "3",
+                        "--min-workers", "2", "--", "--global-batch-size", "100",
+                        "--model-dir", str(model_dir)])
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert code == Exit.BAD_INPUT and len(err) == 1 and not captured.out, captured
+    assert err[0].startswith("error: --global-batch-size=100 does not divide over 3 workers")
+    assert not model_dir.exists()
+
+
+def _config(*argv):
+    from tfdist.cli import launch
+    from tfdist.launcher import job
+
+    args, train_args = launch.parse_args(list(argv))
+    return job.build_config(launch.request_from_args(args, train_args))
+
+
+def test_the_launcher_pins_the_chosen_batch_into_every_formations_flags(monkeypatch, capsys):
+    from tfdist.launcher import job, processes
+
+    asked = []
+
+    def check_tasks(tf_configs, command, env, **kw):
+        asked.append((list(tf_configs), command))
+        return [processes.MemberCheck(n, 0, {"global_batch_size": 256}) for n in tf_configs]
+
+    monkeypatch.setattr(processes, "check_tasks", check_tasks)
+    config = _config("--strategy", "multiworker", "--workers", "4", "--hosts", "4",
+                     "--min-workers", "2", "--", "--steps", "5", "--model-dir", "/tmp/x")
+    pinned = job.pin_elastic_batch(config)
+    assert [names for names, _ in asked] == [["worker:0"]]  # one check: the chief's plan
+    assert pinned.train_args == (*config.train_args, "--global-batch-size", "252")
+    assert capsys.readouterr().out.startswith("[launch] elastic: global batch 252 for every "
+                                              "formation, 2 to 4 workers")
+    # Given (and dividing every size), or not elastic: the flags as they are, no check.
+    for argv in (["--min-workers", "2", "--", "--global-batch-size", "96"], ["--"]):
+        config = _config("--strategy", "multiworker", "--workers", "3", "--hosts", "3", *argv)
+        assert job.pin_elastic_batch(config) is config
+    assert len(asked) == 1
 
 
 def _state(*exits, pids=(11, 12, 13), names=WORKERS):
@@ -297,6 +410,49 @@ def test_under_ps_below_min_workers_for_the_rejoin_timeout_stops_the_job(tmp_pat
     assert mem.after_attempt(Exit.TASK_LOST, lambda s: None) == Exit.TASK_LOST
 
 
+def _failing(tmp_path, max_restarts=0, at_once=False, m=2):
+    mem, now, lines, down, paths = _membership(tmp_path, m=m)
+    mem.plan = elastic.ElasticPlan(m, 5.0, max_restarts, at_once)
+    return mem, lines
+
+
+def _fail_worker_1(mem):
+    """worker:1's process dies (host reachable); the others then report the lost peer."""
+    assert mem(_state(None, -9, None)) == []  # the supervisor ends the attempt, not the hook
+    mem(_state(Exit.TASK_LOST, -9, Exit.TASK_LOST))
+    return mem.after_attempt(Exit.TASK_LOST, lambda s: pytest.fail("no host to wait for"))
+
+
+def test_a_worker_failing_with_its_host_up_is_relaunched_then_left_behind(tmp_path):
+    mem, lines = _failing(tmp_path, max_restarts=1)
+    assert _fail_worker_1(mem) == Exit.TASK_LOST  # relaunched with it (--max-restarts)
+    assert mem.members == WORKERS and len(mem.history) == 1
+    mem.new_attempt(lambda: set())
+    assert _fail_worker_1(mem) is None  # its second failure: re-formed without it
+    assert mem.members == ["worker:0", "worker:2"]
+    why = "worker:1 failed 2 time(s) with its host reachable (last exit -9, --max-restarts=1)"
+    assert mem.record()[-1] == {"step": 0, "workers": 2, "why": why}
+    assert lines[-1] == f"[launch] {why}: continuing with 2 workers from step 0"
+    # Its host is reachable, but it is not grown back: it would fail again.
+    mem.new_attempt(lambda: set())
+    _emit(str(tmp_path / "worker:0.events"), protocol.STARTED, 0)
+    assert mem(_state(names=["worker:0", "worker:2"], pids=(21, 23))) == []
+
+
+def test_with_shrink_at_once_the_first_failure_leaves_the_worker_behind(tmp_path):
+    mem, lines = _failing(tmp_path, max_restarts=3, at_once=True)
+    assert _fail_worker_1(mem) is None and mem.members == ["worker:0", "worker:2"]
+    assert "worker:1 failed 1 time(s) with its host reachable (last exit -9, " \
+        "--shrink-at-once)" in lines[-1]
+
+
+def test_a_failure_below_min_workers_ends_the_job_with_its_code(tmp_path):
+    mem, lines = _failing(tmp_path, m=3)
+    assert _fail_worker_1(mem) == Exit.TASK_LOST and mem.members == WORKERS
+    assert "2 worker(s) left without it, below --min-workers=3: the job cannot go on " \
+        "without it (exit 75)" in lines[-1]
+
+
 def test_a_preemption_not_ours_and_success_go_on_as_before(tmp_path):
     mem, now, lines, down, paths = _membership(tmp_path)
     assert mem.after_attempt(Exit.PREEMPTED, lambda s: None) == Exit.PREEMPTED
@@ -415,6 +571,59 @@ def test_multiworker_shrinks_then_grows_back_when_the_host_returns(tmp_path, spa
     assert back["steps_redone_at_least"] == 0 and back["members"] == WORKERS
     assert any(re.match(r"^\[launch\] worker:2 back \(host2 reachable again\): growing back "
                         r"to 3 workers from step \d+$", l) for l in p.lines), p.output
+    assert descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.timeout(600)
+def test_a_host_lost_before_any_checkpoint_grows_back_with_the_batch_chosen_at_launch(
+        tmp_path, spawn):
+    from conftest import descendants_alive, read_results
+
+    model_dir = str(tmp_path / "early")
+    # Lost at step 10, before the first checkpoint (every 100) recorded anything:
+    # the re-formed cluster must not choose its own batch (128 = 64 x 2), which
+    # would not divide over 3 workers when the host is back.
+    p = _elastic_job(spawn, model_dir, "multiworker", 3, 3, "host2@step=10+25",
+                     "--min-workers", "2", "--max-restarts", "2", steps=1800)
+    assert p.wait(550) == 0, p.output
+    chosen = [l for l in p.lines if l.startswith("[launch] elastic: global batch")]
+    assert chosen == ["[launch] elastic: global batch 192 for every formation, 2 to 3 workers "
+                      "(each replica's share: 64 at 3, 96 at 2); --global-batch-size sets "
+                      "another"], p.output
+    assert any(l.startswith("[launch] worker:2 lost for good (host2 unreachable for 5 s): "
+                            "continuing with 2 workers from step 0") for l in p.lines), p.output
+    assert not any("does not divide" in l or "relaunching" in l for l in p.lines), p.output
+    r = read_results(model_dir)
+    assert r["global_steps"] == 1800 and r["global_batch_size"] == 192
+    assert r["replicas_in_sync"] == 3
+    assert [m["workers"] for m in r["membership"]] == [3, 2, 3], r["membership"]
+    assert r["membership"][1]["step"] == 0
+    outcome = _outcome(model_dir)
+    assert outcome["exit_code"] == 0 and outcome["job_relaunches"] == 0
+    assert descendants_alive(model_dir) == []
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.timeout(600)
+def test_multiworker_goes_on_without_a_worker_killed_with_its_host_up(tmp_path, spawn):
+    from conftest import descendants_alive, read_results
+
+    model_dir = str(tmp_path / "killed")
+    p = _elastic_job(spawn, model_dir, "multiworker", 3, 3, None, "--min-workers", "2",
+                     "--kill", "worker:2@step=150", steps=600)
+    assert p.wait(550) == 0, p.output
+    assert any(l.startswith("[launch] worker:2 failed 1 time(s) with its host reachable "
+                            "(last exit -9, --max-restarts=0): continuing with 2 workers "
+                            "from step 100") for l in p.lines), p.output
+    r = read_results(model_dir)
+    assert r["global_steps"] == 600 and r["global_batch_size"] == 192
+    assert [m["workers"] for m in r["membership"]] == [3, 2], r["membership"]
+    assert [e.kind for e in _events(model_dir, "worker:2")].count(protocol.STARTED) == 1
     assert descendants_alive(model_dir) == []
 
 

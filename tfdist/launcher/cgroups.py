@@ -5,6 +5,9 @@ joins its cgroup between fork and exec (``processes.child_setup``), or,
 already running, when a slow-down starts; either way through :func:`join`.
 Memory limits (``memory``): ``memory.MemoryLimits`` makes one per limited
 task (``launch.py --memory-limit``), joined between fork and exec.
+Host budgets (``cpu`` and ``cpuacct``): ``hostcpus.HostCpus`` makes one of
+each per simulated host (``launch.py --host-cpus``), joined between fork and
+exec by every member on that host.
 """
 
 from __future__ import annotations
@@ -126,6 +129,30 @@ def oom_kills(path: str) -> int:
     except (OSError, ValueError):
         pass
     return 0
+
+
+def cpu_usage_seconds(path: str) -> float | None:
+    """The CPU time the processes of the ``cpuacct`` cgroup ``path`` used, in seconds
+    (exited ones included), or ``None`` where it cannot be read."""
+    try:
+        with open(os.path.join(path, "cpuacct.usage")) as f:
+            return int(f.read()) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
+def throttled_seconds(path: str) -> float | None:
+    """How long the ``cpu`` cgroup ``path``'s processes were held back by its quota
+    (``cpu.stat``'s ``throttled_time``), in seconds, or ``None``."""
+    try:
+        with open(os.path.join(path, "cpu.stat")) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "throttled_time":
+                    return int(value) / 1e9
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def join(path: str, pid: int) -> None:

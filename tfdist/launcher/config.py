@@ -55,6 +55,11 @@ class Cluster:
         f"address ({plans.host_address(0)}, {plans.host_address(1)}, ...) on a private bridge; "
         "coordinating tasks (ps chief, ps) on host 0, workers spread over the others "
         "(0: every task on this host's loopback)", metavar="N", group=NETWORK)
+    host_cpus: float | None = option(
+        None, "with --hosts: give every simulated host a CPU budget of C cores (one CFS "
+        "quota for all its members; hosts x C at most this machine's cores), so N hosts "
+        "compute like N small machines; root on Linux (cgroup v1)", metavar="C",
+        group=NETWORK, unset="the hosts share every core")
     link_rate: str | None = option(
         None, "with --hosts: shape every host's link to RATE each way (tc tbf; e.g. 1gbit, "
         "100mbit; no latency emulation), measured once at start", metavar="RATE",
@@ -125,9 +130,13 @@ class Recovery:
     # worker's host may stay unreachable before it does (launcher.elastic).
     min_workers: int | None = option(
         None, "multiworker: when a worker's host stays unreachable for --rejoin-timeout, "
-        "re-form the job with the survivors (at least M; same global batch, from the newest "
-        "checkpoint), and with the lost worker again when its host is back; below M, exit 75",
-        metavar="M", unset="a lost worker ends the job")
+        "or its process fails more than --max-restarts times, re-form the job with the "
+        "survivors (at least M; one global batch, decided at launch, from the newest "
+        "checkpoint), and with a lost host's worker again when the host is back; below M, "
+        "exit 75", metavar="M", unset="a lost worker ends the job")
+    shrink_at_once: bool = option(
+        False, "with --min-workers: a worker whose process fails while its host is "
+        "reachable leaves the job at once, instead of after --max-restarts relaunches with it")
     rejoin_timeout: float | None = option(
         None, "with --min-workers: how long a lost worker's host may stay unreachable before "
         "the job goes on without it", metavar="SECONDS",
@@ -203,6 +212,7 @@ class LaunchConfig:
     # --memory-limit: each limited task's bytes (launcher.memory.parse_limits).
     memory_limits: Mapping[str, int] = field(default_factory=dict)
     elastic: ElasticPlan | None = None  # --min-workers (launcher.elastic)
+    host_cpus: float | None = None  # --host-cpus: each host's cores (launcher.hostcpus)
 
     @property
     def timeout(self) -> float | None:

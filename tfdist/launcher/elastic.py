@@ -4,14 +4,22 @@
 When a worker's host stays unreachable for ``--rejoin-timeout`` seconds
 (``--partition`` for good), the job is stopped and re-formed with the
 survivors, if at least M remain: each survivor gets a new TF_CONFIG naming
-only the members, the global batch stays the one the run recorded
-(``run.json``: each replica's share grows), the data is sharded over the
-members by TensorFlow's input context, and training resumes from the newest
+only the members, the global batch stays the one decided at launch (each
+replica's share grows), the data is sharded over the members by
+TensorFlow's input context, and training resumes from the newest
 checkpoint, so the step count is exact (the steps since that checkpoint are
 redone, and counted). When the lost host is reachable again the job is
 preempted (every worker saves at one agreed step) and re-formed with it, up
-to the original workers, never more. Below M the job stops, exit 75, with
-one line.
+to the original workers, never more. A worker whose process fails while
+its host is reachable is left out the same way, after ``--max-restarts``
+relaunches with it (at once with ``--shrink-at-once``), and not taken back.
+Below M the job stops, exit 75, with one line.
+
+The global batch is one that every size from M to N divides, decided once
+before anything starts (``batch_divisors``, ``check_batch``,
+``choose_batch``: pure; ``launcher.job.pin_elastic_batch`` passes it to
+every formation), so a cluster re-formed before any checkpoint recorded
+the batch never chooses its own.
 
 ``ElasticPlan`` is the checked request (pure); ``Membership`` is the
 supervisor hook and the record of each change (``membership`` in
@@ -33,6 +41,7 @@ from tfdist.launcher.state import JobState, RestartMember, SignalMember
 from tfdist.protocol import Exit
 from tfdist.strategies import kinds
 from tfdist.strategies.kinds import StrategyKind
+from tfdist.strategies.tf_config import ClusterConfig
 
 ROLE = "worker"  # the role whose tasks may leave and rejoin
 DEFAULT_REJOIN_TIMEOUT = 20.0
@@ -55,12 +64,22 @@ def ray_able() -> str:
 class ElasticPlan:
     min_workers: int
     rejoin_timeout: float = DEFAULT_REJOIN_TIMEOUT
+    # A worker whose process fails while its host is reachable: the job is
+    # relaunched with it this many times (--max-restarts), then goes on without
+    # it; at once with --shrink-at-once.
+    max_restarts: int = 0
+    at_once: bool = False
 
 
 def plan_elastic(kind: StrategyKind, workers: int, min_workers: int | None,
                  rejoin_timeout: float | None, engine: str = "local",
-                 hosts: int = 2) -> ElasticPlan | None:
-    """``--min-workers``/``--rejoin-timeout`` checked against the job (pure; LaunchError)."""
+                 hosts: int = 2, max_restarts: int = 0,
+                 at_once: bool = False) -> ElasticPlan | None:
+    """``--min-workers``/``--rejoin-timeout``/``--shrink-at-once`` checked against the
+    job (pure; LaunchError)."""
+    if min_workers is None and at_once:
+        raise LaunchError("--shrink-at-once goes on without a worker whose process failed; "
+                          "it needs --min-workers M: add it, or drop --shrink-at-once")
     if min_workers is None:
         if rejoin_timeout is not None:
             raise LaunchError(f"--rejoin-timeout={rejoin_timeout:g} is how long a lost worker "
@@ -92,7 +111,16 @@ def plan_elastic(kind: StrategyKind, workers: int, min_workers: int | None,
         raise LaunchError("--min-workers goes on without a worker whose host is lost; on this "
                           "machine hosts are simulated: add --hosts N (each worker on its own "
                           "host), or drop --min-workers")
-    return ElasticPlan(min_workers, float(timeout))
+    if at_once and (engine != "local" or kind.asynchronous):
+        # Asynchronous workers leave and rejoin the running job (no re-formation);
+        # on Ray a lost actor is a lost node.
+        able = "|".join(n for n, k in kinds.all_kinds().items()
+                        if is_elastic(k) and not k.asynchronous)
+        raise LaunchError(f"--shrink-at-once re-forms a job without a worker whose process "
+                          f"failed, on the local engine under --strategy {able} only, "
+                          f"received --strategy {kind.name} --engine {engine}; drop "
+                          "--shrink-at-once")
+    return ElasticPlan(min_workers, float(timeout), max_restarts, at_once)
 
 
 def member_configs(tf_configs: dict[str, dict | None], members: list[str]) -> dict[str, dict]:
@@ -140,16 +168,84 @@ def aggregate_args(train_args: list[str], workers: int) -> tuple[list[str], str 
 
 
 def global_batch(model_dir: str, train_args: list[str]) -> int | None:
-    """The global batch the run recorded (``run.json``), unless the flags set it."""
-    if any(a == "--global-batch-size" or a.startswith("--global-batch-size=")
-           for a in train_args):
-        return None
+    """The global batch every formation keeps: the flags' (the launcher pins one
+    at launch), else the one the run recorded (``run.json``; ``--program``)."""
+    for i, arg in enumerate(train_args):
+        if arg == "--global-batch-size" or arg.startswith("--global-batch-size="):
+            value = arg.partition("=")[2] if "=" in arg else (
+                train_args[i + 1] if i + 1 < len(train_args) else "")
+            return int(value) if value.isdigit() and int(value) > 0 else None
     try:
         with open(os.path.join(model_dir, "run.json")) as f:
             value = json.load(f).get("global_batch_size")
     except (OSError, ValueError, AttributeError):
         return None
     return value if isinstance(value, int) and value > 0 else None
+
+
+# --- the one global batch of every formation ---------------------------------------
+
+def batch_divisors(kind: StrategyKind, roles: dict[str, int], sizes: range,
+                   k: int | None = None) -> dict[int, int]:
+    """What the global batch must divide by at each size (pure): at ``n``
+    workers, the kind's replicas in sync (one per worker's CPU), and under a
+    kind that averages K gradients per update, K = min(K, n) (every worker
+    without ``--replicas-to-aggregate``).
+
+    ``roles``: the cluster's tasks per role, as planned; ``k``: the
+    ``--replicas-to-aggregate`` given, or ``None``.
+    """
+    out = {}
+    for n in sizes:
+        counts = {**roles, ROLE: n}
+        cluster = ClusterConfig(roles={r: tuple(f"{r}-{i}:0" for i in range(c))
+                                       for r, c in counts.items() if c}, task_type=ROLE)
+        per_update = (min(k, n) if k else n) if kind.aggregates_gradients else 1
+        out[n] = math.lcm(kind.replicas(cluster, 0), per_update)
+    return out
+
+
+def _near(batch: int, unit: int) -> list[int]:
+    """The multiples of ``unit`` next to ``batch``: below (if any) and above."""
+    below = batch // unit * unit
+    return [m for m in (below, below + unit) if m > 0 and m != batch] or [unit]
+
+
+def check_batch(batch: int, divisors: dict[int, int]) -> None:
+    """A given global batch that some size of the elastic job cannot divide is
+    refused (pure; LaunchError naming those sizes and batches that work)."""
+    bad = [n for n, d in divisors.items() if batch % d]
+    if batch <= 0 or not bad:
+        return  # a non-positive batch is the task's own check to refuse
+    unit = math.lcm(*divisors.values())
+    sizes = " or ".join(str(n) for n in bad)
+    low, high = min(divisors), max(divisors)
+    raise LaunchError(
+        f"--global-batch-size={batch} does not divide over {sizes} workers, and an elastic "
+        f"job trains every formation ({low} to {high} workers: --min-workers to --workers) "
+        f"with one global batch; use a multiple of {unit}, e.g. "
+        f"{' or '.join(str(m) for m in _near(batch, unit))}, or leave it out for the "
+        "launcher to choose one")
+
+
+def choose_batch(default: int, divisors: dict[int, int]) -> int:
+    """The global batch an elastic job trains with when none is given (pure): the
+    multiple of every size's divisor nearest ``default`` (the full cluster's
+    own choice), the larger on a tie."""
+    unit = math.lcm(*divisors.values())
+    below = default // unit * unit
+    if below == 0:
+        return unit
+    return below if default - below < below + unit - default else below + unit
+
+
+def batch_line(batch: int, divisors: dict[int, int]) -> str:
+    """The launcher's one line stating the batch every formation keeps (pure)."""
+    sizes = sorted(divisors, reverse=True)
+    each = ", ".join(f"{batch // divisors[n]} at {n}" for n in sizes)
+    return (f"[launch] elastic: global batch {batch} for every formation, {sizes[-1]} to "
+            f"{sizes[0]} workers (each replica's share: {each}); --global-batch-size sets "
+            "another")
 
 
 def _workers(n: int) -> str:
@@ -197,6 +293,12 @@ class Membership:
         self.changed_at: float | None = None  # wall time of the loss or return
         self.short_since: float | None = None  # ps: fewer than M workers since
         self.back_seen: float | None = None  # a left worker's host first seen up again
+        # A worker whose process failed first while its host was reachable (and
+        # its exit code), in this attempt; each worker's such failures; the
+        # workers the job went on without for them (never grown back).
+        self.failed: tuple[str, int] | None = None
+        self.failures: dict[str, int] = {}
+        self.dropped: list[str] = []
         self._write()
 
     # --- what the supervisor starts ------------------------------------------------
@@ -231,7 +333,7 @@ class Membership:
     def new_attempt(self, links_down) -> None:
         self.links_down = links_down
         self.down_since, self.lost, self.growing, self.started = {}, [], [], False
-        self.back_seen = None
+        self.back_seen, self.failed = None, None
 
     # --- the hook --------------------------------------------------------------------
 
@@ -273,6 +375,7 @@ class Membership:
                 self.down_since.setdefault(name, now)
             else:
                 self.down_since.pop(name, None)
+        self._note_failure(state, down)
         if self.down_since and not self.lost:
             failed = any(t.exit_code not in (None, 0) for t in state.members)
             waited = now - min(self.down_since.values())
@@ -287,7 +390,7 @@ class Membership:
                 return [SignalMember(t.name, signal.SIGKILL, pid=t.pid)
                         for t in state.members if t.running]
             return []
-        back = [w for w in self.workers if w not in self.members
+        back = [w for w in self.workers if w not in self.members and w not in self.dropped
                 and self.host_of.get(w) not in down]
         if back and self.back_seen is None:
             self.back_seen = time.time()  # the return, which the grow-back is timed from
@@ -302,6 +405,18 @@ class Membership:
                          f"then re-forms with {_workers(len(self.members) + len(back))}")
                 return [SignalMember(first.name, signal.SIGTERM, group=False, pid=first.pid)]
         return []
+
+    def _note_failure(self, state: JobState, down: set) -> None:
+        """The first member to fail in this attempt while its host is reachable: the
+        one whose loss ended it (the others then report the lost peer, exit 75,
+        or are stopped), preferring a code other than 75 when several end at once."""
+        if self.failed is not None or self.down_since:
+            return
+        ended = [(t.name, t.exit_code) for t in state.members if t.name in self.members
+                 and t.exit_code not in (None, 0, Exit.PREEMPTED)
+                 and self.host_of.get(t.name) not in down]
+        if ended:
+            self.failed = next((e for e in ended if e[1] != Exit.TASK_LOST), ended[0])
 
     def _live(self, state: JobState, down: set, now: float) -> list:
         """ps: a worker whose host is gone leaves the running job (its steps go
@@ -377,8 +492,10 @@ class Membership:
             why = f"{', '.join(back)} back ({hosts} reachable again)"
             self._change(why, back=True)
             return None
-        if code == Exit.OK or not self.lost:
+        if code == Exit.OK:
             return code
+        if not self.lost:
+            return code if code == Exit.PREEMPTED else self._after_failure(code)
         down_for = self.clock() - min(self.down_since.values())
         if down_for < self.plan.rejoin_timeout:
             wait_links(self.plan.rejoin_timeout - down_for)
@@ -398,6 +515,30 @@ class Membership:
         self.members = survivors
         self._change(f"{', '.join(gone)} lost for good ({hosts} unreachable for "
                      f"{self.plan.rejoin_timeout:g} s)", back=False)
+        return None
+
+    def _after_failure(self, code: int) -> int | None:
+        """A worker failed with its host reachable: relaunched with it (the code, for
+        --max-restarts) until it has failed more than --max-restarts times (once,
+        with --shrink-at-once); then re-formed without it (``None``), if M remain."""
+        if self.failed is None:
+            return code
+        name, exit_code = self.failed
+        count = self.failures[name] = self.failures.get(name, 0) + 1
+        if not self.plan.at_once and count <= self.plan.max_restarts:
+            return code
+        survivors = [w for w in self.members if w != name]
+        why = (f"{name} failed {count} time(s) with its host reachable (last exit "
+               f"{exit_code}" + (", --shrink-at-once)" if self.plan.at_once else
+                                 f", --max-restarts={self.plan.max_restarts})"))
+        if len(survivors) < self.plan.min_workers:
+            self.log(f"[launch] {why}: {len(survivors)} worker(s) left without it, below "
+                     f"--min-workers={self.plan.min_workers}: the job cannot go on without "
+                     f"it (exit {code})")
+            return code
+        self.members = survivors
+        self.dropped.append(name)
+        self._change(why, back=False)
         return None
 
     def _change(self, why: str, back: bool) -> None:

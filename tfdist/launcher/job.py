@@ -20,7 +20,8 @@ import sys
 import tempfile
 
 from tfdist.protocol import Exit, default_model_dir
-from tfdist.launcher import elastic, memory, network, processes, ray_engine, supervisor
+from tfdist.launcher import elastic, hostcpus, memory, network, processes, ray_engine
+from tfdist.launcher import supervisor
 from tfdist.launcher import plan as plans
 from tfdist.launcher.config import Cluster, LaunchConfig, LaunchRequest, Limits
 from tfdist.launcher.faults import plan_recovery
@@ -42,6 +43,8 @@ def run_request(request: LaunchRequest) -> int:
     """Run the whole job; its exit code. Raises LaunchError (one line) for bad input,
     before anything is written or started."""
     config = build_config(request)
+    if not request.netns_inside:
+        config = pin_elastic_batch(config)
     if request.strategy == kinds.AUTO and not request.netns_inside:
         print(f"[launch] {kinds.auto_note(config.kind, auto_cluster(request.cluster))}",
               flush=True)
@@ -160,7 +163,10 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
                              restart_delay=again.restart_delay, max_restarts=again.max_restarts)
     elastic_plan = elastic.plan_elastic(kind, request.cluster.workers, again.min_workers,
                                         again.rejoin_timeout, request.cluster.engine,
-                                        request.cluster.hosts)
+                                        request.cluster.hosts, again.max_restarts,
+                                        again.shrink_at_once)
+    if elastic_plan is not None:
+        check_elastic_batch(kind, cluster, elastic_plan, train_args)
     link_rate = request.cluster.link_rate
     rate = network.parse_rate(link_rate) if link_rate is not None else None
     roles: dict[str, list[str]] = {}
@@ -174,15 +180,73 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
     if problem is not None:
         raise LaunchError(f"--memory-limit needs a memory cgroup: {problem}; run as root on "
                           "Linux with cgroup v1, or drop the flag")
+    host_cpus = hostcpus.plan_host_cpus(
+        request.cluster.host_cpus, request.cluster.hosts, os.cpu_count() or 1,
+        slowed=bool(asked.slow), problem=hostcpus.cgroups_problem()
+        if request.cluster.host_cpus is not None else None)
     return LaunchConfig(
         kind=kind, cluster=cluster, recovery=recovery,
-        cores=processes.share_cores(kind, cluster.names, os.cpu_count() or 1),
+        cores=processes.share_cores(kind, cluster.names, os.cpu_count() or 1, host_cpus),
         train_args=tuple(train_args), model_dir=model_dir, program=program,
         limits=request.limits, dry_run=request.dry_run, netns=request.cluster.netns,
         netns_inside=request.netns_inside, link_rate=link_rate, rate_bits=rate,
         link_trace=request.cluster.link_trace,
         launch_argv=tuple(dataclasses.replace(request, strategy=kind.name).to_argv()),
-        memory_limits=limits, elastic=elastic_plan)
+        memory_limits=limits, elastic=elastic_plan, host_cpus=host_cpus)
+
+
+def _int_arg(train_args: list[str], flag: str) -> int | None:
+    """A train.py flag's integer value, or ``None`` (absent, or not a number: the
+    task's own check says what is wrong with it)."""
+    try:
+        return int(processes.train_arg(train_args, flag, None))
+    except (TypeError, ValueError):
+        return None
+
+
+def elastic_divisors(config: LaunchConfig) -> dict[int, int]:
+    """What the global batch must divide by at each size the elastic job may take."""
+    return _divisors(config.kind, config.cluster, config.elastic, list(config.train_args))
+
+
+def _divisors(kind: StrategyKind, cluster: plans.ClusterPlan, plan: elastic.ElasticPlan,
+              train_args: list[str]) -> dict[int, int]:
+    roles: dict[str, int] = {}
+    for name in cluster.names:
+        roles[name.partition(":")[0]] = roles.get(name.partition(":")[0], 0) + 1
+    return elastic.batch_divisors(kind, roles, range(plan.min_workers, roles.get(
+        elastic.ROLE, 0) + 1), _int_arg(train_args, "--replicas-to-aggregate"))
+
+
+def check_elastic_batch(kind: StrategyKind, cluster: plans.ClusterPlan,
+                        plan: elastic.ElasticPlan, train_args: list[str]) -> None:
+    """A given --global-batch-size that some size of the elastic job cannot divide:
+    one line, before anything starts."""
+    batch = _int_arg(train_args, "--global-batch-size")
+    if batch is not None:
+        elastic.check_batch(batch, _divisors(kind, cluster, plan, train_args))
+
+
+def pin_elastic_batch(config: LaunchConfig) -> LaunchConfig:
+    """An elastic job's global batch, decided once: the one given, else the
+    multiple of every size's divisor nearest the full cluster's own choice
+    (asked of the chief's check), stated in one line and passed to every
+    formation, so a re-formed cluster never chooses its own."""
+    args = list(config.train_args)
+    if config.elastic is None or config.program is not None or \
+            processes.has_flag(args, "--global-batch-size"):
+        return config
+    cluster = config.cluster
+    first = next((n for n in cluster.names if cluster.tf_configs[n] is not None), None)
+    checks = processes.check_tasks({first: cluster.tf_configs[first]},
+                                   processes.task_command(config.kind, args), dict(os.environ))
+    plan = checks[0].plan if checks and checks[0].code == 0 else None
+    if plan is None or not isinstance(plan.get("global_batch_size"), int):
+        return config  # the tasks' own check (preflight) says why
+    divisors = elastic_divisors(config)
+    batch = elastic.choose_batch(plan["global_batch_size"], divisors)
+    print(elastic.batch_line(batch, divisors), flush=True)
+    return dataclasses.replace(config, train_args=(*args, "--global-batch-size", str(batch)))
 
 
 def decide_network(config: LaunchConfig) -> tuple[bool, str | None]:

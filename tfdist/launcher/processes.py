@@ -12,6 +12,7 @@ import argparse
 import ctypes
 import glob
 import json
+import math
 import os
 import shlex
 import signal
@@ -70,6 +71,7 @@ class Placement:
     netns: str | None = None  # /proc/<pid>/ns/net of the host's holder process
     cgroup: str | None = None  # a cgroup directory to join before exec (a slowed task)
     memory_cgroup: str | None = None  # ... and one that limits its memory (--memory-limit)
+    host_cgroups: tuple[str, ...] = ()  # its host's CPU budget and account (--host-cpus)
     cpus: tuple[int, ...] = ()  # a CPU set of its own (empty: every core)
 
 
@@ -84,6 +86,8 @@ def child_setup(place: Placement):
             cgroups.join(place.cgroup, os.getpid())
         if place.memory_cgroup:
             cgroups.join(place.memory_cgroup, os.getpid())
+        for path in place.host_cgroups:
+            cgroups.join(path, os.getpid())
         if place.cpus:
             try:
                 os.sched_setaffinity(0, set(place.cpus))
@@ -197,7 +201,8 @@ class CoreShare:
 THREAD_POOL_ENV = ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
 
 
-def share_cores(kind: StrategyKind, members, cpus: int) -> dict[str, CoreShare]:
+def share_cores(kind: StrategyKind, members, cpus: int,
+                host_cpus: float | None = None) -> dict[str, CoreShare]:
     """Each task's share of this machine's ``cpus`` cores (pure).
 
     The simulated hosts share one machine: left alone, every task sizes its
@@ -207,9 +212,16 @@ def share_cores(kind: StrategyKind, members, cpus: int) -> dict[str, CoreShare]:
     to cores of its own, as if on a host of its own, which was faster in
     every run (docs/performance.md), unless the kind says its tasks run
     faster unpinned (``pins_busy_tasks``: pipeline stages).
+
+    ``host_cpus`` (``--host-cpus C``): each host's budget is its own quota, so
+    a busy task sizes its pool to C cores (at least one thread) and is not
+    pinned: the quota, not a core, is its host.
     """
     busy = [n for n in members if n.partition(":")[0] in kind.computing_roles]
     share = max(1, cpus // max(1, len(busy)))
+    if host_cpus is not None:
+        return {n: CoreShare({"TF_NUM_INTRAOP_THREADS": str(
+            max(1, math.ceil(host_cpus)) if n in busy else 1)}) for n in members}
     envs = {n: {"TF_NUM_INTRAOP_THREADS": str(share if n in busy else 1)} for n in members}
     pinned: dict[str, tuple[int, ...]] = {}
     if kind.pins_busy_tasks and 1 < len(busy) <= cpus:

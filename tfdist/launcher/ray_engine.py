@@ -86,6 +86,7 @@ def check_request(request: LaunchRequest) -> None:
         ("--slow", faults.slow, "slow-downs use this host's cgroups"),
         ("--partition", faults.partition, "partitions cut simulated hosts' links"),
         ("--memory-limit", faults.memory_limit, "memory cgroups are this host's"),
+        ("--host-cpus", cluster.host_cpus, "CPU cgroups are this host's"),
         ("--netns on", cluster.netns == "on" or None, "Ray's nodes must reach each other"),
         ("--dry-run", request.dry_run or None, "addresses are known once the actors are placed"),
     ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import signal
 import time
 from typing import Callable
@@ -26,6 +27,7 @@ from tfdist.launcher import elastic, policy, processes
 from tfdist.launcher import linktrace
 from tfdist.launcher import traffic as trafficlib
 from tfdist.launcher.config import LaunchConfig
+from tfdist.launcher.hostcpus import HostCpus
 from tfdist.launcher.memory import MemoryLimits, PeakMemory
 from tfdist.launcher.processes import Placement, MemberProcess
 from tfdist.launcher.state import JobState, RestartMember, SetLink, SignalMember, SlowMember, MemberView
@@ -325,14 +327,16 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
     ``engine`` (``ray_engine.RayEngine``) starts the tasks elsewhere instead: it
     places them (and builds their TF_CONFIGs) anew for each attempt.
     """
-    names, recovery = config.names, config.recovery
+    names, recovery, started = config.names, config.recovery, time.time()
     cores, task_envs, paths = _member_envs(config, launch_dir)
-    slowdown, limits = None, None
+    slowdown, limits, budgets = None, None, None
     if recovery.slow:
         total = os.cpu_count() or 1
         slowdown = Slowdown({n: cores[n].cores(total) for n in names}, log=log)
     try:
         limits = MemoryLimits(dict(config.memory_limits), log=log)
+        if config.host_cpus is not None and engine is None:
+            budgets = HostCpus(config.host_cpus, dict(config.cluster.host_of), log=log)
         injector, restarter = _hooks(config, slowdown, list(paths.values()), log)
         # VmHWM is read from this host's /proc: not for tasks on other nodes.
         peaks = PeakMemory() if engine is None else PeakMemory(read=lambda pid: None)
@@ -349,7 +353,8 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
             place = Placement(
                 netns=network.netns(config.cluster.host_of[name]) if network is not None else None,
                 cgroup=slowdown.cgroup_for(name) if slowdown is not None else None,
-                memory_cgroup=limits.cgroup_for(name), cpus=cores[name].cpus)
+                memory_cgroup=limits.cgroup_for(name), cpus=cores[name].cpus,
+                host_cgroups=budgets.cgroups_for(name) if budgets is not None else ())
             return processes.start_member(name, formation["tf_configs"][name], cmd, env,
                                           task_env=task_env, place=place)
 
@@ -364,17 +369,15 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
         events = job_events(paths)
         _finish_link_trace(tracer, config, launch_dir, events, log)
         oom, limited = limits.oom_killed(), limits.record()
+        host_cpus = budgets.finish() if budgets is not None else None
     finally:
-        if slowdown is not None:
-            slowdown.close()
-        if limits is not None:
-            limits.close()
+        for held in (slowdown, limits, budgets):  # their cgroups removed whatever happened
+            if held is not None:
+                held.close()
     restarts = sum(restarter.restarts.values()) if restarter is not None else 0
     _log_recovery(membership, injector, restarts, attempt, log)
     _log_memory(config, peaks, limited, oom, log)
-    rates = worker_rates(config.kind, events) if events else {}
-    if rates:
-        log(f"[launch] per worker: {describe_rates(rates)}")
+    rates, scale = _rates(config, events, log), _scale(events, started, log)
     traffic = _traffic(config, before, after, log)
     if launch_dir is not None and os.path.isdir(launch_dir):
         plan, slowed = config.cluster, [str(s) for s in recovery.slow]
@@ -386,8 +389,30 @@ def run_job(config: LaunchConfig, command: list[str], env: dict[str, str], holde
             memory_limits=limited or None, oom_killed=oom or None,
             restarts_per_task=dict(restarter.restarts) if restarter is not None and
             restarter.restarts else None,
-            membership=membership.history if membership is not None else None), log)
+            membership=membership.history if membership is not None else None,
+            host_cpus=host_cpus, **scale), log)
     return code
+
+
+def _rates(config: LaunchConfig, events: dict, log) -> dict:
+    rates = worker_rates(config.kind, events) if events else {}
+    if rates:
+        log(f"[launch] per worker: {describe_rates(rates)}")
+    return rates
+
+
+def _scale(events: dict[str, list[protocol.Event]], started: float, log) -> dict:
+    """What a job's size costs before and around its steps: the seconds from the
+    launcher starting the members to the first member's first step (its
+    ``started`` event: after its first call, start-up and tracing included), and
+    the launcher's own CPU time (its polling, pumps and hooks; the members' not)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    firsts = [e.time for evs in events.values() for e in evs if e.kind == protocol.STARTED]
+    first = round(min(firsts) - started, 1) if firsts else None
+    cpu = round(usage.ru_utime + usage.ru_stime, 2)
+    log(f"[launch] launcher CPU {cpu:g} s" + (f"; first step {first:g} s after the members "
+                                              "were started" if first is not None else ""))
+    return {"first_step_seconds": first, "launcher_cpu_seconds": cpu}
 
 
 def _member_envs(config: LaunchConfig, launch_dir: str | None):
@@ -618,6 +643,8 @@ def _reform(config: LaunchConfig, membership, code: int, sup: Supervisor, inject
     code = membership.after_attempt(code, wait_links)
     if code is not None:
         return code
+    # Decided at launch (job.pin_elastic_batch) and in every formation's command;
+    # under --program, the one its run recorded.
     batch = elastic.global_batch(config.model_dir, list(config.train_args))
     n = len(membership.members)
     if batch is not None and batch % n:
@@ -627,7 +654,8 @@ def _reform(config: LaunchConfig, membership, code: int, sup: Supervisor, inject
             f"multiple of every size down to --min-workers")
         membership.members = before
         return Exit.TASK_LOST
-    pinned = ["--global-batch-size", str(batch)] if batch is not None else []
+    given = processes.has_flag(list(config.train_args), "--global-batch-size")
+    pinned = ["--global-batch-size", str(batch)] if batch is not None and not given else []
     args, k_line = elastic.aggregate_args(command, n)
     if k_line:
         log(f"[launch] {k_line}")
