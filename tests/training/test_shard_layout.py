@@ -59,7 +59,8 @@ def test_buckets_are_made_from_the_last_variable_back_and_never_split_one():
 
 def test_pieces_name_the_variable_slices_and_where_they_sit():
     layout = ShardLayout.plan((3, 5), 2)  # 8 elements, chunk 4
-    assert [(p.var, p.start, p.stop, p.at) for p in layout.pieces(0)] == [(0, 0, 3, 0), (1, 0, 1, 3)]
+    assert [(p.var, p.start, p.stop, p.at) for p in layout.pieces(0)] == [(0, 0, 3, 0),
+                                                                           (1, 0, 1, 3)]
     assert [(p.var, p.start, p.stop, p.at) for p in layout.pieces(1)] == [(1, 1, 5, 0)]
     assert layout.offset_in_bucket(1)[1] == 3
     uneven = ShardLayout.plan((5,), 4)  # chunk 2, the last worker's chunk all padding but 0
