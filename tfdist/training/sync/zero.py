@@ -137,7 +137,7 @@ class ShardedState:
         sizes = [int(np.prod(v.shape)) for v in self.variables]
         self.layout = ShardLayout.plan(sizes, workers, (bucket_bytes or BUCKET_BYTES) // 4)
         self.pieces = self.layout.pieces(self.rank)
-        self._cache: dict[str, tf.Tensor] = {}
+        self._cache: dict[tuple[str, int], tf.Tensor] = {}  # (slot, bucket): gathered
         with tf.device(self.device):
             self.flat = keras.Variable(np.zeros([self.layout.shard_size], np.float32),
                                        trainable=False, name="weights_shard")
@@ -284,11 +284,14 @@ class ShardedState:
 
     @contextlib.contextmanager
     def gathered(self):
-        """While a checkpoint is written: every slot gathered whole (each worker saves)."""
+        """While a checkpoint is written: every slot gathered whole (each worker saves),
+        bucket by bucket, so a bucket of one variable is that variable's slot as gathered
+        (reshaped, not copied)."""
         with tf.device(self.device):
             for kind, slot in self.slots.items():
-                self._cache[kind] = tf.reshape(self.coll.all_gather(slot.value),
-                                               [self.layout.workers, -1])
+                for i, b in enumerate(self.layout.buckets):
+                    self._cache[kind, i] = self.coll.all_gather(
+                        slot.value[b.column:b.column + b.chunk])
         try:
             yield
         finally:
@@ -297,12 +300,11 @@ class ShardedState:
     def full_slot(self, kind: str, var: int, shape) -> tf.Tensor:
         """Variable ``var``'s whole slot ``kind`` from the gathered slots; outside a save
         (a restore asks for the tensors' specs) zeros of its shape."""
-        rows = self._cache.get(kind)
-        if rows is None:
-            return tf.zeros(shape, tf.float32)
         bucket, offset = self.layout.offset_in_bucket(var)
-        flat = tf.reshape(rows[:, bucket.column:bucket.column + bucket.chunk], [-1])
-        return tf.reshape(flat[offset:offset + self.layout.sizes[var]], shape)
+        whole = self._cache.get((kind, self.layout.buckets.index(bucket)))
+        if whole is None:
+            return tf.zeros(shape, tf.float32)
+        return tf.reshape(whole[offset:offset + self.layout.sizes[var]], shape)
 
     def restore_slot(self, kind: str, var: int, value):
         """The part of variable ``var``'s restored slot that this worker owns, into its
