@@ -390,6 +390,9 @@ def test_good_input_plans(row, tmp_path, monkeypatch, capfd):
     assert not [line for line in err.splitlines() if line.startswith("error:")]
     plan = json.loads(out.strip().splitlines()[-1])
     assert plan["model_dir"] == str(tmp_path / "run")
+    # --dry-run shows the level the run would shard its state at.
+    asked = [a.split("=", 1)[1] for a in row.argv if a.startswith("--shard-state=")]
+    assert plan["shard_state"] == (asked[0] if asked else "off")
     if row.env_value is not None:
         task = json.loads(row.env_value)["task"]
         assert plan["task"] == f"{task['type']}:{int(task.get('index', 0))}"
