@@ -59,6 +59,11 @@ BUILTIN_TASKS = {
         # 0.3783) through 150 steps at batch 256, one process and pipeline
         # alike; at 1e-3 it reached 0.650 in 60.
         flags_set_optimizer=False),
+    "wide-mlp": BuiltinTask(
+        "wide-mlp", "tfdist.models.wide_mlp:TASK",
+        "MNIST, 784 -> 64 -> 400k -> 64 -> 10 (51 M parameters, 0.8 GB of Adam training "
+        "state): the memory study of --shard-state",
+        train_examples=60_000, test_examples=10_000, reads_tfds=True),
     "ctr": BuiltinTask(
         "ctr", "tfdist.models.ctr:TASK",
         "click-through prediction: a 2M x 16 embedding table over hashed categorical features "

@@ -91,6 +91,10 @@ class StrategyKind:
     sample_weight_refusal = ""
     # Gradients all-reduced between processes in buckets (--all-reduce-bucket applies).
     buckets_all_reduce = False
+    # --shard-state (ZeRO): why the training state cannot be split over this strategy's
+    # workers; "" where it can (each worker one replica of a data-parallel job whose
+    # processes meet in collectives).
+    shard_state_refusal = "it has no data-parallel workers to split the training state over"
     # Workers read their next weights from the ps while they compute a step
     # (--read-ahead applies; training.ps.read_ahead).
     reads_ahead = False
@@ -195,6 +199,7 @@ class NoStrategy(StrategyKind):
     name = "none"
     summary = "no distribution: TensorFlow's default strategy, one device (the baseline)"
     single_process = True
+    shard_state_refusal = "one replica holds the whole state: there is nothing to split it over"
 
     def check(self, cluster):
         _local_only(self, cluster)
@@ -213,6 +218,8 @@ class Mirrored(StrategyKind):
     summary = "MirroredStrategy: every local GPU (or the CPU) in one process"
     own_step_optimizer_refusals = _ACCUMULATION_IN_COND
     single_process = True
+    shard_state_refusal = ("its replicas are one process's devices, which the sharded "
+                           "update does not split yet")
 
     def check(self, cluster):
         _local_only(self, cluster)
@@ -236,6 +243,7 @@ class MultiWorker(StrategyKind):
                            "(UnimplementedError)")
     own_step_optimizer_refusals = _ACCUMULATION_IN_COND
     buckets_all_reduce = True
+    shard_state_refusal = ""
 
     def check(self, cluster):
         if cluster.num_ps:
@@ -309,6 +317,8 @@ class ParameterServer(StrategyKind):
     asynchronous = True
     reads_ahead = True
     own_step_optimizer_refusals = _ACCUMULATION_IN_COND
+    shard_state_refusal = ("the ps tasks hold the variables and the optimizer's slots already; "
+                           "--variable-partitioner splits them over the ps")
     # Measured: "Trying to access resource ... located in device /job:ps".
     jit_compile_refusal = ("an XLA-compiled step cannot read or update variables that live "
                            "on the ps tasks")
@@ -434,6 +444,7 @@ class Pipeline(StrategyKind):
     # transfers and dispatch run on the core the idle stage leaves; 1.07-1.17x
     # the examples/s of pinned stages on dense-chain S = 2 (docs/pipeline.md).
     pins_busy_tasks = False
+    shard_state_refusal = "each worker already holds only its stage's weights and slots"
     # What of Keras's fit contract the pipeline step does not carry over: it is the
     # chief's own step over stages that each have their own optimizer. What acts on
     # the whole model (global_clipnorm, a LossScaleOptimizer's scale, accumulation)

@@ -59,6 +59,7 @@ def workers(*addresses, task_type="worker", index=0, **extra):
 
 W2 = ["localhost:2222", "localhost:2223"]
 PS = {"chief": ["localhost:2221"], "worker": ["localhost:2222"], "ps": ["localhost:2223"]}
+PS_FREE = {"chief": ["localhost:2221"], "worker": ["localhost:2222", "localhost:2223"]}
 DEEP = "[" * 50_000 + "]" * 50_000  # an environment variable holds at most 128 KiB
 DEEP_OBJECT = '{"cluster": ' * 3000 + "{}" + "}" * 3000
 
@@ -225,6 +226,23 @@ BAD_FLAGS = [
     Row("batch-not-divisible", workers("localhost:1", "localhost:2", "localhost:3"),
         ("--strategy=multiworker", "--global-batch-size=100"), ("--global-batch-size=100", "3 replica")),
     Row("slurm-with-tf-config", workers(*W2), ("--cluster-resolver=slurm",), ("no Slurm job step",)),
+    # --shard-state: an unknown level, a strategy without data-parallel workers, what
+    # the sharded update cannot combine with.
+    Row("shard-state-unknown", workers(*W2), ("--shard-state=zero1",),
+        ("'zero1'", "off, optimizer, gradients, weights")),
+    Row("shard-state-under-none", None, ("--strategy=none", "--shard-state=optimizer"),
+        ("--shard-state optimizer", "--strategy none", "--strategy multiworker")),
+    Row("shard-state-under-mirrored", None, ("--strategy=mirrored", "--shard-state=gradients"),
+        ("--strategy mirrored", "one process's devices")),
+    Row("shard-state-under-ps", tfc(PS, "chief"), ("--strategy=ps", "--shard-state=optimizer"),
+        ("--strategy ps", "ps tasks hold")),
+    Row("shard-state-under-pipeline", tfc(PS_FREE, "chief"), ("--strategy=pipeline",
+                                                              "--shard-state=optimizer"),
+        ("--strategy pipeline", "stage")),
+    Row("shard-state-weights", workers(*W2), ("--shard-state=weights",),
+        ("--shard-state weights", "not built")),
+    Row("shard-state-carried", workers(*W2), ("--shard-state=optimizer", "--carry-all-reduce=on"),
+        ("--carry-all-reduce on", "reduce-scatter")),
 ]
 
 BAD = BAD_TF_CONFIG + BAD_FLAGS
@@ -255,6 +273,9 @@ GOOD = [
     Row("evaluator-outside-cluster", tfc(PS, "evaluator", environment="cloud")),
     Row("three-workers-explicit-batch", workers("localhost:1", "localhost:2", "localhost:3"),
         argv=("--global-batch-size=96",)),
+    Row("shard-state-optimizer", workers(*W2), argv=("--shard-state=optimizer",)),
+    Row("shard-state-gradients-bfloat16", workers(*W2),
+        argv=("--shard-state=gradients", "--gradient-dtype=bfloat16")),
 ]
 
 # Flags argparse accepts but the run cannot use; TrainConfig.validate refuses them.
@@ -369,6 +390,9 @@ def test_good_input_plans(row, tmp_path, monkeypatch, capfd):
     assert not [line for line in err.splitlines() if line.startswith("error:")]
     plan = json.loads(out.strip().splitlines()[-1])
     assert plan["model_dir"] == str(tmp_path / "run")
+    # --dry-run shows the level the run would shard its state at.
+    asked = [a.split("=", 1)[1] for a in row.argv if a.startswith("--shard-state=")]
+    assert plan["shard_state"] == (asked[0] if asked else "off")
     if row.env_value is not None:
         task = json.loads(row.env_value)["task"]
         assert plan["task"] == f"{task['type']}:{int(task.get('index', 0))}"

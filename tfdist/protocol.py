@@ -322,6 +322,12 @@ class Results:
     # This process's (the chief's) peak resident memory in bytes; the launcher's
     # outcome.json has every task's (peak_rss_bytes there).
     peak_rss_bytes: int | None = None
+    # Synchronous strategies: --shard-state (off: every worker holds the whole state),
+    # and per worker the bytes of training state it holds at once ({"weights",
+    # "gradients", "slots"}) beside its peak resident memory as of the last drain.
+    shard_state: str | None = None
+    state_bytes: dict | None = None
+    peak_rss_bytes_per_worker: dict | None = None
     # What crosses the network each step: the trainable parameters (their
     # float32 weights are read) and the dtype gradients travel in
     # (--gradient-dtype); the bench's traffic model starts from them.

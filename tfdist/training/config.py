@@ -38,6 +38,9 @@ PARTITIONERS = ("none", "min-size", "fixed")
 # float16 is known only to be refused with its reason (no loss scaling), so not offered.
 GRADIENT_DTYPES = ("float32", "bfloat16", "float16")
 OFFERED_GRADIENT_DTYPES = ("float32", "bfloat16")
+# --shard-state: how much of the training state is split over the data-parallel
+# workers (ZeRO stages 1-3; FSDP's SHARD_GRAD_OP is stage 2, FULL_SHARD stage 3).
+SHARD_STATE_LEVELS = ("off", "optimizer", "gradients", "weights")
 # What the built-in tasks train with unless the flags say otherwise.
 DEFAULT_OPTIMIZER, DEFAULT_LR_SCHEDULE = "adam", "cosine"
 # Seeds feed TensorFlow's and NumPy's generators, which take 32-bit seeds.
@@ -159,6 +162,14 @@ class TrainOptions:
         "steps for 20 steps each early in the run and keeps the faster "
         "(docs/performance.md)",
         choices=("auto", "on", "off"), group="cluster", unset="auto (multiworker), off")
+    shard_state: str = option(
+        "off", "multiworker: the training state split over the workers, ZeRO's stages: "
+        "optimizer (stage 1: each worker updates 1/N of the weights with 1/N of the "
+        "optimizer's slots; the gradients reduce-scattered, the updated weights all-gathered), "
+        "gradients (stage 2, FSDP's SHARD_GRAD_OP: also each gradient bucket released once "
+        "reduce-scattered), weights (stage 3, FSDP's FULL_SHARD); off is FSDP's NO_SHARD, "
+        "plain data parallelism (docs/sharding.md)", choices=SHARD_STATE_LEVELS,
+        group="cluster")
     startup_timeout: float = option(120.0, "seconds to wait for the other tasks before giving up",
                                     metavar="SECONDS", group="cluster")
     # Seconds a live task may go without progress before the job treats it
@@ -269,7 +280,7 @@ class TrainConfig(TrainOptions):
         """Raise ConfigError naming the first bad value; touches nothing."""
         choices = {"optimizer": OPTIMIZERS, "lr_schedule": LR_SCHEDULES,
                    "variable_partitioner": PARTITIONERS, "gradient_dtype": GRADIENT_DTYPES,
-                   "schedule": PIPELINE_SCHEDULES}
+                   "schedule": PIPELINE_SCHEDULES, "shard_state": SHARD_STATE_LEVELS}
         for name, allowed in choices.items():
             value = getattr(self, name)
             if value is not None and value not in allowed:

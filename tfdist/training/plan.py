@@ -88,6 +88,8 @@ class RunPlan:
     accumulation_steps: int = 1
     # ps read-ahead (training.ps.read_ahead): each step's weights read during the step before.
     read_ahead: bool = False
+    # --shard-state: the training state split over the workers (training.sync.zero); "off": not.
+    shard_state: str = "off"
 
     @property
     def examples_per_gradient(self) -> int:
@@ -168,6 +170,7 @@ class RunPlan:
             "gradients_per_update": self.gradients_per_update,
             "gradient_accumulation_steps": self.accumulation_steps,
             "read_ahead": self.read_ahead,
+            "shard_state": self.shard_state,
             "train_examples": self.train_examples,
             "variable_partitioner": self.sharding.partitioner,
             "shards_per_split_variable": self.sharding.num_shards,
@@ -278,14 +281,49 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
                                           config.schedule)
                 if kind.pipelined else None)
     return RunPlan(
-        pipeline=pipeline,
-        config=config, cluster=cluster, kind=kind, task=spec, gradients_per_update=k,
-        global_batch_size=batch, batch_chosen=chosen, replicas=replicas, devices=devices,
-        train_examples=train_examples, test_examples=test_examples, total_steps=total,
+        pipeline=pipeline, config=config, cluster=cluster, kind=kind, task=spec,
+        gradients_per_update=k, global_batch_size=batch, batch_chosen=chosen,
+        replicas=replicas, devices=devices, train_examples=train_examples,
+        test_examples=test_examples, total_steps=total,
         steps_per_epoch=steps_per_epoch, optimizer=_optimizer(config, spec),
         sharding=_sharding(config, kind, cluster), accumulation_steps=accumulation,
         read_ahead=_read_ahead(config, kind, own_train_step),
-    )
+        shard_state=_shard_state(config, kind, replicas, own_train_step))
+
+
+# What the sharded update (training.sync.zero) builds; "weights" (ZeRO stage 3) is named
+# by the flag so that it is refused with its reason, not as an unknown word.
+BUILT_SHARD_LEVELS = ("off", "optimizer", "gradients")
+
+
+def _shard_state(config: TrainConfig, kind: StrategyKind, replicas: int,
+                 own_train_step: bool) -> str:
+    """--shard-state: refused, in one line, where the run cannot split its state."""
+    level = config.shard_state
+    if level == "off":
+        return level
+    flag = f"--shard-state {level}"
+    if kind.shard_state_refusal:
+        able = "|".join(name for name, other in kinds.all_kinds().items()
+                        if not other.shard_state_refusal)
+        raise ConfigError(f"{flag} cannot be honoured under --strategy {kind.name}: "
+                          f"{kind.shard_state_refusal}; use --strategy {able}, or drop the flag")
+    if level not in BUILT_SHARD_LEVELS:
+        raise ConfigError(f"{flag} (ZeRO stage 3: only a shard of the weights held between "
+                          "steps) is not built; use --shard-state optimizer or gradients")
+    why = None
+    if replicas != config.cluster.num_workers:
+        why = (f"the workers have {replicas} replicas in all, and the sharded update takes "
+               "one replica (one device) per worker; hide all but one GPU per worker")
+    elif own_train_step:
+        why = ("the model overrides train_step, which applies its own optimizer to the whole "
+               "model; move the logic into call()/compute_loss()")
+    elif config.carry_all_reduce == "on":
+        why = ("--carry-all-reduce on carries an all-reduce, and the sharded update has none "
+               "(a reduce-scatter and an all-gather); drop --carry-all-reduce")
+    if why:
+        raise ConfigError(f"{flag} cannot be honoured: {why}")
+    return level
 
 
 def _read_ahead(config: TrainConfig, kind: StrategyKind, own_train_step: bool) -> bool:

@@ -13,6 +13,7 @@ NaN or infinite are never saved.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import glob
@@ -89,7 +90,10 @@ class Checkpointer:
                                            {"schema_version": 1, **self.run_record})
                 self._recorded = True
             self.state.completed_steps.assign(step)
-            path = self.manager.save(checkpoint_number=step)
+            # A sharded state saves whole: its slots gathered for the save's duration.
+            with (contextlib.nullcontext() if self.state.sharded is None
+                  else self.state.sharded.gathered()):
+                path = self.manager.save(checkpoint_number=step)
         except Exception as err:  # pylint: disable=broad-except
             # A full or read-only disk: TensorFlow lists a checkpoint in the
             # index only once its files are complete, so the previous one

@@ -336,3 +336,21 @@ def _rate(optimizer) -> float | None:
         return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
     except Exception:  # pylint: disable=broad-except
         return None
+
+
+def vm_hwm(status: str) -> int | None:
+    """The ``VmHWM`` of a ``/proc/<pid>/status`` text, in bytes (pure)."""
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            value, unit = line.split()[1:3]
+            return int(value) * {"kB": 1024, "mB": 1 << 20, "gB": 1 << 30}.get(unit, 1)
+    return None
+
+
+def own_peak_rss() -> int:
+    """This process's peak resident bytes so far (``VmHWM``); 0 without ``/proc``."""
+    try:
+        with open("/proc/self/status") as f:
+            return vm_hwm(f.read()) or 0
+    except OSError:
+        return 0

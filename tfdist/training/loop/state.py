@@ -48,9 +48,13 @@ class TrainState:
     # updates of closures that ran twice after a worker was lost.
     completed_steps: tf.Variable
     checkpoint: tf.train.Checkpoint
+    # --shard-state: this worker's shard of the training state (training.sync.zero's
+    # ShardedState; its ``gathered()`` wraps every checkpoint save); None: not sharded.
+    sharded: object = None
 
 
-def build_state(plan, task, strategy, example=None, own_optimizers=None) -> TrainState:
+def build_state(plan, task, strategy, example=None, own_optimizers=None,
+                shard=None) -> TrainState:
     """The task's model, the plan's optimizer and the step counters, in ``strategy``'s scope.
 
     ``example``: a batch of one training element (``CheckedTask.example``).
@@ -65,7 +69,8 @@ def build_state(plan, task, strategy, example=None, own_optimizers=None) -> Trai
     ``g_optimizer``), each built here with the variables it updates: their
     slots are made where the strategy puts variables (replicated, or on the
     ps), before a checkpoint restore fills them, and the checkpoint holds
-    them (the model tracks its attributes).
+    them (the model tracks its attributes). ``shard(optimizer, variables)`` (``--shard-state``)
+    builds the optimizer outside the scope and returns this worker's shard of the state.
     """
     policy = sharding.ShardingPolicy(plan.sharding.partitioner, plan.sharding.num_shards,
                                      plan.sharding.min_bytes)
@@ -97,8 +102,8 @@ def build_state(plan, task, strategy, example=None, own_optimizers=None) -> Trai
             # would all-reduce inside a tf.cond that tf.distribute cannot trace.
             # Its iterations then count updates, as Keras's do with accumulation.
             without_accumulation(opt)
-        # Optimizer slots must exist before a checkpoint restore can fill them.
-        opt.build(model.trainable_variables)
+        if shard is None:  # slots must exist before a checkpoint restore can fill them
+            opt.build(model.trainable_variables)
         for attr, positions in (own_optimizers or {}).items():
             getattr(model, attr).build([model.trainable_variables[i] for i in positions])
         if plan.kind.min_ps:
@@ -116,6 +121,7 @@ def build_state(plan, task, strategy, example=None, own_optimizers=None) -> Trai
             0, dtype=tf.int64, trainable=False, name="completed_steps",
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
+    sharded = None if shard is None else shard(opt, model.trainable_variables)
     # Split variables are saved whole, so a run resumes on another number of ps.
     # A keras.random.SeedGenerator's state (a GAN's noise) is not reached through
     # the model's checkpoint dependencies; saved beside it, a resumed run draws
@@ -126,4 +132,4 @@ def build_state(plan, task, strategy, example=None, own_optimizers=None) -> Trai
     checkpoint = tf.train.Checkpoint(**sharding.checkpoint_objects(model, opt),
                                      global_step=global_step, completed_steps=completed_steps,
                                      **seeds)
-    return TrainState(model, opt, global_step, completed_steps, checkpoint)
+    return TrainState(model, opt, global_step, completed_steps, checkpoint, sharded)

@@ -46,6 +46,7 @@ from tfdist.training.pipeline import updates
 from tfdist.training.pipeline import weight_grads
 from tfdist.training.loop.step import metric_dict, schedule_in_batches
 from tfdist.training.loop.peers import PEER_ERRORS
+from tfdist.training.loop.reporting import vm_hwm
 from tfdist.training.loop.trainer import Trainer
 
 
@@ -134,15 +135,6 @@ class PipelineState:
                     return {}
                 out[name] = peak
         return out
-
-
-def vm_hwm(status: str) -> int | None:
-    """The ``VmHWM`` of a ``/proc/<pid>/status`` text, in bytes (pure)."""
-    for line in status.splitlines():
-        if line.startswith("VmHWM:"):
-            value, unit = line.split()[1:3]
-            return int(value) * {"kB": 1024, "mB": 1 << 20, "gB": 1 << 30}.get(unit, 1)
-    return None
 
 
 def _nbytes(v) -> int:

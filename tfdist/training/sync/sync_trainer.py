@@ -12,6 +12,7 @@ import shutil
 import signal
 import time
 
+import numpy as np
 import tensorflow as tf
 
 from tfdist.protocol import ConfigError
@@ -19,11 +20,12 @@ from tfdist.training.workload import data
 from tfdist.training.loop.evaluation import local_copy, weights_sha256
 from tfdist.training.loop.lifetime import keep_alive_until_exit
 from tfdist.strategies.kinds import DEFAULT_BUCKET_BYTES
-from tfdist.training.sync import carried
+from tfdist.training.sync import carried, zero
 from tfdist.training.sync.carry_trial import CARRIED, CarryTrial
 from tfdist.training.sync.preemption import preemption_handler
 from tfdist.training.loop.step import make_replica_sum, make_step_fn, make_train_fn
 from tfdist.training.loop.peers import PEER_ERRORS
+from tfdist.training.loop.reporting import own_peak_rss
 from tfdist.training.loop.trainer import Trainer
 
 
@@ -86,6 +88,23 @@ class SyncTrainer(Trainer):
 
     peer_errors = PEER_ERRORS
 
+    @staticmethod
+    def build_state(plan, task, strategy, example=None, own_optimizers=None):
+        """The whole model; with ``--shard-state``, the optimizer's slots as this worker's
+        shard (``sync.zero``)."""
+        from tfdist.training.loop.state import build_state
+
+        shard = None
+        if plan.shard_state != "off":
+            members = plan.kind.training_members(plan.cluster)
+
+            def shard(optimizer, variables):
+                return zero.ShardedState(plan.shard_state, strategy, optimizer, variables,
+                                         members.index(plan.cluster.member_name),
+                                         plan.config.bucket_bytes)
+
+        return build_state(plan, task, strategy, example, own_optimizers, shard)
+
     def __init__(self, *, plan, bundle, task, state, checkpointer, start_step, train_metrics):
         super().__init__(plan=plan, bundle=bundle, task=task, state=state,
                          checkpointer=checkpointer, start_step=start_step,
@@ -139,6 +158,9 @@ class SyncTrainer(Trainer):
         is on or auto (multiworker's default), the carried one (``sync.carried``)
         beside it. Auto keeps the plain step for a model the carried one cannot cut."""
         dtype, n = self.config.gradient_dtype, plan.accumulation_steps
+        if state.sharded is not None:  # the sharded step; nothing to carry
+            state.sharded.start()
+            return state.sharded.make_train_fn(state, train_metrics, dtype, n)
         plain = make_train_fn(strategy, make_step_fn(state, train_metrics, dtype, n), state,
                               len(train_metrics.names), batches_per_step=n)
         # The plan refuses the flag where gradients are not all-reduced between processes.
@@ -202,7 +224,35 @@ class SyncTrainer(Trainer):
             self._carried.flush()
         if self._sync_statistics is not None:
             self._sync_statistics()
+        self._peaks = self._gather_peaks()
         return self._metrics()
+
+    _peaks: dict | None = None  # {worker: peak resident bytes} as of the last drain
+
+    def _gather_peaks(self) -> dict[str, int]:
+        """Every worker's peak resident memory so far (``VmHWM``), by one small gather
+        at each drain, so the chief's results record holds every worker's."""
+        own = own_peak_rss()
+        tasks = self.bundle.kind.training_members(self.cluster)
+        if not self.in_lockstep():
+            return {self.cluster.member_name: own}
+        strategy = self.bundle.strategy
+        values = strategy.experimental_distribute_values_from_function(
+            lambda _: tf.constant([own], tf.int64))
+        peaks = [int(p) for p in strategy.gather(values, axis=0).numpy()]
+        per_task = max(1, len(peaks) // len(tasks))  # replicas by task, chief first
+        return {tasks[min(i // per_task, len(tasks) - 1)]: p for i, p in enumerate(peaks)}
+
+    def _state_bytes(self) -> dict[str, int]:
+        """Bytes of training state each worker holds at once (every worker the same)."""
+        if self.state.sharded is not None:
+            return self.state.sharded.state_bytes(self.config.gradient_dtype)
+        params = sum(int(np.prod(v.shape)) for v in self.state.model.trainable_variables)
+        slots = sum(4 * int(np.prod(v.shape)) for v in self.state.optimizer.variables
+                    if len(v.shape) > 0)  # iterations and the rate are scalars
+        return {"weights": 4 * params,
+                "gradients": tf.as_dtype(self.config.gradient_dtype).size * params,
+                "slots": slots}
 
     def stop_requested(self) -> bool:
         return False  # the preemption handler stops the run itself
@@ -222,6 +272,10 @@ class SyncTrainer(Trainer):
             "carry_trial": (None if self._trial_result is None
                             else dataclasses.asdict(self._trial_result)),
             "steps_per_worker": {name: ran for name in self.bundle.kind.training_members(self.cluster)},
+            "shard_state": self.plan.shard_state,
+            "state_bytes": {name: self._state_bytes()
+                            for name in self.bundle.kind.training_members(self.cluster)},
+            "peak_rss_bytes_per_worker": self._peaks,
         }
 
     def finish_worker(self) -> None:

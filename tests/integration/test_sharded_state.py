@@ -1,0 +1,110 @@
+"""--shard-state (training.sync.zero) on simulated clusters of real processes: the same
+update as plain multiworker, every worker's weights the same bytes, checkpoints whole."""
+
+import pytest
+
+from conftest import descendants_alive, launch_cmd, read_results
+
+pytestmark = pytest.mark.multiprocess
+
+
+def start_job(spawn, model_dir, *train_args, workers=2, steps=40, timeout=200):
+    """One multiworker job started on mnist-logreg."""
+    return spawn(launch_cmd("multiworker", "--workers", str(workers), "--timeout",
+                            str(timeout - 20),
+                            train_args=["--task", "mnist-logreg", "--steps", str(steps),
+                                        "--log-every", str(steps), "--model-dir", str(model_dir),
+                                        *train_args]))
+
+
+def finish_job(p, model_dir, timeout=200):
+    """A started job's results and {member: weights_sha256} from every worker's line."""
+    assert p.wait(timeout) == 0, p.output
+    results = read_results(model_dir)
+    hashes = {line.split("]")[0][1:]: line.rsplit("weights_sha256=", 1)[1].split()[0]
+              for line in p.lines if "weights_sha256=" in line}
+    assert descendants_alive(str(model_dir)) == []
+    return results, hashes
+
+
+# The one quick multiprocess test of its kind in make test (two short jobs).
+@pytest.mark.timeout(240)
+def test_optimizer_sharded_over_two_workers_matches_plain(tmp_path, spawn):
+    # Both jobs at once (each launch has its own network namespace and ports).
+    jobs = [start_job(spawn, tmp_path / "zero1", "--shard-state", "optimizer"),
+            start_job(spawn, tmp_path / "plain")]
+    sharded, hashes = finish_job(jobs[0], tmp_path / "zero1")
+    assert sharded["shard_state"] == "optimizer" and sharded["global_steps"] == 40
+    # Every worker's full weights are the same bytes: the chief's summary and worker:1's line.
+    assert set(hashes) == {"worker:0", "worker:1"}
+    assert set(hashes.values()) == {sharded["weights_sha256"]}
+    # Each worker holds half of Adam's slots (7850 parameters, 2 slots, float32).
+    assert sharded["state_bytes"]["worker:1"]["slots"] == 2 * 4 * 3925
+    assert set(sharded["peak_rss_bytes_per_worker"]) == {"worker:0", "worker:1"}
+    plain, _ = finish_job(jobs[1], tmp_path / "plain")
+    assert plain["shard_state"] == "off"
+    assert plain["state_bytes"]["worker:1"]["slots"] == 2 * 4 * 7850
+    # The same update up to the order of a sum: the same accuracy at the same step.
+    assert abs(sharded["test_accuracy"] - plain["test_accuracy"]) <= 0.005
+    assert abs(sharded["test_loss"] - plain["test_loss"]) <= 0.01
+
+
+CONSTANT = ("--lr-schedule", "constant", "--global-batch-size", "96")
+LONG = 400  # seconds a job of the long tier may take (several run at once)
+
+
+def _copy(src, dst):
+    """A run directory copied for a second continuation (its launch records left behind)."""
+    import shutil
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("launch", ".lock"))
+
+
+@pytest.mark.long
+@pytest.mark.timeout(900)
+def test_sharded_checkpoints_resume_exactly_sharded_or_plain(tmp_path, spawn):
+    """Checkpoints hold the whole state: a sharded run's resumes sharded or plain, a plain
+    run's resumes sharded, each landing on the uninterrupted run's weights. With two
+    workers the reduce-scatter's sum and the all-reduce's are the same two terms, so the
+    sharded and the plain update are the same bytes, and every case must match exactly."""
+    s20, p20, whole = tmp_path / "s20", tmp_path / "p20", tmp_path / "s40"
+    sharded = ("--shard-state", "optimizer")
+    first = [start_job(spawn, s20, *sharded, *CONSTANT, steps=20, timeout=LONG),
+             start_job(spawn, p20, *CONSTANT, steps=20, timeout=LONG),
+             start_job(spawn, whole, *sharded, *CONSTANT, timeout=LONG)]
+    for p, d in zip(first, (s20, p20, whole)):
+        finish_job(p, d, timeout=LONG)
+    reference = read_results(whole)["weights_sha256"]
+    _copy(s20, tmp_path / "s20-plain")
+    cases = {"sharded-sharded": (s20, sharded), "sharded-plain": (tmp_path / "s20-plain", ()),
+             "plain-sharded": (p20, sharded)}
+    second = {name: start_job(spawn, d, *args, *CONSTANT, timeout=LONG)
+              for name, (d, args) in cases.items()}
+    for name, p in second.items():
+        results, hashes = finish_job(p, cases[name][0], timeout=LONG)
+        assert any("resumed from" in line and "at step 20" in line for line in p.lines), name
+        assert results["global_steps"] == 40, name
+        assert set(hashes.values()) == {reference}, name
+
+
+@pytest.mark.long
+@pytest.mark.timeout(900)
+def test_sharded_checkpoint_resumes_at_another_worker_count(tmp_path, spawn):
+    """Two workers' sharded checkpoint, re-sliced for three (sharded) or read whole
+    (plain): both resume at its step, every worker ends on the same weights, and the two
+    continuations (the same update, summed in another order) agree on accuracy."""
+    s20 = tmp_path / "s20"
+    finish_job(start_job(spawn, s20, "--shard-state", "gradients", *CONSTANT, steps=20,
+                         timeout=LONG), s20,
+               timeout=LONG)
+    _copy(s20, tmp_path / "plain3")
+    runs = {"sharded3": (s20, ("--shard-state", "gradients")), "plain3": (tmp_path / "plain3", ())}
+    started = {name: start_job(spawn, d, *args, *CONSTANT, workers=3, timeout=LONG)
+               for name, (d, args) in runs.items()}
+    accuracy = {}
+    for name, p in started.items():
+        results, hashes = finish_job(p, runs[name][0], timeout=LONG)
+        assert any("resumed from" in line and "at step 20" in line for line in p.lines), name
+        assert len(hashes) == 3 and set(hashes.values()) == {results["weights_sha256"]}, name
+        accuracy[name] = results["test_accuracy"]
+    assert abs(accuracy["sharded3"] - accuracy["plain3"]) <= 0.005, accuracy
