@@ -54,10 +54,12 @@ OUTPUT = "checkpoints, evaluation and output"
 PER_REPLICA_BATCH = 64
 # The flags that define what a run's checkpoints are: resuming with any of
 # them changed would mix two runs (``training.loop.checkpoints.check_run_record``).
-# ``total_steps`` is recorded too, but a resume may extend a run.
+# ``total_steps`` is recorded too, but a resume may extend a run. ``data_order``
+# is the input pipeline's order version (``workload.DATA_ORDER``); a record
+# without it was written with order 1.
 DEFINING_FLAGS = ("strategy", "task", "optimizer", "learning_rate", "lr_schedule",
                   "global_batch_size", "seed", "variable_partitioner", "shard_min_bytes",
-                  "pipeline_stages", "gradient_accumulation_steps")
+                  "pipeline_stages", "gradient_accumulation_steps", "data_order")
 
 
 def _strategy_help() -> str:
