@@ -302,7 +302,8 @@ def check_run_record(model_dir: str, flags: dict) -> None:
             "or pass a fresh --model-dir to start a new run"
         ) from None
     differ = []
-    _check_data_order(model_dir, recorded.get("data_order", 1), flags["data_order"])
+    if "data_order" in flags:
+        _check_data_order(model_dir, recorded.get("data_order", 1), flags["data_order"])
     for name in DEFINING_FLAGS:
         if name not in recorded:
             continue
