@@ -348,6 +348,12 @@ class Results:
     # launch.py --min-workers: the cluster's size from step 0, each change
     # with the step it resumed from and why: [{"step", "workers", "why"}].
     membership: list | None = None
+    # How the final evaluation ran (training.loop.evaluation): {"split", "where":
+    # "members" (each training member evaluated its range of the split's batches,
+    # the metrics' states summed) or "chief", "members" (how many), "batch_size",
+    # "examples", "examples_per_member": {member: examples}, "seconds", and
+    # "alone_because" when the members could not share it}.
+    evaluation: dict | None = None
     # A task's extra_results(), written at the top level beside the fields above.
     extra: dict = field(default_factory=dict)
     schema_version: int = RESULTS_SCHEMA_VERSION

@@ -118,19 +118,54 @@ def test_unseeded_pipelines_differ_per_build():
 
 
 def test_a_given_seed_keeps_its_order():
-    """A seed is used as given (key word 0), so a run's order is the same from run to run."""
+    """A seed's order is the same from run to run: its key, one byte per word."""
     def order(seed):
         ds = data.build_pipeline(tf.data.Dataset.range(1000), None, 1000, seed=seed)
         return next(iter(ds)).numpy()
 
     assert np.array_equal(order(7), order(7))
     assert not np.array_equal(order(7), order(8))
-    keys = tf.stack([tf.fill([1000], tf.constant(7, tf.int64)), tf.zeros([1000], tf.int64),
-                     tf.zeros([1000], tf.int64)], axis=1)
+    # Seed 0x030201's key words are its bytes, low first.
+    keys = tf.tile(tf.constant([[1, 2, 3]], tf.int64), [1000, 1])
     expected = tf.raw_ops.RandomIndexShuffle(index=tf.range(1000, dtype=tf.int64), seed=keys,
                                              max_index=tf.fill([1000], tf.constant(999, tf.int64)),
                                              rounds=4)
-    assert np.array_equal(order(7), expected.numpy())
+    assert np.array_equal(order(0x030201), expected.numpy())
+
+
+def first_positions(seeds, n=60_000, k=6, epoch=0):
+    """The first ``k`` positions of each seed's permutation of ``n`` at ``epoch``,
+    computed as the pipeline computes them, without building a dataset."""
+    index = tf.tile(tf.range(k, dtype=tf.int64), [len(seeds)])
+    return [tuple(data.shuffled(index[i * k:(i + 1) * k], n, seed,
+                                epoch=tf.fill([k], tf.constant(epoch, tf.int64))).numpy())
+            for i, seed in enumerate(seeds)]
+
+
+def test_a_thousand_seeds_give_a_thousand_orders():
+    """RandomIndexShuffle reads 8 bits of each key word on MNIST's 60,000: a seed
+    kept in one word gave 256 orders (seeds 256 apart shared one)."""
+    firsts = first_positions(range(1000))
+    assert len(set(firsts)) == 1000
+    assert first_positions([0])[0] != first_positions([256])[0]
+    # In a later epoch, too; and a seed's epochs differ from each other.
+    assert len(set(first_positions(range(0, 1000, 7), epoch=3))) == len(range(0, 1000, 7))
+    assert first_positions([5], epoch=0) != first_positions([5], epoch=1)
+
+
+def test_seeds_and_epochs_of_a_sweep_never_share_a_key():
+    """Seeds 0-999 over their first 1,000 epochs: a million (seed, epoch) pairs, a
+    million keys (pure arithmetic of data.epoch_keys)."""
+    seeds = np.arange(1000, dtype=np.int64)[:, None]
+    epochs = np.arange(1000, dtype=np.int64)[None, :]
+    keys = (seeds + epochs * data.EPOCH_STRIDE) & ((1 << data.SEED_BITS) - 1)
+    assert len(np.unique(keys)) == 1000 * 1000
+    # The pipeline's own words for a few of them.
+    words = data.epoch_keys(999, None, tf.constant([0, 999], tf.int64)).numpy()
+    for row, epoch in zip(words, (0, 999)):
+        v = (999 + epoch * data.EPOCH_STRIDE) % (1 << 24)
+        assert row.tolist() == [v & 0xFF, (v >> 8) & 0xFF, v >> 16]
+    assert data.seed_key(2**24 - 1) == 2**24 - 1 and data.seed_key(2**32 - 1) != 2**24 - 1
 
 
 def test_training_pipeline_needs_no_partial_batch_guard():

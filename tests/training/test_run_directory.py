@@ -118,6 +118,21 @@ def test_resume_with_other_flags_names_each_and_touches_nothing(run_dir, capfd, 
     assert snapshot(run_dir) == before
 
 
+def test_a_run_shuffled_with_the_older_order_is_refused(run_dir, capfd):
+    """A record without ``data_order`` was written with order 1 (seeds 256 apart
+    shared an order): its remaining epochs cannot be continued, said in one line."""
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["data_order"] == 2
+    del record["data_order"]
+    (run_dir / "run.json").write_text(json.dumps(record))
+    before = snapshot(run_dir)
+    code, out, err = main(capfd, *LOGREG, "--steps=20", "--model-dir", str(run_dir))
+    errors = errors_of(err)
+    assert code == 2 and len(errors) == 1, err
+    assert "shuffled with order 1" in errors[0] and "fresh --model-dir" in errors[0], errors[0]
+    assert snapshot(run_dir) == before
+
+
 def test_unreadable_run_record_is_refused_not_ignored(run_dir, capfd):
     (run_dir / "run.json").write_text("{garbled")
     before = snapshot(run_dir)

@@ -72,7 +72,7 @@ def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
                 raise failed
             return results
         reporter = Reporter(plan, checked, cluster.member_name, trainer.is_chief, trainer.start_step,
-                            started)
+                            started, members=trainer.evaluation_members())
         return Controller(plan, trainer, checkpointer, reporter, started, started_ok).run()
     finally:
         if as_command:

@@ -57,10 +57,12 @@ OUTPUT = "checkpoints, evaluation and output"
 PER_REPLICA_BATCH = 64
 # The flags that define what a run's checkpoints are: resuming with any of
 # them changed would mix two runs (``training.loop.checkpoints.check_run_record``).
-# ``total_steps`` is recorded too, but a resume may extend a run.
+# ``total_steps`` is recorded too, but a resume may extend a run. ``data_order``
+# is the input pipeline's order version (``workload.DATA_ORDER``); a record
+# without it was written with order 1.
 DEFINING_FLAGS = ("strategy", "task", "optimizer", "learning_rate", "lr_schedule",
                   "global_batch_size", "seed", "variable_partitioner", "shard_min_bytes",
-                  "pipeline_stages", "gradient_accumulation_steps")
+                  "pipeline_stages", "gradient_accumulation_steps", "data_order")
 
 
 def _strategy_help() -> str:
@@ -229,8 +231,16 @@ class TrainOptions:
         None, "steps between checkpoints (epoch ends and the end always save)", metavar="N",
         group=OUTPUT, unset="epoch ends and the end only")
     eval_every: int = option(
-        0, "steps between evaluations of the task's metrics on its test split, on the chief "
+        0, "steps between evaluations of the task's metrics on its test split, shared by the "
+        "training members where they train in lockstep (multiworker), else on the chief "
         "(0: at the end only); their time is left out of examples/s", metavar="N", group=OUTPUT)
+    # Where evaluations run (training.loop.evaluation): "shared" where a trainer
+    # names several members (multiworker), else the chief; "chief" always.
+    evaluate_on: str = option(
+        "shared", "shared: every training member evaluates its range of the split's batches "
+        "and one all-reduce sums the metrics' states (multiworker; elsewhere the chief "
+        "evaluates); chief: the chief evaluates the whole split while the others wait",
+        choices=("shared", "chief"), group=OUTPUT)
     log_every: int = option(100, "steps between progress lines", metavar="N", group=OUTPUT)
     # --export DIR: the chief writes a SavedModel into DIR/<global step>/ at the
     # end (training.loop.export), and every --export-every steps when given.

@@ -23,7 +23,7 @@ from tfdist.strategies.devices import plan_devices
 from tfdist.strategies.kinds import StrategyKind
 from tfdist.strategies.tf_config import ClusterConfig
 from tfdist.training.pipeline import stages as pipeline_stages
-from tfdist.training.workload import tasks
+from tfdist.training.workload import DATA_ORDER, tasks
 from tfdist.training.config import (
     DEFAULT_LEARNING_RATE, DEFAULT_LR_SCHEDULE, DEFAULT_OPTIMIZER, DEFINING_FLAGS, MAX_STEPS,
     PER_REPLICA_BATCH, TrainConfig,
@@ -133,6 +133,9 @@ class RunPlan:
             "pipeline_stages": self.pipeline.stages if self.pipeline else None,
             # A step is this many batches: the data position and the updates depend on it.
             "gradient_accumulation_steps": self.accumulation_steps,
+            # The order a seed gives (workload.data): another one would change the
+            # remaining epochs' batches.
+            "data_order": DATA_ORDER,
         }
 
     def batch_note(self) -> str | None:

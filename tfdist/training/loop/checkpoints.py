@@ -306,6 +306,8 @@ def check_run_record(model_dir: str, flags: dict) -> None:
             "or pass a fresh --model-dir to start a new run"
         ) from None
     differ = []
+    if "data_order" in flags:
+        _check_data_order(model_dir, recorded.get("data_order", 1), flags["data_order"])
     for name in DEFINING_FLAGS:
         if name not in recorded:
             continue
@@ -322,6 +324,20 @@ def check_run_record(model_dir: str, flags: dict) -> None:
             f"mix two runs: {'; '.join(differ)}. Resume with the run's own flags (see "
             f"{RUN_RECORD} there), or pass a fresh --model-dir to start a new run"
         )
+
+
+def _check_data_order(model_dir: str, was: int, now: int) -> None:
+    """Refuse a run whose data was shuffled with another order (a record without
+    ``data_order`` predates it: order 1): its remaining epochs would change."""
+    if was == now:
+        return
+    old = " (where --seed values 256 apart gave the same order)" if was == 1 else ""
+    raise ConfigError(
+        f"--model-dir {model_dir!r} holds a run whose training data was shuffled with order "
+        f"{was}{old}; this version shuffles with order {now} and cannot continue its epochs: "
+        "finish it with the version that wrote it, or pass a fresh --model-dir to start a "
+        "new run"
+    )
 
 
 def _pid_alive(pid: int) -> bool:

@@ -111,6 +111,9 @@ class Controller:
             trainer.close(finished)
         train_seconds, examples_per_sec = self.reporter.throughput.overall(trainer.completed)
         if not trainer.is_chief:
+            if self.reporter.evaluates and trainer.task.not_evaluated is None:
+                # Its share of the final evaluation, at the point the chief's _finish makes it.
+                self._final_evaluation()
             trainer.finish_worker()
             trainer.end_of_job()
             return None
@@ -200,7 +203,7 @@ class Controller:
                                    learning_rate=self.plan.learning_rate_at(trainer.completed))
             self._check_finite(metrics)
             self.callbacks.batch_end(trainer.completed, metrics)
-        if trainer.is_chief and schedule.eval_due(before, after):
+        if self.reporter.evaluates and schedule.eval_due(before, after):
             with trainer.paused():  # the chief's own work, not a stuck peer
                 self.reporter.evaluate(after, trainer.state.model)
         if self.exporter is not None and schedule.export_due(before, after):
@@ -208,7 +211,7 @@ class Controller:
                 self.exporter.periodic(trainer.state.model,
                                        int(trainer.state.global_step.numpy()))
         validation = {}
-        if trainer.is_chief and trainer.task.has_validation and (
+        if self.reporter.evaluates and trainer.task.has_validation and (
                 schedule.epoch_ends(before, after) or schedule.eval_due(before, after)):
             with trainer.paused():  # fit's validation_data, at every epoch end
                 validation = self.reporter.validate(after, trainer.state.model)
@@ -261,7 +264,7 @@ class Controller:
         seconds = reporter.clock()
         not_evaluated = trainer.task.not_evaluated
         if not_evaluated is None:
-            values = reporter.evaluator()(trainer.state.model)
+            values = self._final_evaluation()
         else:  # Keras's evaluate cannot run on it: the weights only, said in one line
             values = {}
             local_copy(trainer.state.model, reporter.evaluator().local)
@@ -285,6 +288,18 @@ class Controller:
         results.write(os.path.join(model_dir, "results.json"))
         reporter.final(results.to_dict())
         return results.to_dict()
+
+    def _final_evaluation(self) -> dict[str, float]:
+        """The final evaluation (shared with the other members where they share it:
+        a member lost meanwhile fails it as it would fail a step)."""
+        trainer = self.trainer
+        try:
+            return self.reporter.evaluator()(trainer.state.model)
+        except trainer.peer_errors as err:
+            if self.cluster.is_local:
+                raise
+            raise task_lost(err, self.cluster, "evaluating", trainer.completed,
+                            self.checkpointer.saved_at) from None
 
     def _export(self, model, step: int, results: protocol.Results) -> protocol.Results:
         """``--export``: the SavedModel of ``model`` at ``step``, its record in ``results``;

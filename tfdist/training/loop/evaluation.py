@@ -1,9 +1,31 @@
-"""The task's compiled loss and metrics on its whole test split, and the weights' fingerprint."""
+"""The task's compiled loss and metrics on a whole split, and the weights' fingerprint.
+
+Keras's ``evaluate`` on a local copy of the weights (a model outside any
+strategy), in one of two ways:
+
+- on one member (the chief) over the whole split;
+- shared by the members that train in lockstep (``EvalMembers``, given by the
+  trainer): the split's batches (``batch_size`` each, the last one short) are
+  cut into contiguous ranges, one per member (``batch_range``); each member
+  evaluates its range, then the metrics' *states* (their variables: totals,
+  counts, confusion counts) are summed over the members with one collective and
+  every result is computed from the sums. The batches are the ones a single
+  member would evaluate, so the states are the same sums, added in another
+  order.
+
+A metric whose state is not known to be a sum over examples, or a model's own
+``test_step`` whose logs are not its metrics' results (Keras's ``evaluate``
+then returns the last batch's logs), is evaluated on the chief alone, said in
+one line.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import math
+import time
+from dataclasses import dataclass
+from typing import Callable
 
 import keras
 import numpy as np
@@ -24,24 +46,197 @@ def local_copy(model: keras.Model, local: keras.Model) -> keras.Model:
     return local
 
 
+@dataclass(frozen=True)
+class EvalMembers:
+    """The members that evaluate a split together, and this member's place among them.
+
+    ``total(vector)``: a float64 vector summed over the members (each counted
+    once), one collective: every member calls it at the same points.
+    """
+
+    names: tuple[str, ...]
+    rank: int
+    is_chief: bool
+    total: Callable
+
+
+def batch_range(batches: int, members: int, rank: int) -> tuple[int, int]:
+    """The batches ``[lo, hi)`` member ``rank`` of ``members`` evaluates: contiguous,
+    disjoint, covering ``range(batches)``, sizes differing by at most one."""
+    return rank * batches // members, (rank + 1) * batches // members
+
+
+def examples_per_member(examples: int, batch_size: int, members: int) -> list[int]:
+    """Examples each member evaluates when ``examples`` are cut into batches of
+    ``batch_size`` (the last one short) and the batches by ``batch_range``:
+    they sum to ``examples``, and each is at most ``ceil(examples / members)``
+    plus one batch."""
+    batches = -(-examples // batch_size)
+    counts = []
+    for rank in range(members):
+        lo, hi = batch_range(batches, members, rank)
+        counts.append(max(0, min(hi * batch_size, examples) - lo * batch_size))
+    return counts
+
+
+def leaf_metrics(metrics) -> list:
+    """The metrics holding state: containers (Keras's ``CompileMetrics``) opened."""
+    out = []
+    for metric in metrics:
+        inner = getattr(metric, "metrics", None)
+        if isinstance(inner, (list, tuple)) and inner and all(
+                isinstance(m, keras.metrics.Metric) for m in inner):
+            out.extend(leaf_metrics(inner))
+        else:
+            out.append(metric)
+    return out
+
+
+def not_additive(metric) -> str | None:
+    """Why ``metric``'s state cannot be summed over members; None when it can.
+
+    Every Keras metric's variables are sums over examples (totals and counts,
+    confusion counts and matrices: ``keras.metrics`` in 3.15, each checked); a
+    metric of the user's own is only known to be one when it is a ``Sum`` or
+    ``Mean`` with nothing but their ``total`` and ``count``.
+    """
+    cls = type(metric)
+    if cls.__module__.startswith("keras."):
+        return None
+    if isinstance(metric, (keras.metrics.Sum, keras.metrics.Mean)) and all(
+            v.name in ("total", "count") for v in metric.variables):
+        return None
+    return (f"the metric {metric.name!r} ({cls.__name__}) keeps a state not known to be a "
+            "sum over examples")
+
+
+def count_examples(ds) -> int:
+    """Elements of an unbatched dataset: its cardinality, else counted once."""
+    import tensorflow as tf
+
+    n = int(ds.cardinality())
+    if n >= 0:
+        return n
+    return int(ds.reduce(tf.constant(0, tf.int64), lambda c, _: c + 1))
+
+
+def _batch_rows(ds) -> int:
+    """Examples in a batched dataset, read once (filling its cache)."""
+    import tensorflow as tf
+
+    return int(ds.reduce(tf.constant(0, tf.int64), lambda c, b: c + tf.cast(
+        tf.shape(tf.nest.flatten(b)[0])[0], tf.int64)))
+
+
 class Evaluator:
-    """The compiled loss and every compiled metric over the whole test split, once.
+    """The compiled loss and every compiled metric over the whole split, once.
 
     Keras's own ``evaluate`` on the local copy: metrics accumulate over every
     example (a short last batch counts exactly) and the loss is weighted by
-    batch size. The split is cached after the first pass, and the traced
-    test function is reused.
+    batch size. The split (or this member's shard of it) is cached after the
+    first pass, and the traced test function is reused. ``record`` says how
+    the last evaluation ran (results.json's ``evaluation``).
     """
 
-    def __init__(self, task, local: keras.Model, batch_size: int = 1000, split: str = "test"):
-        self.local = local
-        self.dataset = data.eval_dataset(task, batch_size, split).cache()
+    def __init__(self, task, local: keras.Model, batch_size: int = 1000, split: str = "test",
+                 members: EvalMembers | None = None, member: str = "chief:0"):
+        self.local, self.batch_size, self.split = local, batch_size, split
+        self.members, self.member = members, member
+        self.examples = count_examples(data.task_split(task, split))
+        self.record: dict | None = None
+        # Why the members cannot share this split (the chief evaluates it alone).
+        self.alone_because: str | None = None
+        self._said = False
+        if members is None:
+            self.dataset = data.eval_dataset(task, batch_size, split).cache()
+            return
+        self.alone_because = self._sharing_refusal(task)
+        if self.alone_because is not None:
+            self.dataset = data.eval_dataset(task, batch_size, split).cache()
+            return
+        batches = -(-self.examples // batch_size)
+        lo, hi = batch_range(batches, len(members.names), members.rank)
+        # Skipped before batching: a sliced source skips without reading.
+        shard = data.task_split(task, split).skip(lo * batch_size).take((hi - lo) * batch_size)
+        self.dataset = shard.batch(batch_size).cache()
+        self.shard_examples = _batch_rows(self.dataset)
+
+    @property
+    def shared(self) -> bool:
+        """Whether the members evaluate this split together."""
+        return self.members is not None and self.alone_because is None
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether this member takes part (every member when shared, else the chief)."""
+        return self.shared or self.members is None or self.members.is_chief
+
+    def _sharing_refusal(self, task) -> str | None:
+        """Why the members cannot share the split; None when they can. The same
+        answer on every member (the same model, one batch of the same split), so
+        all of them reach the same collectives. Its evaluation of one batch also
+        builds every metric, so every member's state has the same layout."""
+        logs = self.local.evaluate(data.eval_dataset(task, self.batch_size, self.split).take(1),
+                                   verbose=0, return_dict=True)
+        for metric in leaf_metrics(self.local.metrics):
+            why = not_additive(metric)
+            if why is not None:
+                return why
+        if set(logs) != set(self.local.get_metrics_result()):
+            return "the model's own test_step returns logs that are not its metrics' results"
+        return None
 
     def __call__(self, model: keras.Model) -> dict[str, float]:
-        """{"loss": ..., metric: ...} of ``model``'s current weights."""
+        """{"loss": ..., metric: ...} of ``model``'s current weights; {} on a member
+        that takes no part (the chief evaluates alone)."""
+        if not self.evaluates:
+            return {}
+        started = time.perf_counter()
         local_copy(model, self.local)
-        out = self.local.evaluate(self.dataset, verbose=0, return_dict=True)
+        if not self.shared:
+            self._say_alone()
+            out = self.local.evaluate(self.dataset, verbose=0, return_dict=True)
+            counts = {self.member if self.members is None else self.members.names[
+                self.members.rank]: self.examples}
+        else:
+            out, counts = self._shared_pass()
+        self.record = {
+            "split": self.split, "where": "members" if self.shared else "chief",
+            "members": len(counts), "batch_size": self.batch_size, "examples": self.examples,
+            "examples_per_member": counts,
+            "seconds": round(time.perf_counter() - started, 3),
+            **({"alone_because": self.alone_because} if self.alone_because else {})}
         return {name: float(value) for name, value in out.items()}
+
+    def _say_alone(self) -> None:
+        if self.alone_because is not None and not self._said:
+            self._said = True
+            print(f"the {self.split} split is evaluated on the chief alone: "
+                  f"{self.alone_because}", flush=True)
+
+    def _shared_pass(self) -> tuple[dict, dict]:
+        """This member's batches, then every metric's state summed over the members
+        (one collective) and the results read from the sums."""
+        from keras.src.utils.python_utils import pythonify_logs
+
+        members, local = self.members, self.local
+        if self.shard_examples:
+            local.evaluate(self.dataset, verbose=0)
+        else:  # more members than batches: this one adds nothing
+            local.reset_metrics()
+        variables = local.metrics_variables
+        values = [np.asarray(keras.ops.convert_to_numpy(v), np.float64) for v in variables]
+        mine = np.zeros(len(members.names))
+        mine[members.rank] = self.shard_examples
+        flat = np.concatenate([v.ravel() for v in values] + [mine])
+        total = np.asarray(members.total(flat))
+        offset = 0
+        for var, value in zip(variables, values):
+            summed = total[offset:offset + value.size].reshape(value.shape)
+            var.assign(summed.astype(keras.backend.standardize_dtype(var.dtype)))
+            offset += value.size
+        counts = {name: int(round(n)) for name, n in zip(members.names, total[offset:])}
+        return pythonify_logs(local.get_metrics_result()), counts
 
 
 def split_metrics(values: dict[str, float]) -> tuple[float, dict[str, float]]:

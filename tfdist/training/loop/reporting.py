@@ -96,8 +96,12 @@ class Reporter:
     """Progress lines and events on every task; TensorBoard on the chief only."""
 
     def __init__(self, plan, checked, member: str, is_chief: bool, start_step: int,
-                 started: float | None = None):
+                 started: float | None = None, members=None):
         self.plan, self.checked = plan, checked
+        self.member, self.is_chief = member, is_chief
+        # The members that share each evaluation (training.loop.evaluation.EvalMembers),
+        # or None: the chief evaluates alone.
+        self.members = members
         self.total = plan.total_steps
         self.epoch_of = plan.schedule(start_step).epoch
         self.throughput = Throughput(plan.global_batch_size * plan.accumulation_steps, start_step)
@@ -170,17 +174,33 @@ class Reporter:
     def evaluator(self) -> Evaluator:
         """The task's loss and metrics on its test split (one, reused: no retracing)."""
         if self._eval is None:
-            self._eval = Evaluator(self.checked.task, self.checked.local_model)
+            self._eval = Evaluator(self.checked.task, self.checked.local_model,
+                                   members=self.members, member=self.member)
         return self._eval
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether this member takes part in evaluations: the chief, and every member
+        sharing them (each must then evaluate when the others do)."""
+        return self.is_chief or self.members is not None
 
     def evaluate(self, step: int, model) -> None:
         """Every test metric now; its time is left out of every rate and clock.
 
-        Nothing for a model Keras's evaluate cannot run on (the end of the run says so)."""
+        Nothing for a model Keras's evaluate cannot run on (the end of the run says so).
+        A member sharing the evaluation with the chief adds its batches and says nothing."""
         if self.checked.not_evaluated is not None:
             return
         t0, seconds = time.perf_counter(), self.clock()
-        loss, metrics = split_metrics(self.evaluator()(model))
+        values = self.evaluator()(model)
+        if self.is_chief:
+            self._report_evaluation(step, values, seconds)
+        spent = time.perf_counter() - t0
+        self.eval_seconds += spent
+        self.throughput.pause(spent)
+
+    def _report_evaluation(self, step: int, values: dict, seconds: float) -> None:
+        loss, metrics = split_metrics(values)
         self.add_point(step, metrics, seconds)
         print(f"eval step {step} {metrics_text(metrics, 'test_')} test_loss {loss:.4f} "
               f"at {self.curve[-1]['seconds']:.1f}s", flush=True)
@@ -191,30 +211,29 @@ class Reporter:
                 for name, value in metrics.items():
                     tf.summary.scalar(f"test/{name}", value)
                 tf.summary.scalar("test/loss", loss)
-        spent = time.perf_counter() - t0
-        self.eval_seconds += spent
-        self.throughput.pause(spent)
 
     def validate(self, step: int, model) -> dict[str, float]:
         """The validation split's loss and metrics now, as fit's ``val_*`` logs; a line,
         an event, TensorBoard's ``val/`` scalars; its time left out of every rate.
-        Nothing (no ``val_*``) for a model Keras's evaluate cannot run on."""
+        Nothing (no ``val_*``) for a model Keras's evaluate cannot run on; nothing
+        said by a member sharing the evaluation with the chief."""
         if self.checked.not_evaluated is not None:
             return {}
         t0 = time.perf_counter()
         if self._val is None:
             self._val = Evaluator(self.checked.task, self.checked.local_model,
-                                  split="validation")
+                                  split="validation", members=self.members, member=self.member)
         values = {f"val_{k}": v for k, v in self._val(model).items()}
-        self.val_curve.append({"step": step, "epoch": self.epoch_of(step),
-                               **{k: round(v, 5) for k, v in values.items()}})
-        print(f"validation step {step} epoch {self.epoch_of(step)} "
-              + " ".join(f"{k} {v:.4f}" for k, v in values.items()), flush=True)
-        self.events.emit(protocol.EVAL, step, validation=values)
-        if self.writer is not None:
-            with self.writer.as_default(step=step):
-                for name, value in values.items():
-                    tf.summary.scalar(f"val/{name[4:]}", value)
+        if self.is_chief:
+            self.val_curve.append({"step": step, "epoch": self.epoch_of(step),
+                                   **{k: round(v, 5) for k, v in values.items()}})
+            print(f"validation step {step} epoch {self.epoch_of(step)} "
+                  + " ".join(f"{k} {v:.4f}" for k, v in values.items()), flush=True)
+            self.events.emit(protocol.EVAL, step, validation=values)
+            if self.writer is not None:
+                with self.writer.as_default(step=step):
+                    for name, value in values.items():
+                        tf.summary.scalar(f"val/{name[4:]}", value)
         spent = time.perf_counter() - t0
         self.eval_seconds += spent
         self.throughput.pause(spent)
@@ -307,6 +326,7 @@ def results_record(plan, trainer, reporter, model, values: dict, specific: dict,
         gradient_dtype=config.gradient_dtype,
         gradient_accumulation_steps=plan.accumulation_steps,
         membership=protocol.membership_from_env(),
+        evaluation=reporter.evaluator().record if not_evaluated is None else None,
         extra=dict(info.extra_results, **validation_results(reporter.val_curve),
                    **({"stopped_by": stopped_by} if stopped_by else {}),
                    # The last training logs, as fit's History ends with them.

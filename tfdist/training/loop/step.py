@@ -319,11 +319,14 @@ def add_step(strategy, loss_sum, metric_sum, loss, values):
             metric_sum + local_sum(strategy, values) / replicas)
 
 
-def make_replica_sum(strategy, first_only: bool = False):
+def make_replica_sum(strategy, first_only: bool = False, once_per_task: bool = False):
     """``total(values)``: ``values`` summed over every replica of the job by one small
     all-reduce (each worker's local replicas count once each), as this task's first
     replica holds the sum. ``first_only``: every replica but the job's first adds
-    zeros, so every task gets the chief's values and the tasks agree on them."""
+    zeros, so every task gets the chief's values and the tasks agree on them.
+    ``once_per_task``: only each task's first local replica adds its values (a
+    task's own figures, such as its share of an evaluation, counted once)."""
+    local = local_replicas(strategy)
 
     @tf.function
     def total(values):
@@ -331,9 +334,11 @@ def make_replica_sum(strategy, first_only: bool = False):
             ctx = tf.distribute.get_replica_context()
             # The identity gives the argument the replica's device: a collective needs one.
             mine = tf.identity(values)
-            if first_only:
-                mine = tf.where(tf.equal(ctx.replica_id_in_sync_group, 0), mine,
-                                tf.zeros_like(mine))
+            if first_only or once_per_task:
+                # Replicas are numbered by task (chief first), then by local device.
+                first = (tf.equal(ctx.replica_id_in_sync_group, 0) if first_only else
+                         tf.equal(tf.math.floormod(ctx.replica_id_in_sync_group, local), 0))
+                mine = tf.where(first, mine, tf.zeros_like(mine))
             return ctx.all_reduce(tf.distribute.ReduceOp.SUM, mine)
 
         return strategy.experimental_local_results(strategy.run(replica_fn))[0]

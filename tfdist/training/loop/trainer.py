@@ -128,6 +128,13 @@ class Trainer(abc.ABC):
         (``training.loop.callbacks``, one all-reduce at each call boundary)."""
         return False
 
+    def evaluation_members(self):
+        """The members that share each evaluation (``training.loop.evaluation.EvalMembers``:
+        each evaluates its own batches and the metrics' states are summed), or None: the
+        chief evaluates alone. Every member of the group then evaluates at the same
+        steps, since the sum is a collective."""
+        return None
+
     def progress_fields(self) -> tuple[str, dict]:
         """Extra text for the progress line, and the same as event fields."""
         return "", {}

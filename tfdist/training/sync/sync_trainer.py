@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tfdist.protocol import ConfigError
 from tfdist.training.workload import data
-from tfdist.training.loop.evaluation import local_copy, weights_sha256
+from tfdist.training.loop.evaluation import EvalMembers, local_copy, weights_sha256
 from tfdist.training.loop.lifetime import keep_alive_until_exit
 from tfdist.strategies.kinds import DEFAULT_BUCKET_BYTES
 from tfdist.training.sync import carried, zero
@@ -259,6 +259,16 @@ class SyncTrainer(Trainer):
 
     def in_lockstep(self) -> bool:
         return len(self.bundle.kind.training_members(self.cluster)) > 1
+
+    def evaluation_members(self) -> EvalMembers | None:
+        """Every training task, when there are several (multiworker): each evaluates
+        its range of the split's batches, one all-reduce sums the metrics' states."""
+        names = self.bundle.kind.training_members(self.cluster)
+        if len(names) < 2 or self.config.evaluate_on == "chief":
+            return None
+        total = make_replica_sum(self.bundle.strategy, once_per_task=True)
+        return EvalMembers(tuple(names), names.index(self.cluster.member_name), self.is_chief,
+                           lambda values: total(tf.constant(values, tf.float64)).numpy())
 
     def _metrics(self) -> dict[str, float]:
         if self._out is None:

@@ -25,26 +25,65 @@ def _in_memory(source: tf.data.Dataset):
     return source.batch(1 << 30).get_single_element()
 
 
-def _shuffle_key(seed: int | None) -> tf.Tensor:
-    """The three words added to ``(0, epoch, 0)`` to key an epoch's permutation.
+# A seed's key: 24 bits, the most RandomIndexShuffle reads of its three words
+# on a split of up to 65,536 examples (8 bits each); the epoch moves it by
+# EPOCH_STRIDE, odd and near 2**24 / golden ratio, so a run's epochs never repeat
+# a key within 2**24 epochs and two seeds' epochs rarely meet.
+SEED_BITS = 24
+EPOCH_STRIDE = 0x9E3779
 
-    ``RandomIndexShuffle`` reads only the low 8 bits of each key word (measured,
-    TF 2.21: seeds 256 apart give the same permutation of 60,000), so a seed
-    spread over one word allows 256 orders. A given seed keeps its word as it
-    is: the same order as before, run to run. Without one, the three words are
-    drawn from the time the pipeline is built, i.e. on each ps worker: the
-    coordinator traces one dataset_fn for all of them (each sees input pipeline
-    0 of 1), and any seed fixed at trace time, the global seed's too, would feed
-    every worker the same batches. Three drawn words make two workers' orders
-    collide once in 2**24 pairs, where one word of time did once in 256.
+
+def seed_key(seed: int) -> int:
+    """The 24-bit key of ``seed``: the seed itself below 2**24; above, its high
+    bits folded in (2**32 seeds cannot have 2**24 keys each)."""
+    return (seed ^ (seed >> SEED_BITS)) & ((1 << SEED_BITS) - 1)
+
+
+def _drawn_key() -> tf.Tensor:
+    """Three key words drawn from the time the pipeline is built (no seed given).
+
+    That is on each ps worker: the coordinator traces one dataset_fn for all
+    of them (each sees input pipeline 0 of 1), and any seed fixed at trace
+    time, the global seed's too, would feed every worker the same batches.
+    ``RandomIndexShuffle`` reads only the low 8 bits of each key word on a
+    split of up to 65,536 examples (its block is 16 bits, a word half of it;
+    measured, TF 2.21), so three drawn words make two workers' orders collide
+    once in 2**24 pairs, where one word of time did once in 256.
     """
-    if seed is not None:
-        return tf.constant([seed, 0, 0], tf.int64)
     stamp = tf.bitcast(tf.timestamp(), tf.int64)
     pair = tf.stack([stamp, tf.bitwise.right_shift(stamp, 32)])
     words = tf.random.stateless_uniform([3], seed=pair, minval=None, maxval=None,
                                         dtype=tf.int64)
     return tf.bitwise.bitwise_and(words, 0xFFFFFFFF)
+
+
+def epoch_keys(seed: int | None, drawn: tf.Tensor | None, epoch: tf.Tensor) -> tf.Tensor:
+    """``[len(epoch), 3]`` key words of ``RandomIndexShuffle`` for each element's epoch.
+
+    A seed's 24-bit key plus ``epoch * EPOCH_STRIDE`` (mod 2**24), one byte per
+    word: distinct seeds below 2**24 give distinct keys in every epoch (the
+    map is a bijection for a fixed epoch), where a seed kept in one word gave
+    256 orders. Without a seed, the drawn words plus the epoch in the second.
+    """
+    if seed is None:
+        return tf.stack([tf.fill(tf.shape(epoch), drawn[0]), epoch + drawn[1],
+                         tf.fill(tf.shape(epoch), drawn[2])], axis=1)
+    mask = (1 << SEED_BITS) - 1
+    v = tf.bitwise.bitwise_and(seed_key(seed) + epoch * EPOCH_STRIDE, mask)
+    return tf.stack([tf.bitwise.bitwise_and(tf.bitwise.right_shift(v, shift), 0xFF)
+                     for shift in (0, 8, 16)], axis=1)
+
+
+def shuffled(index: tf.Tensor, n, seed: int | None, drawn: tf.Tensor | None = None,
+             epoch: tf.Tensor | None = None) -> tf.Tensor:
+    """Where each of ``index`` (int64 positions in ``[0, n)``) goes in the epoch's permutation."""
+    epoch = tf.zeros_like(index) if epoch is None else epoch
+    n = tf.cast(n, tf.int64)
+    # The raw op: tf.random.experimental.index_shuffle's wrapper
+    # mangles a batch of [n, 3] seeds in TF 2.21.
+    return tf.raw_ops.RandomIndexShuffle(
+        index=index, seed=epoch_keys(seed, drawn, epoch),
+        max_index=tf.fill(tf.shape(index), n - 1), rounds=4)
 
 
 def build_pipeline(
@@ -77,7 +116,7 @@ def build_pipeline(
             )
     elements = _in_memory(source)
     n = tf.shape(tf.nest.flatten(elements)[0], out_type=tf.int64)[0]
-    key = _shuffle_key(seed)
+    drawn = _drawn_key() if seed is None else None
 
     b = tf.constant(batch, tf.int64)
 
@@ -90,15 +129,7 @@ def build_pipeline(
             positions = tf.range(start, tf.minimum(start + b, n))
         index = positions % n
         if shuffle:
-            epoch = positions // n
-            keys = tf.stack([tf.fill(tf.shape(epoch), key[0]), epoch + key[1],
-                             tf.fill(tf.shape(epoch), key[2])],
-                            axis=1)
-            # The raw op: tf.random.experimental.index_shuffle's wrapper
-            # mangles a batch of [n, 3] seeds in TF 2.21.
-            index = tf.raw_ops.RandomIndexShuffle(
-                index=index, seed=keys, max_index=tf.fill(tf.shape(index), n - 1), rounds=4
-            )
+            index = shuffled(index, n, seed, drawn, epoch=positions // n)
         picked = tf.nest.map_structure(lambda t: tf.gather(t, index), elements)
         if map_fn is None:
             return picked

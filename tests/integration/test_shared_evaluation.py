@@ -1,0 +1,136 @@
+"""The evaluation shared by the workers of a real multiworker cluster: each
+evaluates its range of the test split's batches and one all-reduce sums the
+metrics' states; results.json's metrics equal one process's Keras ``evaluate``
+of the saved ``model.keras``.
+
+Every test split here is not a multiple of the evaluation's batch (1,000).
+"""
+
+import math
+
+import pytest
+
+from conftest import REPO, descendants_alive, launch_cmd, read_results
+from tfdist.training.loop.evaluation import examples_per_member
+
+pytestmark = pytest.mark.multiprocess
+
+TASKS = str(REPO / "tests" / "training" / "eval_tasks.py")
+
+
+def evaluate_saved(model_dir, dataset, batch_size=32, custom_objects=None):
+    """``keras.models.load_model(model.keras).evaluate(...)`` in this process."""
+    import keras
+
+    model = keras.models.load_model(f"{model_dir}/model.keras", custom_objects=custom_objects)
+    return model.evaluate(dataset.batch(batch_size), verbose=0, return_dict=True)
+
+
+def assert_equal_to_one_process(results, want):
+    got = {"loss": results["test_loss"], **results["test_metrics"]}
+    assert set(got) == set(want), (got, want)
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
+def assert_shared(results, workers, examples, batch_size=1000):
+    record = results["evaluation"]
+    assert record["where"] == "members" and record["members"] == workers, record
+    counts = record["examples_per_member"]
+    assert sum(counts.values()) == examples == record["examples"]
+    assert list(counts.values()) == examples_per_member(examples, batch_size, workers)
+    assert max(counts.values()) <= math.ceil(examples / workers) + batch_size
+
+
+def run(spawn, tmp_path, task, workers, *train_args, timeout=240):
+    model_dir = str(tmp_path / "run")
+    p = spawn(launch_cmd("multiworker", "--workers", str(workers), "--timeout", str(timeout),
+                         train_args=["--task", task, "--log-every", "10", "--model-dir",
+                                     model_dir, *train_args]))
+    assert p.wait(timeout + 20) == 0, p.output
+    assert descendants_alive(model_dir) == []
+    return model_dir, read_results(model_dir), p
+
+
+@pytest.mark.timeout(300)
+def test_two_workers_share_the_evaluation_and_match_one_process(tmp_path, spawn):
+    """AUC and accuracy of 7,777 test examples: 4,000 on worker:0, 3,777 on worker:1
+    (the short batch), also at the --eval-every point."""
+    from tests.training import eval_tasks
+
+    model_dir, results, p = run(spawn, tmp_path, f"{TASKS}:BINARY", 2, "--steps", "20",
+                                "--eval-every", "10")
+    assert_shared(results, 2, 7777)
+    assert_equal_to_one_process(results, evaluate_saved(model_dir,
+                                                        eval_tasks.BINARY.dataset("test")))
+    assert [point["step"] for point in results["eval_curve"]] == [10, 20]
+    # Only the chief says it.
+    assert sum(1 for line in p.lines if " eval step 10 " in line) == 1
+
+
+# The long tier: the default tier keeps the two-worker test above (CI time).
+@pytest.mark.long
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name,workers", [("TWO_OUTPUTS", 4), ("SAMPLE_WEIGHTED", 2)])
+def test_several_outputs_and_sample_weights_match_one_process(tmp_path, spawn, name, workers):
+    from tests.training import eval_tasks
+
+    model_dir, results, _ = run(spawn, tmp_path, f"{TASKS}:{name}", workers, "--steps", "20",
+                                timeout=360)
+    assert_shared(results, workers, 7777)
+    want = evaluate_saved(model_dir, getattr(eval_tasks, name).dataset("test"))
+    # Each output's own loss: Keras weights it by the batch's static size (weight 1
+    # once retraced for a short batch), so it depends on the batching in Keras
+    # itself; compared at the library's evaluation batch, the same batches.
+    same_batches = evaluate_saved(model_dir, getattr(eval_tasks, name).dataset("test"), 1000)
+    want = {k: same_batches[k] if k.endswith("_loss") and k != "loss" else v
+            for k, v in want.items()}
+    assert_equal_to_one_process(results, want)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(400)
+def test_a_metric_that_cannot_be_summed_is_evaluated_on_the_chief(tmp_path, spawn):
+    from tests.training import eval_tasks
+
+    model_dir, results, p = run(spawn, tmp_path, f"{TASKS}:OWN_METRIC", 2, "--steps", "20")
+    record = results["evaluation"]
+    assert record["where"] == "chief" and record["examples_per_member"] == {"worker:0": 7777}
+    assert "largest_logit" in record["alone_because"]
+    said = [line for line in p.lines if "evaluated on the chief alone" in line]
+    assert len(said) == 1 and said[0].startswith("[worker:0]")
+    want = evaluate_saved(model_dir, eval_tasks.OWN_METRIC.dataset("test"), 1000,
+                          {"LargestLogit": eval_tasks.LargestLogit})
+    assert_equal_to_one_process(results, want)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(500)
+def test_the_validation_split_given_to_callbacks_is_shared(tmp_path, spawn):
+    """Two epochs of 4,000 (32 steps of 128 each): the validation split (2,222) at each end."""
+    from tests.training import eval_tasks
+
+    model_dir, results, _ = run(spawn, tmp_path, f"{TASKS}:VALIDATED", 2, "--epochs", "2",
+                                timeout=420)
+    assert [point["epoch"] for point in results["val_curve"]] == [1, 2]
+    want = evaluate_saved(model_dir, eval_tasks.VALIDATED.dataset("validation"))
+    for name, value in want.items():
+        assert results["val_metrics"][f"val_{name}"] == pytest.approx(value, abs=2e-5), name
+    assert_shared(results, 2, 7777)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("task,options,examples", [
+    ("mnist-cnn", (), 10_000),
+    ("ctr", ("--task-option", "rows=100000", "--task-option", "test_size=12345"), 12_345),
+])
+def test_builtin_tasks_match_one_process(tmp_path, spawn, task, options, examples):
+    model_dir, results, _ = run(spawn, tmp_path, task, 2, "--steps", "30", *options,
+                                timeout=540)
+    assert_shared(results, 2, examples)
+    from tfdist.training.workload import tasks
+
+    spec = tasks.parse_spec(task, [o for o in options if o != "--task-option"])
+    loaded = tasks.load(spec)
+    assert_equal_to_one_process(results, evaluate_saved(model_dir, loaded.dataset("test")))
