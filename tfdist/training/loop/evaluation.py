@@ -147,11 +147,19 @@ class Evaluator:
         # Why the members cannot share this split (the chief evaluates it alone).
         self.alone_because: str | None = None
         self._said = False
-        if members is None:
-            self.dataset = data.eval_dataset(task, batch_size, split).cache()
+        self._task, self.dataset = task, None
+
+    def _prepare(self) -> None:
+        """This member's dataset, and whether the members share it, decided at the
+        first evaluation: not before, since ``local`` also serves a task Keras cannot
+        evaluate (a GAN's weights saved and hashed), and every member reaches its
+        first evaluation at the same point, so all of them reach the same collectives."""
+        if self.dataset is not None:
             return
-        self.alone_because = self._sharing_refusal(task)
-        if self.alone_because is not None:
+        task, batch_size, split, members = self._task, self.batch_size, self.split, self.members
+        if members is not None:
+            self.alone_because = self._sharing_refusal(task)
+        if members is None or self.alone_because is not None:
             self.dataset = data.eval_dataset(task, batch_size, split).cache()
             return
         batches = -(-self.examples // batch_size)
@@ -189,6 +197,7 @@ class Evaluator:
     def __call__(self, model: keras.Model) -> dict[str, float]:
         """{"loss": ..., metric: ...} of ``model``'s current weights; {} on a member
         that takes no part (the chief evaluates alone)."""
+        self._prepare()
         if not self.evaluates:
             return {}
         started = time.perf_counter()

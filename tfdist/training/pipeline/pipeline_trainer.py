@@ -83,6 +83,8 @@ class StagedModel:
 class PipelineState:
     """``training.loop.state.TrainState``'s fields, plus every copy's stages."""
 
+    sharded = None  # a pipeline's state is cut by stage, never split over the workers
+
     def __init__(self, copies, optimizers, devices, cut: str, global_clipnorm=None):
         self.copies, self.optimizers, self.devices, self.cut = copies, optimizers, devices, cut
         # The whole model's (training.pipeline.updates); the stages' optimizers clip none.
