@@ -118,9 +118,10 @@ CLUSTERS = {
 
 
 @pytest.mark.multiprocess
-# ps and ps-sync under the long tier (`make test-long`).
-@pytest.mark.parametrize("strategy", ["multiworker", pytest.param("ps", marks=pytest.mark.long),
-                                      pytest.param("ps-sync", marks=pytest.mark.long)])
+# All under the long tier (`make test-long`): in `make test`, a user's task under
+# multiworker is the fit conformance's and the callbacks' cluster test.
+@pytest.mark.parametrize("strategy", [pytest.param(s, marks=pytest.mark.long)
+                                      for s in ("multiworker", "ps", "ps-sync")])
 def test_cluster_strategies_train_the_example(tmp_path, spawn, strategy):
     example = tmp_path / "example"
     p = spawn(launch_cmd(strategy, *CLUSTERS[strategy],
