@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 
 from tfdist import protocol
+from tfdist.launcher import processes
 from tfdist.launcher.plan import LaunchError, tf_configs_at
 from tfdist.launcher.state import JobState, RestartMember, SignalMember
 from tfdist.protocol import Exit
@@ -170,11 +171,9 @@ def aggregate_args(train_args: list[str], workers: int) -> tuple[list[str], str 
 def global_batch(model_dir: str, train_args: list[str]) -> int | None:
     """The global batch every formation keeps: the flags' (the launcher pins one
     at launch), else the one the run recorded (``run.json``; ``--program``)."""
-    for i, arg in enumerate(train_args):
-        if arg == "--global-batch-size" or arg.startswith("--global-batch-size="):
-            value = arg.partition("=")[2] if "=" in arg else (
-                train_args[i + 1] if i + 1 < len(train_args) else "")
-            return int(value) if value.isdigit() and int(value) > 0 else None
+    if processes.has_flag(train_args, "--global-batch-size"):
+        value = processes.int_arg(train_args, "--global-batch-size")
+        return value if value is not None and value > 0 else None
     try:
         with open(os.path.join(model_dir, "run.json")) as f:
             value = json.load(f).get("global_batch_size")

@@ -195,15 +195,6 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
         memory_limits=limits, elastic=elastic_plan, host_cpus=host_cpus)
 
 
-def _int_arg(train_args: list[str], flag: str) -> int | None:
-    """A train.py flag's integer value, or ``None`` (absent, or not a number: the
-    task's own check says what is wrong with it)."""
-    try:
-        return int(processes.train_arg(train_args, flag, None))
-    except (TypeError, ValueError):
-        return None
-
-
 def elastic_divisors(config: LaunchConfig) -> dict[int, int]:
     """What the global batch must divide by at each size the elastic job may take."""
     return _divisors(config.kind, config.cluster, config.elastic, list(config.train_args))
@@ -215,14 +206,14 @@ def _divisors(kind: StrategyKind, cluster: plans.ClusterPlan, plan: elastic.Elas
     for name in cluster.names:
         roles[name.partition(":")[0]] = roles.get(name.partition(":")[0], 0) + 1
     return elastic.batch_divisors(kind, roles, range(plan.min_workers, roles.get(
-        elastic.ROLE, 0) + 1), _int_arg(train_args, "--replicas-to-aggregate"))
+        elastic.ROLE, 0) + 1), processes.int_arg(train_args, "--replicas-to-aggregate"))
 
 
 def check_elastic_batch(kind: StrategyKind, cluster: plans.ClusterPlan,
                         plan: elastic.ElasticPlan, train_args: list[str]) -> None:
     """A given --global-batch-size that some size of the elastic job cannot divide:
     one line, before anything starts."""
-    batch = _int_arg(train_args, "--global-batch-size")
+    batch = processes.int_arg(train_args, "--global-batch-size")
     if batch is not None:
         elastic.check_batch(batch, _divisors(kind, cluster, plan, train_args))
 

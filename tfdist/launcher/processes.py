@@ -388,6 +388,15 @@ def train_arg(train_args: list[str], flag: str, default: str) -> str:
     return getattr(known, flag.lstrip("-").replace("-", "_"))
 
 
+def int_arg(train_args: list[str], flag: str) -> int | None:
+    """A train.py flag's integer value, or ``None`` (absent, or not a number: the
+    task's own check says what is wrong with it)."""
+    try:
+        return int(train_arg(train_args, flag, None))
+    except (TypeError, ValueError):
+        return None
+
+
 def has_flag(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
