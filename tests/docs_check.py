@@ -76,8 +76,8 @@ PARSER_SOURCES = {
     "tfdist.launcher.network": _module_main("tfdist.launcher.network"),
     "tfdist.launcher.traffic": _module_main("tfdist.launcher.traffic"),
     "tfdist.training.prepare_data": _module_main("tfdist.training.prepare_data"),
-    "tfdist.bench.overlap": _module_main("tfdist.bench.overlap"),
-    "tfdist.bench.link_trace": _module_main("tfdist.bench.link_trace"),
+    "tfdist.bench.links.overlap": _module_main("tfdist.bench.links.overlap"),
+    "tfdist.bench.links.trace_study": _module_main("tfdist.bench.links.trace_study"),
 }
 MODULE_COMMANDS = {"tfdist.cli.train": "train", "tfdist.cli.launch": "launch",
                    "tfdist.cli.bench": "bench"}

@@ -115,7 +115,7 @@ def installed(tmp_path_factory) -> Installed:
         # One import name: everything under tfdist/, the two top-level folders mapped into it,
         # without the checkout's tutorial programs or its train/launch/bench.py commands.
         assert {"tfdist/__init__.py", "tfdist/api.py", "tfdist/cli/bench.py",
-                "tfdist/bench/scenarios.py", "tfdist/strategies/kinds.py",
+                "tfdist/bench/suites/scenarios.py", "tfdist/strategies/kinds.py",
                 "tfdist/models/mnist.py", "tfdist/training/run.py"} <= names
         assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} \
             == {"tfdist"}, sorted(names)

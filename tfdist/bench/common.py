@@ -1,7 +1,7 @@
 """What both suites share: a planned run, running it in fresh processes, and the machine.
 
-``bench/suite.py`` (every strategy on the same work) and
-``bench/scenarios.py`` (which strategy when) plan lists of :class:`Run` and
+``bench/suites/default.py`` (every strategy on the same work) and
+``bench/suites/scenarios.py`` (which strategy when) plan lists of :class:`Run` and
 hand each to :func:`run_one`; neither imports the other.
 """
 

@@ -26,7 +26,7 @@ def _models() -> tuple[str, ...]:
 
 
 def _scenarios_help() -> str:
-    from tfdist.bench.scenario_plan import SCENARIOS, STUDIES
+    from tfdist.bench.suites.scenario_plan import SCENARIOS, STUDIES
 
     return (f"comma-separated subset of the scenarios {','.join(SCENARIOS)} and the studies "
             f"{','.join(STUDIES)} (sparse: the ctr task under each strategy; scaling: 1-4 "

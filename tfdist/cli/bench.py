@@ -4,11 +4,11 @@
     python bench.py --workers 1,2,4      # adds a scaling curve for multiworker and ps
     python bench.py --steps 40 --eval-every 20 --out /tmp/bench   # a smoke run
     python bench.py --suite scenarios    # which strategy when: slow worker, slow links,
-                                         # more workers, tutorial peers (bench/scenarios.py)
+                                         # more workers, tutorial peers (bench/suites/scenarios.py)
 
 The flags become one frozen ``BenchConfig``, run by the suite it names:
-``bench/suite.py`` (every strategy on a uniform cluster; what it measures
-and writes is told there) or ``bench/scenarios.py``. Nothing else reads the
+``bench/suites/default.py`` (every strategy on a uniform cluster; what it measures
+and writes is told there) or ``bench/suites/scenarios.py``. Nothing else reads the
 command line.
 """
 
@@ -18,7 +18,7 @@ import argparse
 import sys
 
 from tfdist import flags
-from tfdist.bench import scenarios, suite
+from tfdist.bench.suites import default as suite, scenarios
 from tfdist.bench.config import BenchConfig
 
 

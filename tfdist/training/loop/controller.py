@@ -97,7 +97,7 @@ class Controller:
                 self.reporter.events.emit(protocol.PREEMPTED, err.step, pid=os.getpid(),
                                           resumed_from=trainer.start_step)
                 raise
-            except trainer.peer_errors as err:
+            except trainer.lost_member_errors as err:
                 if self.cluster.is_local:
                     raise
                 raise task_lost(err, self.cluster, "training" if begun else "starting",
@@ -295,7 +295,7 @@ class Controller:
         trainer = self.trainer
         try:
             return self.reporter.evaluator()(trainer.state.model)
-        except trainer.peer_errors as err:
+        except trainer.lost_member_errors as err:
             if self.cluster.is_local:
                 raise
             raise task_lost(err, self.cluster, "evaluating", trainer.completed,

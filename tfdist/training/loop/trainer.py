@@ -21,7 +21,7 @@ class Trainer(abc.ABC):
     """What every trainer provides; see ``training.loop.controller.Controller``."""
 
     # Errors that mean a peer task went away (the controller turns them into TaskLost).
-    peer_errors: tuple[type[BaseException], ...] = ()
+    lost_member_errors: tuple[type[BaseException], ...] = ()
 
     def __init__(self, *, plan, bundle, task, state, checkpointer, start_step: int,
                  train_metrics):

@@ -45,7 +45,7 @@ from tfdist.training.pipeline import stages as stage_cut
 from tfdist.training.pipeline import updates
 from tfdist.training.pipeline import weight_grads
 from tfdist.training.loop.step import metric_dict, schedule_in_batches
-from tfdist.training.loop.peers import PEER_ERRORS
+from tfdist.training.loop.lost import LOST_MEMBER_ERRORS
 from tfdist.training.loop.reporting import vm_hwm
 from tfdist.training.loop.trainer import Trainer
 
@@ -646,7 +646,7 @@ class PipelineTrainer(Trainer):
     optimizers, per copy), the step over micro-batches in --schedule's order, keeping the copies
     identical, and the per-worker parameter and optimizer bytes of the results."""
 
-    peer_errors = PEER_ERRORS
+    lost_member_errors = LOST_MEMBER_ERRORS
 
     @staticmethod
     def build_state(plan, task, strategy, example=None, own_optimizers=None):

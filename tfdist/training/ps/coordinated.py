@@ -27,11 +27,11 @@ from tfdist.strategies.server import CallGuard, exit_now, peer_states, states_te
 from tfdist.training.noise import condense_tf_logs
 from tfdist.training.ps.watchdog import StallWatchdog
 from tfdist.training.sharding import ps_variable_bytes
-from tfdist.training.loop.peers import PEER_ERRORS
+from tfdist.training.loop.lost import LOST_MEMBER_ERRORS
 from tfdist.training.loop.trainer import Trainer
 
 # Besides gRPC errors, the coordinator wraps a lost task's errors in these.
-PS_PEER_ERRORS = PEER_ERRORS + (ClosureInputError, ClosureAbortedError)
+PS_LOST_MEMBER_ERRORS = LOST_MEMBER_ERRORS + (ClosureInputError, ClosureAbortedError)
 
 
 def variables_per_ps(model: keras.Model) -> dict[str, int]:
@@ -73,7 +73,7 @@ class CoordinatedTrainer(Trainer):
     chief is gone (strategies.server).
     """
 
-    peer_errors = PS_PEER_ERRORS
+    lost_member_errors = PS_LOST_MEMBER_ERRORS
     # Seconds past --stuck-timeout before the stall watchdog acts: a trainer
     # that handles a stuck worker itself gets there first.
     stall_grace = 0.0

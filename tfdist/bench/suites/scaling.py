@@ -20,7 +20,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from tfdist.bench import links
+from tfdist.bench import link_limit
 from tfdist.bench.common import Run, cell, cluster_prefix, group_by_config, parse_only, parse_workers
 from tfdist.strategies import kinds as strategy_kinds
 
@@ -83,7 +83,7 @@ def summarize(results: dict[str, dict], outcomes: dict[str, dict],
                "ok": res is not None, "failed": [] if res is not None else [run.name]}
         if res is not None:
             row.update(examples_per_sec=res["examples_per_sec"], test_accuracy=res.get("test_accuracy"),
-                       link=links.figures(res, outcomes.get(run.name)))
+                       link=link_limit.figures(res, outcomes.get(run.name)))
         rows.append(row)
     return rows
 

@@ -25,7 +25,7 @@ each such pair runs again in a later round (``--peer-repeats``), and each
 side's best run counts.
 Then a staleness study: async ps on softmax regression over workers and
 learning rates, and the big sparse embedding study (``--scenarios sparse``,
-``bench/sparse.py``): the ``ctr`` task, whose table is split over 2 ps.
+``bench/suites/sparse.py``): the ``ctr`` task, whose table is split over 2 ps.
 Targets are ratios measured in this run.
 """
 
@@ -38,12 +38,12 @@ import sys
 import time
 from dataclasses import replace
 
-from tfdist.bench import model_parallel, scaling, sparse
+from tfdist.bench.suites import model_parallel, scaling, sparse
 from tfdist.bench.common import BenchError, Run, load_outcomes, machine_description, run_all
 from tfdist.bench.config import BenchConfig
-from tfdist.bench.scenario_plan import PEERS_DIR, SCENARIOS, accuracy_length, plan_runs
-from tfdist.bench.scenario_summary import check_targets, summarize
-from tfdist.bench.scenario_report import plot, render_markdown
+from tfdist.bench.suites.scenario_plan import PEERS_DIR, SCENARIOS, accuracy_length, plan_runs
+from tfdist.bench.suites.scenario_summary import check_targets, summarize
+from tfdist.bench.suites.scenario_report import plot, render_markdown
 
 
 # --- the suite -------------------------------------------------------------------

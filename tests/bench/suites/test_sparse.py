@@ -1,9 +1,9 @@
-"""The scenarios suite's big sparse embedding study (bench/sparse.py): its pure parts."""
+"""The scenarios suite's big sparse embedding study (bench/suites/sparse.py): its pure parts."""
 
 import pytest
 
-from tfdist.bench import scenarios, sparse
-from tfdist.bench import scenario_plan as splan
+from tfdist.bench.suites import scenarios, sparse
+from tfdist.bench.suites import scenario_plan as splan
 from tfdist.cli import bench as cli
 from tfdist.bench.common import BenchError
 

@@ -1,6 +1,6 @@
 """How near each data-parallel kind comes to its link's limit, and where the rest goes.
 
-    python -m tfdist.bench.link_table --out results/links/link_table
+    python -m tfdist.bench.links.table --out results/links/link_table
 
 Every row is one job run twice, interleaved: on simulated hosts with links
 shaped to ``--link-rate`` (each computing task on a host of its own, the ps
@@ -32,7 +32,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from tfdist.bench import links
+from tfdist.bench import link_limit
 from tfdist.bench.common import Run, cell, cluster_prefix, machine_description, run_one
 from tfdist.strategies import kinds as strategy_kinds
 
@@ -101,7 +101,7 @@ def plan(rows: list[Row], out: str, steps: int, batch: int, link_rate: str, time
 def figures(row: Row, shaped: dict, outcome: dict | None, unshaped: dict | None) -> dict:
     """A row's figures from its shaped run's results and launch outcome and its unshaped
     run's results (pure)."""
-    link = links.figures(shaped, outcome) or {}
+    link = link_limit.figures(shaped, outcome) or {}
     examples = shaped["global_batch_size"] * (shaped.get("gradient_accumulation_steps") or 1)
     step = examples / shaped["examples_per_sec"]
     out = {"row": row.key, "kind": row.kind, "workers": row.workers, "dtype": row.dtype,

@@ -1,9 +1,9 @@
-"""The scenarios suite's model-parallel study (bench/model_parallel.py): its pure parts."""
+"""The scenarios suite's model-parallel study (bench/suites/model_parallel.py): its pure parts."""
 
 import pytest
 
-from tfdist.bench import model_parallel as mp
-from tfdist.bench import scenarios
+from tfdist.bench.suites import model_parallel as mp
+from tfdist.bench.suites import scenarios
 from tfdist.cli import bench as cli
 
 

@@ -1,6 +1,6 @@
 """When each gradient bucket's all-reduce ran against the backward pass, from a profile.
 
-``python -m tfdist.bench.overlap RUN_DIR/logs/profile-worker-1 ... [--png PICTURE]``
+``python -m tfdist.bench.links.overlap RUN_DIR/logs/profile-worker-1 ... [--png PICTURE]``
 reads a task's ``--profile-steps`` trace (TensorFlow's XSpace) and prints, per
 step, the backward pass (the ops TensorFlow names ``gradient_tape/...``: their
 first start and last end) and each all-reduce bucket's collective (start, end),

@@ -3,10 +3,11 @@ plan, rows and report, and the network targets."""
 
 import pytest
 
-from tfdist.bench import links, scaling
+from tfdist.bench import link_limit
+from tfdist.bench.suites import scaling
 from tfdist.cli import bench as cli
-from tfdist.bench import scenarios as scen
-from tfdist.bench import scenario_plan as splan, scenario_report as srep, scenario_summary as ssum
+from tfdist.bench.suites import scenarios as scen
+from tfdist.bench.suites import scenario_plan as splan, scenario_report as srep, scenario_summary as ssum
 
 CNN = 225_034
 MBIT100 = 100_000_000
@@ -33,7 +34,7 @@ def test_async_ps_limit_is_the_ps_hosts_outgoing_link():
                    "host1": (["worker:0"], 520_000, 521_000),
                    "host2": (["worker:1"], 426_000, 427_000)}, "ps",
                   shares={"worker:0": 0.55, "worker:1": 0.45})
-    f = links.figures(result(1292), rec)
+    f = link_limit.figures(result(1292), rec)
     assert (f["host"], f["direction"]) == ("host0", "tx")
     assert f["tasks"] == ["chief:0", "ps:0"]
     # 12.5 MB/s over 0.95 MB per step, 128 examples a step.
@@ -49,7 +50,7 @@ def test_ps_sync_also_gets_the_serial_limit_of_both_directions():
     rec = outcome({"host0": (["chief:0", "ps:0"], 1_900_000, 1_890_000),
                    "host1": (["worker:0"], 945_000, 950_000),
                    "host2": (["worker:1"], 945_000, 950_000)}, "ps-sync")
-    f = links.figures(result(466), rec)
+    f = link_limit.figures(result(466), rec)
     assert f["serial_limit_examples_per_sec"] == pytest.approx(12.5e6 / 3_790_000 * 128)
     assert f["serial_fraction"] > f["fraction"]
     assert f["model_bytes_per_step"] == round(2 * 4 * CNN * WIRE)
@@ -61,7 +62,7 @@ def test_the_models_worst_host_is_reported_and_small_flows_are_left_out():
                    "host1": (["ps:0"], 1_000_000, 950_000),
                    "host2": (["worker:0"], 475_000, 500_000),
                    "host3": (["worker:1"], 475_000, 460_000)}, "ps")
-    f = links.figures(result(1500), rec)
+    f = link_limit.figures(result(1500), rec)
     # The model: each worker reads half the weights a step, 0.47 MB in frames.
     assert (f["model_worst"]["host"], f["model_worst"]["direction"]) == ("host1", "tx")
     assert f["model_worst"]["ratio"] == pytest.approx(1_000_000 / (4 * CNN * WIRE), rel=1e-5)
@@ -69,16 +70,16 @@ def test_the_models_worst_host_is_reported_and_small_flows_are_left_out():
 
 def test_no_figures_without_shaped_links_or_steps():
     rec = outcome({"host0": (["worker:0"], 1, 1)}, "sync")
-    assert links.figures(result(1), {**rec, "link": None}) is None
+    assert link_limit.figures(result(1), {**rec, "link": None}) is None
     rec["traffic"]["steps"] = None
-    assert links.figures(result(1), rec) is None
-    assert links.figures(result(1), None) is None
+    assert link_limit.figures(result(1), rec) is None
+    assert link_limit.figures(result(1), None) is None
 
 
 def test_without_the_parameter_count_only_the_measured_side():
     rec = outcome({"host0": (["worker:0"], 900_000, 900_000),
                    "host1": (["worker:1"], 900_000, 900_000)}, "sync")
-    f = links.figures(result(1000, params=None), rec)
+    f = link_limit.figures(result(1000, params=None), rec)
     assert "model_bytes_per_step" not in f and f["fraction"] > 0
 
 

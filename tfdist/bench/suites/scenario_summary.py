@@ -3,9 +3,10 @@ and the targets checked as ratios measured in the same run."""
 
 from __future__ import annotations
 
-from tfdist.bench import links, model_parallel, scaling, sparse
+from tfdist.bench import link_limit
+from tfdist.bench.suites import model_parallel, scaling, sparse
 from tfdist.bench.common import BASELINE, group_by_config, time_to_target
-from tfdist.bench.scenario_plan import (
+from tfdist.bench.suites.scenario_plan import (
     HALF, HALF_ACCURACY_SLACK, HALF_SPEEDUP, LINK_FRACTION, MODEL_TOLERANCE, PEERS,
     PEER_ACCURACY_SLACK, PEER_TARGET, RATIO_TARGETS, SCENARIOS, ScenarioRun, UNIFORM,
     UNIFORM_ACCURACY, ours_config)
@@ -60,7 +61,7 @@ def summarize(results: dict[str, dict], runs: list[ScenarioRun], targets: dict[s
             best_run, best = max(done, key=lambda d: d[1]["examples_per_sec"])
             row["examples_per_sec"] = best["examples_per_sec"]
             row["examples_per_sec_each"] = [res["examples_per_sec"] for _, res in done]
-            row["link"] = links.figures(best, outcomes.get(best_run.name))
+            row["link"] = link_limit.figures(best, outcomes.get(best_run.name))
             # The accuracy run, else (throughput only, the staleness study) the last.
             acc = next((res for r, res in done if r.phase != "throughput"), done[-1][1])
             row["test_accuracy"] = acc.get("test_accuracy")

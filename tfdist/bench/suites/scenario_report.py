@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import textwrap
 
-from tfdist.bench import model_parallel, scaling, sparse
+from tfdist.bench.suites import model_parallel, scaling, sparse
 from tfdist.bench.common import BASELINE
 from tfdist.strategies import kinds as strategy_kinds
-from tfdist.bench.scenario_plan import PEERS, SCENARIOS, UNIFORM, variants
+from tfdist.bench.suites.scenario_plan import PEERS, SCENARIOS, UNIFORM, variants
 
 
 # --- the report -----------------------------------------------------------------

@@ -1,6 +1,6 @@
 """When each simulated host's link was busy, from a run's ``--link-trace``.
 
-``python -m tfdist.bench.link_trace RUN_DIR [--png PICTURE] [--start S] [--seconds N]``
+``python -m tfdist.bench.links.trace_study RUN_DIR [--png PICTURE] [--start S] [--seconds N]``
 reads ``RUN_DIR/launch/link_trace.json`` (``launch.py --hosts N --link-rate RATE
 --link-trace``) and prints, per host and direction, the mean use of the link
 while the job trained (from its first step's end to its last progress report)

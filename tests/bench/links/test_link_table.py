@@ -2,7 +2,7 @@
 
 import pytest
 
-from tfdist.bench import link_table as lt
+from tfdist.bench.links import table as lt
 
 MBIT100 = 100_000_000
 

@@ -1,4 +1,4 @@
-"""The scenarios suite's plan (``bench/scenarios.py``): the scenarios, the variants, the
+"""The scenarios suite's plan (``bench/suites/scenarios.py``): the scenarios, the variants, the
 tutorial peers, the targets, and every run they make, in order."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import os
 import sys
 from dataclasses import dataclass, replace
 
-from tfdist.bench import model_parallel, scaling, sparse
+from tfdist.bench.suites import model_parallel, scaling, sparse
 from tfdist.bench.common import BASELINE, TRAIN, BenchError, Run, cluster_prefix, parse_only
 from tfdist.strategies import kinds as strategy_kinds
 from tfdist.strategies.kinds import StrategyKind
 
-PEERS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers")
+PEERS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "peers")
 UNIFORM = "uniform"
 
 
@@ -181,7 +181,7 @@ RATIO_TARGETS = (
 )
 
 
-# Against the network's limit (``bench/links.py``), in the scenarios with shaped links.
+# Against the network's limit (``bench/link_limit.py``), in the scenarios with shaped links.
 LINK_FRACTION = 0.85  # every float32 multi-process cell reaches this fraction of its limit
 HALF_SPEEDUP = 1.6  # multiworker with 16-bit gradients over float32, on shaped links ...
 HALF_ACCURACY_SLACK = 0.002  # ... at a uniform test accuracy within this of float32's

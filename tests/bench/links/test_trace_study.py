@@ -1,11 +1,11 @@
-"""``python -m tfdist.bench.link_trace``: a run's link trace as a table and a picture."""
+"""``python -m tfdist.bench.links.trace_study``: a run's link trace as a table and a picture."""
 
 import json
 import os
 
 import pytest
 
-from tfdist.bench import link_trace
+from tfdist.bench.links import trace_study as link_trace
 from tfdist.launcher import linktrace
 
 RATE = 100e6

@@ -1,6 +1,6 @@
 """The overlap reader: per step, the backward pass and each bucket's all-reduce, from a trace."""
 
-from tfdist.bench import overlap
+from tfdist.bench.links import overlap
 
 BW = "while/body/_1/gradient_tape/while/cnn/{}:Op"
 C0 = "while/body/_1/while/adam/CollectiveReduceV2:CollectiveReduceV2"

@@ -7,10 +7,11 @@ import sys
 
 import pytest
 
-from tfdist.bench import common, suite
+from tfdist.bench import common
+from tfdist.bench.suites import default as suite
 from tfdist.cli import bench as cli
-from tfdist.bench import scenarios as scen
-from tfdist.bench import scenario_plan as splan, scenario_report as srep, scenario_summary as ssum
+from tfdist.bench.suites import scenarios as scen
+from tfdist.bench.suites import scenario_plan as splan, scenario_report as srep, scenario_summary as ssum
 from conftest import REPO, child_env, descendants_alive
 
 
@@ -122,7 +123,7 @@ def test_smoke_run_writes_table_and_plots(tmp_path):
     assert descendants_alive(str(out)) == []
 
 
-# --- the scenarios suite (bench/scenarios.py): pure parts ---------------------------------
+# --- the scenarios suite (bench/suites/scenarios.py): pure parts ---------------------------------
 
 def scenario_args(tmp_path, *extra):
     return cli.parse_args(["--suite", "scenarios", "--out", str(tmp_path), *extra])
