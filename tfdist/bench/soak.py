@@ -1,7 +1,7 @@
 """Soak: back-to-back training jobs with random faults, checked and counted.
 
-    python -m bench.soak --jobs 3                      # one job each of multiworker, ps, ps-sync
-    python -m bench.soak --jobs 60 --seed 7 --out runs/soak-60
+    python -m tfdist.bench.soak --jobs 3                      # one job each of multiworker, ps, ps-sync
+    python -m tfdist.bench.soak --jobs 60 --seed 7 --out runs/soak-60
 
 Jobs go round-robin over ``--strategies`` (default multiworker, ps, ps-sync,
 mirrored). Each runs under ``launch.py`` with 1-3 faults drawn from the
@@ -519,7 +519,7 @@ class SoakConfig:
 
 def parse_args(argv=None) -> SoakConfig:
     """The flags, checked, as one frozen config; ConfigError (one line) otherwise."""
-    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tfdist.bench.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--jobs", type=int, default=4, help="jobs in all, round-robin over --strategies")
     p.add_argument("--steps", type=int, default=1200, help="steps per job")
     p.add_argument("--max-faults", type=int, default=3, help="faults per job: 1 to this, drawn")
@@ -547,7 +547,7 @@ def parse_args(argv=None) -> SoakConfig:
     for kind in chosen:
         if not policy.survivable_faults(kind):
             raise ConfigError(f"--strategies names {kind.name!r}, which has no faults to soak")
-    command = " ".join(["python -m bench.soak", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(["python -m tfdist.bench.soak", *(argv if argv is not None else sys.argv[1:])])
     return SoakConfig(chosen, args.jobs, args.steps, seed, out, args.max_faults,
                       args.accuracy_floor, args.job_timeout, command)
 
