@@ -14,10 +14,6 @@ from tfdist.bench.suites.scenario_plan import (
 
 # --- summaries (pure) ---------------------------------------------------------------
 
-def _num(value):
-    return value if isinstance(value, (int, float)) else None
-
-
 def rate_from(result: dict, from_step: int) -> tuple[float, int] | None:
     """(examples/s, first step) of a run from its first evaluation at or past
     ``from_step`` to its end, on its eval curve's clock (evaluation left out); pure.

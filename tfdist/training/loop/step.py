@@ -96,11 +96,6 @@ def to_wire(grads, dtype: str = "float32") -> list:
     return [None if g is None else tf.cast(g, wire) for g in grads]
 
 
-def from_wire(grads, dtype=tf.float32) -> list:
-    """Back to the variables' dtype, where the update is applied."""
-    return [None if g is None else tf.cast(g, dtype) for g in grads]
-
-
 def accumulate(one_batch, batches):
     """``one_batch(*batch) -> (gradients, loss, metric values)`` over each of
     ``batches``, as their means: Keras's accumulation ((sum of N gradients) / N,

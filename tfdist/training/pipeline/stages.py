@@ -103,16 +103,6 @@ def schedule_slots(schedule: str, stages: int, micro_batches: int,
     return out + [("B", m) for m in range(micro_batches - warm, micro_batches)]
 
 
-def in_flight(slots: list[tuple[str, int]]) -> int:
-    """The most micro-batches whose activations a stage holds at once (forwarded,
-    not yet backwarded) under ``slots`` (pure)."""
-    held = most = 0
-    for kind, _ in slots:
-        held += 1 if kind == "F" else -1
-        most = max(most, held)
-    return most
-
-
 def parse_boundaries(text: str | None) -> tuple[int, ...] | None:
     """``--stages 3,5`` -> (3, 5); one line for anything but increasing positive integers."""
     if text is None or text == "":

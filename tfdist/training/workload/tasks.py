@@ -255,10 +255,6 @@ class TaskInfo:
     metric_names: tuple[str, ...]
     extra_results: dict = field(default_factory=dict)
 
-    @property
-    def has_accuracy(self) -> bool:
-        return "accuracy" in self.metric_names
-
 
 @dataclass(frozen=True)
 class CheckedTask:
