@@ -72,12 +72,13 @@ PARSER_SOURCES = {
     "train": _parse_args("tfdist.cli.train"),
     "launch": _parse_args("tfdist.cli.launch"),
     "bench": _parse_args("tfdist.cli.bench"),
-    "tfdist.bench.soak": _parse_args("tfdist.bench.soak"),
+    "tfdist.cli.soak": _parse_args("tfdist.cli.soak"),
+    "tfdist.cli.link_table": _module_main("tfdist.cli.link_table"),
     "tfdist.launcher.network": _module_main("tfdist.launcher.network"),
     "tfdist.launcher.traffic": _module_main("tfdist.launcher.traffic"),
     "tfdist.training.prepare_data": _module_main("tfdist.training.prepare_data"),
-    "tfdist.bench.links.overlap": _module_main("tfdist.bench.links.overlap"),
-    "tfdist.bench.links.trace_study": _module_main("tfdist.bench.links.trace_study"),
+    "tfdist.cli.overlap": _module_main("tfdist.cli.overlap"),
+    "tfdist.cli.trace_study": _module_main("tfdist.cli.trace_study"),
 }
 MODULE_COMMANDS = {"tfdist.cli.train": "train", "tfdist.cli.launch": "launch",
                    "tfdist.cli.bench": "bench"}
@@ -387,7 +388,7 @@ def check_file_names(text: str, doc: Path) -> list[str]:
 
 REFERENCE = REPO / "docs" / "reference.md"
 TABLES = {"train.py": "train", "launch.py": "launch", "bench.py": "bench",
-          "tfdist.bench.soak": "tfdist.bench.soak"}
+          "tfdist.cli.soak": "tfdist.cli.soak"}
 REGION = re.compile(r"(<!-- flags: (\S+) -->\n)(.*?)(<!-- /flags -->)", re.S)
 
 

@@ -14,12 +14,10 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -95,20 +93,6 @@ class ConfigError(ValueError):
 
 class UsageError(Exception):
     """A bad command line: the caller prints ``error: <it>`` and exits 2."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors take the one-line error path (exit 2), not usage + exit."""
-
-    def error(self, message):
-        bad_choice = re.match(r"argument ([\w-]+)(?:/\S+)?: invalid choice: (.+) \(choose from (.+)\)$",
-                              message)
-        if bad_choice:
-            flag, value, allowed = bad_choice.groups()
-            message = f"unknown {flag} {value}; allowed: {allowed.replace(chr(39), '')}"
-        raise UsageError(f"{message}; see --help")
-
-
 
 
 # --- progress events ---------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The soak (bench/soak.py): its pure parts on synthetic records, the leftover
+"""The soak (bench/soak.py, its flags in cli/soak.py): its pure parts on synthetic records, the leftover
 scan on real processes, and a 3-job soak (one job per cluster strategy)."""
 
 import json
@@ -13,6 +13,7 @@ import pytest
 
 from tfdist import protocol
 from tfdist.bench import soak
+from tfdist.cli import soak as soak_cli
 from conftest import REPO, child_env
 from tfdist.launcher import policy
 from tfdist.launcher.processes import running_with
@@ -248,7 +249,7 @@ def test_the_exit_code_and_the_results_files(tmp_path):
 ])
 def test_bad_input_is_one_line_and_writes_nothing(argv, words, tmp_path, capsys):
     out = tmp_path / "soak"
-    assert soak.main([*argv, "--out", str(out)]) == 2
+    assert soak_cli.main([*argv, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and words in err[0]
     assert not out.exists()
@@ -305,7 +306,7 @@ def test_a_soak_is_correct_and_leaves_nothing(spawn, tmp_path, strategies):
     # The default tier's one job draws one fault (each fault costs a recovery: its
     # time ran 72 to 121 s with up to three); the long tier's jobs draw 1 to 3.
     faults = ["--max-faults", "1"] if jobs == 1 else []
-    proc = spawn([sys.executable, "-m", "tfdist.bench.soak", "--jobs", str(jobs),
+    proc = spawn([sys.executable, "-m", "tfdist.cli.soak", "--jobs", str(jobs),
                   "--steps", "600", "--strategies", ",".join(strategies), *faults,
                   "--job-timeout", "240", "--out", str(out)])
     code = proc.wait(timeout=400)

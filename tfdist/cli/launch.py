@@ -25,6 +25,7 @@ import argparse
 import sys
 
 from tfdist import flags, protocol
+from tfdist.cli.parsing import OneLineParser
 from tfdist.launcher.config import LaunchRequest
 from tfdist.launcher.job import MemberCheckFailed, run_request
 from tfdist.launcher.plan import LaunchError
@@ -36,9 +37,9 @@ from tfdist.strategies import kinds
 GROUPS = LaunchRequest.GROUPS
 
 
-def parser() -> protocol.OneLineParser:
+def parser() -> OneLineParser:
     names = kinds.names()
-    p = protocol.OneLineParser(
+    p = OneLineParser(
         description=flags.description(__doc__),
         usage="launch.py [--strategy {%s}] [options] -- [train.py args]" % ",".join(names),
         formatter_class=flags.HelpFormatter,

@@ -46,6 +46,7 @@ import os
 import sys
 
 from tfdist import flags, protocol
+from tfdist.cli.parsing import OneLineParser
 from tfdist.protocol import ConfigError, Exit
 from tfdist.strategies import CLUSTER_RESOLVERS, cluster_from_environ
 from tfdist.training.config import OUTPUT, TrainConfig
@@ -53,13 +54,13 @@ from tfdist.training.plan import request
 from tfdist.training.run import failure, preflight, run
 
 
-def parser() -> protocol.OneLineParser:
+def parser() -> OneLineParser:
     """train.py's flags: every ``TrainConfig`` option (``tfdist.flags``: a new one is a
     field there, nothing here), and this command's own (the cluster's source, Slurm's
     layout, the --model alias, --verbose)."""
     from tfdist.models import MODEL_NAMES
 
-    p = protocol.OneLineParser(
+    p = OneLineParser(
         allow_abbrev=False,
         description=flags.description(__doc__),
         formatter_class=flags.HelpFormatter,

@@ -3,6 +3,7 @@
 import pytest
 
 from tfdist.bench.links import table as lt
+from tfdist.cli import link_table as cli
 
 MBIT100 = 100_000_000
 
@@ -59,7 +60,7 @@ def test_a_step_of_accumulation_counts_all_its_batches():
 
 
 def test_an_unknown_row_is_one_line_and_exit_2(capsys):
-    assert lt.main(["--rows", "ps-w3-f32-acc1"]) == 2
+    assert cli.main(["--rows", "ps-w3-f32-acc1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'ps-w3-f32-acc1' is not a row" in err[0]
 

@@ -1,4 +1,4 @@
-"""``python -m tfdist.bench.links.trace_study``: a run's link trace as a table and a picture."""
+"""``python -m tfdist.cli.trace_study``: a run's link trace as a table and a picture."""
 
 import json
 import os
@@ -6,6 +6,7 @@ import os
 import pytest
 
 from tfdist.bench.links import trace_study as link_trace
+from tfdist.cli import trace_study as cli
 from tfdist.launcher import linktrace
 
 RATE = 100e6
@@ -46,7 +47,7 @@ def test_main_prints_the_table_and_draws_the_picture(tmp_path, capsys):
     run = str(tmp_path / "run")
     _write(run, _trace())
     png = str(tmp_path / "links.png")
-    assert link_trace.main([run, "--png", png, "--start", "0.5", "--seconds", "1"]) == 0
+    assert cli.main([run, "--png", png, "--start", "0.5", "--seconds", "1"]) == 0
     assert "host0 (chief:0, ps:0)" in capsys.readouterr().out
     assert os.path.getsize(png) > 5000
 
@@ -65,6 +66,6 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, setup, argv_extra, w
         os.makedirs(os.path.join(run, "launch"))
         with open(os.path.join(run, "launch", "link_trace.json"), "w") as f:
             f.write(setup)
-    assert link_trace.main([run, *argv_extra]) == 2
+    assert cli.main([run, *argv_extra]) == 2
     err = capsys.readouterr().err.strip()
     assert words in err and len(err.splitlines()) == 1

@@ -1,6 +1,6 @@
 """When each gradient bucket's all-reduce ran against the backward pass, from a profile.
 
-``python -m tfdist.bench.links.overlap RUN_DIR/logs/profile-worker-1 ... [--png PICTURE]``
+``python -m tfdist.cli.overlap RUN_DIR/logs/profile-worker-1 ... [--png PICTURE]``
 reads a task's ``--profile-steps`` trace (TensorFlow's XSpace) and prints, per
 step, the backward pass (the ops TensorFlow names ``gradient_tape/...``: their
 first start and last end) and each all-reduce bucket's collective (start, end),
@@ -11,11 +11,11 @@ trace's median step, one panel per trace.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
 import sys
+from dataclasses import dataclass
 
 
 def events(profile_dir: str) -> list[tuple[float, float, str]]:
@@ -108,16 +108,18 @@ def draw(panels: list[tuple[str, dict]], path: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("profile_dir", nargs="+",
-                   help="a task's <model-dir>/logs/profile-<task> directory (several: one panel each)")
-    p.add_argument("--png", help="draw each trace's median step (by transfer overlapped) here")
-    p.add_argument("--label", action="append", default=[],
-                   help="a panel's title, one per profile directory")
-    args = p.parse_args(argv)
+@dataclass(frozen=True)
+class OverlapConfig:
+    """The study's flags (``tfdist/cli/overlap.py``)."""
+    profile_dirs: tuple[str, ...]
+    png: str | None = None
+    labels: tuple[str, ...] = ()  # a panel's title, one per profile directory
+
+
+def run(config: OverlapConfig) -> int:
+    """One JSON line per profile (and the picture); 2 with one line if a profile is missing."""
     panels = []
-    for i, path in enumerate(args.profile_dir):
+    for i, path in enumerate(config.profile_dirs):
         try:
             rows = steps(events(path))
         except FileNotFoundError as err:
@@ -126,11 +128,7 @@ def main(argv=None) -> int:
         print(json.dumps({"profile": path, "steps": rows}))
         if rows:
             middle = sorted(rows, key=lambda r: r["overlapped_ms"])[len(rows) // 2]
-            panels.append((args.label[i] if i < len(args.label) else path, middle))
-    if args.png and panels:
-        draw(panels, args.png)
+            panels.append((config.labels[i] if i < len(config.labels) else path, middle))
+    if config.png and panels:
+        draw(panels, config.png)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

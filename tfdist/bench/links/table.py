@@ -1,6 +1,6 @@
 """How near each data-parallel kind comes to its link's limit, and where the rest goes.
 
-    python -m tfdist.bench.links.table --out results/links/link_table
+    python -m tfdist.cli.link_table --out results/links/link_table
 
 Every row is one job run twice, interleaved: on simulated hosts with links
 shaped to ``--link-rate`` (each computing task on a host of its own, the ps
@@ -26,7 +26,6 @@ batches: its examples/s and its link limit count them.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -142,38 +141,29 @@ def markdown(table: list[dict], link_rate: str) -> str:
             + head + "\n".join(lines) + "\n")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="results/links/link_table",
-                   help="directory for runs/, link_table.json and link_table.md")
-    p.add_argument("--rows", default=None,
-                   help="comma-separated row keys (default: all; e.g. multiworker-w2-f32-acc1)")
-    p.add_argument("--steps", type=int, default=200, help="steps per run")
-    p.add_argument("--global-batch-size", type=int, default=128)
-    p.add_argument("--link-rate", default=LINK_RATE)
-    p.add_argument("--run-timeout", type=float, default=600.0)
-    args = p.parse_args(argv)
-    rows = all_rows()
-    if args.rows:
-        wanted = args.rows.split(",")
-        unknown = sorted(set(wanted) - {r.key for r in rows})
-        if unknown:
-            print(f"error: --rows {unknown[0]!r} is not a row; rows: "
-                  f"{', '.join(r.key for r in rows)}", file=sys.stderr)
-            return 2
-        rows = [r for r in rows if r.key in wanted]
-    if args.steps < 1 or args.global_batch_size < 1:
-        print("error: --steps and --global-batch-size must be at least 1", file=sys.stderr)
-        return 2
-    runs = plan(rows, args.out, args.steps, args.global_batch_size, args.link_rate,
-                args.run_timeout)
+@dataclass(frozen=True)
+class LinkTableConfig:
+    """The study's flags (``tfdist/cli/link_table.py``), checked."""
+    out: str = "results/links/link_table"
+    rows: tuple[str, ...] = ()  # empty: every row
+    steps: int = 200
+    global_batch_size: int = 128
+    link_rate: str = LINK_RATE
+    run_timeout: float = 600.0
+
+
+def run(config: LinkTableConfig) -> int:
+    """Every row's two runs, then ``link_table.json`` and ``.md``; 1 if a row has no shaped run."""
+    rows = [r for r in all_rows() if not config.rows or r.key in config.rows]
+    runs = plan(rows, config.out, config.steps, config.global_batch_size, config.link_rate,
+                config.run_timeout)
     done: dict[tuple[str, bool], tuple[dict, dict | None]] = {}
-    for row, shaped, run in runs:
-        results = run_one(run, args.run_timeout + 60, log=lambda m: print(m, flush=True))
+    for row, shaped, one in runs:
+        results = run_one(one, config.run_timeout + 60, log=lambda m: print(m, flush=True))
         if results is not None:
             outcome = None
-            if os.path.exists(run.outcome_file):
-                with open(run.outcome_file) as fh:
+            if os.path.exists(one.outcome_file):
+                with open(one.outcome_file) as fh:
                     outcome = json.load(fh)
             done[(row.key, shaped)] = (results, outcome)
     table = []
@@ -183,16 +173,12 @@ def main(argv=None) -> int:
         shaped, outcome = done[(row.key, True)]
         unshaped = done.get((row.key, False), (None, None))[0]
         table.append(figures(row, shaped, outcome, unshaped))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "link_table.json"), "w") as fh:
-        json.dump({"link_rate": args.link_rate, "load_average": os.getloadavg(),
+    os.makedirs(config.out, exist_ok=True)
+    with open(os.path.join(config.out, "link_table.json"), "w") as fh:
+        json.dump({"link_rate": config.link_rate, "load_average": os.getloadavg(),
                    "rows": table}, fh, indent=1)
-    text = markdown(table, args.link_rate)
-    with open(os.path.join(args.out, "link_table.md"), "w") as fh:
+    text = markdown(table, config.link_rate)
+    with open(os.path.join(config.out, "link_table.md"), "w") as fh:
         fh.write(text)
     print(text)
     return 0 if len(table) == len(rows) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """When each simulated host's link was busy, from a run's ``--link-trace``.
 
-``python -m tfdist.bench.links.trace_study RUN_DIR [--png PICTURE] [--start S] [--seconds N]``
+``python -m tfdist.cli.trace_study RUN_DIR [--png PICTURE] [--start S] [--seconds N]``
 reads ``RUN_DIR/launch/link_trace.json`` (``launch.py --hosts N --link-rate RATE
 --link-trace``) and prints, per host and direction, the mean use of the link
 while the job trained (from its first step's end to its last progress report)
@@ -13,10 +13,10 @@ host's links.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 
 from tfdist.launcher import linktrace
 
@@ -79,36 +79,30 @@ def draw(trace: dict, path: str, start: float, seconds: float, title: str | None
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("run_dir", help="a --model-dir of a launch.py run with --link-trace")
-    p.add_argument("--png", help="draw every link's use over the chosen window here")
-    p.add_argument("--start", type=float, default=2.0,
-                   help="seconds into the training steps' window where the picture starts (default 2)")
-    p.add_argument("--seconds", type=float, default=1.0,
-                   help="seconds the picture spans (default 1)")
-    p.add_argument("--title", help="the picture's title")
-    args = p.parse_args(argv)
-    if args.start < 0 or args.seconds <= 0:
-        print(f"error: --start {args.start:g} --seconds {args.seconds:g}: the start must be 0 or "
-              "more and the span more than 0", file=sys.stderr)
-        return 2
+@dataclass(frozen=True)
+class TraceStudyConfig:
+    """The study's flags (``tfdist/cli/trace_study.py``), checked."""
+    run_dir: str
+    png: str | None = None
+    start: float = 2.0
+    seconds: float = 1.0
+    title: str | None = None
+
+
+def run(config: TraceStudyConfig) -> int:
+    """Print the run's table (and draw its picture); 2 with one line if there is no trace."""
     try:
-        trace = load(args.run_dir)
+        trace = load(config.run_dir)
         text = table(trace)
     except FileNotFoundError:
-        print(f"error: no launch/link_trace.json under {args.run_dir}; run launch.py with "
+        print(f"error: no launch/link_trace.json under {config.run_dir}; run launch.py with "
               "--hosts N --link-rate RATE --link-trace", file=sys.stderr)
         return 2
     except (ValueError, KeyError, TypeError, AttributeError) as err:
-        print(f"error: {args.run_dir}/launch/link_trace.json is not a link trace "
+        print(f"error: {config.run_dir}/launch/link_trace.json is not a link trace "
               f"({type(err).__name__}: {err})", file=sys.stderr)
         return 2
     print(text)
-    if args.png:
-        draw(trace, args.png, args.start, args.seconds, args.title)
+    if config.png:
+        draw(trace, config.png, config.start, config.seconds, config.title)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
