@@ -8,7 +8,6 @@ loop (``training.loop``) never imports a strategy's sub-package.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -82,10 +81,11 @@ def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
 
 
 def read_results(config) -> dict | None:
+    """The run's results record, read through ``protocol.Results``; ``None`` when there is
+    none, or what is there is not a results record this code reads."""
     try:
-        with open(os.path.join(config.model_dir, "results.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        return protocol.Results.load(os.path.join(config.model_dir, "results.json")).to_dict()
+    except (OSError, ValueError, TypeError):
         return None
 
 
