@@ -298,3 +298,70 @@ def test_the_parser_rule_can_fail():
              "tfdist/flags.py": "import argparse\n",
              "strategies/w.py": "import json  # argparse in a comment only\n"}
     assert parsers_outside_cli(files) == ["tfdist/bench/y.py", "tfdist/training/z.py"]
+
+
+# --- every package stays small, and the benchmark's wings do not import each other ----------
+
+MAX_MODULES = 12  # .py files at a package's top, __init__.py included
+# Packages over the cap that a change under way splits; the coordinator removes the entry
+# at merge (each must still be over the cap, so a split that lands drops it).
+LAUNCHER_PENDING = {"tfdist/launcher": "the launcher's restructuring into engine/, machine/, recovery/"}
+
+
+def packages() -> list[str]:
+    """Every package of the project (a folder with ``__init__.py``), as a path from the root."""
+    return sorted(p.parent.relative_to(REPO).as_posix() for folder in PACKAGES
+                  for p in (REPO / folder).rglob("__init__.py"))
+
+
+def over_the_cap(counts: dict[str, int], limit: int = MAX_MODULES) -> list[str]:
+    return sorted(f"{package}: {n}" for package, n in counts.items() if n > limit)
+
+
+def _module_counts() -> dict[str, int]:
+    return {package: len(list((REPO / package).glob("*.py"))) for package in packages()}
+
+
+def test_every_package_keeps_at_most_twelve_modules_at_its_top():
+    counts = _module_counts()
+    assert {"tfdist", "tfdist/bench", "tfdist/bench/suites", "tfdist/cli", "tfdist/training",
+            "tfdist/training/loop", "strategies", "models"} <= set(counts)
+    assert over_the_cap({p: n for p, n in counts.items() if p not in LAUNCHER_PENDING}) == []
+
+
+def test_every_package_over_the_cap_is_still_over_it():
+    counts = _module_counts()
+    assert sorted(p for p in LAUNCHER_PENDING if counts.get(p, 0) <= MAX_MODULES) == []
+
+
+def test_the_cap_can_fail():
+    assert over_the_cap({"a": 12, "b": 13, "c/d": 20}) == ["b: 13", "c/d: 20"]
+
+
+# tfdist/bench/'s wings share only the top (config, common, link_limit); neither imports the other.
+BENCH_WINGS = ("suites", "links")
+
+
+def bench_wing(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] == ["tfdist", "bench"] and len(parts) > 3 and parts[2] in BENCH_WINGS:
+        return parts[2]
+    return None
+
+
+def bench_sideways(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                  if bench_wing(m) and bench_wing(t) and bench_wing(m) != bench_wing(t))
+
+
+def test_bench_wings_import_no_sibling_wing():
+    graph = import_graph()
+    assert "tfdist.bench.common" in graph["tfdist.bench.suites.scenarios"]
+    assert bench_sideways(graph) == []
+
+
+def test_the_bench_wing_rule_can_fail():
+    graph = {"tfdist.bench.suites.scaling": {"tfdist.bench.links.table", "tfdist.bench.link_limit"},
+             "tfdist.bench.links.table": {"tfdist.bench.common", "tfdist.bench.links.overlap"},
+             "tfdist.bench.soak": {"tfdist.bench.suites.default"}}
+    assert bench_sideways(graph) == ["tfdist.bench.suites.scaling -> tfdist.bench.links.table"]

@@ -480,7 +480,7 @@ def test_bad_launch_input_is_one_line_exit_2_nothing_written(argv, word, tmp_pat
 
 
 def test_tasks_that_disagree_on_the_cluster_get_tensorflows_reason_in_one_line():
-    from tfdist.training.loop.recovery import cluster_disagreement
+    from tfdist.training.loop.survival.recovery import cluster_disagreement
 
     # The text TensorFlow 2.21 raised when worker:0 saw 2 workers and worker:1 saw 3.
     tf_text = ("{{function_node __wrapped__CollectiveBcastSend_device_/job:worker/replica:0/task:0"

@@ -11,7 +11,7 @@ import tensorflow as tf
 from tfdist.cli import train
 from tfdist.protocol import Exit
 from tfdist.training.sync import preemption
-from tfdist.training.loop import recovery
+from tfdist.training.loop.survival import recovery
 from tfdist.training.ps import rpc
 
 

@@ -11,7 +11,7 @@ import pytest
 from tfdist.training.config import TrainConfig
 from tfdist.training.loop.controller import Controller
 from tfdist.training.plan import resolve
-from tfdist.training.loop.recovery import Diverged, Preempted
+from tfdist.training.loop.survival.recovery import Diverged, Preempted
 from tfdist.training.loop.trainer import Trainer
 
 

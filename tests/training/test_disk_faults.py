@@ -29,7 +29,7 @@ from tfdist.launcher import restarter as restarters
 from tfdist import protocol
 from conftest import REPO, child_env, descendants_alive, launch_cmd, read_results
 from tfdist.protocol import Exit
-from tfdist.training.loop.recovery import StorageFault, storage_cause, storage_fault
+from tfdist.training.loop.survival.recovery import StorageFault, storage_cause, storage_fault
 
 DATA = os.environ.get("TFDS_DATA_DIR")
 STEPS, EVERY = 600, 200
@@ -145,7 +145,7 @@ def test_a_worker_saving_privately_does_not_claim_its_own_save_as_the_resume_poi
 
     import tensorflow as tf
 
-    from tfdist.training.loop.checkpoints import Checkpointer
+    from tfdist.training.loop.survival.checkpoints import Checkpointer
 
     state = types.SimpleNamespace(checkpoint=tf.train.Checkpoint(v=tf.Variable(1.0)))
     chief = Checkpointer(state, str(tmp_path), True, "worker:0")
@@ -476,7 +476,7 @@ SAVE_PROBE = """
 import os, subprocess, sys
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 import tensorflow as tf
-from tfdist.training.loop.recovery import storage_cause
+from tfdist.training.loop.survival.recovery import storage_cause
 d, mode = sys.argv[1], sys.argv[2]
 ckpt = tf.train.Checkpoint(v=tf.Variable(tf.zeros([300, 300])))
 manager = tf.train.CheckpointManager(ckpt, os.path.join(d, "checkpoints"), max_to_keep=3)

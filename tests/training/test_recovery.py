@@ -147,7 +147,7 @@ def test_foreign_checkpoint_is_refused_and_the_run_dir_left_alone(trained, capsy
 
 def test_task_lost_names_the_unreachable_task_in_one_line():
     from tfdist.launcher import processes
-    from tfdist.training.loop.recovery import task_lost
+    from tfdist.training.loop.survival.recovery import task_lost
 
     port0, port1 = processes.free_ports(2)
     cluster = parse_tf_config(

@@ -191,7 +191,7 @@ def test_a_second_job_on_the_run_dir_is_refused_naming_the_holder(run_dir, capfd
 
 
 def test_the_lock_of_a_dead_process_is_taken_over_and_a_released_one_quietly(tmp_path, capfd):
-    from tfdist.training.loop.checkpoints import RunLock
+    from tfdist.training.loop.survival.checkpoints import RunLock
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()

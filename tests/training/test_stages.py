@@ -273,7 +273,7 @@ def test_resuming_with_another_stage_count_names_flags_that_exist(tmp_path):
     # refusal must name those, not a flag no command has.
     from tfdist.cli import train as train_cli
     from tfdist.protocol import ConfigError
-    from tfdist.training.loop import checkpoints
+    from tfdist.training.loop.survival import checkpoints
 
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "checkpoint").write_text("")

@@ -15,7 +15,7 @@ import keras
 
 from tfdist import protocol
 from tfdist.protocol import ConfigError
-from tfdist.training.loop.checkpoints import Checkpointer
+from tfdist.training.loop.survival.checkpoints import Checkpointer
 from tfdist.training.loop.controller import Controller
 from tfdist.training.loop.export import export_finished_run
 from tfdist.training.loop.lifetime import keep_alive_until_exit

@@ -87,7 +87,7 @@ def filter_stderr() -> int | None:
 
 # --- TensorFlow's Python log records ------------------------------------------------
 
-from tfdist.training.loop.recovery import first_line  # noqa: E402 (TensorFlow-free too)
+from tfdist.training.loop.survival.recovery import first_line  # noqa: E402 (TensorFlow-free too)
 
 
 class _OneLine(logging.Filter):

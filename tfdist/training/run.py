@@ -87,7 +87,7 @@ def check_task_dirs(plan: RunPlan) -> None:
         if plan.config.export is not None:
             check_model_dir(plan.config.export, "--export")
     if kind.role(cluster) != "evaluator" and not kind.serves(cluster):
-        from tfdist.training.loop.checkpoints import check_run_record
+        from tfdist.training.loop.survival.checkpoints import check_run_record
 
         # A resume with other defining flags is refused by --dry-run too.
         check_run_record(plan.config.model_dir, plan.defining_flags())
@@ -205,7 +205,7 @@ def train_locked(plan: RunPlan, bundle, checked, started_ok, as_command: bool) -
     """The trainer and its controller (``training.assemble``); the chief holds
     ``<model-dir>/.lock`` meanwhile (the first thing a run writes)."""
     from tfdist.training.assemble import train_and_evaluate
-    from tfdist.training.loop.checkpoints import RunLock
+    from tfdist.training.loop.survival.checkpoints import RunLock
 
     lock = None
     if plan.cluster.is_chief:
@@ -262,7 +262,7 @@ def check_own_port(cluster) -> None:
 
 def failure(err: Exception) -> Failure | None:
     """The exit code and one line for a survived fault; None for anything else (a bug)."""
-    from tfdist.training.loop.recovery import (Diverged, Preempted, StorageFault, TaskLost,
+    from tfdist.training.loop.survival.recovery import (Diverged, Preempted, StorageFault, TaskLost,
                                    cluster_disagreement, storage_fault)
 
     disagreement = cluster_disagreement(err)

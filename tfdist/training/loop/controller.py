@@ -19,11 +19,11 @@ import time
 
 from tfdist import protocol
 from tfdist.training.loop.callbacks import Callbacks
-from tfdist.training.loop.checkpoints import Checkpointer, save_model
+from tfdist.training.loop.survival.checkpoints import Checkpointer, save_model
 from tfdist.training.loop.evaluation import local_copy, split_metrics
 from tfdist.training.loop import profiling
 from tfdist.training.loop.export import ExportFailed, Exporter
-from tfdist.training.loop.recovery import Diverged, Preempted, storage_fault, task_lost
+from tfdist.training.loop.survival.recovery import Diverged, Preempted, storage_fault, task_lost
 from tfdist.training.loop.reporting import Reporter, RunTimes, results_record, run_hparams
 from tfdist.training.loop.trainer import Trainer
 

@@ -27,7 +27,7 @@ from tfdist.strategies.server import CallGuard, exit_now, peer_states, states_te
 from tfdist.training.noise import condense_tf_logs
 from tfdist.training.ps.watchdog import StallWatchdog
 from tfdist.training.sharding import ps_variable_bytes
-from tfdist.training.loop.lost import LOST_MEMBER_ERRORS
+from tfdist.training.loop.survival.lost import LOST_MEMBER_ERRORS
 from tfdist.training.loop.trainer import Trainer
 
 # Besides gRPC errors, the coordinator wraps a lost task's errors in these.

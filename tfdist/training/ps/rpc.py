@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from tfdist.training.loop.recovery import RpcFailed, is_worker_failure, telling_line
+from tfdist.training.loop.survival.recovery import RpcFailed, is_worker_failure, telling_line
 
 # An error on the chief's schedule/fetch path that TensorFlow does not take
 # for a lost worker, but that a retry may cure: gRPC INTERNAL (status 13,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import threading
 
-from tfdist.training.loop.recovery import Preempted, first_line
+from tfdist.training.loop.survival.recovery import Preempted, first_line
 
 def preemption_handler(strategy, save, step_now):
     """A PreemptionCheckpointHandler that saves with ``save`` and raises Preempted.

@@ -24,7 +24,7 @@ from tfdist.training.sync import carried, zero
 from tfdist.training.sync.carry_trial import CARRIED, CarryTrial
 from tfdist.training.sync.preemption import preemption_handler
 from tfdist.training.loop.step import make_replica_sum, make_step_fn, make_train_fn
-from tfdist.training.loop.lost import LOST_MEMBER_ERRORS
+from tfdist.training.loop.survival.lost import LOST_MEMBER_ERRORS
 from tfdist.training.loop.reporting import own_peak_rss
 from tfdist.training.loop.trainer import Trainer
 

@@ -26,7 +26,7 @@ import tempfile
 from tfdist import protocol
 from tfdist.protocol import ConfigError
 from tfdist.training.config import DEFINING_FLAGS
-from tfdist.training.loop.recovery import Diverged, first_line, storage_fault
+from tfdist.training.loop.survival.recovery import Diverged, first_line, storage_fault
 
 # Checkpoints kept in a run directory (the newest, and two to fall back to).
 KEEP = 3

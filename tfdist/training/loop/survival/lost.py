@@ -1,7 +1,7 @@
 """The TensorFlow errors that mean another member went away (was lost), not a bug in this program.
 
 Shared by every trainer that talks to other members (sync, ps, pipeline); the
-failure kinds they become are named in ``training.loop.recovery``.
+failure kinds they become are named in ``training.loop.survival.recovery``.
 """
 
 import tensorflow as tf

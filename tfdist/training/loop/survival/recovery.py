@@ -1,4 +1,4 @@
-"""Surviving faults: lost tasks and preemption (checkpoints: ``training.loop.checkpoints``).
+"""Surviving faults: lost tasks and preemption (checkpoints: ``training.loop.survival.checkpoints``).
 
 What a fault looks like from inside a task, and what this module turns it into:
 
