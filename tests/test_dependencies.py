@@ -365,3 +365,19 @@ def test_the_bench_wing_rule_can_fail():
              "tfdist.bench.links.table": {"tfdist.bench.common", "tfdist.bench.links.overlap"},
              "tfdist.bench.soak": {"tfdist.bench.suites.default"}}
     assert bench_sideways(graph) == ["tfdist.bench.suites.scaling -> tfdist.bench.links.table"]
+
+
+def dotted(package: str) -> str:
+    parts = package.split("/")
+    return ".".join(["tfdist", *parts] if parts[0] in ("strategies", "models") else parts)
+
+
+def test_the_wheel_lists_every_package():
+    # pyproject.toml names each package the wheel holds; a sub-package missing there
+    # imports from a checkout and is absent once installed.
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {dotted(p) for p in packages()}
+    assert {"tfdist.bench.suites", "tfdist.strategies"} <= found
+    assert sorted(found ^ listed) == []
