@@ -132,7 +132,7 @@ class StrategyKind:
 
     def reads_data(self, cluster: ClusterConfig) -> bool:
         """Whether this task reads MNIST itself (so checks it up front)."""
-        return self.role(cluster) in ("local", *self.computing_roles)
+        return self.role(cluster) in ("local", "evaluator", *self.computing_roles)
 
     def gpu_roles(self) -> tuple[str, ...]:
         return self.computing_roles
@@ -140,7 +140,9 @@ class StrategyKind:
     def duty(self, cluster: ClusterConfig) -> str:
         """What this task does, for ``--dry-run``."""
         if self.role(cluster) == "evaluator":
-            return "not used by train.py: evaluation runs on the chief after training"
+            return ("evaluate each new checkpoint of --model-dir outside the training cluster "
+                    "(a sidecar nobody waits for): val_* to logs/eval, its history to "
+                    "results.json")
         return "train on all local devices; write checkpoints, logs and results"
 
     def process_env(self) -> dict[str, str]:
@@ -353,8 +355,8 @@ class ParameterServer(StrategyKind):
 
     def reads_data(self, cluster):
         # The coordinator checks the data for everyone; workers get their
-        # pipelines from it.
-        return self.role(cluster) in ("local", "chief")
+        # pipelines from it. The evaluator reads its own split.
+        return self.role(cluster) in ("local", "chief", "evaluator")
 
     def duty(self, cluster):
         return {
@@ -480,7 +482,7 @@ class Pipeline(StrategyKind):
         return 1  # one client feeds every stage; --pipelines splits the batch (training.plan)
 
     def reads_data(self, cluster):
-        return self.role(cluster) in ("local", "chief")
+        return self.role(cluster) in ("local", "chief", "evaluator")
 
     def duty(self, cluster):
         return {

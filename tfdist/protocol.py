@@ -338,6 +338,10 @@ class Results:
     # "examples", "examples_per_member": {member: examples}, "seconds", and
     # "alone_because" when the members could not share it}.
     evaluation: dict | None = None
+    # The sidecar evaluator's history (training.sidecar): {"member", "split",
+    # "examples", "evaluations": [{"step", "seconds", "val_<metric>"...}]}, added
+    # by the evaluator after the chief's own write; None: no evaluator finished.
+    sidecar_evaluation: dict | None = None
     # A task's extra_results(), written at the top level beside the fields above.
     extra: dict = field(default_factory=dict)
     schema_version: int = RESULTS_SCHEMA_VERSION

@@ -134,8 +134,8 @@ def test_gpus_only_where_steps_run(name):
         gpu = {k: v for part in ("requests", "limits") for k, v in res.get(part, {}).items() if k == GPU}
         env = {e["name"]: e.get("value") for e in c.get("env", [])}
         assert res.get("requests", {}).get("cpu") and res.get("limits", {}).get("memory"), rt
-        if rt == "PS" or (rt == "Chief" and _strategy(job) == "ps"):
-            assert not gpu, f"{rt} holds variables or coordinates: no GPU"
+        if rt in ("PS", "Evaluator") or (rt == "Chief" and _strategy(job) == "ps"):
+            assert not gpu, f"{rt} holds variables, coordinates or evaluates: no GPU"
             assert env.get("NVIDIA_VISIBLE_DEVICES") == "void", rt
         else:
             assert int(res["limits"][GPU]) >= 1, f"{rt} runs training steps: it needs a GPU"
@@ -241,16 +241,20 @@ def test_every_pod_gets_the_role_it_is_meant_to_have(name, rtype, index, monkeyp
     assert plan["role"] == rtype.lower()
     assert plan["is_chief"] == (rtype == "Chief" or (rtype == "Worker" and index == 0 and not has_chief))
     assert plan["cluster"] == tf_config["cluster"]
+    if rtype == "Evaluator":  # outside the cluster, as the operator writes it
+        assert "evaluate each new checkpoint" in plan["action"]
+        assert plan["devices"]["visible_gpus"] == []
+        return
     assert plan["cluster"][rtype.lower()][index] == f"{name}-{rtype.lower()}-{index}.{NAMESPACE}.svc:{PORT}"
     if rtype == "PS" or (rtype == "Chief" and _strategy(job) == "ps"):
         assert plan["devices"]["visible_gpus"] == []
 
 
-def test_an_added_evaluator_replica_would_exit_cleanly(monkeypatch, capsys, tmp_path):
+def test_an_evaluator_replica_under_ps_follows_the_checkpoints(monkeypatch, capsys, tmp_path):
     job = copy.deepcopy(TFJOBS["mnist-ps"])
     _replicas(job)["Evaluator"] = copy.deepcopy(_replicas(job)["Chief"])
     tf_config = operator_tf_config(job, "Evaluator", 0)
     assert "evaluator" not in tf_config["cluster"]  # the operator's shape
     plan = _dry_run(job, "Evaluator", 0, monkeypatch, capsys, tmp_path)
     assert plan["role"] == "evaluator" and not plan["is_chief"]
-    assert "not used by train.py" in plan["action"]
+    assert "evaluate each new checkpoint" in plan["action"]

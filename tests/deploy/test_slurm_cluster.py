@@ -56,10 +56,11 @@ class Cluster:
             assert proc.returncode == 0, f"{cmd}: {proc.stdout}{proc.stderr}"
         return proc
 
-    def submit(self, name: str, script: str, *args, het: tuple = ()) -> tuple[str, Path]:
+    def submit(self, name: str, script: str, *args, het: tuple = (),
+               env_extra: dict | None = None) -> tuple[str, Path]:
         """sbatch the script; its log is ``out/<name>.out``, its model dir ``out/<name>``."""
         log = self.out / f"{name}.out"
-        env = {**self.env, "MODEL_DIR": str(self.out / name)}
+        env = {**self.env, "MODEL_DIR": str(self.out / name), **(env_extra or {})}
         proc = self.run("sbatch", "--parsable", f"--output={log}", *het, f"slurm/{script}", *args,
                         env=env)
         return re.match(r"\d+", proc.stdout).group(0), log  # "<job id>[;cluster]"
@@ -200,3 +201,21 @@ def test_scancel_term_requeues_and_resumes_with_exact_steps(cluster):
     assert results["resumed_from_step"] == saved[0]
     assert results["steps_this_run"] == steps - saved[0]  # zero steps lost or repeated
     assert results["test_accuracy"] >= MIN_ACCURACY
+
+
+@pytest.mark.long
+def test_a_sidecar_evaluator_follows_the_job_to_its_last_checkpoint(cluster):
+    """EVALUATOR=1: an evaluator step beside the workers evaluates their checkpoints and
+    adds its history to results.json; the job ends 0 and trains as without it."""
+    job_id, log = cluster.submit("with-evaluator", "train_multiworker.sbatch", *SHORT,
+                                 "--checkpoint-every", "150", env_extra={"EVALUATOR": "1"})
+    text = cluster.wait(job_id, log, timeout=300)
+    results = _results(cluster, "with-evaluator")
+    assert results["global_steps"] == STEPS_PER_EPOCH
+    record = results["sidecar_evaluation"]
+    assert record is not None and record["member"] == "evaluator:0", text[-3000:]
+    steps = [e["step"] for e in record["evaluations"]]
+    assert steps == sorted(set(steps)) and steps[-1] == STEPS_PER_EPOCH, steps
+    # The last checkpoint holds the final weights: the chief's own evaluation of them.
+    assert abs(record["evaluations"][-1]["val_accuracy"] - results["test_accuracy"]) < 1e-5
+    assert re.search(r"^evaluator:0: checkpoint step \d+ val_accuracy", text, re.M), text[-3000:]

@@ -42,9 +42,11 @@ def assert_shared(results, workers, examples, batch_size=1000):
     assert max(counts.values()) <= math.ceil(examples / workers) + batch_size
 
 
-def run(spawn, tmp_path, task, workers, *train_args, timeout=240):
+def run(spawn, tmp_path, task, workers, *train_args, timeout=240, strategy="multiworker",
+        launch_args=()):
     model_dir = str(tmp_path / "run")
-    p = spawn(launch_cmd("multiworker", "--workers", str(workers), "--timeout", str(timeout),
+    p = spawn(launch_cmd(strategy, "--workers", str(workers), *launch_args,
+                         "--timeout", str(timeout),
                          train_args=["--task", task, "--log-every", "10", "--model-dir",
                                      model_dir, *train_args]))
     assert p.wait(timeout + 20) == 0, p.output
@@ -119,18 +121,40 @@ def test_the_validation_split_given_to_callbacks_is_shared(tmp_path, spawn):
     assert_shared(results, 2, 7777)
 
 
-@pytest.mark.long
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("task,options,examples", [
+BUILTINS = [
     ("mnist-cnn", (), 10_000),
     ("ctr", ("--task-option", "rows=100000", "--task-option", "test_size=12345"), 12_345),
-])
-def test_builtin_tasks_match_one_process(tmp_path, spawn, task, options, examples):
-    model_dir, results, _ = run(spawn, tmp_path, task, 2, "--steps", "30", *options,
-                                timeout=540)
-    assert_shared(results, 2, examples)
+]
+
+
+@pytest.mark.long
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("workers", [2, 4])
+@pytest.mark.parametrize("task,options,examples", BUILTINS)
+def test_builtin_tasks_match_one_process(tmp_path, spawn, task, options, examples, workers):
+    model_dir, results, _ = run(spawn, tmp_path, task, workers, "--steps", "30", *options,
+                                timeout=640)
+    assert_shared(results, workers, examples)
+    assert_equal_to_one_process(results, evaluate_saved(model_dir, _test_split(task, options)))
+
+
+def _test_split(task, options):
     from tfdist.training.workload import tasks
 
     spec = tasks.parse_spec(task, [o for o in options if o != "--task-option"])
-    loaded = tasks.load(spec)
-    assert_equal_to_one_process(results, evaluate_saved(model_dir, loaded.dataset("test")))
+    return tasks.load(spec).dataset("test")
+
+
+@pytest.mark.long
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("task,options,examples", BUILTINS)
+def test_under_ps_the_chiefs_evaluation_matches_one_process(tmp_path, spawn, task, options,
+                                                            examples):
+    """Under ps the chief evaluates the whole split alone (the coordinator's workers
+    take no share), and its figures are one process's."""
+    model_dir, results, _ = run(spawn, tmp_path, task, 2, "--steps", "30", *options,
+                                timeout=640, strategy="ps", launch_args=("--ps", "1"))
+    record = results["evaluation"]
+    assert record["where"] == "chief" and record["examples"] == examples, record
+    assert sum(record["examples_per_member"].values()) == examples
+    assert_equal_to_one_process(results, evaluate_saved(model_dir, _test_split(task, options)))

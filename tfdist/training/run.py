@@ -115,6 +115,9 @@ def run(config: TrainConfig, as_command: bool = False, task=None) -> dict | None
               flush=True)
         return None
     gpus = prepare_process(run_request, task)
+    if run_request.kind.role(config.cluster) == "evaluator":
+        follow_checkpoints(run_request, task)
+        return None
     if serve_or_skip(run_request):
         return None
     plan, bundle, checked, started_ok = build_and_plan(run_request, task, gpus)
@@ -152,13 +155,26 @@ def check_without_runtime(run_request: RunRequest, task=None) -> None:
         preflight(run_request, gpus=[])
 
 
+def follow_checkpoints(run_request: RunRequest, task=None) -> None:
+    """The evaluator's duty (``training.sidecar``): the task inspected in this process,
+    outside any strategy, the run's plan resolved as every member resolves it, then
+    each new checkpoint of ``--model-dir`` evaluated until the run's last."""
+    from tfdist.training import sidecar
+
+    config, spec = run_request.config, run_request.task
+    checked = tasks.inspect(spec, task if task is not None else tasks.load(spec, config.data_dir),
+                            steps_given=config.steps is not None)
+    accumulation, own_step = contract.accumulation_of(checked)
+    plan = resolve(run_request, [], train_examples=checked.info.train_examples,
+                   test_examples=checked.info.test_examples, task_accumulation=accumulation,
+                   own_train_step=own_step)
+    sidecar.follow(plan, checked, config.startup_timeout)
+
+
 def serve_or_skip(run_request: RunRequest) -> bool:
-    """A member that does not train does its duty here (an evaluator exits, a ps or a
-    worker under ps serves until the chief is gone); True when it did."""
+    """A member that only serves does its duty here (a ps, or a worker under ps,
+    serves until the chief is gone); True when it did."""
     cluster, kind = run_request.config.cluster, run_request.kind
-    if kind.role(cluster) == "evaluator":
-        print(f"{cluster.member_name}: {kind.duty(cluster)}; exiting", flush=True)
-        return True
     if kind.serves(cluster):
         from tfdist.strategies.server import serve
 
