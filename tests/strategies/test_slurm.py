@@ -139,7 +139,9 @@ def _srun_args(path: Path) -> tuple[list[str], list[int]]:
     per_node = [int(c["--ntasks-per-node"]) for c in _components(text)
                 for _ in range(int(c["--nodes"]))]
     joined = text.replace("\\\n", " ")
-    command = re.search(r"\"\$PYTHON\" train\.py (.*?)\"\$@\"", joined, re.S).group(1)
+    # The members' step (an EVALUATOR=1 step runs train.py too, outside the cluster).
+    command = re.search(r"\"\$PYTHON\" train\.py (--cluster-resolver.*?)\"\$@\"", joined,
+                        re.S).group(1)
     # The per-job port (slurm/requeue.sh's job_port) as job 1 gets it.
     args = shlex.split(command.replace('"$(job_port)"', "20010"))
     i = args.index("--model-dir")

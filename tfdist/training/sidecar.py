@@ -62,18 +62,18 @@ class Sidecar:
 
     def run(self) -> dict:
         """Evaluate until the final checkpoint; the record added to results.json."""
-        from tfdist.training.loop.checkpoints import _candidates, _number
+        from tfdist.training.loop.survival.checkpoints import candidates, checkpoint_step
 
         done_step, deadline = None, time.monotonic() + self.timeout
         print(f"{self.member}: following {self.ckpt_dir!r}: the {self.split} split of each "
               f"new checkpoint, until step {self.plan.total_steps}", flush=True)
         while True:
-            paths = _candidates(self.ckpt_dir) if os.path.isdir(self.ckpt_dir) else []
+            paths = candidates(self.ckpt_dir) if os.path.isdir(self.ckpt_dir) else []
             newest = paths[0] if paths else None
-            if newest is not None and _number(newest) != done_step:
+            if newest is not None and checkpoint_step(newest) != done_step:
                 why = self._evaluate(newest)
                 if why is None:
-                    done_step = _number(newest)
+                    done_step = checkpoint_step(newest)
                     continue
                 self._unreadable(newest, why)
             if done_step is not None and self._finished(done_step):
@@ -114,7 +114,7 @@ class Sidecar:
         """Restore and evaluate one checkpoint; why it could not be read, else None."""
         import tensorflow as tf
 
-        from tfdist.training.loop.recovery import first_line
+        from tfdist.training.loop.survival.recovery import first_line
 
         state = self._state()
         try:

@@ -146,7 +146,7 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-def _candidates(ckpt_dir: str) -> list[str]:
+def candidates(ckpt_dir: str) -> list[str]:
     """Checkpoint prefixes in ``ckpt_dir``, newest first.
 
     The ``checkpoint`` index lists what the manager kept; it is written
@@ -174,11 +174,11 @@ def _candidates(ckpt_dir: str) -> list[str]:
         return listed
     return sorted(
         (p[: -len(".index")] for p in glob.glob(os.path.join(ckpt_dir, "ckpt-*.index"))),
-        key=_number, reverse=True,
+        key=checkpoint_step, reverse=True,
     )
 
 
-def _number(prefix: str) -> int:
+def checkpoint_step(prefix: str) -> int:
     m = re.search(r"-(\d+)$", prefix)
     return int(m.group(1)) if m else -1
 
@@ -212,11 +212,11 @@ def restore_latest(state, ckpt_dir: str, model_name: str, total_steps: int | Non
     """
     import tensorflow as tf
 
-    candidates = _candidates(ckpt_dir)
-    if not candidates:
+    found = candidates(ckpt_dir)
+    if not found:
         return 0
     unreadable: list[str] = []
-    for path in candidates:
+    for path in found:
         try:
             keys = tf.train.load_checkpoint(path).get_variable_to_shape_map()
         except Exception as err:  # pylint: disable=broad-except
