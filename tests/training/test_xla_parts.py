@@ -188,3 +188,39 @@ def test_a_model_left_at_auto_is_not_compiled_with_xla_as_fit_leaves_it_under_a_
     assert checked("BLOBS").jit_compile is False
     assert checked("JIT").jit_compile is True  # an explicit True stays True
     assert fit_tasks.BLOBS.build_model().jit_compile is True  # Keras's own resolution is back
+
+
+def test_a_models_own_train_step_is_compiled_whole_where_the_step_is(tmp_path):
+    """Under none and mirrored (``jit_compiles`` "step") a model's own ``train_step`` with
+    ``jit_compile=True`` is one XLA function, its update inside, as ``fit`` compiles it."""
+    import types
+
+    import tensorflow as tf
+
+    from tests.training import fit_tasks
+    from tfdist.strategies import kinds
+    from tfdist.training.loop import step as steplib
+    from tfdist.training.workload import tasks
+
+    spec = tasks.parse_spec(str(REPO / "tests" / "training" / "fit_tasks.py") + ":OWN_STEP_JIT")
+    checked = tasks.inspect(spec, tasks.load(spec), steps_given=False)
+    model = checked.local_model
+    model.optimizer.build(model.trainable_variables)
+    state = types.SimpleNamespace(model=model, optimizer=model.optimizer,
+                                  global_step=tf.Variable(0, dtype=tf.int64))
+    metrics = steplib.TrainMetrics(model, checked.own_step_names)
+    part = steplib.xla_part(model, kinds.get("none"))
+    assert part == "step" and steplib.xla_part(fit_tasks.BLOBS.build_model(),
+                                               kinds.get("none")) is None
+    train_fn = steplib.make_train_fn(tf.distribute.get_strategy(),
+                                     steplib.make_step_fn(state, metrics, jit=part), state,
+                                     len(metrics.names))
+    it = iter(fit_tasks.OWN_STEP_JIT.dataset("train").batch(64))
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    train_fn(it, tf.constant(2))
+    assert all((b != v.numpy()).any() for b, v in zip(before, model.trainable_variables))
+    library = train_fn.get_concrete_function(it, tf.constant(2)).graph.as_graph_def().library
+    ops = set().union(*[{n.op for n in f.node_def} for f in library.function
+                        if f.attr["_XlaMustCompile"].b])
+    # The forward, the backward and the optimizer's update, all in XLA.
+    assert {"MatMul", "BiasAddGrad", "AssignVariableOp"} <= ops, sorted(ops)

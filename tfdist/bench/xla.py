@@ -8,8 +8,9 @@ order of the round (the second round the other way round), so a slower minute of
 a shared host falls on both; a cell's figure is the better of its runs (only
 interference slows a run). Under ``multiworker`` XLA compiles each replica's
 forward and backward pass (the all-reduce and the update outside it), under
-``ps``/``ps-sync`` the same on the weights' values read from the ps, under
-``none`` the whole step (``StrategyKind.jit_compiles``).
+``ps``/``ps-sync`` the same on the weights' values read from the ps (the row
+``ps-read-ahead``: ``ps`` with ``--read-ahead on``, those reads made during the
+step before), under ``none`` the whole step (``StrategyKind.jit_compiles``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ import tempfile
 
 FEATURES, CLASSES, TRAIN, TEST = 256, 10, 16384, 1024
 CLUSTER = {"none": [], "multiworker": ["--workers", "2"], "ps": ["--workers", "2", "--ps", "1"],
-           "ps-sync": ["--workers", "2", "--ps", "1"]}
+           "ps-sync": ["--workers", "2", "--ps", "1"],
+           "ps-read-ahead": ["--workers", "2", "--ps", "1"]}
+# A row that is a strategy with a flag: ps with each step's weights read during the one
+# before (the read XLA waits for is then off the step's path).
+ROW_FLAGS = {"ps-read-ahead": ("ps", ["--read-ahead", "on"])}
 
 
 class Mlp:
@@ -66,8 +71,9 @@ def command(repo: str, strategy: str, jit: bool, steps: int, batch: int, model_d
              str(steps), "--steps-per-execution", "10", "--model-dir", model_dir]
     if strategy == "none":
         return [sys.executable, os.path.join(repo, "train.py"), "--strategy", "none", *train]
-    return [sys.executable, os.path.join(repo, "launch.py"), "--strategy", strategy,
-            *CLUSTER[strategy], "--", *train]
+    kind, flags = ROW_FLAGS.get(strategy, (strategy, []))
+    return [sys.executable, os.path.join(repo, "launch.py"), "--strategy", kind,
+            *CLUSTER[strategy], "--", *train, *flags]
 
 
 def run_one(repo, strategy, jit, steps, batch, timeout) -> dict:

@@ -57,7 +57,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.training.workload import data
-from tfdist.training.ps.read_ahead import batch_on_weights, read_once
+from tfdist.training.ps.read_ahead import batch_on_weights, read_once, read_weights
 from tfdist.training.ps.coordinated import CoordinatedTrainer, variables_per_ps
 from tfdist.training.loop.step import (
     after_updates, forward, local_replicas, local_sum, metric_dict,
@@ -212,15 +212,15 @@ def _replica_gradient_fn(model, train_metrics, accumulation: int, jit: bool = Fa
 
     # N batches on one read of the weights: each batch's own forward pass would
     # read them from the ps again.
-    on_weights = read_once(batch_on_weights(model, train_metrics, jit=jit), variables,
-                           accumulation)
+    on_values = batch_on_weights(model, train_metrics, jit=jit)
+    on_weights = read_once(on_values, variables, accumulation)
 
     def replica_gradient(step, *batches):
         # The weights are read after the step (so after its token): the
         # reads are created under this control dependency.
         with tf.control_dependencies([step]):
             if accumulation == 1 and jit:
-                grads, loss, values = on_weights(tuple(batches))
+                grads, loss, values = on_values(read_weights(variables), *batches)
             elif accumulation == 1:
                 grads, loss, values = one_batch(*batches)
             else:
