@@ -79,8 +79,15 @@ class StrategyKind:
     # A task's Keras callbacks run on the chief (under ps, on a chief-side copy of
     # the model: training.loop.callbacks); "" where they can.
     callbacks_refusal = ""
-    # compile(jit_compile=True): the replica's step compiled with XLA; "" where it runs.
-    jit_compile_refusal = ""
+    # compile(jit_compile=True): what XLA compiles (training.loop.step.make_step_fn).
+    # "step": the replica's whole step, as fit compiles it; "gradients": its forward,
+    # loss and backward pass on the variables, the cross-worker all-reduce and the
+    # update outside XLA; "values": the same on the variables' values, read from the
+    # ps outside XLA, the gradients pushed and applied outside it.
+    jit_compiles = "step"
+    # compile(jit_compile=True) with a model's own train_step (one function that
+    # computes and applies its update); "" where XLA compiles it, as fit does.
+    own_step_jit_refusal = ""
     optimizer_refusals: Mapping[str, str] = {}
     # Optimizer options refused only for a model with its own train_step (the
     # library's step accumulates gradients itself; a model's own step leaves
@@ -240,9 +247,11 @@ class Mirrored(StrategyKind):
 class MultiWorker(StrategyKind):
     name = "multiworker"
     summary = "MultiWorkerMirroredStrategy: synchronous all-reduce, one process per worker"
-    # Measured on CPU: the step's collective all-reduce inside XLA is UnimplementedError.
-    jit_compile_refusal = ("XLA cannot compile the step's cross-worker all-reduce here "
-                           "(UnimplementedError)")
+    # Measured on CPU: the step's collective all-reduce inside XLA is UnimplementedError,
+    # so only the forward and backward pass are compiled.
+    jit_compiles = "gradients"
+    own_step_jit_refusal = ("its optimizer.apply all-reduces the gradients across the "
+                            "workers, which XLA cannot compile here (UnimplementedError)")
     own_step_optimizer_refusals = _ACCUMULATION_IN_COND
     buckets_all_reduce = True
     shard_state_refusal = ""
@@ -321,9 +330,11 @@ class ParameterServer(StrategyKind):
     own_step_optimizer_refusals = _ACCUMULATION_IN_COND
     shard_state_refusal = ("the ps tasks hold the variables and the optimizer's slots already; "
                            "--variable-partitioner splits them over the ps")
-    # Measured: "Trying to access resource ... located in device /job:ps".
-    jit_compile_refusal = ("an XLA-compiled step cannot read or update variables that live "
-                           "on the ps tasks")
+    # Measured: "Trying to access resource ... located in device /job:ps" for a
+    # compiled step that reads the variables, so XLA gets their values instead.
+    jit_compiles = "values"
+    own_step_jit_refusal = ("it reads and updates the variables on the ps tasks, which an "
+                            "XLA-compiled function cannot")
     min_ps = 1
 
     def check(self, cluster):
@@ -459,6 +470,7 @@ class Pipeline(StrategyKind):
                                 "stage's output, and a model's compute_loss needs the whole "
                                 "model, which no task holds")
     # jit_compile=True: each stage's forward and backward is one XLA cluster on its task.
+    jit_compiles = "stages"
 
     def check(self, cluster):
         if cluster.num_ps:

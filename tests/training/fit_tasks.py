@@ -301,6 +301,18 @@ class Jit(Blobs):
         return model
 
 
+class OwnStepJit(FlippedTrainStep):
+    """A model's own train_step compiled with jit_compile=True: its step applies its own
+    update, which XLA compiles with it as fit does (none, mirrored) or cannot (the
+    all-reduce, the ps writes)."""
+
+    def build_model(self):
+        model = super().build_model()
+        model.compile(optimizer=self.optimizer(), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"], jit_compile=True)
+        return model
+
+
 class NumpyData(Blobs):
     """``dataset(split)`` returns NumPy arrays, ``(x, y)``."""
 
@@ -339,6 +351,7 @@ EMA = Ema()
 LOSS_SCALED = LossScaled()
 NUMPY_DATA = NumpyData()
 JIT = Jit()
+OWN_STEP_JIT = OwnStepJit()
 VALIDATED = Validated()
 
 

@@ -56,7 +56,7 @@ OUTPUT = "checkpoints, evaluation and output"
 # Examples per replica when no --global-batch-size is given (TensorFlow's convention).
 PER_REPLICA_BATCH = 64
 # The flags that define what a run's checkpoints are: resuming with any of
-# them changed would mix two runs (``training.loop.checkpoints.check_run_record``).
+# them changed would mix two runs (``training.loop.survival.checkpoints.check_run_record``).
 # ``total_steps`` is recorded too, but a resume may extend a run. ``data_order``
 # is the input pipeline's order version (``workload.DATA_ORDER``); a record
 # without it was written with order 1.

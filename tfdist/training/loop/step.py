@@ -175,7 +175,7 @@ def _scale(g, factor: float):
 
 
 def make_step_fn(state: TrainState, metrics: TrainMetrics, gradient_dtype: str = "float32",
-                 accumulation: int = 1):
+                 accumulation: int = 1, jit: str | None = None):
     """One replica's step: forward, loss, gradients, update, metric values.
 
     ``accumulation`` N > 1: the step takes N batches, sums their gradients
@@ -191,17 +191,47 @@ def make_step_fn(state: TrainState, metrics: TrainMetrics, gradient_dtype: str =
     strategy's update of that variable, which runs on the variable's device:
     under ps the cast back happens on the ps, after the 16-bit gradient has
     crossed the network. The update itself is float32 arithmetic.
+
+    ``jit`` (``xla_part``: the strategy's ``jit_compiles`` for a model compiled
+    with ``jit_compile=True``, else None): "step" compiles the whole replica step
+    with XLA, as fit does; "gradients" only the forward, loss and backward pass
+    (``xla_gradients``), the all-reduce and the update run outside XLA.
     """
     model, optimizer = state.model, state.optimizer
     if metrics.own_step:
-        return _own_step_fn(model, metrics)
-    step_fn = make_update(make_one_batch(state, metrics), optimizer, model.trainable_variables,
+        own = _own_step_fn(model, metrics)
+        if jit != "step":  # contract.check refuses the other parts for a train_step
+            return own
+        # As fit compiles a model's train_step under jit_compile=True.
+        compiled = tf.function(own, jit_compile=True, reduce_retracing=True)
+        compiled.takes_batch = True
+        return compiled
+    one_batch = make_one_batch(state, metrics)
+    if jit == "gradients":
+        one_batch = xla_gradients(one_batch)
+    step_fn = make_update(one_batch, optimizer, model.trainable_variables,
                           gradient_dtype, accumulation)
-    if getattr(model, "jit_compile", False):
+    if jit == "step":
         # As fit compiles its step under jit_compile=True: the replica's
         # step with XLA, called inside strategy.run.
         return tf.function(step_fn, jit_compile=True, reduce_retracing=True)
     return step_fn
+
+
+def xla_part(model: keras.Model, kind) -> str | None:
+    """What of the step XLA compiles (``kind.jit_compiles``: "step", "gradients",
+    "values", "stages") for a model compiled with ``jit_compile=True``; None
+    without. ``model``: the trained one, compiled in the strategy's scope, where
+    Keras resolves ``jit_compile="auto"`` to False as ``fit`` does."""
+    return kind.jit_compiles if getattr(model, "jit_compile", False) is True else None
+
+
+def xla_gradients(one_batch):
+    """``one_batch`` (forward, loss, gradients, metric values of one batch) as one
+    XLA-compiled function, called inside the replica's step: what it returns is
+    unapplied, so the all-reduce and the update that follow are outside XLA (a
+    cross-worker collective inside it fails: UnimplementedError on CPU)."""
+    return tf.function(one_batch, jit_compile=True, reduce_retracing=True)
 
 
 def make_one_batch(state: TrainState, metrics: TrainMetrics):

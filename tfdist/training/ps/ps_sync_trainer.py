@@ -57,11 +57,11 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.training.workload import data
-from tfdist.training.ps.read_ahead import batch_on_weights, read_once
+from tfdist.training.ps.read_ahead import batch_on_weights, read_once, read_weights
 from tfdist.training.ps.coordinated import CoordinatedTrainer, variables_per_ps
 from tfdist.training.loop.step import (
     after_updates, forward, local_replicas, local_sum, metric_dict,
-    schedule_in_batches,
+    schedule_in_batches, xla_part,
 )
 
 # Closures kept in flight per worker: one running, one queued at the
@@ -195,10 +195,11 @@ def make_queues(workers: int, gradient_size: int, num_metrics: int,
         )
 
 
-def _replica_gradient_fn(model, train_metrics, accumulation: int):
+def _replica_gradient_fn(model, train_metrics, accumulation: int, jit: bool = False):
     """``replica_gradient(step, *batches)``, run per replica: the flat gradient of
     ``accumulation`` batches (summed), their loss and metric values, with every weight
-    read after ``step``."""
+    read after ``step``. ``jit``: the forward and backward pass compiled with XLA, on
+    the weights' values read from the ps outside it (``read_ahead.xla_batch_on_weights``)."""
     variables = model.trainable_variables
 
     def one_batch(features, labels, sample_weight=None):
@@ -211,13 +212,16 @@ def _replica_gradient_fn(model, train_metrics, accumulation: int):
 
     # N batches on one read of the weights: each batch's own forward pass would
     # read them from the ps again.
-    on_weights = read_once(batch_on_weights(model, train_metrics), variables, accumulation)
+    on_values = batch_on_weights(model, train_metrics, jit=jit)
+    on_weights = read_once(on_values, variables, accumulation)
 
     def replica_gradient(step, *batches):
         # The weights are read after the step (so after its token): the
         # reads are created under this control dependency.
         with tf.control_dependencies([step]):
-            if accumulation == 1:
+            if accumulation == 1 and jit:
+                grads, loss, values = on_values(read_weights(variables), *batches)
+            elif accumulation == 1:
                 grads, loss, values = one_batch(*batches)
             else:
                 grads, loss, values = on_weights(*batches)
@@ -245,14 +249,15 @@ def _newest_token(queue):
 
 
 def make_work_fn(strategy, model, train_metrics, q: SyncQueues, global_step, workers: int,
-                 accumulation: int = 1):
+                 accumulation: int = 1, jit: bool = False):
     """The worker closure: take the newest token, compute one gradient, queue it on ps:0.
 
     ``accumulation`` N > 1: the gradient is the mean of N batches' (each
     global/K examples), summed on the worker, so one push carries N batches.
+    ``jit``: the gradient computed by XLA on the weights' values.
     """
     replicas = local_replicas(strategy)
-    replica_gradient = _replica_gradient_fn(model, train_metrics, accumulation)
+    replica_gradient = _replica_gradient_fn(model, train_metrics, accumulation, jit)
 
     @tf.function
     def work(iterator, num_tokens):
@@ -395,7 +400,8 @@ class PsSyncTrainer(CoordinatedTrainer):
         self._iterator = iter(self.coordinator.create_per_worker_dataset(
             lambda: strategy.distribute_datasets_from_function(dataset_fn)))
         self._work = make_work_fn(strategy, state.model, train_metrics, self._q,
-                                  state.global_step, len(self.workers), plan.accumulation_steps)
+                                  state.global_step, len(self.workers), plan.accumulation_steps,
+                                  xla_part(state.model, bundle.kind) == "values")
         self._aggregate = _Caller(make_aggregate_fn(
             self._q, state.optimizer, variables, state.global_step, self.k, len(self.workers),
             num_metrics, plan.accumulation_steps))

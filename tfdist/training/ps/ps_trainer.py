@@ -30,7 +30,7 @@ from tfdist.training.workload import data
 from tfdist.training.ps.coordinated import CoordinatedTrainer, variables_per_ps
 from tfdist.training.ps import read_ahead
 from tfdist.training.ps.rpc import fetch
-from tfdist.training.loop.step import make_step_fn, make_train_fn
+from tfdist.training.loop.step import make_step_fn, make_train_fn, xla_part
 
 
 def staleness_stats(values) -> dict:
@@ -169,6 +169,8 @@ class PsTrainer(CoordinatedTrainer):
             lambda: strategy.distribute_datasets_from_function(dataset_fn)
         ))
         self.read_ahead = plan.read_ahead
+        # jit_compile=True: XLA computes on the weights' values, read outside it.
+        jit = xla_part(state.model, bundle.kind) == "values"
         sparse = read_ahead.sparse_layers(state.model) if self.read_ahead else []
         if sparse:
             print(f"warning: {self.cluster.member_name}: --read-ahead on reads the whole table "
@@ -177,17 +179,20 @@ class PsTrainer(CoordinatedTrainer):
         if self.read_ahead:
             self._train_fn = read_ahead.make_read_ahead_train_fn(
                 strategy, read_ahead.make_read_ahead_step_fn(
-                    state, train_metrics, self.config.gradient_dtype, plan.accumulation_steps),
+                    state, train_metrics, self.config.gradient_dtype, plan.accumulation_steps,
+                    jit),
                 state, len(train_metrics.names), self.steps_by_worker,
                 batches_per_step=plan.accumulation_steps)
         else:
-            # Accumulating N batches, the plain step would read the weights N times.
-            make = (read_ahead.make_read_once_step_fn
-                    if plan.accumulation_steps > 1 and not train_metrics.own_step
-                    else make_step_fn)
+            # Accumulating N batches, the plain step would read the weights N times;
+            # XLA reads none itself.
+            once = (plan.accumulation_steps > 1 or jit) and not train_metrics.own_step
+            step_fn = (read_ahead.make_read_once_step_fn(
+                state, train_metrics, self.config.gradient_dtype, plan.accumulation_steps, jit)
+                if once else make_step_fn(state, train_metrics, self.config.gradient_dtype,
+                                          plan.accumulation_steps))
             self._train_fn = make_train_fn(
-                strategy, make(state, train_metrics, self.config.gradient_dtype,
-                               plan.accumulation_steps), state,
+                strategy, step_fn, state,
                 len(train_metrics.names),
                 steps_by_worker=self.steps_by_worker, batches_per_step=plan.accumulation_steps,
             )

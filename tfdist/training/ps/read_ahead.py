@@ -54,11 +54,14 @@ def read_weights(variables) -> list[tf.Tensor]:
     return values
 
 
-def batch_on_weights(model: keras.Model, metrics: TrainMetrics, scale_loss=None):
+def batch_on_weights(model: keras.Model, metrics: TrainMetrics, scale_loss=None, jit=False):
     """``one_batch(weights, features, labels, sample_weight=None) -> (gradients, loss,
     metric values)``: the plain step's forward and backward pass on given values of the
     model's trainable weights (a ``keras.StatelessScope`` hands them to the model), the
-    gradients taken with respect to them. ``scale_loss``: a LossScaleOptimizer's."""
+    gradients taken with respect to them. ``scale_loss``: a LossScaleOptimizer's.
+    ``jit``: that pass compiled with XLA (``xla_batch_on_weights``)."""
+    if jit:
+        return xla_batch_on_weights(model, metrics, scale_loss)
     trainable = model.trainable_variables
     trainable_ids = {id(v) for v in trainable}
     others = [v for v in model.variables if id(v) not in trainable_ids]
@@ -81,6 +84,49 @@ def batch_on_weights(model: keras.Model, metrics: TrainMetrics, scale_loss=None)
     return one_batch
 
 
+def xla_batch_on_weights(model: keras.Model, metrics: TrainMetrics, scale_loss=None):
+    """``batch_on_weights``'s pass as one XLA-compiled function of values only.
+
+    XLA cannot read a variable that lives on a ps task ("Trying to access resource
+    ... located in device /job:ps"), so everything the pass reads is handed in as
+    a value: the trainable weights given, every other variable of the model
+    (batch-norm statistics, seeds, metric state) and the loss scale read here,
+    outside XLA. What the pass assigns (found when it is traced) comes back as
+    values and is assigned here, after it: the ps reads and writes stay outside.
+    """
+    trainable = model.trainable_variables
+    trainable_ids = {id(v) for v in trainable}
+    others = [v for v in model.variables if id(v) not in trainable_ids]
+    assigned: list[int] = []  # positions in ``others`` the traced pass assigns
+
+    @tf.function(jit_compile=True, reduce_retracing=True)
+    def compiled(weights, other_values, scale, features, labels, sample_weight=None):
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            with keras.StatelessScope(list(zip(trainable, weights)) + list(
+                    zip(others, other_values)), collect_losses=True) as scope:
+                given = dict(scope.state_mapping)
+                y_pred, loss = forward(model, features, labels, sample_weight)
+                scaled = loss * tf.cast(scale, loss.dtype)
+        grads = tape.gradient(scaled, weights)
+        now = [scope.state_mapping[id(v)] for v in others]
+        assigned[:] = [i for i, v in enumerate(others) if now[i] is not given[id(v)]]
+        return (grads, loss, metrics.batch_values(labels, y_pred, sample_weight),
+                [now[i] for i in assigned])
+
+    def one_batch(weights, features, labels, sample_weight=None):
+        # Keras's loss scaling multiplies the loss (LossScaleOptimizer: by its
+        # dynamic scale, a variable on the ps): the factor read here.
+        scale = scale_loss(tf.constant(1.0)) if scale_loss else tf.constant(1.0)
+        grads, loss, values, new = compiled(list(weights), read_weights(others), scale,
+                                            features, labels, sample_weight)
+        for i, value in zip(assigned, new):
+            others[i].assign(value)
+        return grads, loss, values
+
+    return one_batch
+
+
 def read_once(one_batch, variables, accumulation: int):
     """``(gradients, loss, values) = f(*batches)``: the ``accumulation`` batches of one
     step computed on one read of ``variables``. Each batch's forward pass would read
@@ -94,17 +140,19 @@ def read_once(one_batch, variables, accumulation: int):
 
 
 def make_read_ahead_step_fn(state: TrainState, metrics: TrainMetrics,
-                            gradient_dtype: str = "float32", accumulation: int = 1):
+                            gradient_dtype: str = "float32", accumulation: int = 1,
+                            jit: bool = False):
     """One replica's step on given weights: ``step_fn(weights, *batches)``.
 
     The same update as ``loop.step.make_step_fn`` (the library's own step; a
     model's own ``train_step`` reads its variables itself and is not offered
     read-ahead), with the gradient taken with respect to the weights handed in
-    and applied to the variables on the ps.
+    and applied to the variables on the ps. ``jit``: the forward and backward
+    pass compiled with XLA (``xla_batch_on_weights``); the update stays outside.
     """
     model, optimizer = state.model, state.optimizer
     trainable = model.trainable_variables
-    one_batch = batch_on_weights(model, metrics, optimizer.scale_loss)
+    one_batch = batch_on_weights(model, metrics, optimizer.scale_loss, jit)
 
     def step_fn(weights, *batches):
         return make_update(lambda *b: one_batch(weights, *b), optimizer, trainable,
@@ -114,11 +162,13 @@ def make_read_ahead_step_fn(state: TrainState, metrics: TrainMetrics,
 
 
 def make_read_once_step_fn(state: TrainState, metrics: TrainMetrics,
-                           gradient_dtype: str = "float32", accumulation: int = 2):
+                           gradient_dtype: str = "float32", accumulation: int = 2,
+                           jit: bool = False):
     """``step_fn(*batches)``: the plain step of N accumulated batches (``make_step_fn``'s
     update), its weights read from the ps once, as the step starts, instead of once per
-    batch (``read_once``): one read and one push per N batches."""
-    step = make_read_ahead_step_fn(state, metrics, gradient_dtype, accumulation)
+    batch (``read_once``): one read and one push per N batches. With ``jit`` also the
+    step of one batch: XLA computes on the values read."""
+    step = make_read_ahead_step_fn(state, metrics, gradient_dtype, accumulation, jit)
     variables = state.model.trainable_variables
 
     def step_fn(*batches):

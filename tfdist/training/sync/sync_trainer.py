@@ -23,7 +23,7 @@ from tfdist.strategies.kinds import DEFAULT_BUCKET_BYTES
 from tfdist.training.sync import carried, zero
 from tfdist.training.sync.carry_trial import CARRIED, CarryTrial
 from tfdist.training.sync.preemption import preemption_handler
-from tfdist.training.loop.step import make_replica_sum, make_step_fn, make_train_fn
+from tfdist.training.loop.step import make_replica_sum, make_step_fn, make_train_fn, xla_part
 from tfdist.training.loop.survival.lost import LOST_MEMBER_ERRORS
 from tfdist.training.loop.reporting import own_peak_rss
 from tfdist.training.loop.trainer import Trainer
@@ -161,7 +161,8 @@ class SyncTrainer(Trainer):
         if state.sharded is not None:  # the sharded step; nothing to carry
             state.sharded.start()
             return state.sharded.make_train_fn(state, train_metrics, dtype, n)
-        plain = make_train_fn(strategy, make_step_fn(state, train_metrics, dtype, n), state,
+        jit = xla_part(state.model, self.bundle.kind)
+        plain = make_train_fn(strategy, make_step_fn(state, train_metrics, dtype, n, jit), state,
                               len(train_metrics.names), batches_per_step=n)
         # The plan refuses the flag where gradients are not all-reduced between processes.
         mode = self.config.carry_all_reduce or (

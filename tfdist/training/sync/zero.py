@@ -225,6 +225,9 @@ class ShardedState:
         """One replica's gradients, clipped as Keras clips them before an all-reduce, as
         each bucket's ``[N, chunk]`` rows in ``gradient_dtype``."""
         one_batch = steplib.make_one_batch(state, metrics)
+        if getattr(state.model, "jit_compile", False) is True:
+            # The forward and backward pass; the bucketed collectives stay outside XLA.
+            one_batch = steplib.xla_gradients(one_batch)
         optimizer, layout = self.optimizer, self.layout
 
         def replica_step(*batches):

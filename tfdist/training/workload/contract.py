@@ -18,6 +18,8 @@ pieces of that contract that are not the training step itself.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any
 
 from tfdist.protocol import ConfigError
@@ -53,6 +55,29 @@ def compute_loss(model, x, y, y_pred, sample_weight=None, training=True):
     if "training" in pyinspect.signature(model.compute_loss).parameters:
         return model.compute_loss(x, y, y_pred, sample_weight, training=training)
     return model.compute_loss(x, y, y_pred, sample_weight)
+
+
+@contextlib.contextmanager
+def auto_jit_as_under_a_strategy():
+    """While a task builds its model outside any strategy's scope (the local model the
+    checks, the pipeline and evaluation read), Keras resolves ``compile(jit_compile=
+    "auto")`` as it does for a model that has a distribution strategy: False (Keras
+    3.15 ``Trainer._resolve_auto_jit_compile``: ``if self._distribute_strategy:
+    return False``, GPUs or not), where outside a scope a GPU host would say True.
+    An explicit ``jit_compile=True`` stays True. The trained model is built in the
+    strategy's scope (``loop.state``) and resolves it there, as ``fit`` would."""
+    import keras
+
+    had = "_resolve_auto_jit_compile" in vars(keras.Model)
+    original = vars(keras.Model).get("_resolve_auto_jit_compile")
+    keras.Model._resolve_auto_jit_compile = lambda self: False
+    try:
+        yield
+    finally:
+        if had:
+            keras.Model._resolve_auto_jit_compile = original
+        else:
+            del keras.Model._resolve_auto_jit_compile
 
 
 def flat_logs(logs) -> dict:
@@ -172,10 +197,12 @@ def check(kind, checked, gradient_dtype: str = "float32") -> None:
         raise ConfigError(f"{who}the model is compiled with run_eagerly=True; a distributed "
                           "step is always traced (tf.function), so compile without it "
                           "(debug eagerly with model.fit, then train here)")
-    if getattr(model, "jit_compile", False) and kind.jit_compile_refusal:
-        raise ConfigError(f"{who}the model is compiled with jit_compile=True, which "
-                          f"{kind.name} cannot honour: {kind.jit_compile_refusal}; compile "
-                          "with jit_compile=False for this strategy")
+    if getattr(model, "jit_compile", False) is True and kind.own_step_jit_refusal and \
+            overrides(model, "train_step"):
+        raise ConfigError(f"{who}the model is compiled with jit_compile=True and overrides "
+                          f"train_step, which {kind.name} cannot compile with XLA: "
+                          f"{kind.own_step_jit_refusal}; compile with jit_compile=False for "
+                          "this strategy, or train the model without its own train_step")
     spe = getattr(model, "steps_per_execution", 1)
     if spe not in (1, None):
         raise ConfigError(f"{who}the model is compiled with steps_per_execution={spe}; the "
@@ -266,8 +293,11 @@ CONTRACT = {
         "run_eagerly": "refused: a distributed step is always traced",
         "steps_per_execution": "mapped: --steps-per-execution; refused in compile",
         "jit_compile": "honoured: the replica's step compiled with XLA inside strategy.run "
-                       "(none, mirrored), each stage's forward and backward (pipeline); "
-                       "refused under multiworker, ps, ps-sync",
+                       "(none, mirrored), its forward and backward pass (multiworker: "
+                       "the all-reduce and update outside XLA; ps, ps-sync: on the values "
+                       "read from the ps), each stage's forward and backward (pipeline); "
+                       "with a model's own train_step refused under multiworker, ps, "
+                       "ps-sync",
         "auto_scale_loss": "honoured: Keras's LossScaleOptimizer (refused under ps-sync)",
     },
     "fit": {

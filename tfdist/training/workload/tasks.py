@@ -334,14 +334,15 @@ def _compiled_model(spec: TaskSpec, task: Any):
     a loss (or logic of its own that needs none)."""
     import keras
 
-    model = _call(spec, task.build_model, "build_model()")
+    from tfdist.training.workload import contract
+
+    with contract.auto_jit_as_under_a_strategy():
+        model = _call(spec, task.build_model, "build_model()")
     if not isinstance(model, keras.Model):
         raise _err(spec.text, f"build_model() returned {type(model).__name__}, not a keras.Model")
     if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", False):
         raise _err(spec.text, "build_model() returned a model that is not compiled (no optimizer); "
                               "call model.compile(optimizer=..., loss=..., metrics=[...]) in it")
-    from tfdist.training.workload import contract
-
     if getattr(model, "_compile_loss", None) is None and not contract.own_logic(model):
         raise _err(spec.text, "build_model() returned a model compiled without a loss; pass "
                               "loss=... to model.compile (or give the model its own "
