@@ -137,16 +137,16 @@ def test_the_guides_train_as_fit_in_one_process(tmp_path, capsys, strategy, name
 
 
 # In the default tier: the GAN under multiworker (its two optimizers replicated,
-# its noise generator's state shared); every other cluster cell in the long tier.
-FAST_CLUSTER = {("multiworker", "GAN")}
+# its noise generator's state shared), and under ps-sync the first example and the
+# GAN (each optimizer.apply one K-of-N average on ps:0, the GAN's two in order);
+# every other cluster cell in the long tier.
+FAST_CLUSTER = {("multiworker", "GAN"), ("ps-sync", "FIRST"), ("ps-sync", "GAN")}
 CLUSTER = [pytest.param(s, n, marks=[pytest.mark.multiprocess]
                         + ([] if (s, n) in FAST_CLUSTER else [pytest.mark.long]),
                         id=f"{s}-{n}")
            for s in CLUSTERS for n in JUDGED
-           # ps-sync refuses a model's own train_step (below); these two train with Keras's.
-           if (s != "ps-sync" or n in ("DISTILLATION", "OWN_TEST_STEP"))
            # pipeline refuses a model's own train_step and compute_loss (below).
-           and (s != "pipeline" or n == "OWN_TEST_STEP")]
+           if s != "pipeline" or n == "OWN_TEST_STEP"]
 
 
 @pytest.mark.parametrize("strategy,name", CLUSTER)
@@ -166,8 +166,6 @@ def _checked(name):
 
 
 @pytest.mark.parametrize("strategy,name,says", [
-    *[("ps-sync", n, "overrides train_step, which ps-sync cannot honour")
-      for n in ("FIRST", "LOWER_LEVEL", "SAMPLE_WEIGHTS", "GAN", "FEATURES_ONLY")],
     *[("pipeline", n, "overrides train_step, which pipeline cannot honour")
       for n in ("FIRST", "LOWER_LEVEL", "SAMPLE_WEIGHTS", "GAN", "FEATURES_ONLY")],
     ("pipeline", "DISTILLATION", "overrides compute_loss, which pipeline cannot honour"),
@@ -182,13 +180,12 @@ def test_what_a_strategy_cannot_honour_of_the_guides_is_one_line(strategy, name,
         contract.check(kinds.get(strategy), checked)
     line = str(refused.value)
     assert says in line and "\n" not in line, line
-    for other in ("none", "mirrored", "multiworker", "ps"):
+    for other in ("none", "mirrored", "multiworker", "ps", "ps-sync"):
         contract.check(kinds.get(other), checked)
 
 
 @pytest.mark.long  # the in-process check above is the default tier's
 @pytest.mark.parametrize("strategy,cluster", [
-    ("ps-sync", ["--workers", "2", "--ps", "1"]),
     ("pipeline", ["--workers", "2"]),
 ])
 def test_the_launch_refuses_the_gan_in_one_line_with_exit_2(tmp_path, strategy, cluster):
