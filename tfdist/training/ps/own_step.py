@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tfdist.protocol import ConfigError
 from tfdist.training.loop.step import DirectApply, own_train_steps
 
 
@@ -37,8 +38,8 @@ def slots_of(model, own_applies) -> list:
     slots = [(getattr(model, attr), [variables[p] for p in positions])
              for attr, positions in own_applies]
     if not slots:
-        raise ValueError("the model's own train_step applied no optimizer when it was "
-                         "checked: ps-sync has no gradient to average")
+        raise ConfigError("the model's own train_step applied no optimizer when it was "
+                          "checked: ps-sync has no gradient to average")
     return slots
 
 
@@ -72,7 +73,7 @@ class QueuedApply:
     def __call__(self, slot, optimizer, grads, variables) -> None:
         if slot >= len(self.slots) or self.slots[slot][0] is not optimizer or [
                 id(v) for v in self.slots[slot][1]] != [id(v) for v in variables]:
-            raise ValueError(
+            raise ConfigError(
                 f"the model's own train_step applied {optimizer.name} as apply {slot} of the "
                 "step to other variables, or in another order, than when the task was "
                 "checked; ps-sync averages each apply of a step on ps:0, so a train_step "
@@ -129,8 +130,8 @@ def make_own_work_fn(strategy, model, train_metrics, q, slots, workers: int,
         with tf.control_dependencies([token]):
             logs = own_train_steps(model, handler, batches)
         if handler.last is None:
-            raise ValueError("the model's own train_step made no apply; ps-sync has no "
-                             "gradient to queue")
+            raise ConfigError("the model's own train_step made no apply; ps-sync has no "
+                              "gradient to queue")
         loss = (tf.reshape(tf.cast(logs["loss"], tf.float32), []) if train_metrics.has_loss
                 else tf.constant(0.0))
         return handler.enqueue(n_slots - 1, token + n_slots - 1, handler.last, loss,
