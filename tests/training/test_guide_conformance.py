@@ -38,7 +38,12 @@ JUDGED = {
 # peer may have moved meanwhile, and g_loss lands lower (measured 0.52-0.63 in
 # nine launches and once under 0.50 in a long-tier run, against fit's 0.75-0.77:
 # docs/fit-conformance.md): a margin of its own.
+# Under ps-sync (2 workers, K = 2) g_loss landed at 0.629 and 0.662 in two launches:
+# lower than multiworker's 0.693, though one worker gives none's logs (0.691 against
+# 0.683): a margin of its own, which an untrained generator or a collapsed
+# discriminator still lands far outside.
 GAN_SEEDS, GAN_MARGIN, GAN_PS_MARGIN = (0, 1, 2), 0.1, 0.35
+GAN_MARGINS = {"ps": GAN_PS_MARGIN, "ps-sync": 0.2}
 # The logs each task's own train_step gives, as fit's History names them.
 TRAIN_LOGS = {
     "FIRST": {"loss", "mae"},
@@ -84,7 +89,7 @@ def _compare(name: str, got: dict, strategy: str) -> None:
             # is, so fit under a MirroredStrategy of R replicas logs 1/R of it too.
             if strategy in ("mirrored", "multiworker"):
                 value *= got["replicas_in_sync"]
-            low, high = gan_range(metric, GAN_PS_MARGIN if strategy == "ps" else GAN_MARGIN)
+            low, high = gan_range(metric, GAN_MARGINS.get(strategy, GAN_MARGIN))
             assert low <= value <= high, (name, metric, value, (low, high))
             continue
         assert abs(value - want[split][metric]) <= tolerance, (name, metric, value,
