@@ -154,7 +154,7 @@ def test_ps_sync_scales_the_workers_gradients_by_the_steps_scale_and_unscales_th
 
     from tests.training import fit_tasks
     from tfdist.training.loop.step import TrainMetrics, forward
-    from tfdist.training.ps.ps_sync_trainer import _replica_gradient_fn
+    from tfdist.training.ps.ps_sync_trainer import replica_gradient_fn
     from tfdist.training.workload.apply_route import original_apply
 
     keras.utils.set_random_seed(0)
@@ -163,7 +163,7 @@ def test_ps_sync_scales_the_workers_gradients_by_the_steps_scale_and_unscales_th
     opt.build(model.trainable_variables)
     variables = model.trainable_variables
     x, y, _ = fit_tasks.arrays("train")
-    gradient = tf.function(_replica_gradient_fn(model, opt, TrainMetrics(model), 1))
+    gradient = tf.function(replica_gradient_fn(model, opt, TrainMetrics(model), 1))
     flats = [gradient(tf.constant(0, tf.int64), x[i:i + 32], y[i:i + 32])[0]
              for i in (0, 32)]
     with tf.GradientTape() as tape:

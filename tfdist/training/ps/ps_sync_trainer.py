@@ -207,7 +207,7 @@ def make_queues(workers: int, gradient_sizes: list[int], num_metrics: int,
         )
 
 
-def _replica_gradient_fn(model, optimizer, train_metrics, accumulation: int):
+def replica_gradient_fn(model, optimizer, train_metrics, accumulation: int):
     """``replica_gradient(step, *batches)``, run per replica: the flat gradient of
     ``accumulation`` batches (summed), their loss and metric values, with every weight
     read after ``step``.
@@ -276,7 +276,7 @@ def make_work_fn(strategy, model, optimizer, train_metrics, q: SyncQueues, globa
     global/K examples), summed on the worker, so one push carries N batches.
     """
     replicas = local_replicas(strategy)
-    replica_gradient = _replica_gradient_fn(model, optimizer, train_metrics, accumulation)
+    replica_gradient = replica_gradient_fn(model, optimizer, train_metrics, accumulation)
 
     @tf.function
     def work(iterator, num_tokens):
