@@ -71,8 +71,8 @@ class StrategyKind:
     pipelined = False
     # What of Keras's training contract the strategy cannot honour, each the
     # reason given in the one line that refuses it (tfdist.training.workload.contract):
-    # a model's own train_step, optimizer options ({option: reason}), and
-    # Keras's LossScaleOptimizer. Empty: honoured as model.fit honours it.
+    # a model's own train_step and optimizer options ({option: reason}). Empty:
+    # honoured as model.fit honours it.
     own_train_step_refusal = ""
     # A model's own compute_loss (the library's step calls it); "" where honoured.
     own_compute_loss_refusal = ""
@@ -89,11 +89,6 @@ class StrategyKind:
     # computes and applies its update); "" where XLA compiles it, as fit does.
     own_step_jit_refusal = ""
     optimizer_refusals: Mapping[str, str] = {}
-    # Optimizer options refused only for a model with its own train_step (the
-    # library's step accumulates gradients itself; a model's own step leaves
-    # it to Keras's optimizer).
-    own_step_optimizer_refusals: Mapping[str, str] = {}
-    loss_scale_refusal = ""
     # Elements with sample weights (or a task's class_weight); "" where honoured.
     sample_weight_refusal = ""
     # Gradients all-reduced between processes in buckets (--all-reduce-bucket applies).
@@ -193,17 +188,6 @@ def _cluster_resolver(cluster: ClusterConfig):
     )
 
 
-# Keras's gradient accumulation all-reduces inside a tf.cond, which an
-# all-reduce strategy cannot trace (model.fit fails the same way under
-# MirroredStrategy: "merge_call called while defining a new graph"). The
-# library's own step accumulates without it; a model's own train_step does not.
-_ACCUMULATION_IN_COND = {
-    "gradient_accumulation_steps": "Keras's accumulation all-reduces the gradients inside a "
-    "tf.cond, which tf.distribute cannot trace (model.fit fails the same way under "
-    "MirroredStrategy)",
-}
-
-
 class NoStrategy(StrategyKind):
     name = "none"
     summary = "no distribution: TensorFlow's default strategy, one device (the baseline)"
@@ -225,7 +209,6 @@ class NoStrategy(StrategyKind):
 class Mirrored(StrategyKind):
     name = "mirrored"
     summary = "MirroredStrategy: every local GPU (or the CPU) in one process"
-    own_step_optimizer_refusals = _ACCUMULATION_IN_COND
     single_process = True
     shard_state_refusal = ("its replicas are one process's devices, which the sharded "
                            "update does not split yet")
@@ -252,7 +235,6 @@ class MultiWorker(StrategyKind):
     jit_compiles = "gradients"
     own_step_jit_refusal = ("its optimizer.apply all-reduces the gradients across the "
                             "workers, which XLA cannot compile here (UnimplementedError)")
-    own_step_optimizer_refusals = _ACCUMULATION_IN_COND
     buckets_all_reduce = True
     shard_state_refusal = ""
 
@@ -327,7 +309,6 @@ class ParameterServer(StrategyKind):
     restartable_roles = ("worker",)
     asynchronous = True
     reads_ahead = True
-    own_step_optimizer_refusals = _ACCUMULATION_IN_COND
     shard_state_refusal = ("the ps tasks hold the variables and the optimizer's slots already; "
                            "--variable-partitioner splits them over the ps")
     # Measured: "Trying to access resource ... located in device /job:ps" for a
@@ -413,12 +394,6 @@ class SyncParameterServer(ParameterServer):
     # ps:0 applies the averaged gradients in its own call, outside any replica
     # context: Keras's accumulation runs as on one device (measured).
     optimizer_refusals: Mapping[str, str] = {}
-    own_train_step_refusal = (
-        "the workers hand their gradients to ps:0, which averages K of them into one update; "
-        "a train_step applies its own update")
-    loss_scale_refusal = (
-        "the workers' gradients are averaged and applied on ps:0 without the loss scaling "
-        "(use mixed_bfloat16, or --strategy ps)")
 
     auto_rank = 100
 

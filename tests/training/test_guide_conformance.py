@@ -38,7 +38,12 @@ JUDGED = {
 # peer may have moved meanwhile, and g_loss lands lower (measured 0.52-0.63 in
 # nine launches and once under 0.50 in a long-tier run, against fit's 0.75-0.77:
 # docs/fit-conformance.md): a margin of its own.
+# Under ps-sync (2 workers, K = 2) g_loss landed at 0.629, 0.662, 0.655 in three launches:
+# lower than multiworker's 0.693, though one worker gives none's logs (0.691 against
+# 0.683): a margin of its own, which an untrained generator or a collapsed
+# discriminator still lands far outside.
 GAN_SEEDS, GAN_MARGIN, GAN_PS_MARGIN = (0, 1, 2), 0.1, 0.35
+GAN_MARGINS = {"ps": GAN_PS_MARGIN, "ps-sync": 0.2}
 # The logs each task's own train_step gives, as fit's History names them.
 TRAIN_LOGS = {
     "FIRST": {"loss", "mae"},
@@ -84,7 +89,7 @@ def _compare(name: str, got: dict, strategy: str) -> None:
             # is, so fit under a MirroredStrategy of R replicas logs 1/R of it too.
             if strategy in ("mirrored", "multiworker"):
                 value *= got["replicas_in_sync"]
-            low, high = gan_range(metric, GAN_PS_MARGIN if strategy == "ps" else GAN_MARGIN)
+            low, high = gan_range(metric, GAN_MARGINS.get(strategy, GAN_MARGIN))
             assert low <= value <= high, (name, metric, value, (low, high))
             continue
         assert abs(value - want[split][metric]) <= tolerance, (name, metric, value,
@@ -137,16 +142,16 @@ def test_the_guides_train_as_fit_in_one_process(tmp_path, capsys, strategy, name
 
 
 # In the default tier: the GAN under multiworker (its two optimizers replicated,
-# its noise generator's state shared); every other cluster cell in the long tier.
-FAST_CLUSTER = {("multiworker", "GAN")}
+# its noise generator's state shared), and under ps-sync the first example and the
+# GAN (each optimizer.apply one K-of-N average on ps:0, the GAN's two in order);
+# every other cluster cell in the long tier.
+FAST_CLUSTER = {("multiworker", "GAN"), ("ps-sync", "FIRST"), ("ps-sync", "GAN")}
 CLUSTER = [pytest.param(s, n, marks=[pytest.mark.multiprocess]
                         + ([] if (s, n) in FAST_CLUSTER else [pytest.mark.long]),
                         id=f"{s}-{n}")
            for s in CLUSTERS for n in JUDGED
-           # ps-sync refuses a model's own train_step (below); these two train with Keras's.
-           if (s != "ps-sync" or n in ("DISTILLATION", "OWN_TEST_STEP"))
            # pipeline refuses a model's own train_step and compute_loss (below).
-           and (s != "pipeline" or n == "OWN_TEST_STEP")]
+           if s != "pipeline" or n == "OWN_TEST_STEP"]
 
 
 @pytest.mark.parametrize("strategy,name", CLUSTER)
@@ -166,8 +171,6 @@ def _checked(name):
 
 
 @pytest.mark.parametrize("strategy,name,says", [
-    *[("ps-sync", n, "overrides train_step, which ps-sync cannot honour")
-      for n in ("FIRST", "LOWER_LEVEL", "SAMPLE_WEIGHTS", "GAN", "FEATURES_ONLY")],
     *[("pipeline", n, "overrides train_step, which pipeline cannot honour")
       for n in ("FIRST", "LOWER_LEVEL", "SAMPLE_WEIGHTS", "GAN", "FEATURES_ONLY")],
     ("pipeline", "DISTILLATION", "overrides compute_loss, which pipeline cannot honour"),
@@ -182,13 +185,12 @@ def test_what_a_strategy_cannot_honour_of_the_guides_is_one_line(strategy, name,
         contract.check(kinds.get(strategy), checked)
     line = str(refused.value)
     assert says in line and "\n" not in line, line
-    for other in ("none", "mirrored", "multiworker", "ps"):
+    for other in ("none", "mirrored", "multiworker", "ps", "ps-sync"):
         contract.check(kinds.get(other), checked)
 
 
 @pytest.mark.long  # the in-process check above is the default tier's
 @pytest.mark.parametrize("strategy,cluster", [
-    ("ps-sync", ["--workers", "2", "--ps", "1"]),
     ("pipeline", ["--workers", "2"]),
 ])
 def test_the_launch_refuses_the_gan_in_one_line_with_exit_2(tmp_path, strategy, cluster):

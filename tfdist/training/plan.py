@@ -84,7 +84,7 @@ class RunPlan:
     sharding: ShardingPlan = ShardingPlan()
     pipeline: "pipeline_stages.PipelinePlan | None" = None  # --strategy pipeline only
     # N: batches each replica sums its gradients over before one update (a step
-    # is N batches); 1: none, or a model's own train_step that accumulates itself.
+    # is N batches; a model's own train_step is called on each, its applies routed); 1: none.
     accumulation_steps: int = 1
     # ps read-ahead (training.ps.read_ahead): each step's weights read during the step before.
     read_ahead: bool = False
@@ -222,7 +222,7 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
     raising; callers that only check flags pass ``--steps``-free built-ins.
     A bare ``TrainConfig`` is read first (``request``).
     ``task_accumulation``: the task's optimizer's ``gradient_accumulation_steps``;
-    ``own_train_step``: the model has its own step (its optimizer accumulates, if at all).
+    ``own_train_step``: the model has its own step.
     """
     if isinstance(run, TrainConfig):
         run = request(run)
@@ -259,7 +259,7 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
         raise ConfigError(
             f"--global-batch-size={batch} is larger than task {spec.name}'s {train_examples} "
             f"training examples; use at most {train_examples}")
-    accumulation = _accumulation(config, spec, task_accumulation, own_train_step)
+    accumulation = _accumulation(config, spec, task_accumulation)
     why = kind.optimizer_refusals.get("gradient_accumulation_steps")
     if accumulation > 1 and why:
         raise ConfigError(f"--gradient-accumulation-steps {accumulation} cannot be honoured "
@@ -347,17 +347,10 @@ def _read_ahead(config: TrainConfig, kind: StrategyKind, own_train_step: bool) -
     return True
 
 
-def _accumulation(config: TrainConfig, spec: TaskSpec, task_value: int | None,
-                  own_train_step: bool) -> int:
-    """N: the flag, else the task's own optimizer's (unless a flag replaced it), else 1."""
-    if own_train_step:
-        if config.gradient_accumulation_steps is not None:
-            raise ConfigError(
-                f"--gradient-accumulation-steps {config.gradient_accumulation_steps}: task "
-                f"{spec.name!r}'s model overrides train_step, which computes and applies its "
-                "own update; compile its optimizer with gradient_accumulation_steps instead, "
-                "or drop the flag")
-        return 1
+def _accumulation(config: TrainConfig, spec: TaskSpec, task_value: int | None) -> int:
+    """N: the flag, else the task's own optimizers' (unless a flag replaced them), else 1.
+    A model's own train_step too: its applies are routed to the library's
+    accumulation (``training.loop.step.DirectApply``), which replaces Keras's."""
     if config.gradient_accumulation_steps is not None:
         return config.gradient_accumulation_steps
     if task_value and not (tasks.flags_set_optimizer(spec) or config.optimizer_overridden):

@@ -100,16 +100,16 @@ def build_state(plan, task, strategy, example=None, own_optimizers=None,
             # The library's step sums the gradients of the step's batches and
             # applies their mean once (loop.step): Keras's own accumulation
             # would all-reduce inside a tf.cond that tf.distribute cannot trace.
-            # Its iterations then count updates, as Keras's do with accumulation.
-            without_accumulation(opt)
+            # Its iterations then count updates, as Keras's do with accumulation;
+            # every optimizer a model's own train_step applies (loop.step.DirectApply).
+            for o in (opt, *(getattr(model, attr) for attr in own_optimizers or {})):
+                without_accumulation(o)
         if shard is None:  # slots must exist before a checkpoint restore can fill them
             opt.build(model.trainable_variables)
         for attr, positions in (own_optimizers or {}).items():
             getattr(model, attr).build([model.trainable_variables[i] for i in positions])
-        if plan.kind.min_ps:
-            # On the ps, row-sparse gradients update only their rows (Adagrad;
-            # SGD already does); replicated variables keep Keras's own update.
-            sharding.sparse_updates(opt)
+        if plan.kind.min_ps:  # on the ps, row-sparse gradients update only their rows
+            sharding.sparse_updates(opt)  # (Adagrad; SGD already does)
         # Updated in cross-replica context only (see make_train_fn), so no
         # cross-replica aggregation is ever needed; ONLY_FIRST_REPLICA still
         # makes replica-context reads well defined.

@@ -199,7 +199,7 @@ def make_step_fn(state: TrainState, metrics: TrainMetrics, gradient_dtype: str =
     """
     model, optimizer = state.model, state.optimizer
     if metrics.own_step:
-        own = _own_step_fn(model, metrics)
+        own = _own_step_fn(model, metrics, lambda: DirectApply(gradient_dtype, accumulation))
         if jit != "step":  # contract.check refuses the other parts for a train_step
             return own
         # As fit compiles a model's train_step under jit_compile=True.
@@ -304,9 +304,87 @@ def summed_already(optimizer, really: bool = True):
             del o._all_reduce_sum_gradients
 
 
-def _own_step_fn(model: keras.Model, metrics: TrainMetrics):
+class DirectApply:
+    """Where a model's own ``train_step`` applies its gradients under ``none``,
+    ``mirrored``, ``multiworker`` and ``ps`` (the handler of
+    ``workload.apply_route.ApplyRoute``): through the library's gradient path, then
+    Keras's own ``apply``, which all-reduces them over the replicas in sync.
+
+    - ``gradient_dtype`` 16 bits: the gradients reach Keras's ``apply`` cast, as the
+      library's step hands them (``make_step_fn``): the all-reduce carries 16 bits,
+      each variable's update casts back and computes in float32.
+    - ``accumulation`` N > 1: the step calls the model's ``train_step`` on each of
+      its N batches (``batch`` is the one being traced); each apply's gradients
+      (by slot: the GAN's first and second) are summed over the first N - 1 calls
+      and their mean applied at the N-th, once: Keras's accumulation (the weights
+      do not move until the N-th batch; a schedule read at the batch count), with
+      no ``tf.cond`` around the all-reduce (which tf.distribute cannot trace).
+    """
+
+    def __init__(self, gradient_dtype: str = "float32", accumulation: int = 1):
+        self.dtype, self.n = gradient_dtype, accumulation
+        self.batch = 0
+        self._sums: dict[int, list] = {}
+
+    def mean(self, slot: int, grads) -> list | None:
+        """The mean of this slot's gradients over the step's batches at its last batch;
+        None before (the sum is kept)."""
+        if self.n == 1:
+            return list(grads)
+        before = self._sums.pop(slot, None)
+        total = list(grads) if before is None else [_add(a, b) for a, b in zip(before, grads)]
+        if self.batch < self.n - 1:
+            self._sums[slot] = total
+            return None
+        return [_scale(g, 1.0 / self.n) for g in total]
+
+    def pending(self) -> list:
+        """The sums kept so far: the next batch starts after them (one batch's
+        activations alive at a time, as ``accumulate``)."""
+        return [getattr(g, "values", g) for grads in self._sums.values() for g in grads
+                if g is not None]
+
+    def close(self) -> None:
+        """A train_step call returned (nothing is left open here)."""
+        return None
+
+    def __call__(self, slot, optimizer, grads, variables) -> None:
+        from tfdist.training.workload.apply_route import original_apply
+
+        grads = self.mean(slot, grads)
+        if grads is None:
+            return
+        grads = to_wire(grads, self.dtype)
+        with schedule_in_batches(optimizer, self.n), updates_as_ready(optimizer):
+            original_apply(optimizer, grads, variables)
+
+
+def own_train_steps(model, handler, batches):
+    """The model's own ``train_step`` on each of ``batches`` (as the dataset yields
+    them), its applies routed to ``handler`` (``DirectApply``, or ps-sync's worker);
+    returns the last call's logs, flattened as Keras flattens them."""
+    from tfdist.training.workload.apply_route import ApplyRoute, optimizer_attrs
+
+    route = ApplyRoute(model, optimizer_attrs(model))
+    logs = None
+    with route.routed(handler):
+        for i, batch in enumerate(batches):
+            handler.batch = i
+            route.new_call()
+            with tf.control_dependencies(handler.pending()):
+                try:
+                    logs = contract.flat_logs(model.train_step(batch))
+                finally:
+                    handler.close()  # before the enclosing control dependencies end
+    return logs
+
+
+def _own_step_fn(model: keras.Model, metrics: TrainMetrics, make_handler):
     """The model's own ``train_step``, called in replica context as ``fit`` calls it
-    under MirroredStrategy (``strategy.run(train_step, (data,))``).
+    under MirroredStrategy (``strategy.run(train_step, (data,))``), on each of the
+    step's batches, its applies routed to a handler of each replica's own
+    (``make_handler()``: tf.distribute may trace the replicas in turns, each
+    keeping its sums).
 
     Its logs are the model's stateful metrics (running means), flattened as
     Keras flattens them (``compile_metrics`` -> ``mae``); the loss is divided
@@ -315,15 +393,15 @@ def _own_step_fn(model: keras.Model, metrics: TrainMetrics):
     the step logs no "loss": ``TrainMetrics.logs`` leaves it out).
     """
 
-    def step_fn(data):
-        logs = contract.flat_logs(model.train_step(data))  # the batch as the dataset yields it
+    def step_fn(*batches):  # each batch as the dataset yields it
+        logs = own_train_steps(model, make_handler(), batches)
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         loss = tf.constant(0.0)
         if metrics.has_loss:
             loss = tf.reshape(tf.cast(logs["loss"], tf.float32), []) / replicas
         return loss, metrics.logged_values(logs)
 
-    step_fn.takes_batch = True  # called with the batch whole (make_train_fn)
+    step_fn.takes_batch = True  # one batch: called with it whole (make_train_fn)
     return step_fn
 
 

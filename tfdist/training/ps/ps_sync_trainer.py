@@ -56,11 +56,14 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from tfdist.protocol import ConfigError
 from tfdist.training.workload import data
+from tfdist.training.workload.apply_route import original_apply
+from tfdist.training.ps import own_step
 from tfdist.training.ps.read_ahead import batch_on_weights, read_once, read_weights
 from tfdist.training.ps.coordinated import CoordinatedTrainer, variables_per_ps
 from tfdist.training.loop.step import (
-    after_updates, forward, local_replicas, local_sum, metric_dict,
+    after_updates, forward, local_replicas, local_sum,
     schedule_in_batches, xla_part,
 )
 
@@ -159,8 +162,14 @@ class SyncQueues:
     """What lives on ps:0 beside its share of the variables: the token
     queues, the gradient queue and the counts of what became of every gradient."""
 
-    tokens: list  # one FIFOQueue of global steps per worker
-    gradients: Any  # (token, worker, step after computing, gradient, loss, metric values)
+    tokens: list  # one FIFOQueue of apply indices per worker
+    # One FIFOQueue per apply of an update (the library's step: one; a model's own
+    # train_step: one per optimizer.apply it makes, a GAN's two), each of
+    # (token, worker, apply index after computing, gradient, loss, metric values).
+    gradients: list
+    # Applies made: the global step times the applies of an update (a token is the
+    # apply index a gradient is for; with one apply an update, the global step).
+    applies: Any
     accepted: Any
     dropped: Any
     skipped: Any
@@ -170,12 +179,13 @@ class SyncQueues:
     stopping: Any
 
 
-def make_queues(workers: int, gradient_size: int, num_metrics: int,
+def make_queues(workers: int, gradient_sizes: list[int], num_metrics: int,
                 gradient_dtype: str = "float32") -> SyncQueues:
     """Created eagerly outside the strategy's scope, so exactly where we say (ps:0).
 
-    The gradient queue holds the flat gradient as ``gradient_dtype``: what a
-    worker enqueues is what crosses the network to ps:0.
+    A gradient queue (one per apply of an update, of ``gradient_sizes``) holds the
+    flat gradient as ``gradient_dtype``: what a worker enqueues is what crosses the
+    network to ps:0.
     """
     with tf.device(PS0):
         counter = lambda name: tf.Variable(tf.zeros([workers], tf.int64),  # noqa: E731
@@ -183,10 +193,12 @@ def make_queues(workers: int, gradient_size: int, num_metrics: int,
         return SyncQueues(
             tokens=[tf.queue.FIFOQueue(1 << 20, [tf.int64], shapes=[[]], name=f"sync_tokens_{i}")
                     for i in range(workers)],
-            gradients=tf.queue.FIFOQueue(
+            gradients=[tf.queue.FIFOQueue(
                 1 << 16, [tf.int64, tf.int64, tf.int64, tf.as_dtype(gradient_dtype),
                           tf.float32, tf.float32],
-                shapes=[[], [], [], [gradient_size], [], [num_metrics]], name="sync_gradients"),
+                shapes=[[], [], [], [size], [], [num_metrics]], name=f"sync_gradients_{i}")
+                for i, size in enumerate(gradient_sizes)],
+            applies=tf.Variable(0, dtype=tf.int64, trainable=False, name="sync_applies"),
             accepted=counter("sync_accepted"), dropped=counter("sync_dropped"),
             skipped=counter("sync_skipped"), computed=counter("sync_computed"),
             stale_applied=tf.Variable(0, dtype=tf.int64, trainable=False),
@@ -195,11 +207,16 @@ def make_queues(workers: int, gradient_size: int, num_metrics: int,
         )
 
 
-def _replica_gradient_fn(model, train_metrics, accumulation: int, jit: bool = False):
+def replica_gradient_fn(model, optimizer, train_metrics, accumulation: int, jit: bool = False):
     """``replica_gradient(step, *batches)``, run per replica: the flat gradient of
     ``accumulation`` batches (summed), their loss and metric values, with every weight
     read after ``step``. ``jit``: the forward and backward pass compiled with XLA, on
-    the weights' values read from the ps outside it (``read_ahead.xla_batch_on_weights``)."""
+    the weights' values read from the ps outside it (``read_ahead.xla_batch_on_weights``).
+
+    A ``LossScaleOptimizer``: the loss is multiplied by its scale, read (like the
+    weights) after ``step``, so the K gradients of an update carry the same scale, the
+    one of that update; ps:0's ``apply`` of the same optimizer divides their average
+    by it, skips an update that is not finite and moves the scale, as Keras's."""
     variables = model.trainable_variables
 
     def one_batch(features, labels, sample_weight=None):
@@ -207,12 +224,13 @@ def _replica_gradient_fn(model, train_metrics, accumulation: int, jit: bool = Fa
             # Keras scales each replica's mean by the replicas in sync, so the
             # local replicas' gradients added below are the gradient batch's mean.
             y_pred, loss = forward(model, features, labels, sample_weight)
-        grads = tape.gradient(loss, variables)
+            scaled = optimizer.scale_loss(loss)  # the loss itself without loss scaling
+        grads = tape.gradient(scaled, variables)
         return grads, loss, train_metrics.batch_values(labels, y_pred, sample_weight)
 
     # N batches on one read of the weights: each batch's own forward pass would
     # read them from the ps again.
-    on_values = batch_on_weights(model, train_metrics, jit=jit)
+    on_values = batch_on_weights(model, train_metrics, optimizer.scale_loss, jit=jit)
     on_weights = read_once(on_values, variables, accumulation)
 
     def replica_gradient(step, *batches):
@@ -248,8 +266,13 @@ def _newest_token(queue):
     return take
 
 
-def make_work_fn(strategy, model, train_metrics, q: SyncQueues, global_step, workers: int,
-                 accumulation: int = 1, jit: bool = False):
+def take_token(q: SyncQueues, worker):
+    """The newest token in ``worker``'s queue (blocks while it is empty)."""
+    return tf.switch_case(tf.cast(worker, tf.int32), [_newest_token(t) for t in q.tokens])
+
+
+def make_work_fn(strategy, model, optimizer, train_metrics, q: SyncQueues, global_step,
+                 workers: int, accumulation: int = 1, jit: bool = False):
     """The worker closure: take the newest token, compute one gradient, queue it on ps:0.
 
     ``accumulation`` N > 1: the gradient is the mean of N batches' (each
@@ -257,7 +280,7 @@ def make_work_fn(strategy, model, train_metrics, q: SyncQueues, global_step, wor
     ``jit``: the gradient computed by XLA on the weights' values.
     """
     replicas = local_replicas(strategy)
-    replica_gradient = _replica_gradient_fn(model, train_metrics, accumulation, jit)
+    replica_gradient = replica_gradient_fn(model, optimizer, train_metrics, accumulation, jit)
 
     @tf.function
     def work(iterator, num_tokens):
@@ -268,8 +291,7 @@ def make_work_fn(strategy, model, train_metrics, q: SyncQueues, global_step, wor
         for _ in tf.range(num_tokens):
             if q.stopping.read_value():
                 break
-            token = tf.switch_case(tf.cast(worker, tf.int32),
-                                   [_newest_token(t) for t in q.tokens])
+            token = take_token(q, worker)
             if token == STOP:
                 break
             with tf.control_dependencies([token]):
@@ -288,8 +310,8 @@ def make_work_fn(strategy, model, train_metrics, q: SyncQueues, global_step, wor
                     after = global_step.read_value()
                 # Cast on the worker, after adding its replicas' gradients
                 # in float32: the queue on ps:0 takes the wire dtype.
-                wire = tf.cast(flat, q.gradients.dtypes[3])
-                enqueued = q.gradients.enqueue(
+                wire = tf.cast(flat, q.gradients[0].dtypes[3])
+                enqueued = q.gradients[0].enqueue(
                     [token, worker, after, wire, local_sum(strategy, loss),
                      local_sum(strategy, values) / replicas])
                 with tf.control_dependencies([enqueued, q.computed.assign_add(hot)]):
@@ -305,27 +327,21 @@ def make_work_fn(strategy, model, train_metrics, q: SyncQueues, global_step, wor
     return work
 
 
-def make_aggregate_fn(q: SyncQueues, optimizer, variables, global_step, k: int, workers: int,
-                      num_metrics: int, accumulation: int = 1):
-    """The chief's call on ps:0: for each update, K fresh gradients averaged and applied."""
-    shapes = [v.shape for v in variables]
-    sizes = [int(np.prod(s)) for s in shapes]
-    total = sum(sizes)
-    k_float = float(k)
+def _take_fresh(q: SyncQueues, slot: int, total: int, k: int, workers: int, num_metrics: int):
+    """``take_fresh(index)``: dequeue slot ``slot``'s gradients until K carry apply
+    ``index``; older ones are dropped and counted."""
 
-    def take_fresh(step):
-        """Dequeue gradients until K carry ``step``; older ones are dropped and counted."""
+    def fresh_needed(fresh, *_):
+        return fresh < k
 
-        def fresh_needed(fresh, *_):
-            return fresh < k
-
+    def take_fresh(index):
         def take(fresh, seen, acc, loss_acc, metrics_acc):
-            token, worker, after, flat, loss, values = q.gradients.dequeue()
+            token, worker, after, flat, loss, values = q.gradients[slot].dequeue()
             flat = tf.cast(flat, tf.float32)  # on ps:0: averaged and applied in float32
             hot = tf.one_hot(worker, workers, dtype=tf.int64)
             # At most one gradient per worker per update: a re-issued token
             # can make a worker compute twice on the same step.
-            ok = tf.logical_and(tf.equal(token, step), tf.equal(tf.reduce_sum(seen * hot), 0))
+            ok = tf.logical_and(tf.equal(token, index), tf.equal(tf.reduce_sum(seen * hot), 0))
             ok64 = tf.cast(ok, tf.int64)
             counted = [
                 q.accepted.assign_add(hot * ok64),
@@ -341,6 +357,42 @@ def make_aggregate_fn(q: SyncQueues, optimizer, variables, global_step, k: int, 
             tf.constant(0), tf.zeros([workers], tf.int64), tf.zeros([total]), tf.constant(0.0),
             tf.zeros([num_metrics])])
 
+    return take_fresh
+
+
+def make_aggregate_fn(q: SyncQueues, slots, global_step, k: int, workers: int,
+                      num_metrics: int, accumulation: int = 1):
+    """The chief's call on ps:0: for each update, K fresh gradients averaged and applied.
+
+    ``slots``: the applies of one update, in order, as ``[(optimizer, variables)]``
+    (the library's step: one; a model's own train_step: one per ``optimizer.apply``
+    it makes). Each is its own K-of-N average, and the workers' tokens for the next
+    one exist only once it is applied (a GAN's generator gradient is computed on
+    the discriminator its update left); the last one's gradients carry the loss and
+    metric values, and the global step moves after it. Keras's own ``apply`` of the
+    class (never a routed one: ``workload.apply_route``) applies each average."""
+    layouts = []
+    for _, variables in slots:
+        shapes = [v.shape for v in variables]
+        sizes = [int(np.prod(s)) for s in shapes]
+        layouts.append((shapes, sizes, _take_fresh(q, len(layouts), sum(sizes), k, workers,
+                                                   num_metrics)))
+    k_float = float(k)
+
+    def apply_one(slot):
+        """Slot ``slot``'s K gradients for the current apply, averaged and applied;
+        returns the new apply index, its loss and metric sums."""
+        (optimizer, variables), (shapes, sizes, take_fresh) = slots[slot], layouts[slot]
+        _, _, acc, loss_k, metrics_k = take_fresh(q.applies.read_value())
+        grads = [tf.reshape(part, shape)
+                 for part, shape in zip(tf.split(acc / k_float, sizes), shapes)]
+        with schedule_in_batches(optimizer, accumulation):
+            original_apply(optimizer, grads, variables)
+        # The index moves only once every variable has its update, and the
+        # tokens for the next apply exist only after that.
+        with tf.control_dependencies(after_updates(variables)):
+            return q.applies.assign_add(1), loss_k, metrics_k
+
     @tf.function
     def aggregate(num_updates):
         # Everything on ps:0; the optimizer's updates run where each
@@ -350,19 +402,16 @@ def make_aggregate_fn(q: SyncQueues, optimizer, variables, global_step, k: int, 
             loss_sum = tf.constant(0.0)
             metrics_sum = tf.zeros([num_metrics])
             for i in tf.range(num_updates):
-                _, _, acc, loss_k, metrics_k = take_fresh(global_step.read_value())
-                mean = acc / k_float
-                grads = [tf.reshape(part, shape)
-                         for part, shape in zip(tf.split(mean, sizes), shapes)]
-                with schedule_in_batches(optimizer, accumulation):
-                    optimizer.apply_gradients(zip(grads, variables))
-                # The step moves only once every variable has its update,
-                # and the tokens for it exist only after that.
-                with tf.control_dependencies(after_updates(variables)):
-                    new_step = global_step.assign_add(1)
-                with tf.control_dependencies([new_step]):
-                    for token_queue in q.tokens:
-                        token_queue.enqueue(new_step)
+                for slot in range(len(slots)):
+                    index, loss_k, metrics_k = apply_one(slot)
+                    moved = [index]
+                    if slot == len(slots) - 1:
+                        with tf.control_dependencies([index]):
+                            moved.append(global_step.assign_add(1))
+                    with tf.control_dependencies(moved):
+                        for token_queue in q.tokens:
+                            token_queue.enqueue(index)
+                with tf.control_dependencies(moved):
                     times = times.write(i, tf.timestamp())
                 loss_sum += loss_k
                 metrics_sum += metrics_k
@@ -390,21 +439,38 @@ class PsSyncTrainer(CoordinatedTrainer):
                          train_metrics=train_metrics)
         strategy = bundle.strategy
         self.k = plan.gradients_per_update
-        variables = state.model.trainable_variables
         num_metrics = len(train_metrics.names)
-        total = sum(int(np.prod(v.shape)) for v in variables)
-        self._q = make_queues(len(self.workers), total, num_metrics, self.config.gradient_dtype)
+        # The applies of one update: the library's step makes one; a model's own
+        # train_step one per optimizer.apply it makes (training.ps.own_step).
+        if train_metrics.own_step and local_replicas(strategy) > 1:
+            raise ConfigError(
+                f"a model's own train_step under ps-sync takes one replica per worker, and "
+                f"{self.cluster.member_name} has {local_replicas(strategy)}; hide all but one "
+                "GPU per worker (CUDA_VISIBLE_DEVICES)")
+        slots = (own_step.slots_of(state.model, task.own_applies) if train_metrics.own_step
+                 else [(state.optimizer, state.model.trainable_variables)])
+        self._slots = len(slots)
+        self._q = make_queues(len(self.workers),
+                              [sum(int(np.prod(v.shape)) for v in vs) for _, vs in slots],
+                              num_metrics, self.config.gradient_dtype)
+        self._q.applies.assign(self.applied_before * self._slots)
         dataset_fn = data.make_dataset_fn(task.task, plan.examples_per_gradient, seed=None,
                                           synthetic=self.config.synthetic_data,
                                           in_memory=plan.in_memory)
         self._iterator = iter(self.coordinator.create_per_worker_dataset(
             lambda: strategy.distribute_datasets_from_function(dataset_fn)))
-        self._work = make_work_fn(strategy, state.model, train_metrics, self._q,
-                                  state.global_step, len(self.workers), plan.accumulation_steps,
-                                  xla_part(state.model, bundle.kind) == "values")
+        if train_metrics.own_step:
+            self._work = own_step.make_own_work_fn(
+                strategy, state.model, train_metrics, self._q, slots, len(self.workers),
+                plan.accumulation_steps, take_token=take_token, stop=STOP)
+        else:
+            self._work = make_work_fn(strategy, state.model, state.optimizer, train_metrics,
+                                      self._q, state.global_step, len(self.workers),
+                                      plan.accumulation_steps,
+                                      xla_part(state.model, bundle.kind) == "values")
         self._aggregate = _Caller(make_aggregate_fn(
-            self._q, state.optimizer, variables, state.global_step, self.k, len(self.workers),
-            num_metrics, plan.accumulation_steps))
+            self._q, slots, state.global_step, self.k, len(self.workers), num_metrics,
+            plan.accumulation_steps))
         self._scheduled = 0
         self._finished_seen = 0
         self._stuck_workers: list[dict] = []
@@ -418,7 +484,7 @@ class PsSyncTrainer(CoordinatedTrainer):
         self._intervals: list[float] = []
         # The first tokens: every worker may compute on the restored step.
         for token_queue in self._q.tokens:
-            token_queue.enqueue(tf.constant(self.applied_before, tf.int64))
+            token_queue.enqueue(tf.constant(self.applied_before * self._slots, tf.int64))
         self.listen_for_sigterm()
 
     # --- the controller's interface ------------------------------------------
@@ -453,7 +519,7 @@ class PsSyncTrainer(CoordinatedTrainer):
             times = [self._last_time, *times]
         self._intervals.extend(np.diff(times).tolist())
         self._last_time = times[-1]
-        self._last = metric_dict(out["loss"], self.metric_names, out["metrics"])
+        self._last = self.train_metrics.logs(out["loss"], out["metrics"])
         self.completed += num_steps
         return self._metrics()
 
@@ -470,17 +536,18 @@ class PsSyncTrainer(CoordinatedTrainer):
             self._scheduled += 1
 
     def _reissue_tokens(self, step: int) -> None:
-        """Give the current step's token (``step``, just read) to every worker that has
-        none queued.
+        """Give the current apply's token (the apply index on ps:0: ``step`` itself when
+        an update is one apply) to every worker that has none queued.
 
         Safe at any time: a worker takes the largest token it holds, and the
         aggregator accepts one gradient per worker per update, so a token
         for a step already over is skipped and a second gradient for the
         same step is dropped.
         """
+        index = int(self._q.applies.numpy())  # step x the applies of an update, or on
         for token_queue in self._q.tokens:
             if int(token_queue.size().numpy()) == 0:
-                token_queue.enqueue(tf.constant(step, tf.int64))
+                token_queue.enqueue(tf.constant(index, tf.int64))
                 self._reissued += 1
 
     def drain(self) -> dict[str, float]:

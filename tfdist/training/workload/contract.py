@@ -184,11 +184,6 @@ def check(kind, checked, gradient_dtype: str = "float32") -> None:
             raise ConfigError(f"{who}the model overrides train_step, which {kind.name} cannot "
                               f"honour: {why}; train it under another strategy, or move the "
                               "logic into call()/compute_loss()")
-        if gradient_dtype != "float32":
-            raise ConfigError(f"{who}the model overrides train_step, so its own step computes "
-                              f"and applies the gradients and --gradient-dtype {gradient_dtype} "
-                              "cannot be honoured; drop --gradient-dtype, or move the logic "
-                              "into call()/compute_loss()")
     elif overrides(model, "compute_loss") and kind.own_compute_loss_refusal:
         raise ConfigError(f"{who}the model overrides compute_loss, which {kind.name} cannot "
                           f"honour: {kind.own_compute_loss_refusal}; train it under another "
@@ -217,20 +212,12 @@ def check(kind, checked, gradient_dtype: str = "float32") -> None:
     for o in (opt, inner):
         if o is None:
             continue
-        refusals = dict(kind.optimizer_refusals)
-        if overrides(model, "train_step"):
-            # The model's own step calls Keras's apply, which accumulates itself.
-            refusals.update(kind.own_step_optimizer_refusals)
-        for option, why in refusals.items():
+        for option, why in kind.optimizer_refusals.items():
             value = _option(o, option)
             if value:
                 raise ConfigError(
                     f"{who}the optimizer's {option}={value!r} cannot be honoured under "
                     f"{kind.name}: {why}; compile the model without it for this strategy")
-    if inner is not None and kind.loss_scale_refusal:
-        raise ConfigError(f"{who}the optimizer is a LossScaleOptimizer, which {kind.name} cannot "
-                          f"honour: {kind.loss_scale_refusal}; compile with the inner optimizer "
-                          "(mixed_bfloat16 needs no loss scaling)")
     weighted = (isinstance(checked.example, tuple) and len(checked.example) == 3) or \
         class_weight_of(task) is not None
     if weighted and kind.sample_weight_refusal:
@@ -244,14 +231,25 @@ def check(kind, checked, gradient_dtype: str = "float32") -> None:
 
 
 def accumulation_of(checked) -> tuple[int | None, bool]:
-    """The task's optimizer's ``gradient_accumulation_steps`` (None without), and
-    whether the model has its own ``train_step`` (whose optimizer then accumulates
-    inside the model's step, as Keras does; otherwise the library's step does)."""
-    opt = getattr(checked.local_model, "optimizer", None)
-    steps = None
-    for o in with_inner(opt):
-        steps = steps or getattr(o, "gradient_accumulation_steps", None)
-    return steps, overrides(checked.local_model, "train_step")
+    """The task's optimizers' ``gradient_accumulation_steps`` (None without: the
+    model's optimizer and, for a model's own ``train_step``, every other optimizer it
+    applies, which must agree), and whether the model has its own ``train_step``.
+    The library's step accumulates either way: a model's own step's applies are routed
+    to it (``training.loop.step.DirectApply``)."""
+    from tfdist.training.workload import apply_route
+
+    model = checked.local_model
+    found = {}
+    for o in apply_route.optimizers_of(model, checked.own_optimizers):
+        steps = None
+        for one in with_inner(o):
+            steps = steps or getattr(one, "gradient_accumulation_steps", None)
+        found[o.name] = steps
+    if len(set(found.values())) > 1:
+        raise ConfigError(f"task {checked.spec.name!r}: the model's optimizers accumulate "
+                          f"different numbers of batches ({found}); one update takes N batches "
+                          "for every optimizer: give them the same gradient_accumulation_steps")
+    return next(iter(found.values()), None), overrides(model, "train_step")
 
 
 def with_inner(optimizer) -> list:
@@ -298,7 +296,9 @@ CONTRACT = {
                        "read from the ps), each stage's forward and backward (pipeline); "
                        "with a model's own train_step refused under multiworker, ps, "
                        "ps-sync",
-        "auto_scale_loss": "honoured: Keras's LossScaleOptimizer (refused under ps-sync)",
+        "auto_scale_loss": "honoured: Keras's LossScaleOptimizer (under ps-sync the workers' "
+                           "gradients are scaled by the scale of their step, ps:0 unscales "
+                           "their average)",
     },
     "fit": {
         "x": "mapped: dataset(split) features (a Dataset, or NumPy arrays)",
@@ -325,8 +325,9 @@ CONTRACT = {
     "override": {
         "train_step": "honoured: called inside strategy.run, its logs flattened as fit "
                       "flattens them, features-only data, the other optimizers it applies "
-                      "built and checkpointed (refused under ps-sync, pipeline and with "
-                      "--gradient-dtype)",
+                      "built and checkpointed, every optimizer's apply routed through the "
+                      "library's gradient path (--gradient-dtype, accumulation, ps-sync's "
+                      "K-of-N average); refused under pipeline",
         "test_step": "honoured: evaluation is Keras's evaluate on a local copy; a model Keras "
                      "cannot evaluate trains and is said not evaluated",
         "predict_step": "honoured: the saved model.keras keeps it",

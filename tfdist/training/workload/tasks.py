@@ -279,6 +279,10 @@ class CheckedTask:
     # d_optimizer, g_optimizer): {attribute: positions in trainable_variables
     # of the variables its own train_step applies it to}.
     own_optimizers: dict = field(default_factory=dict)
+    # The applies one call of its own train_step makes, in order: ((attribute, positions
+    # in trainable_variables), ...); ("optimizer", ...) is model.optimizer. Under ps-sync
+    # each is one K-of-N update on ps:0 (training.ps.own_step).
+    own_applies: tuple = ()
     # Why Keras's own evaluate cannot run on the model (no loss and no
     # test_step of its own); None when it can.
     not_evaluated: str | None = None
@@ -316,9 +320,9 @@ def inspect(spec: TaskSpec, task: Any, *, steps_given: bool) -> CheckedTask:
     # Keras's own names (cls_accuracy, reg_mae, ...), as model.fit logs them.
     compiled = model._compile_metrics
     names = tuple(compiled.result()) if compiled is not None and compiled.built else ()
-    own_names, own_optimizers = None, {}
+    own_names, own_optimizers, own_applies = None, {}, ()
     if own_step:
-        own_names, own_optimizers = _own_step_names(spec, model, batch)
+        own_names, own_optimizers, own_applies = _own_step_names(spec, model, batch)
     test_batch = tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), first["test"])
     not_evaluated = _evaluable(spec, model, test_batch)
     extra = _extra_results(spec, task)
@@ -326,7 +330,7 @@ def inspect(spec: TaskSpec, task: Any, *, steps_given: bool) -> CheckedTask:
                     names if own_names is None else own_names, extra)
     return CheckedTask(spec, task, info, model, example=batch, own_step_names=own_names,
                        has_validation=has_validation, own_optimizers=own_optimizers,
-                       not_evaluated=not_evaluated)
+                       own_applies=own_applies, not_evaluated=not_evaluated)
 
 
 def _compiled_model(spec: TaskSpec, task: Any):
@@ -441,7 +445,7 @@ def _validation(spec, task, model, own_step: bool = False) -> bool:
     return True
 
 
-def _own_step_names(spec, model, batch) -> tuple[tuple[str, ...], dict]:
+def _own_step_names(spec, model, batch) -> tuple[tuple[str, ...], dict, tuple]:
     """The logs a model's own ``train_step`` returns, flattened as Keras flattens
     them, and the optimizers it applies besides ``model.optimizer``, from one step
     on the local model (whose weights evaluation overwrites anyway).
@@ -449,14 +453,15 @@ def _own_step_names(spec, model, batch) -> tuple[tuple[str, ...], dict]:
     The optimizers are the model's attributes that are Keras optimizers; each
     is built by that step with the variables it updates, whose positions in
     ``trainable_variables`` the state's model uses to build its own copy
-    before training (``training.loop.state``).
+    before training (``training.loop.state``). And the applies the step made, in
+    order (``CheckedTask.own_applies``).
     """
-    import keras
+    from tfdist.training.workload import apply_route, contract
 
-    from tfdist.training.workload import contract
-
+    attrs = apply_route.optimizer_attrs(model)
     try:
-        logs = model.train_step(batch)
+        logs, applies = apply_route.record_applies(model, attrs,
+                                                   lambda: model.train_step(batch))
     except Exception as err:
         raise _err(spec.text, "the model's own train_step fails on the first training "
                               f"example: {_first_line(err)}") from None
@@ -472,20 +477,21 @@ def _own_step_names(spec, model, batch) -> tuple[tuple[str, ...], dict]:
                               "return one number per name")
     model.reset_metrics()
     position = {id(getattr(v, "_value", v)): i for i, v in enumerate(model.trainable_variables)}
-    optimizers = {}
-    for attr, value in vars(model).items():
-        if (not isinstance(value, keras.optimizers.Optimizer) or value is model.optimizer
-                or attr.startswith("_")):
-            continue
-        # The variables its build (the step's first apply) was given.
-        built = getattr(value, "_trainable_variables", None) or []
-        used = [position.get(id(getattr(v, "_value", v))) for v in built]
+
+    def positions(attr, variables):
+        used = [position.get(id(getattr(v, "_value", v))) for v in variables]
         if None in used:
             raise _err(spec.text, f"the model's optimizer {attr!r} updates variables that are "
                                   "not the model's own trainable variables; keep every "
                                   "trained layer an attribute of the model")
-        optimizers[attr] = tuple(used)
-    return tuple(flat), optimizers
+        return tuple(used)
+
+    # The variables each one's build (the step's first apply) was given.
+    optimizers = {attr: positions(attr, getattr(getattr(model, attr), "_trainable_variables",
+                                                None) or []) for attr in attrs}
+    names = {id(getattr(model, attr)): attr for attr in ("optimizer", *attrs)}
+    order = tuple((names[id(o)], positions(names[id(o)], variables)) for o, variables in applies)
+    return tuple(flat), optimizers, order
 
 
 def _evaluable(spec, model, batch) -> str | None:
