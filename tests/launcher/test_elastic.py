@@ -2,6 +2,7 @@
 decisions (no TensorFlow), and a real multiworker job that loses a host for
 good and finishes on the survivors (multiprocess)."""
 
+import dataclasses
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from tfdist.launcher.plan import LaunchError
 from tfdist.launcher.state import JobState, RestartMember, SignalMember, MemberView
 from tfdist.protocol import Exit
 from tfdist.strategies import kinds
+from tfdist.options import TrainOptions
 
 MW = kinds.get("multiworker")
 WORKERS = ["worker:0", "worker:1", "worker:2"]
@@ -98,25 +100,25 @@ def test_member_configs_name_only_the_members_in_order():
                                    "task": {"type": "worker", "index": 1}}
 
 
-@pytest.mark.parametrize("args,n,expected,said", [
-    (["--steps", "9"], 2, ["--steps", "9"], False),
-    (["--replicas-to-aggregate", "3"], 2, ["--replicas-to-aggregate", "2"], True),
-    (["--replicas-to-aggregate=3"], 2, ["--replicas-to-aggregate=2"], True),
-    (["--replicas-to-aggregate", "2"], 3, ["--replicas-to-aggregate", "2"], False),
+@pytest.mark.parametrize("given,n,expected,said", [
+    (None, 2, None, False),
+    (3, 2, 2, True),
+    (2, 3, 2, False),
 ])
-def test_ps_sync_k_is_at_most_the_workers_left(args, n, expected, said):
-    out, line = elastic.aggregate_args(args, n)
-    assert out == expected and (line is not None) == said
+def test_ps_sync_k_is_at_most_the_workers_left(given, n, expected, said):
+    options = TrainOptions(steps=9, replicas_to_aggregate=given)
+    out, line = elastic.aggregate(options, n)
+    assert out == TrainOptions(steps=9, replicas_to_aggregate=expected)
+    assert (line is not None) == said
     if said:
         assert "K = min(K, workers)" in line
 
 
-def test_global_batch_is_the_flags_else_the_run_record(tmp_path):
-    assert elastic.global_batch(str(tmp_path), []) is None
+def test_global_batch_is_the_options_else_the_run_record(tmp_path):
+    assert elastic.global_batch(str(tmp_path), TrainOptions()) is None
     (tmp_path / "run.json").write_text(json.dumps({"global_batch_size": 192}))
-    assert elastic.global_batch(str(tmp_path), []) == 192
-    assert elastic.global_batch(str(tmp_path), ["--global-batch-size", "96"]) == 96
-    assert elastic.global_batch(str(tmp_path), ["--global-batch-size=102"]) == 102
+    assert elastic.global_batch(str(tmp_path), TrainOptions()) == 192
+    assert elastic.global_batch(str(tmp_path), TrainOptions(global_batch_size=96)) == 96
 
 
 # --- one global batch for every formation --------------------------------------------
@@ -211,7 +213,8 @@ def test_the_launcher_pins_the_chosen_batch_into_every_formations_flags(monkeypa
                      "--min-workers", "2", "--", "--steps", "5", "--model-dir", "/tmp/x")
     pinned = job.pin_elastic_batch(config)
     assert [names for names, _ in asked] == [["worker:0"]]  # one check: the chief's plan
-    assert pinned.train_args == (*config.train_args, "--global-batch-size", "252")
+    assert pinned.options == dataclasses.replace(config.options, global_batch_size=252)
+    assert "--global-batch-size 252" in " ".join(pinned.member.argv())
     assert capsys.readouterr().out.startswith("[launch] elastic: global batch 252 for every "
                                               "formation, 2 to 4 workers")
     # Given (and dividing every size), or not elastic: the flags as they are, no check.

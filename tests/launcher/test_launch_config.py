@@ -10,6 +10,7 @@ from conftest import REPO
 from tfdist.launcher import faults, job
 from tfdist.launcher.config import LaunchConfig
 from tfdist.strategies import kinds
+from tfdist.options import TrainOptions
 
 LAUNCHER = REPO / "tfdist" / "launcher"
 
@@ -28,7 +29,8 @@ def test_flags_become_one_frozen_config_with_the_kind_object():
     assert config.recovery.slow == (faults.Slow("worker:1", 0.3),)
     assert config.recovery.faults == (faults.Fault("kill", "worker:0", step=50),)
     assert config.recovery.restart_tasks
-    assert config.train_args == ("--steps", "30", "--model-dir", "runs/ps")
+    assert config.options == TrainOptions(steps=30, model_dir="runs/ps")
+    assert config.member.argv() == ["--steps", "30", "--model-dir", "runs/ps"]
     assert config.launch_dir == "runs/ps/launch"
     assert set(config.cores) == set(config.names)
     assert config.launch_argv[:2] == ("--strategy", "ps")
@@ -76,9 +78,12 @@ def test_a_relative_task_file_is_the_one_beside_the_launcher(tmp_path, monkeypat
     from tfdist.cli import launch
 
     monkeypatch.chdir(tmp_path)
-    assert job.with_task_path(["--task", "mine/task.py", "--epochs", "1"]) == [
-        "--task", str(tmp_path / "mine" / "task.py"), "--epochs", "1"]
-    assert job.with_task_path(["--task=t.py:OBJ"]) == [f"--task={tmp_path / 't.py'}:OBJ"]
+    kind = kinds.get("mirrored")
+    member = job.resolve_member(kind, launch.member_args(["--task", "mine/task.py", "--epochs", "2"]))
+    assert member.argv()[:2] == ["--task", str(tmp_path / "mine" / "task.py")]
+    assert member.options.epochs == 2
+    member = job.resolve_member(kind, launch.member_args(["--task=t.py:OBJ"]))
+    assert member.task == f"{tmp_path / 't.py'}:OBJ"
     # Built-in names and import paths are not files.
     for spec in ("mnist-cnn", "pkg.mod:NAME"):
-        assert job.with_task_path(["--task", spec]) == ["--task", spec]
+        assert job.resolve_member(kind, launch.member_args(["--task", spec])).task == spec

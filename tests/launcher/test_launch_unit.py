@@ -13,6 +13,8 @@ from tfdist import protocol
 from tfdist.launcher import faults, job, network, processes, supervisor
 from tfdist.launcher import injector as injectors
 from tfdist.launcher import plan as plans
+from tfdist.launcher.config import MemberArgs
+from tfdist.options import TrainOptions
 from tfdist.strategies import ConfigError, kinds, parse_tf_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,13 +82,14 @@ def test_decide(strategy, exits, expected):
 
 def test_saved_files_replay_each_task(tmp_path):
     tasks = plans.build_cluster(kinds.get("multiworker"), 2, ports=[21, 22])
-    cmd = processes.task_command(kinds.get("multiworker"), ["--epochs", "1"], python="python")
+    cmd = processes.task_command(kinds.get("multiworker"), MemberArgs(options=TrainOptions(epochs=2)),
+                                 python="python")
     processes.save_launch_files(str(tmp_path), tasks, cmd)
     for name, tf_config in tasks.items():
         saved = json.loads((tmp_path / f"{name.replace(':', '-')}.tf_config.json").read_text())
         assert saved == tf_config
     script = (tmp_path / "commands.sh").read_text()
-    assert script.count("--strategy=multiworker --epochs 1") == 2
+    assert script.count("--strategy=multiworker --epochs 2") == 2
     assert "worker-1.tf_config.json" in script
 
 
@@ -361,8 +364,9 @@ def test_bad_launcher_flags_exit_2_with_one_line_and_touch_nothing(tmp_path, fla
 
 def test_program_replaces_train_py_with_the_same_arguments(tmp_path, monkeypatch):
     # --program: another trainer (a tutorial peer) on the same cluster and flags.
-    plain = processes.task_command(kinds.get("ps"), ["--steps", "5"], python="py")
-    peer = processes.task_command(kinds.get("ps"), ["--steps", "5"], python="py", program="/p/peer.py")
+    five = MemberArgs(options=TrainOptions(steps=5))
+    plain = processes.task_command(kinds.get("ps"), five, python="py")
+    peer = processes.task_command(kinds.get("ps"), five, python="py", program="/p/peer.py")
     assert tuple(plain[1:3]) == processes.TRAIN == ("-m", "tfdist.cli.train")
     assert peer[1] == "/p/peer.py"
     assert plain[3:] == peer[2:] == ["--strategy=ps", "--steps", "5"]
@@ -376,11 +380,13 @@ def test_program_replaces_train_py_with_the_same_arguments(tmp_path, monkeypatch
     assert os.path.isabs(program) and program.endswith("tfdist/bench/peers/keras3_fit.py")
 
 
-def test_train_args_are_read_by_exact_flag_not_prefix():
+def test_train_flags_are_read_by_exact_flag_not_prefix():
     # argparse's default abbreviation matching read "--model logreg" as "--model-dir".
-    args = ["--model-dir", "runs/x", "--model", "logreg"]
-    assert processes.train_arg(args, "--model-dir", "default") == "runs/x"
-    assert processes.train_arg(["--model", "logreg"], "--model-dir", "default") == "default"
+    from tfdist.cli import launch
+
+    member = launch.member_args(["--model-dir", "runs/x", "--model", "logreg"])
+    assert member.options.model_dir == "runs/x" and member.model == "logreg"
+    assert launch.member_args(["--model", "logreg"]).options.model_dir is None
 
 
 # --- every task's own check before anything is written; launch.py --dry-run ---------------

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from tfdist.flags import option, to_argv
+from tfdist.options import TrainOptions
 from tfdist.launcher import plan as plans
 from tfdist.launcher.elastic import DEFAULT_REJOIN_TIMEOUT, ElasticPlan
 from tfdist.launcher.faults import FAULT_SPEC, MAX_TASK_RESTARTS, RESTART_DELAY, RecoveryPlan
@@ -155,9 +156,33 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class MemberArgs:
+    """What every member's command is given, typed: ``tfdist-train``'s flags after
+    ``launch.py``'s ``--``, or ``tfdist.launch``'s ``task``/``options``.
+
+    The launcher reads a member's option as a field of ``options`` and changes it with
+    ``dataclasses.replace``; a member's command line is made from it once, by the
+    engine that starts the member (``argv``)."""
+
+    task: str | None = None  # --task as given (None: the member's own default)
+    model: str | None = None  # train.py's --model alias, as given (the member resolves it)
+    options: TrainOptions = TrainOptions()
+    verbose: bool = False  # train.py's --verbose
+    # --program: the flags train.py does not know, the program's own, passed as given.
+    extra: tuple[str, ...] = ()
+
+    def argv(self) -> list[str]:
+        """The member's flags (after ``--strategy``): each option that differs from its
+        default once (``flags.to_argv``)."""
+        return [*(("--task", self.task) if self.task is not None else ()),
+                *(("--model", self.model) if self.model is not None else ()),
+                *to_argv(self.options), *(("--verbose",) if self.verbose else ()), *self.extra]
+
+
+@dataclass(frozen=True)
 class LaunchRequest:
     """What a user asks of the launcher, typed: ``tfdist-launch``'s flags or ``tfdist.launch``'s
-    arguments, unchecked. ``train_args`` go to every task's ``tfdist-train``."""
+    arguments, unchecked. ``member``: what every member's ``tfdist-train`` is given."""
 
     strategy: str = option(
         "auto", "the strategy every task runs (see train.py --help); auto: ps with --ps, "
@@ -176,7 +201,7 @@ class LaunchRequest:
         "check is skipped", metavar="FILE.py", group="job control", unset="train.py")
     # This is the launcher re-run inside its namespace (network.INSIDE_FLAG).
     netns_inside: bool = option(False, "", flag=INSIDE_FLAG, hidden=True)
-    train_args: tuple[str, ...] = ()
+    member: MemberArgs = MemberArgs()
 
     # The typed groups, each a section of --help, in order.
     GROUPS = (("cluster", "cluster"), ("faults", "faults"), ("recovery", "recovery"),
@@ -198,8 +223,8 @@ class LaunchConfig:
     recovery: RecoveryPlan = RecoveryPlan()
     # Each task's thread pools and CPU set (``processes.share_cores``).
     cores: Mapping[str, CoreShare] = field(default_factory=dict)
-    train_args: tuple[str, ...] = ()  # every task's train.py arguments (--model-dir included)
-    model_dir: str = ""
+    # Every member's flags, typed (--model-dir always set: ``model_dir``).
+    member: MemberArgs = MemberArgs()
     program: str | None = None  # --program: an absolute path run instead of train.py
     limits: Limits = Limits()
     dry_run: bool = False
@@ -221,6 +246,14 @@ class LaunchConfig:
     @property
     def grace(self) -> float:
         return self.limits.grace
+
+    @property
+    def options(self) -> TrainOptions:
+        return self.member.options
+
+    @property
+    def model_dir(self) -> str:
+        return self.member.options.model_dir or ""
 
     @property
     def launch_dir(self) -> str:

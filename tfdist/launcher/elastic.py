@@ -28,6 +28,7 @@ results.json and outcome.json).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -36,7 +37,7 @@ import time
 from dataclasses import dataclass
 
 from tfdist import protocol
-from tfdist.launcher import processes
+from tfdist.options import TrainOptions
 from tfdist.launcher.plan import LaunchError, tf_configs_at
 from tfdist.launcher.state import JobState, RestartMember, SignalMember
 from tfdist.protocol import Exit
@@ -141,39 +142,27 @@ def member_configs(tf_configs: dict[str, dict | None], members: list[str]) -> di
     return {n: inner[renamed[n]] for n in members}
 
 
-def aggregate_args(train_args: list[str], workers: int) -> tuple[list[str], str | None]:
+def aggregate(options: TrainOptions, workers: int) -> tuple[TrainOptions, str | None]:
     """ps-sync's K at ``workers`` workers: K = min(K, workers) (pure).
 
     Without ``--replicas-to-aggregate`` K is every worker, so it follows the
-    size by itself. Returns the arguments and, when K was lowered, the line
+    size by itself. Returns the options and, when K was lowered, the line
     saying so.
     """
-    out = list(train_args)
-    for i, arg in enumerate(out):
-        if arg == "--replicas-to-aggregate" and i + 1 < len(out):
-            at, prefix, value = i + 1, "", out[i + 1]
-        elif arg.startswith("--replicas-to-aggregate="):
-            at, prefix, value = i, "--replicas-to-aggregate=", arg.split("=", 1)[1]
-        else:
-            continue
-        try:
-            k = int(value)
-        except ValueError:
-            return out, None
-        if k > workers:
-            out[at] = f"{prefix}{workers}"
-            return out, (f"--replicas-to-aggregate={k} is more than the {workers} workers "
-                         f"left: K = {workers} at this size (K = min(K, workers))")
-        return out, None
-    return out, None
+    k = options.replicas_to_aggregate
+    if k is None or k <= workers:
+        return options, None
+    return (dataclasses.replace(options, replicas_to_aggregate=workers),
+            f"--replicas-to-aggregate={k} is more than the {workers} workers "
+            f"left: K = {workers} at this size (K = min(K, workers))")
 
 
-def global_batch(model_dir: str, train_args: list[str]) -> int | None:
-    """The global batch every formation keeps: the flags' (the launcher pins one
+def global_batch(model_dir: str, options: TrainOptions) -> int | None:
+    """The global batch every formation keeps: the options' (the launcher pins one
     at launch), else the one the run recorded (``run.json``; ``--program``)."""
-    if processes.has_flag(train_args, "--global-batch-size"):
-        value = processes.int_arg(train_args, "--global-batch-size")
-        return value if value is not None and value > 0 else None
+    if options.global_batch_size is not None:
+        value = options.global_batch_size
+        return value if value > 0 else None
     try:
         with open(os.path.join(model_dir, "run.json")) as f:
             value = json.load(f).get("global_batch_size")

@@ -19,11 +19,12 @@ import subprocess
 import sys
 import tempfile
 
+from tfdist.options import TrainOptions
 from tfdist.protocol import Exit, default_model_dir
 from tfdist.launcher import elastic, hostcpus, memory, network, processes, ray_engine
 from tfdist.launcher import supervisor
 from tfdist.launcher import plan as plans
-from tfdist.launcher.config import Cluster, LaunchConfig, LaunchRequest, Limits
+from tfdist.launcher.config import Cluster, LaunchConfig, LaunchRequest, Limits, MemberArgs
 from tfdist.launcher.faults import plan_recovery
 from tfdist.launcher.plan import LaunchError
 from tfdist.strategies import kinds
@@ -61,13 +62,13 @@ def run_request(request: LaunchRequest) -> int:
     if warning:
         print(warning, file=sys.stderr, flush=True)
     if use_netns:
-        code = processes.prepare_data(list(config.train_args), dict(os.environ))
+        code = processes.prepare_data(config.options.data_dir, dict(os.environ))
         if code != 0:
             return code
         print("[launch] private network namespace: only the cluster's own tasks can reach "
               "its ports", flush=True)
         return network.run_in_netns(
-            network.netns_command(list(config.launch_argv), list(config.train_args)),
+            network.netns_command(list(config.launch_argv), config.member.argv()),
             config.grace)
     return run_inside(config)
 
@@ -113,39 +114,27 @@ def choose_kind(request: LaunchRequest) -> StrategyKind:
     return kinds.get(request.strategy)
 
 
-def with_model_dir(kind: StrategyKind, train_args: list[str]) -> tuple[list[str], str]:
-    """``train_args`` with ``--model-dir`` (default: ``protocol.default_model_dir``, the
-    rule train.py and the Python API follow too), and that directory."""
-    model_dir = processes.train_arg(train_args, "--model-dir", default_model_dir(kind.name))
-    if not processes.has_flag(train_args, "--model-dir"):
-        train_args = [*train_args, "--model-dir", model_dir]
-    return train_args, model_dir
-
-
-def with_task_path(train_args: list[str]) -> list[str]:
-    """``--task path/to/task.py[:NAME]`` made absolute from here: every task
-    starts in the project's directory, and the user's relative path means
-    the file beside them, the same one on every task."""
-    out = list(train_args)
-    for i, arg in enumerate(out):
-        if arg == "--task" and i + 1 < len(out):
-            at, prefix, value = i + 1, "", out[i + 1]
-        elif arg.startswith("--task="):
-            at, prefix, value = i, "--task=", arg[len("--task="):]
-        else:
-            continue
-        path, colon, name = value.partition(":")
+def resolve_member(kind: StrategyKind, member: MemberArgs) -> MemberArgs:
+    """Every member's flags as they run: ``--model-dir`` set (default:
+    ``protocol.default_model_dir``, the rule train.py and the Python API follow too),
+    and ``--task path/to/task.py[:NAME]`` made absolute from here: every member starts
+    in the project's directory, and the user's relative path means the file beside
+    them, the same one on every member."""
+    options, task = member.options, member.task
+    if options.model_dir is None:
+        options = dataclasses.replace(options, model_dir=default_model_dir(kind.name))
+    if task is not None:
+        path, colon, name = task.partition(":")
         if path.endswith(".py") or os.sep in path:
-            out[at] = prefix + os.path.abspath(path) + colon + name
-    return out
+            task = os.path.abspath(path) + colon + name
+    return dataclasses.replace(member, task=task, options=options)
 
 
 def build_config(request: LaunchRequest) -> LaunchConfig:
     """The request, checked, as one frozen config (LaunchError: one line, nothing written)."""
-    train_args = list(request.train_args)
     program = os.path.abspath(request.program) if request.program is not None else None
     kind = choose_kind(request)
-    train_args, model_dir = with_model_dir(kind, with_task_path(train_args))
+    member = resolve_member(kind, request.member)
     check_times(request.limits)
     ray_engine.check_request(request)
     if program is not None and request.dry_run:
@@ -166,7 +155,7 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
                                         request.cluster.hosts, again.max_restarts,
                                         again.shrink_at_once)
     if elastic_plan is not None:
-        check_elastic_batch(kind, cluster, elastic_plan, train_args)
+        check_elastic_batch(kind, cluster, elastic_plan, member.options)
     link_rate = request.cluster.link_rate
     rate = network.parse_rate(link_rate) if link_rate is not None else None
     roles: dict[str, list[str]] = {}
@@ -187,7 +176,7 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
     return LaunchConfig(
         kind=kind, cluster=cluster, recovery=recovery,
         cores=processes.share_cores(kind, cluster.names, os.cpu_count() or 1, host_cpus),
-        train_args=tuple(train_args), model_dir=model_dir, program=program,
+        member=member, program=program,
         limits=request.limits, dry_run=request.dry_run, netns=request.cluster.netns,
         netns_inside=request.netns_inside, link_rate=link_rate, rate_bits=rate,
         link_trace=request.cluster.link_trace,
@@ -197,25 +186,24 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
 
 def elastic_divisors(config: LaunchConfig) -> dict[int, int]:
     """What the global batch must divide by at each size the elastic job may take."""
-    return _divisors(config.kind, config.cluster, config.elastic, list(config.train_args))
+    return _divisors(config.kind, config.cluster, config.elastic, config.options)
 
 
 def _divisors(kind: StrategyKind, cluster: plans.ClusterPlan, plan: elastic.ElasticPlan,
-              train_args: list[str]) -> dict[int, int]:
+              options: TrainOptions) -> dict[int, int]:
     roles: dict[str, int] = {}
     for name in cluster.names:
         roles[name.partition(":")[0]] = roles.get(name.partition(":")[0], 0) + 1
     return elastic.batch_divisors(kind, roles, range(plan.min_workers, roles.get(
-        elastic.ROLE, 0) + 1), processes.int_arg(train_args, "--replicas-to-aggregate"))
+        elastic.ROLE, 0) + 1), options.replicas_to_aggregate)
 
 
 def check_elastic_batch(kind: StrategyKind, cluster: plans.ClusterPlan,
-                        plan: elastic.ElasticPlan, train_args: list[str]) -> None:
+                        plan: elastic.ElasticPlan, options: TrainOptions) -> None:
     """A given --global-batch-size that some size of the elastic job cannot divide:
     one line, before anything starts."""
-    batch = processes.int_arg(train_args, "--global-batch-size")
-    if batch is not None:
-        elastic.check_batch(batch, _divisors(kind, cluster, plan, train_args))
+    if options.global_batch_size is not None:
+        elastic.check_batch(options.global_batch_size, _divisors(kind, cluster, plan, options))
 
 
 def pin_elastic_batch(config: LaunchConfig) -> LaunchConfig:
@@ -223,21 +211,21 @@ def pin_elastic_batch(config: LaunchConfig) -> LaunchConfig:
     multiple of every size's divisor nearest the full cluster's own choice
     (asked of the chief's check), stated in one line and passed to every
     formation, so a re-formed cluster never chooses its own."""
-    args = list(config.train_args)
     if config.elastic is None or config.program is not None or \
-            processes.has_flag(args, "--global-batch-size"):
+            config.options.global_batch_size is not None:
         return config
     cluster = config.cluster
     first = next((n for n in cluster.names if cluster.tf_configs[n] is not None), None)
     checks = processes.check_tasks({first: cluster.tf_configs[first]},
-                                   processes.task_command(config.kind, args), dict(os.environ))
+                                   processes.task_command(config.kind, config.member), dict(os.environ))
     plan = checks[0].plan if checks and checks[0].code == 0 else None
     if plan is None or not isinstance(plan.get("global_batch_size"), int):
         return config  # the tasks' own check (preflight) says why
     divisors = elastic_divisors(config)
     batch = elastic.choose_batch(plan["global_batch_size"], divisors)
     print(elastic.batch_line(batch, divisors), flush=True)
-    return dataclasses.replace(config, train_args=(*args, "--global-batch-size", str(batch)))
+    options = dataclasses.replace(config.options, global_batch_size=batch)
+    return dataclasses.replace(config, member=dataclasses.replace(config.member, options=options))
 
 
 def decide_network(config: LaunchConfig) -> tuple[bool, str | None]:
@@ -289,7 +277,7 @@ def preflight(config: LaunchConfig) -> int | None:
         roles.setdefault(name.partition(":")[0], name)
     checked = cluster.names if config.dry_run else list(roles.values())
     checks = processes.check_tasks({n: cluster.tf_configs[n] for n in checked},
-                                   processes.task_command(config.kind, list(config.train_args)),
+                                   processes.task_command(config.kind, config.member),
                                    dict(os.environ), full=config.dry_run)
     if config.dry_run:
         show_plan(cluster, checks)
@@ -309,7 +297,7 @@ def run_inside(config: LaunchConfig) -> int:
     if config.netns_inside:
         network.loopback_up()
     cluster, launch_dir = config.cluster, config.launch_dir
-    command = processes.task_command(config.kind, list(config.train_args), program=config.program)
+    command = processes.task_command(config.kind, config.member, program=config.program)
 
     received: list[int] = []
     holder: list = []

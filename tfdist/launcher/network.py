@@ -135,10 +135,11 @@ def hosts_problem(timeout: float = 20.0) -> str | None:
     return None
 
 
-def netns_command(launch_argv: list[str], train_args: list[str],
+def netns_command(launch_argv: list[str], member_argv: list[str],
                   python: str = sys.executable) -> list[str]:
-    """This launcher again, inside new namespaces, told that it is inside (pure)."""
-    return [*UNSHARE, python, *LAUNCH, *launch_argv, INSIDE_FLAG, "--", *train_args]
+    """This launcher again, inside new namespaces, told that it is inside (pure);
+    ``member_argv``: every member's flags (``MemberArgs.argv``), after ``--``."""
+    return [*UNSHARE, python, *LAUNCH, *launch_argv, INSIDE_FLAG, "--", *member_argv]
 
 
 def loopback_up() -> None:

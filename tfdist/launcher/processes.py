@@ -8,7 +8,6 @@ of that holds from its first instruction and for every thread it starts.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import glob
 import json
@@ -236,12 +235,14 @@ def share_cores(kind: StrategyKind, members, cpus: int,
 
 # --- commands and saved files -----------------------------------------------------
 
-def task_command(kind: StrategyKind, train_args: list[str], python: str = sys.executable,
+def task_command(kind: StrategyKind, member, python: str = sys.executable,
                  program: str | None = None) -> list[str]:
-    """What every task runs: ``train.py``, or ``program`` (``--program``) with
+    """What every member runs: ``train.py``, or ``program`` (``--program``) with
     the same arguments, so another trainer (the benchmark's tutorial peers)
-    runs on the same simulated cluster, TF_CONFIGs, pinning and slow-downs."""
-    return [python, *((program,) if program else TRAIN), f"--strategy={kind.name}", *train_args]
+    runs on the same simulated cluster, TF_CONFIGs, pinning and slow-downs.
+    ``member`` (``config.MemberArgs``): its flags, typed; its command line is made here."""
+    return [python, *((program,) if program else TRAIN), f"--strategy={kind.name}",
+            *member.argv()]
 
 
 # --- every task's own check, before anything is written ---------------------------------
@@ -368,9 +369,10 @@ def prepare_data_command(data_dir: str, python: str = sys.executable) -> list[st
     return [python, "-m", "tfdist.training.prepare_data", *(["--data-dir", data_dir] if data_dir else [])]
 
 
-def prepare_data(train_args: list[str], env: dict[str, str]) -> int:
-    """Download MNIST first if tfds would: the namespace has no network."""
-    data_dir = train_arg(train_args, "--data-dir", env.get("TFDS_DATA_DIR") or "")
+def prepare_data(data_dir: str | None, env: dict[str, str]) -> int:
+    """Download MNIST first if tfds would: the namespace has no network.
+    ``data_dir``: the members' ``--data-dir`` (None: ``TFDS_DATA_DIR``, else tfds's own)."""
+    data_dir = data_dir or env.get("TFDS_DATA_DIR") or ""
     where = data_dir or os.path.join("~", "tensorflow_datasets")
     if mnist_prepared(where):
         return 0
@@ -378,27 +380,6 @@ def prepare_data(train_args: list[str], env: dict[str, str]) -> int:
           "network namespace, which has no network", flush=True)
     return subprocess.run(prepare_data_command(data_dir), env=env,
                           stdin=subprocess.DEVNULL).returncode
-
-
-def train_arg(train_args: list[str], flag: str, default: str) -> str:
-    # No abbreviations: "--model logreg" must not read as "--model-dir logreg".
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    p.add_argument(flag, default=default)
-    known, _ = p.parse_known_args(train_args)
-    return getattr(known, flag.lstrip("-").replace("-", "_"))
-
-
-def int_arg(train_args: list[str], flag: str) -> int | None:
-    """A train.py flag's integer value, or ``None`` (absent, or not a number: the
-    task's own check says what is wrong with it)."""
-    try:
-        return int(train_arg(train_args, flag, None))
-    except (TypeError, ValueError):
-        return None
-
-
-def has_flag(argv: list[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
 def live_processes(environ: bool = False):

@@ -481,7 +481,7 @@ class RayEngine:
     def _save(self, attempt: int) -> None:
         launch_dir = self.config.launch_dir
         plan = plans.ClusterPlan(self.tf_configs)
-        command = processes.task_command(self.config.kind, list(self.config.train_args),
+        command = processes.task_command(self.config.kind, self.config.member,
                                          program=self.config.program)
         if attempt == 0:
             processes.save_launch_files(launch_dir, plan, command)
@@ -687,14 +687,8 @@ FORWARDED_ENV = ("TFDS_DATA_DIR", "TF_CPP_MIN_LOG_LEVEL", protocol.EVENTS_ENV)
 def absolute_model_dir(config: LaunchConfig) -> LaunchConfig:
     """The model dir as an absolute path in every task's flags: it is the shared path every
     node writes to, whatever each actor's working directory is."""
-    model_dir = os.path.abspath(config.model_dir)
-    args = list(config.train_args)
-    for i, arg in enumerate(args):
-        if arg == "--model-dir" and i + 1 < len(args):
-            args[i + 1] = model_dir
-        elif arg.startswith("--model-dir="):
-            args[i] = f"--model-dir={model_dir}"
-    return dataclasses.replace(config, model_dir=model_dir, train_args=tuple(args))
+    options = dataclasses.replace(config.options, model_dir=os.path.abspath(config.model_dir))
+    return dataclasses.replace(config, member=dataclasses.replace(config.member, options=options))
 
 
 def run(config: LaunchConfig, request: LaunchRequest, log=None) -> int:
@@ -702,7 +696,7 @@ def run(config: LaunchConfig, request: LaunchRequest, log=None) -> int:
     log = log or (lambda m: print(m, flush=True))
     ray = import_ray()
     config = absolute_model_dir(config)
-    command = processes.task_command(config.kind, list(config.train_args), program=config.program)
+    command = processes.task_command(config.kind, config.member, program=config.program)
     processes.check_launch_dir(config.launch_dir)
     os.makedirs(config.launch_dir, exist_ok=True)
     engine = RayEngine(ray, config, request.cluster.address, request.cluster.ray_placement,

@@ -10,6 +10,7 @@ rate, read from the tasks' progress events.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -645,7 +646,7 @@ def _reform(config: LaunchConfig, membership, code: int, sup: Supervisor, inject
         return code
     # Decided at launch (job.pin_elastic_batch) and in every formation's command;
     # under --program, the one its run recorded.
-    batch = elastic.global_batch(config.model_dir, list(config.train_args))
+    batch = elastic.global_batch(config.model_dir, config.options)
     n = len(membership.members)
     if batch is not None and batch % n:
         log(f"[launch] the run's global batch {batch} does not divide over {n} workers: "
@@ -654,9 +655,10 @@ def _reform(config: LaunchConfig, membership, code: int, sup: Supervisor, inject
             f"multiple of every size down to --min-workers")
         membership.members = before
         return Exit.TASK_LOST
-    given = processes.has_flag(list(config.train_args), "--global-batch-size")
-    pinned = ["--global-batch-size", str(batch)] if batch is not None and not given else []
-    args, k_line = elastic.aggregate_args(command, n)
+    options = config.options
+    if batch is not None and options.global_batch_size is None:
+        options = dataclasses.replace(options, global_batch_size=batch)
+    options, k_line = elastic.aggregate(options, n)
     if k_line:
         log(f"[launch] {k_line}")
     if batch is None:
@@ -664,7 +666,9 @@ def _reform(config: LaunchConfig, membership, code: int, sup: Supervisor, inject
             "cluster chooses its own (--global-batch-size keeps it fixed)")
     else:
         log(f"[launch] global batch {batch} kept: {batch // n} per worker x {n}")
-    formation.update(tf_configs=membership.configs(), command=[*args, *pinned],
+    member = dataclasses.replace(config.member, options=options)
+    formation.update(tf_configs=membership.configs(),
+                     command=processes.task_command(config.kind, member, program=config.program),
                      env=membership.env())
     return None
 
