@@ -106,7 +106,7 @@ def spawn():
 def descendants_alive(marker: str) -> list[str]:
     """Processes whose command line contains ``marker`` (e.g. a model dir)."""
     # The soak's scan (bench/soak.py), one implementation.
-    from tfdist.launcher.processes import running_with
+    from tfdist.linux import running_with
 
     return running_with(marker)
 

@@ -247,7 +247,8 @@ def launch(strategy: str = "auto", task=None, *, cluster: Cluster | None = None,
     task's outcome; raises :class:`TfdistError`.
     """
     from tfdist.launcher.config import Cluster, Faults, LaunchRequest, Limits, MemberArgs, Recovery
-    from tfdist.launcher.job import MemberCheckFailed, choose_kind, run_request
+    from tfdist.launcher.checks import MemberCheckFailed
+    from tfdist.launcher.job import choose_kind, run_request
     from tfdist.launcher.plan import LaunchError
     from tfdist.options import TrainOptions
 

@@ -15,7 +15,7 @@ from tfdist import protocol
 from tfdist.bench import soak
 from conftest import REPO, child_env
 from tfdist.launcher import policy
-from tfdist.launcher.processes import running_with
+from tfdist.linux import running_with
 from tfdist.strategies import kinds
 
 CLUSTER = ("ps", "ps-sync", "multiworker")

@@ -15,12 +15,26 @@ import time
 import pytest
 
 from tfdist import protocol
-from tfdist.launcher import cgroups, faults, network, processes, supervisor
+from tfdist.launcher import attempts, cgroups, faults, files, network, outcome, supervisor
+from tfdist.launcher.engine.api import Placement
+from tfdist.launcher.engine.local import LocalEngine, child_setup, start_member
 from tfdist.launcher import injector as injectors, restarter as restarters, slowdown as slowdowns
 from tfdist.launcher import plan as plans
-from tfdist.launcher.config import LaunchConfig, Limits
+from tfdist.launcher.config import LaunchConfig, Limits, MemberArgs
+from tfdist.options import TrainOptions
 from tfdist.launcher.state import JobState, RestartMember, SignalMember, SlowMember, MemberView
 from tfdist.strategies import kinds, parse_tf_config
+
+
+class Starting(LocalEngine):
+    """The local engine, each member started by ``starter`` (a stand-in command)."""
+
+    def __init__(self, starter):
+        super().__init__(config=None)
+        self.starter = starter
+
+    def start(self, name):
+        return self.starter(name)
 
 
 # --- the host plan (pure) ------------------------------------------------------------------
@@ -85,7 +99,7 @@ def test_bad_host_plans(args, words):
 
 def test_saved_files_say_which_host_each_task_is_on(tmp_path):
     plan = plans.build_host_cluster(kinds.get("ps"), workers=2, ps=1, hosts=3)
-    processes.save_launch_files(str(tmp_path), plan, ["python", "train.py", "--strategy=ps"])
+    files.save_launch_files(str(tmp_path), plan, ["python", "train.py", "--strategy=ps"])
     script = (tmp_path / "commands.sh").read_text()
     assert "# worker:1 on host2 (10.77.0.13)" in script
     assert "# chief:0 on host0 (10.77.0.11)" in script
@@ -176,8 +190,8 @@ def test_quota_is_the_fraction_of_the_cores_the_task_would_use():
     assert cgroups.quota_us(0.25, 1) == 25_000
     assert cgroups.quota_us(0.5, 2) == 100_000
     assert cgroups.quota_us(0.001, 1) == 1000  # the kernel's minimum
-    assert processes.CoreShare({}, (2, 3)).cores(8) == 2
-    assert processes.CoreShare({"TF_NUM_INTRAOP_THREADS": "1"}).cores(8) == 8
+    assert plans.CoreShare({}, (2, 3)).cores(8) == 2
+    assert plans.CoreShare({"TF_NUM_INTRAOP_THREADS": "1"}).cores(8) == 8
 
 
 def test_injector_returns_a_slow_action_when_its_step_comes(tmp_path):
@@ -245,11 +259,11 @@ def test_worker_rates_from_ps_chief_events(tmp_path):
                                {"steps_per_worker": {"worker:0": a, "worker:1": b}})
         with open(log.path, "a") as f:
             f.write(event.to_json() + "\n")
-    rates = supervisor.worker_rates(kinds.get("ps"), supervisor.job_events(
+    rates = outcome.worker_rates(kinds.get("ps"), outcome.job_events(
         {"chief:0": path, "worker:0": str(tmp_path / "none")}))
     assert rates == {"worker:0": {"steps": 110, "share": 0.8333, "steps_per_sec": 5.0},
                      "worker:1": {"steps": 22, "share": 0.1667, "steps_per_sec": 1.0}}
-    assert "worker:1 22 local steps (17%), 1.0 steps/s" in supervisor.describe_rates(rates)
+    assert "worker:1 22 local steps (17%), 1.0 steps/s" in outcome.describe_rates(rates)
 
 
 def test_worker_rates_from_one_report_say_why_there_is_no_rate(tmp_path):
@@ -258,9 +272,9 @@ def test_worker_rates_from_one_report_say_why_there_is_no_rate(tmp_path):
         f.write(protocol.Event(protocol.PROGRESS, "chief:0", 200, 100.0,
                                {"steps_per_worker": {"worker:0": 98, "worker:1": 102}}
                                ).to_json() + "\n")
-    rates = supervisor.worker_rates(kinds.get("ps"), supervisor.job_events({"chief:0": path}))
+    rates = outcome.worker_rates(kinds.get("ps"), outcome.job_events({"chief:0": path}))
     assert rates["worker:0"] == {"steps": 98, "share": 0.49, "steps_per_sec": None}
-    line = supervisor.describe_rates(rates)
+    line = outcome.describe_rates(rates)
     assert line.startswith("worker:0 98 local steps (49%); worker:1 102 local steps (51%) (steps/s needs")
     assert "?" not in line and "--log-every" in line
 
@@ -273,7 +287,7 @@ def test_worker_rates_from_sync_workers_own_events(tmp_path):
             for step in (100, 200, 300):
                 f.write(protocol.Event(protocol.PROGRESS, name, step, step / per_sec,
                                        {"steps_per_sec": 1.0}).to_json() + "\n")
-    rates = supervisor.worker_rates(kinds.get("multiworker"), supervisor.job_events(paths))
+    rates = outcome.worker_rates(kinds.get("multiworker"), outcome.job_events(paths))
     assert rates["worker:1"] == {"steps": 300, "share": None, "steps_per_sec": 20.0}
 
 
@@ -323,13 +337,14 @@ def test_slowdown_caps_a_busy_process_and_a_restart_is_slowed_again(method):
     started = []
 
     def starter(name):
-        place = processes.Placement(cgroup=slow.cgroup_for(name))
-        member = processes.start_member(name, None, [sys.executable, "-c", _BURN], {},
+        place = Placement(cgroup=slow.cgroup_for(name))
+        member = start_member(name, None, [sys.executable, "-c", _BURN], {},
                                     sink=open(os.devnull, "w"), place=place)
         started.append(member)
         return member
 
-    sup = supervisor.Supervisor(kinds.get("ps"), starter, log=lambda m: None, grace=2, slowdown=slow)
+    sup = supervisor.Supervisor(kinds.get("ps"), Starting(starter), log=lambda m: None, grace=2,
+                                slowdown=slow)
     try:
         sup.start(["worker:1"])
         full = _burn_rate(started[-1])
@@ -380,7 +395,7 @@ def test_shaped_link_measures_within_a_quarter_of_the_set_rate():
 
 
 _RELAUNCHED = """import os, sys
-marker = sys.argv[1]
+marker = sys.argv[-1]
 cpu = [l.strip() for l in open("/proc/self/cgroup") if "cpu" in l.split(":")[1].split(",")]
 print("cgroup", cpu[0].rsplit("/", 1)[1] if cpu else "none", flush=True)
 if not os.path.exists(marker):
@@ -396,14 +411,20 @@ def test_a_relaunched_job_starts_its_slowed_task_in_the_cgroup_again(tmp_path, c
     plan = plans.loopback_plan(kinds.get("mirrored"), 1, 0, False, None)
     recovery = _recovery(plan.tf_configs, strategy="mirrored", slow=["local:0=0.5"],
                          max_restarts=1, restart_delay=0)
+    program = tmp_path / "relaunched.py"
+    program.write_text(_RELAUNCHED)
     config = LaunchConfig(kind=kinds.get("mirrored"), cluster=plan, recovery=recovery,
-                          limits=Limits(grace=2.0, timeout=30.0))
+                          limits=Limits(grace=2.0, timeout=30.0), program=str(program),
+                          member=MemberArgs(options=TrainOptions(model_dir=str(tmp_path)),
+                                            extra=(str(tmp_path / "marker"),)))
     launch_dir = tmp_path / "launch"
-    processes.save_launch_files(str(launch_dir), plan, ["unused"])
     logs = []
-    code = supervisor.run_job(config, [sys.executable, "-c", _RELAUNCHED,
-                                       str(tmp_path / "marker")], {}, [],
-                              log=logs.append, launch_dir=str(launch_dir))
+    engine = LocalEngine(config)
+    try:
+        assert engine.open(logs.append) is None
+        code = attempts.run_job(attempts.RunContext(config, engine, logs.append))
+    finally:
+        engine.close()
     assert code == 0, logs
     out = [l for l in capsys.readouterr().out.splitlines() if "cgroup" in l]
     expected = f"[local:0] cgroup {cgroups.CGROUP_PREFIX}{os.getpid()}-local-0"
@@ -424,7 +445,7 @@ def test_closing_a_slowdown_ends_a_straggler_left_in_its_cgroup():
     slow.activate("worker:1", 0.05)
     path = slow.cgroups["worker:1"]
     straggler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
-                                 preexec_fn=processes.child_setup(processes.Placement(cgroup=path)))
+                                 preexec_fn=child_setup(Placement(cgroup=path)))
     try:
         with open(os.path.join(path, "cgroup.procs")) as f:
             assert str(straggler.pid) in f.read().split()

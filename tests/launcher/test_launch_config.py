@@ -58,18 +58,22 @@ def test_no_launcher_function_takes_the_flags():
     assert not any("getattr(args" in p.read_text() for p in LAUNCHER.glob("*.py"))
 
 
-def test_only_the_cgroups_module_joins_a_cgroup():
-    writers = sorted(p.name for p in LAUNCHER.glob("*.py") if '"cgroup.procs"' in p.read_text())
-    assert writers == ["cgroups.py"]
+def test_only_one_function_joins_a_cgroup():
+    writers = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "tfdist").rglob("*.py")
+                     if '"cgroup.procs"), "w"' in p.read_text())
+    assert writers == ["tfdist/linux.py"]
 
 
-def test_run_job_takes_the_config():
+def test_the_attempts_share_one_run_context_led_by_the_config():
+    import dataclasses as dc
     import inspect
 
-    from tfdist.launcher import supervisor
+    from tfdist.launcher import attempts
 
-    first = next(iter(inspect.signature(supervisor.run_job).parameters.values()))
-    assert first.name == "config" and first.annotation in (LaunchConfig, "LaunchConfig")
+    assert dc.fields(attempts.RunContext)[0].name == "config"
+    for fn in (attempts.run_job, attempts.attempts, attempts.reform):
+        first = next(iter(inspect.signature(fn).parameters.values()))
+        assert first.name == "run" and first.annotation in (attempts.RunContext, "RunContext")
 
 
 def test_a_relative_task_file_is_the_one_beside_the_launcher(tmp_path, monkeypatch):

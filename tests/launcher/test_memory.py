@@ -8,8 +8,10 @@ import pytest
 
 from tfdist.launcher import cgroups
 from tfdist.launcher.memory import (MIN_LIMIT, MemoryLimitError, MemoryLimits, PeakMemory, parse_limits,
-                             parse_size, vm_hwm_bytes)
-from tfdist.launcher.processes import Placement, child_setup
+                             parse_size)
+from tfdist.linux import vm_hwm_bytes
+from tfdist.launcher.engine.api import Placement
+from tfdist.launcher.engine.local import child_setup
 from tfdist.launcher.state import JobState, MemberView
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from tfdist.cli import launch as launch_cli
 from tfdist.launcher import plan as plans
-from tfdist.launcher import ray_engine
+from tfdist.launcher.engine import ray_engine
 from tfdist.launcher.config import Cluster, Faults, LaunchRequest, MemberArgs
 from tfdist.launcher.job import build_config, run_request
 from tfdist.launcher.plan import LaunchError

@@ -542,7 +542,7 @@ def _launch_kind(kind, model_dir, *extra):
 
 def _chief_pid(model_dir) -> int:
     """The chief's process, told from the workers' by its TF_CONFIG."""
-    from tfdist.launcher.processes import live_processes
+    from tfdist.linux import live_processes
 
     for pid, cmd, env in live_processes(environ=True):
         # The launcher starts each task as ``python -m tfdist.cli.train``.

@@ -45,7 +45,7 @@ from tfdist import protocol
 from tfdist.bench.common import LAUNCH, ROOT
 from tfdist.launcher import cgroups, policy
 from tfdist.launcher.plan import place_members
-from tfdist.launcher.processes import live_processes
+from tfdist.linux import live_processes
 from tfdist.strategies import ConfigError, kinds
 from tfdist.strategies.kinds import StrategyKind
 from tfdist.strategies.tf_config import TRAINING_ROLES

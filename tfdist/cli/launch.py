@@ -26,7 +26,8 @@ import sys
 
 from tfdist import flags, protocol
 from tfdist.launcher.config import LaunchRequest, MemberArgs
-from tfdist.launcher.job import MemberCheckFailed, run_request
+from tfdist.launcher.checks import MemberCheckFailed
+from tfdist.launcher.job import run_request
 from tfdist.launcher.plan import LaunchError
 from tfdist.options import TrainOptions
 from tfdist.protocol import Exit

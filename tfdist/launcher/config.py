@@ -31,7 +31,7 @@ from tfdist.launcher.elastic import DEFAULT_REJOIN_TIMEOUT, ElasticPlan
 from tfdist.launcher.faults import FAULT_SPEC, MAX_TASK_RESTARTS, RESTART_DELAY, RecoveryPlan
 from tfdist.launcher.network import INSIDE_FLAG, NETNS_MODES
 from tfdist.launcher.plan import ClusterPlan
-from tfdist.launcher.processes import CoreShare
+from tfdist.launcher.plan import CoreShare
 from tfdist.strategies import kinds
 from tfdist.strategies.kinds import StrategyKind
 
@@ -221,7 +221,7 @@ class LaunchConfig:
     kind: StrategyKind
     cluster: ClusterPlan
     recovery: RecoveryPlan = RecoveryPlan()
-    # Each task's thread pools and CPU set (``processes.share_cores``).
+    # Each task's thread pools and CPU set (``plan.share_cores``).
     cores: Mapping[str, CoreShare] = field(default_factory=dict)
     # Every member's flags, typed (--model-dir always set: ``model_dir``).
     member: MemberArgs = MemberArgs()

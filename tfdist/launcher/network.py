@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import glob
 import json
 import os
 import re
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 from tfdist.launcher import plan as plans
 from tfdist.launcher.plan import LaunchError
-from tfdist.launcher.processes import CLONE_NEWNET, die_with_parent, enter_netns, libc
+from tfdist.linux import CLONE_NEWNET, die_with_parent, enter_netns, libc
 from tfdist.strategies.kinds import StrategyKind
 
 NETNS_MODES = ("auto", "on", "off")
@@ -331,6 +332,28 @@ class SimulatedHosts:
             raise
         return self
 
+    def build(self, cluster, link_rate: str | None, log):
+        """Bring the hosts up and measure a shaped link: the link record (``None``
+        unshaped), or ``False`` if the machine cannot (exit 1, not 2: the outer
+        launcher's probe passed, so it is the machine, not the flags).
+        ``cluster``: the ``plan.ClusterPlan`` placed on them."""
+        try:
+            self.up()
+            check = self.measure() if self.rate_bits else None
+        except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as err:
+            log(f"[launch] error: could not build or measure {cluster.hosts} simulated "
+                f"hosts: {err}")
+            return False
+        log("[launch] hosts: " + ", ".join(
+            f"host{i} {plans.host_address(i)} ("
+            f"{', '.join(n for n, h in cluster.host_of.items() if h == i)})"
+            for i in range(cluster.hosts)) + f" on bridge {BRIDGE} "
+            f"({plans.BRIDGE_ADDRESS}/{plans.PREFIX}), private to this launcher")
+        if check is None:
+            return None
+        log(f"[launch] links: {check.describe(link_rate)}")
+        return {"rate": link_rate, **check.to_dict()}
+
     def _add_host(self, i: int) -> None:
         # Popen returns after exec, so after the holder's unshare: its
         # namespace exists (a veth moved in earlier would land in ours).
@@ -478,3 +501,27 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# --- data, before entering a namespace without network -----------------------------
+
+def mnist_prepared(data_dir: str) -> bool:
+    return bool(glob.glob(os.path.join(os.path.expanduser(data_dir), "mnist", "*",
+                                       "dataset_info.json")))
+
+
+def prepare_data_command(data_dir: str, python: str = sys.executable) -> list[str]:
+    return [python, "-m", "tfdist.training.prepare_data", *(["--data-dir", data_dir] if data_dir else [])]
+
+
+def prepare_data(data_dir: str | None, env: dict[str, str]) -> int:
+    """Download MNIST first if tfds would: the namespace has no network.
+    ``data_dir``: the members' ``--data-dir`` (None: ``TFDS_DATA_DIR``, else tfds's own)."""
+    data_dir = data_dir or env.get("TFDS_DATA_DIR") or ""
+    where = data_dir or os.path.join("~", "tensorflow_datasets")
+    if mnist_prepared(where):
+        return 0
+    print(f"[launch] no MNIST in {where}; checking or downloading it before entering the "
+          "network namespace, which has no network", flush=True)
+    return subprocess.run(prepare_data_command(data_dir), env=env,
+                          stdin=subprocess.DEVNULL).returncode

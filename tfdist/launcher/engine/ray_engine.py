@@ -35,11 +35,14 @@ import threading
 import time
 
 from tfdist import protocol
+from tfdist.launcher import elastic, files
+from tfdist.launcher.elastic import workers_text
 from tfdist.launcher import plan as plans
-from tfdist.launcher import elastic, processes, supervisor
 from tfdist.launcher.config import ENGINES, LaunchConfig, LaunchRequest
+from tfdist.launcher.engine.api import SINK_LOCK, Engine, Formation, MemberProcess, Placement
+from tfdist.launcher.engine.local import child_setup, member_command, stop_members, wait_all
+from tfdist.launcher.membership import Membership
 from tfdist.launcher.plan import LaunchError
-from tfdist.launcher.processes import MemberProcess
 from tfdist.launcher.state import JobState, SignalMember
 from tfdist.protocol import Exit
 
@@ -141,14 +144,14 @@ def shortage(bundles: list[dict[str, float]], resources: dict, nodes: int, place
 
 
 def node_shares(kind, node_of: dict[str, str], cpus_of: dict[str, int]
-                ) -> dict[str, processes.CoreShare]:
+                ) -> dict[str, plans.CoreShare]:
     """Each task's thread pools and cores (pure): every Ray node is a host of its own, its
     tasks sharing its cores exactly as the local launcher shares one machine's
-    (``processes.share_cores``: pools sized to a task's share, busy tasks pinned apart)."""
-    out: dict[str, processes.CoreShare] = {}
+    (``plans.share_cores``: pools sized to a task's share, busy tasks pinned apart)."""
+    out: dict[str, plans.CoreShare] = {}
     for node in sorted(set(node_of.values())):
         here = [n for n in node_of if node_of[n] == node]
-        out.update(processes.share_cores(kind, here, max(1, cpus_of.get(node, 1))))
+        out.update(plans.share_cores(kind, here, max(1, cpus_of.get(node, 1))))
     return out
 
 
@@ -194,7 +197,7 @@ class TaskHost:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             # Dies with this actor (ray.kill, a lost node): no orphan on the node.
             start_new_session=True,
-            preexec_fn=processes.child_setup(processes.Placement(cpus=tuple(cpus))))
+            preexec_fn=child_setup(Placement(cpus=tuple(cpus))))
         yield {"pid": self.proc.pid}
         for raw in iter(self.proc.stdout.readline, b""):
             yield raw.decode(errors="replace").rstrip("\n")
@@ -279,7 +282,7 @@ def _pump(proc: RayProc, stream, name: str, keep: list[str], sink=None) -> None:
                 proc.started.set()
             elif isinstance(item, str):
                 keep.append(item)
-                with processes._SINK_LOCK:
+                with SINK_LOCK:
                     sink.write(f"[{name}] {item}\n")
                     sink.flush()
             else:
@@ -308,7 +311,7 @@ class Placed:
         return f"{self.ip}:{self.port}"
 
 
-class RayEngine:
+class RayEngine(Engine):
     """The job on Ray: connect (or start a local instance), place each attempt, start each task."""
 
     def __init__(self, ray, config: LaunchConfig, address: str | None, placement: str, log=print,
@@ -321,11 +324,12 @@ class RayEngine:
         self.pg = None
         self.placed: dict[str, Placed] = {}
         self.tf_configs: dict[str, dict] = {}
-        self.cores: dict[str, processes.CoreShare] = {}  # each task's, on its node
+        self.cores: dict[str, plans.CoreShare] = {}  # each task's, on its node
         self.procs: dict[str, RayProc] = {}
         self.actor_class = None
         self.local = address is None
         self.placements: list[dict] = []  # each attempt's {task: node}, for launch/ray.json
+        self.formation: Formation | None = None
         # Each task's temporary files (a multiworker worker's private checkpoints)
         # go under this path on its node: the actor removes its task's when the
         # task ends, and close() the whole of it here, where a killed actor's or a
@@ -339,6 +343,33 @@ class RayEngine:
         return self.membership.names if self.membership is not None else list(self.all_names)
 
     # --- the cluster ---------------------------------------------------------------
+
+    def open(self, log) -> int | None:
+        config = self.config
+        files.check_launch_dir(config.launch_dir)
+        os.makedirs(config.launch_dir, exist_ok=True)
+        self.connect()
+        log(f"[launch] {config.kind.name} on Ray: {', '.join(config.names)}; TF_CONFIGs in "
+            f"{config.launch_dir}/")
+        return None
+
+    def signal(self, member: MemberProcess, sig: int, group: bool = True) -> None:
+        if group:
+            member.proc.signal_group(sig)
+        else:
+            member.proc.send_signal(sig)
+
+    def poll(self, member: MemberProcess) -> int | None:
+        return member.proc.poll()
+
+    def wait(self, members: list[MemberProcess], timeout: float) -> None:
+        wait_all(members, timeout)
+
+    def stop(self, members: list[MemberProcess], grace: float) -> None:
+        stop_members(members, grace, group_signal=lambda proc, sig: proc.signal_group(sig))
+
+    def reads_memory(self) -> bool:
+        return False  # VmHWM is read from this host's /proc: not for members on other nodes
 
     def connect(self) -> None:
         ray, t0 = self.ray, time.monotonic()
@@ -363,8 +394,8 @@ class RayEngine:
     def _alive_nodes(self) -> int:
         return sum(1 for n in self.ray.nodes() if n.get("Alive"))
 
-    def elastic_membership(self, plan: elastic.ElasticPlan, event_paths, record_path, log
-                           ) -> "NodeMembership":
+    def membership(self, plan: elastic.ElasticPlan, event_paths, record_path, log
+                   ) -> "NodeMembership":
         """--min-workers: the supervisor's membership hook, which decides what is placed."""
         self.membership = NodeMembership(plan, list(self.all_names), self, event_paths, log,
                                          record_path=record_path)
@@ -417,9 +448,10 @@ class RayEngine:
 
     # --- each attempt: place, bind, TF_CONFIGs ----------------------------------------
 
-    def new_attempt(self, attempt: int) -> None:
+    def new_attempt(self, attempt: int, formation: Formation) -> None:
         """Place every task anew: the placement group, one actor per bundle, their ports,
         every TF_CONFIG, the launch files. LaunchError (one line) if the cluster lacks room."""
+        self.formation = formation
         ray = self.ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -481,15 +513,14 @@ class RayEngine:
     def _save(self, attempt: int) -> None:
         launch_dir = self.config.launch_dir
         plan = plans.ClusterPlan(self.tf_configs)
-        command = processes.task_command(self.config.kind, self.config.member,
-                                         program=self.config.program)
+        command = member_command(self.config, self.formation)
         if attempt == 0:
-            processes.save_launch_files(launch_dir, plan, command)
+            files.save_launch_files(launch_dir, plan, command)
         else:  # the progress events of every attempt stay (a relaunch appends)
             for name, tf_config in self.tf_configs.items():
-                processes._write_file(os.path.join(launch_dir, plans.tf_config_file(name)),
+                files.write_file(os.path.join(launch_dir, plans.tf_config_file(name)),
                                       json.dumps(tf_config) + "\n")
-            processes._write_file(os.path.join(launch_dir, "commands.sh"),
+            files.write_file(os.path.join(launch_dir, "commands.sh"),
                                   plans.commands_script(plan, command, launch_dir))
         self.placements.append({n: {"node_id": p.node_id, "address": p.address}
                                 for n, p in self.placed.items()})
@@ -499,10 +530,11 @@ class RayEngine:
 
     # --- each task -----------------------------------------------------------------------
 
-    def start(self, name: str, command: list[str], env: dict[str, str],
-              task_env: dict[str, str]) -> MemberProcess:
-        """Start ``name``'s process in its actor (the supervisor's starter). A restart reuses
-        the actor if it lives, else places a new one in the same bundle, on the same port."""
+    def start(self, name: str) -> MemberProcess:
+        """Start ``name``'s process in its actor. A restart reuses the actor if it lives,
+        else places a new one in the same bundle, on the same port."""
+        command = member_command(self.config, self.formation)
+        env, task_env = os.environ, self.formation.member_env(name)
         placed = self.placed[name]
         old = self.procs.get(name)
         if old is not None and old.actor_lost:
@@ -514,7 +546,7 @@ class RayEngine:
         share = self.cores[name]
         # The supervisor sized the thread pools by the driver's cores; the task runs on
         # its node, whose cores and co-located tasks decide them (node_shares).
-        own = {k: v for k, v in task_env.items() if k not in processes.THREAD_POOL_ENV}
+        own = {k: v for k, v in task_env.items() if k not in plans.THREAD_POOL_ENV}
         job_env = {**{k: v for k, v in env.items() if k in FORWARDED_ENV}, **own, **share.env,
                    "TF_CONFIG": json.dumps(self.tf_configs[name]), "PYTHONUNBUFFERED": "1",
                    "TMPDIR": os.path.join(self.scratch, name.replace(":", "-"))}
@@ -566,7 +598,7 @@ class RayEngine:
         return None
 
 
-class NodeMembership(elastic.Membership):
+class NodeMembership(Membership):
     """--min-workers on Ray: a worker whose Ray actor is lost (its node gone) ends the
     attempt; the job re-forms with as many workers as the live nodes hold (at least M,
     at most the original N), each attempt placed anew, so the members are always the
@@ -581,14 +613,11 @@ class NodeMembership(elastic.Membership):
 
     def __init__(self, plan: elastic.ElasticPlan, names: list[str], engine: "RayEngine",
                  event_paths=(), log=print, record_path: str | None = None):
-        super().__init__(plan, names, {}, {}, event_paths, log, record_path=record_path)
+        super().__init__(plan, names, event_paths, log, record_path=record_path)
         self.engine = engine
         self.lost_nodes: set[str] = set()
         self.lost_at = 0.0
         self.looked = 0.0
-
-    def configs(self) -> dict[str, dict]:
-        return {}  # the engine builds them where it places the members
 
     def new_attempt(self, links_down) -> None:
         super().new_attempt(links_down)
@@ -617,9 +646,9 @@ class NodeMembership(elastic.Membership):
                 if first is not None:
                     self.growing = self.workers[len(self.members):room]
                     self.changed_at = self.back_seen = time.time()
-                    self.log(f"[launch] the live Ray nodes hold {_workers(room)} again; SIGTERM "
+                    self.log(f"[launch] the live Ray nodes hold {workers_text(room)} again; SIGTERM "
                              f"to {first.name}: the job checkpoints where it is and stops "
-                             f"(exit 42), then re-forms with {_workers(room)}")
+                             f"(exit 42), then re-forms with {workers_text(room)}")
                     return [SignalMember(first.name, signal.SIGTERM, group=False, pid=first.pid)]
         return []
 
@@ -650,7 +679,7 @@ class NodeMembership(elastic.Membership):
             back = self.growing
             self.members = self.workers[:len(self.members) + len(back)]
             self._change(f"{', '.join(back)} back (a Ray node joined: the live nodes hold "
-                         f"{_workers(len(self.members))})", back=True)
+                         f"{workers_text(len(self.members))})", back=True)
             return None
         if code == Exit.OK or not self.lost:
             return code
@@ -665,7 +694,7 @@ class NodeMembership(elastic.Membership):
                + (f"its Ray node {', '.join(sorted(n[:8] for n in dead))} gone" if dead else
                   "its Ray actor gone, its node alive") + ")")
         if room < self.plan.min_workers:
-            self.log(f"[launch] {why}: the live Ray nodes hold {_workers(room)}, below "
+            self.log(f"[launch] {why}: the live Ray nodes hold {workers_text(room)}, below "
                      f"--min-workers={self.plan.min_workers}; stopping (exit "
                      f"{int(Exit.TASK_LOST)}): run the same command when capacity is back to "
                      "resume from the newest checkpoint")
@@ -673,10 +702,6 @@ class NodeMembership(elastic.Membership):
         self.members = self.workers[:room]
         self._change(why, back=False)
         return None
-
-
-def _workers(n: int) -> str:
-    return f"{n} worker" + ("" if n == 1 else "s")
 
 
 # What the driver's environment passes to every task (each node has its own otherwise):
@@ -689,37 +714,3 @@ def absolute_model_dir(config: LaunchConfig) -> LaunchConfig:
     node writes to, whatever each actor's working directory is."""
     options = dataclasses.replace(config.options, model_dir=os.path.abspath(config.model_dir))
     return dataclasses.replace(config, member=dataclasses.replace(config.member, options=options))
-
-
-def run(config: LaunchConfig, request: LaunchRequest, log=None) -> int:
-    """The whole job on Ray: its exit code (as the local launcher decides it)."""
-    log = log or (lambda m: print(m, flush=True))
-    ray = import_ray()
-    config = absolute_model_dir(config)
-    command = processes.task_command(config.kind, config.member, program=config.program)
-    processes.check_launch_dir(config.launch_dir)
-    os.makedirs(config.launch_dir, exist_ok=True)
-    engine = RayEngine(ray, config, request.cluster.address, request.cluster.ray_placement,
-                       log=log)
-    received: list[int] = []
-    holder: list = []
-
-    def on_signal(signum, _frame):
-        received.append(signum)
-        raise KeyboardInterrupt(signum)
-
-    previous = signal.signal(signal.SIGTERM, on_signal)
-    try:
-        engine.connect()
-        log(f"[launch] {config.kind.name} on Ray: {', '.join(config.names)}; TF_CONFIGs in "
-            f"{config.launch_dir}/")
-        code = supervisor.run_job(config, command, dict(os.environ), holder, log=log,
-                                  launch_dir=config.launch_dir, engine=engine)
-    except KeyboardInterrupt:
-        log("[launch] interrupted; stopping every task")
-        return supervisor.interrupted(holder, received)
-    finally:
-        engine.close()
-        signal.signal(signal.SIGTERM, previous)
-    log(f"[launch] done: exit code {code}")
-    return code
