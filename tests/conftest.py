@@ -143,3 +143,17 @@ def refused_line(argv, tmp_path, capsys) -> str:
     assert code == 2 and len(err) == 1, (code, err)
     assert not (tmp_path / "run").exists()
     return err[0]
+
+
+def recovery_plan(kind, tasks, hosts: int = 0, **flags):
+    """``recovery.faults.plan_recovery`` from launch.py's flag names: the fault flags
+    (lists of specs) into a ``Faults``, the restart flags into a ``Recovery``."""
+    import dataclasses
+
+    from tfdist.launcher.config import Faults, Recovery
+    from tfdist.launcher.recovery.faults import plan_recovery
+
+    fault_fields = {f.name for f in dataclasses.fields(Faults)}
+    asked = Faults(**{k: tuple(v or ()) for k, v in flags.items() if k in fault_fields})
+    again = Recovery(**{k: v for k, v in flags.items() if k not in fault_fields})
+    return plan_recovery(kind, tasks, asked, again, hosts)

@@ -239,3 +239,43 @@ def test_the_subpackage_rule_can_fail():
 def test_training_top_keeps_at_most_twelve_modules():
     top = sorted(p.name for p in (REPO / "tfdist" / "training").glob("*.py"))
     assert len(top) <= 12, top
+
+
+# tfdist/launcher/'s wings: each imports the top's shared modules (config, plan, policy,
+# state, membership, files) and its own wing's, never another wing's; only the top (the
+# job, the attempt loop, the checks, the outcome) puts the wings together.
+LAUNCHER_WINGS = ("engine", "machine", "recovery")
+
+
+def launcher_wing(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] == ["tfdist", "launcher"] and len(parts) > 3 and parts[2] in LAUNCHER_WINGS:
+        return parts[2]
+    return None
+
+
+def launcher_sideways(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                  if launcher_wing(m) and launcher_wing(t) and launcher_wing(m) != launcher_wing(t))
+
+
+def test_launcher_wings_import_no_other_wing():
+    graph = import_graph()
+    assert {"tfdist.launcher.engine.local", "tfdist.launcher.machine.network",
+            "tfdist.launcher.recovery.elastic"} <= set(graph)
+    assert launcher_sideways(graph) == []
+
+
+def test_the_wing_rule_can_fail():
+    graph = {"tfdist.launcher.engine.ray_engine": {"tfdist.launcher.recovery.elastic",
+                                                   "tfdist.launcher.config"},
+             "tfdist.launcher.machine.memory": {"tfdist.launcher.state",
+                                                "tfdist.launcher.machine.cgroups"},
+             "tfdist.launcher.attempts": {"tfdist.launcher.machine.slowdown"}}
+    assert launcher_sideways(graph) == [
+        "tfdist.launcher.engine.ray_engine -> tfdist.launcher.recovery.elastic"]
+
+
+def test_launcher_top_keeps_at_most_twelve_modules():
+    top = sorted(p.name for p in (REPO / "tfdist" / "launcher").glob("*.py"))
+    assert len(top) <= 12, top

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from tfdist.bench import link_trace
-from tfdist.launcher import linktrace
+from tfdist.launcher.machine import linktrace
 
 RATE = 100e6
 

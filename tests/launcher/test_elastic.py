@@ -12,7 +12,10 @@ import sys
 import pytest
 
 from tfdist import protocol
-from tfdist.launcher import elastic, injector as injectors, faults, network
+from tfdist.launcher.recovery import elastic
+from tfdist.launcher.recovery import injector as injectors
+from tfdist.launcher.recovery import faults
+from tfdist.launcher.machine import network
 from tfdist.launcher import plan as plans
 from tfdist.launcher.membership import HostMembership
 from tfdist.launcher.plan import LaunchError
@@ -370,7 +373,6 @@ def test_under_ps_sync_the_chief_is_told_to_save_when_a_worker_is_back(tmp_path)
 
 def test_under_ps_a_worker_whose_host_is_gone_leaves_and_rejoins_when_it_is_back(tmp_path):
     names = ["chief:0", "worker:0", "worker:1", "ps:0"]
-    tf_configs = plans.build_host_cluster(kinds.get("ps"), 2, 1, hosts=3).tf_configs
     now, lines, down = [0.0], [], set()
     mem = HostMembership(elastic.ElasticPlan(1, 5.0), names,
                              {"chief:0": 0, "ps:0": 0, "worker:0": 1, "worker:1": 2},

@@ -8,10 +8,12 @@ import sys
 
 import pytest
 
+from conftest import recovery_plan
+
 from tfdist import protocol
-from tfdist.launcher import faults
+from tfdist.launcher.recovery import faults
 from tfdist.launcher.engine.local import LocalEngine, start_member
-from tfdist.launcher import injector as injectors
+from tfdist.launcher.recovery import injector as injectors
 from tfdist.launcher import plan as plans
 from tfdist.launcher.state import JobState, SetLink, SignalMember, MemberView
 from tfdist.launcher.supervisor import Supervisor
@@ -70,7 +72,7 @@ def test_kill_takes_no_duration():
 
 
 def test_plan_recovery_puts_hangs_and_partitions_in_the_plan():
-    plan = faults.plan_recovery(kinds.get("ps"), PS_TASKS, hang=["worker:1@step=10+5"],
+    plan = recovery_plan(kinds.get("ps"), PS_TASKS, hang=["worker:1@step=10+5"],
                                 partition=["host2@30"], hosts=3, kill=["worker:0@50"])
     assert plan.faults == (faults.Fault("kill", "worker:0", seconds=50.0),
                            faults.Fault("hang", "worker:1", step=10, lift_after=5.0),
@@ -84,7 +86,7 @@ def test_plan_recovery_puts_hangs_and_partitions_in_the_plan():
 ])
 def test_plan_recovery_rejects_hangs_and_partitions(kwargs, words):
     with pytest.raises(plans.LaunchError) as err:
-        faults.plan_recovery(kinds.get("ps"), PS_TASKS, **kwargs)
+        recovery_plan(kinds.get("ps"), PS_TASKS, **kwargs)
     for word in words:
         assert word in str(err.value)
 

@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-from tfdist.launcher import cgroups, hostcpus, network
+from tfdist.launcher.machine import cgroups
+from tfdist.launcher.machine import hostcpus
+from tfdist.launcher.machine import network
 from tfdist.launcher import plan as plans
 from tfdist.launcher.plan import LaunchError
 from tfdist.protocol import Exit

@@ -14,11 +14,18 @@ import time
 
 import pytest
 
+from conftest import recovery_plan
+
 from tfdist import protocol
-from tfdist.launcher import attempts, cgroups, faults, files, network, outcome, supervisor
+from tfdist.launcher import attempts, files, outcome, supervisor
+from tfdist.launcher.machine import cgroups
+from tfdist.launcher.recovery import faults
+from tfdist.launcher.machine import network
 from tfdist.launcher.engine.api import Placement
 from tfdist.launcher.engine.local import LocalEngine, child_setup, start_member
-from tfdist.launcher import injector as injectors, restarter as restarters, slowdown as slowdowns
+from tfdist.launcher.recovery import injector as injectors
+from tfdist.launcher.recovery import restarter as restarters
+from tfdist.launcher.machine import slowdown as slowdowns
 from tfdist.launcher import plan as plans
 from tfdist.launcher.config import LaunchConfig, Limits, MemberArgs
 from tfdist.options import TrainOptions
@@ -172,7 +179,7 @@ def test_parse_slow_rejects(spec, words):
 
 def _recovery(tasks, strategy="ps", **flags):
     """plan_recovery with the launcher's defaults, as launch.py calls it."""
-    return faults.plan_recovery(kinds.get(strategy), tasks, **flags)
+    return recovery_plan(kinds.get(strategy), tasks, **flags)
 
 
 def test_plan_recovery_checks_slow_tasks():
@@ -381,7 +388,7 @@ needs_hosts = pytest.mark.skipif(HOSTS_PROBLEM is not None,
 @needs_hosts
 @pytest.mark.timeout(60)
 def test_shaped_link_measures_within_a_quarter_of_the_set_rate():
-    proc = subprocess.run([sys.executable, "-m", "tfdist.launcher.network", "--hosts", "2",
+    proc = subprocess.run([sys.executable, "-m", "tfdist.launcher.machine.network", "--hosts", "2",
                            "--link-rate", "50mbit"], capture_output=True,
                           text=True, timeout=50)
     assert proc.returncode == 0, proc.stderr
@@ -389,7 +396,7 @@ def test_shaped_link_measures_within_a_quarter_of_the_set_rate():
     assert result["set_bits_per_sec"] == 50 * 10**6
     assert 0.75 <= result["measured_bits_per_sec"] / result["set_bits_per_sec"] <= 1.25, result
     # The control: unshaped, the same transfer runs far faster than the set rate.
-    proc = subprocess.run([sys.executable, "-m", "tfdist.launcher.network", "--hosts", "2"],
+    proc = subprocess.run([sys.executable, "-m", "tfdist.launcher.machine.network", "--hosts", "2"],
                           capture_output=True, text=True, timeout=50)
     assert json.loads(proc.stdout.strip().splitlines()[-1])["measured_bits_per_sec"] > 4 * 50 * 10**6
 

@@ -7,8 +7,8 @@ import pytest
 
 from tfdist.cli import launch
 from conftest import REPO
-from tfdist.launcher import faults, job
-from tfdist.launcher.config import LaunchConfig
+from tfdist.launcher import job
+from tfdist.launcher.recovery import faults
 from tfdist.strategies import kinds
 from tfdist.options import TrainOptions
 
@@ -50,7 +50,7 @@ def _functions(path):
 
 
 def test_no_launcher_function_takes_the_flags():
-    # launcher/network.py's main is `python -m launcher.network`, its own command.
+    # launcher/machine/network.py's main is `python -m launcher.machine.network`, its own command.
     offenders = [f"{p.name}:{f.name}" for p in sorted(LAUNCHER.glob("*.py"))
                  for f in _functions(p)
                  if {a.arg for a in f.args.args + f.args.kwonlyargs} & {"args", "namespace"}]

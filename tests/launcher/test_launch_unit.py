@@ -9,11 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from conftest import recovery_plan
+
 from tfdist.cli import launch
 from tfdist import protocol
-from tfdist.launcher import attempts, faults, files, job, network, supervisor
+from tfdist.launcher import attempts, files, job, supervisor
+from tfdist.launcher.recovery import faults
+from tfdist.launcher.machine import network
 from tfdist.launcher.engine import local
-from tfdist.launcher import injector as injectors
+from tfdist.launcher.recovery import injector as injectors
 from tfdist.launcher import plan as plans
 from tfdist.launcher.config import LaunchConfig, MemberArgs
 from tfdist.launcher.engine.api import Formation, Placement
@@ -258,7 +262,7 @@ def test_parse_fault_rejects_with_the_expected_form(spec):
 
 def _recovery(tasks, strategy="ps", **flags):
     """plan_recovery with the launcher's defaults, as launch.py calls it."""
-    return faults.plan_recovery(kinds.get(strategy), tasks, **flags)
+    return recovery_plan(kinds.get(strategy), tasks, **flags)
 
 
 def test_plan_recovery_checks_tasks_and_flags():

@@ -25,7 +25,7 @@ import sys
 
 import pytest
 
-from tfdist.launcher import restarter as restarters
+from tfdist.launcher.recovery import restarter as restarters
 from tfdist import protocol
 from conftest import REPO, child_env, descendants_alive, launch_cmd, read_results
 from tfdist.protocol import Exit
@@ -166,7 +166,7 @@ def test_no_checkpoint_yet_says_start_again():
 
 
 def test_the_exit_code_is_documented_and_never_relaunched():
-    from tfdist.launcher import faults
+    from tfdist.launcher.recovery import faults
 
     assert Exit.STORAGE == 74 and Exit.STORAGE not in protocol.RELAUNCH
     assert Exit.STORAGE not in (Exit.PREEMPTED, Exit.TASK_LOST)
@@ -185,7 +185,7 @@ def test_fault_exit_prints_one_line_and_returns_74(capsys):
 
 
 def test_the_restarter_leaves_a_task_that_exited_74_down():
-    from tfdist.launcher import faults
+    from tfdist.launcher.recovery import faults
     from tfdist.launcher.state import JobState, MemberView
 
     restarter = restarters.TaskRestarter(0.0, log=lambda _: None, clock=lambda: 0.0)

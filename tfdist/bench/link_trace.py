@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-from tfdist.launcher import linktrace
+from tfdist.launcher.machine import linktrace
 
 
 def load(run_dir: str) -> dict:

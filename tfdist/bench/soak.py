@@ -43,7 +43,8 @@ from dataclasses import asdict, dataclass, field
 
 from tfdist import protocol
 from tfdist.bench.common import LAUNCH, ROOT
-from tfdist.launcher import cgroups, policy
+from tfdist.launcher import policy
+from tfdist.launcher.machine import cgroups
 from tfdist.launcher.plan import place_members
 from tfdist.linux import live_processes
 from tfdist.strategies import ConfigError, kinds

@@ -21,16 +21,17 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tfdist import protocol
-from tfdist.launcher import elastic, outcome
-from tfdist.launcher import faults as faultlib
+from tfdist.launcher import outcome
+from tfdist.launcher.recovery import elastic
+from tfdist.launcher.recovery import faults as faultlib
 from tfdist.launcher.config import LaunchConfig
 from tfdist.launcher.engine.api import Engine, Formation, Placement
-from tfdist.launcher.hostcpus import HostCpus
-from tfdist.launcher.injector import FaultInjector
-from tfdist.launcher.memory import MemoryLimits, PeakMemory
+from tfdist.launcher.machine.hostcpus import HostCpus
+from tfdist.launcher.recovery.injector import FaultInjector
+from tfdist.launcher.machine.memory import MemoryLimits, PeakMemory
 from tfdist.launcher.plan import share_cores
-from tfdist.launcher.restarter import TaskRestarter
-from tfdist.launcher.slowdown import Slowdown
+from tfdist.launcher.recovery.restarter import TaskRestarter
+from tfdist.launcher.machine.slowdown import Slowdown
 from tfdist.launcher.state import JobState, SetLink
 from tfdist.launcher.supervisor import Supervisor
 from tfdist.protocol import Exit

@@ -5,9 +5,9 @@ The command's flags and the Python API's arguments both become one typed
 a :class:`LaunchConfig` once: the
 strategy kind (the object, not its name), the cluster plan (every task's
 TF_CONFIG and host), each task's share of the cores, the recovery plan
-(faults, slow-downs, restarts) and the job's limits. Everything below it
-(network, processes, supervisor) takes this object or its parts, never the
-command line.
+(faults, slow-downs, restarts), every member's flags (typed: ``MemberArgs``)
+and the job's limits. Everything below it (the engine, the machine, the
+attempts) takes this object or its parts, never the command line.
 
 **Adding a launcher option** (``--min-workers`` was added so): one field in the group it
 belongs to (``Cluster``, ``Faults``, ``Recovery``, ``Limits``), declared with
@@ -27,9 +27,9 @@ from typing import Mapping
 from tfdist.flags import option, to_argv
 from tfdist.options import TrainOptions
 from tfdist.launcher import plan as plans
-from tfdist.launcher.elastic import DEFAULT_REJOIN_TIMEOUT, ElasticPlan
-from tfdist.launcher.faults import FAULT_SPEC, MAX_TASK_RESTARTS, RESTART_DELAY, RecoveryPlan
-from tfdist.launcher.network import INSIDE_FLAG, NETNS_MODES
+from tfdist.launcher.recovery.elastic import DEFAULT_REJOIN_TIMEOUT, ElasticPlan
+from tfdist.launcher.recovery.faults import FAULT_SPEC, MAX_TASK_RESTARTS, RESTART_DELAY, RecoveryPlan
+from tfdist.launcher.machine.network import INSIDE_FLAG, NETNS_MODES
 from tfdist.launcher.plan import ClusterPlan
 from tfdist.launcher.plan import CoreShare
 from tfdist.strategies import kinds
@@ -128,7 +128,7 @@ class Recovery:
     max_restarts: int = option(0, "relaunch a failed or preempted job up to N times with the "
                                "same --model-dir (it resumes from its checkpoint)", metavar="N")
     # Elastic: the fewest workers the job goes on with, and how long a lost
-    # worker's host may stay unreachable before it does (launcher.elastic).
+    # worker's host may stay unreachable before it does (launcher.recovery.elastic).
     min_workers: int | None = option(
         None, "multiworker: when a worker's host stays unreachable for --rejoin-timeout, "
         "or its process fails more than --max-restarts times, re-form the job with the "
@@ -232,12 +232,12 @@ class LaunchConfig:
     netns_inside: bool = False  # this is the launcher re-run inside its namespace
     link_rate: str | None = None  # --link-rate as given, e.g. "1gbit"
     rate_bits: int | None = None  # ... in bits per second
-    link_trace: bool = False  # --link-trace: sample every link each 10 ms (launcher.linktrace)
+    link_trace: bool = False  # --link-trace: sample every link each 10 ms (launcher.machine.linktrace)
     launch_argv: tuple[str, ...] = ()  # launch.py's own flags, to re-run it in the namespace
-    # --memory-limit: each limited task's bytes (launcher.memory.parse_limits).
+    # --memory-limit: each limited task's bytes (launcher.machine.memory.parse_limits).
     memory_limits: Mapping[str, int] = field(default_factory=dict)
-    elastic: ElasticPlan | None = None  # --min-workers (launcher.elastic)
-    host_cpus: float | None = None  # --host-cpus: each host's cores (launcher.hostcpus)
+    elastic: ElasticPlan | None = None  # --min-workers (launcher.recovery.elastic)
+    host_cpus: float | None = None  # --host-cpus: each host's cores (launcher.machine.hostcpus)
 
     @property
     def timeout(self) -> float | None:

@@ -18,14 +18,18 @@ import sys
 
 from tfdist.options import TrainOptions
 from tfdist.protocol import default_model_dir
-from tfdist.launcher import attempts, elastic, files, hostcpus, memory, network
+from tfdist.launcher import attempts, files
+from tfdist.launcher.recovery import elastic
+from tfdist.launcher.machine import hostcpus
+from tfdist.launcher.machine import memory
+from tfdist.launcher.machine import network
 from tfdist.launcher import plan as plans
 from tfdist.launcher.checks import check_members, preflight
 from tfdist.launcher.engine import ray_engine
 from tfdist.launcher.engine.api import Engine, Formation
 from tfdist.launcher.engine.local import LocalEngine, member_command
 from tfdist.launcher.config import Cluster, LaunchConfig, LaunchRequest, Limits, MemberArgs
-from tfdist.launcher.faults import plan_recovery
+from tfdist.launcher.recovery.faults import plan_recovery
 from tfdist.launcher.plan import LaunchError
 from tfdist.strategies import kinds
 from tfdist.strategies.kinds import StrategyKind
@@ -141,11 +145,7 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
                           "a Python program that takes train.py's arguments")
     cluster = plan_cluster(request.cluster, kind)
     asked, again = request.faults, request.recovery
-    recovery = plan_recovery(kind, cluster.tf_configs, kill=list(asked.kill) or None,
-                             preempt=list(asked.preempt) or None, hang=list(asked.hang) or None,
-                             partition=list(asked.partition) or None, hosts=request.cluster.hosts,
-                             slow=list(asked.slow) or None, restart_tasks=again.restart_tasks,
-                             restart_delay=again.restart_delay, max_restarts=again.max_restarts)
+    recovery = plan_recovery(kind, cluster.tf_configs, asked, again, request.cluster.hosts)
     elastic_plan = elastic.plan_elastic(kind, request.cluster.workers, again.min_workers,
                                         again.rejoin_timeout, request.cluster.engine,
                                         request.cluster.hosts, again.max_restarts,

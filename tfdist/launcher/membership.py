@@ -14,9 +14,11 @@ import signal
 import time
 
 from tfdist import protocol
-from tfdist.launcher.elastic import ROLE, ElasticPlan, member_configs, workers_text as _workers
+from tfdist.launcher.recovery.elastic import ROLE, ElasticPlan, member_configs, workers_text
 from tfdist.launcher.state import JobState, RestartMember, SignalMember
 from tfdist.protocol import Exit
+
+__all__ = ["ElasticPlan", "HostMembership", "Membership", "workers_text"]
 
 
 class Membership:
@@ -134,7 +136,7 @@ class Membership:
         self.history.append(entry)
         self._write()
         self.log(f"[launch] {why}: {'growing back to' if back else 'continuing with'} "
-                 f"{_workers(len(self.members))} from step {self.checkpoint}"
+                 f"{workers_text(len(self.members))} from step {self.checkpoint}"
                  + (f" (steps {self.checkpoint}-{self.last_step} redone)" if redone else ""))
         self.last_step = self.checkpoint
 
@@ -194,7 +196,7 @@ class HostMembership(Membership):
                 self.changed_at = self.back_seen
                 self.log(f"[launch] {', '.join(back)}: host reachable again; SIGTERM to "
                          f"{first.name}: the job checkpoints where it is and stops (exit 42), "
-                         f"then re-forms with {_workers(len(self.members) + len(back))}")
+                         f"then re-forms with {workers_text(len(self.members) + len(back))}")
                 return [SignalMember(first.name, signal.SIGTERM, group=False, pid=first.pid)]
         return []
 
@@ -263,7 +265,7 @@ class HostMembership(Membership):
         self.history.append({"step": self.last_step, "workers": len(self.members), "why": why,
                              "members": list(self.members)})
         self._write()
-        self.log(f"[launch] {why}: {verb} {_workers(len(self.members))} at step {self.last_step}")
+        self.log(f"[launch] {why}: {verb} {workers_text(len(self.members))} at step {self.last_step}")
 
     # --- between attempts --------------------------------------------------------------
 

@@ -12,8 +12,8 @@ import resource
 from dataclasses import dataclass
 
 from tfdist import protocol
-from tfdist.launcher import linktrace
-from tfdist.launcher import traffic as trafficlib
+from tfdist.launcher.machine import linktrace
+from tfdist.launcher.machine import traffic as trafficlib
 from tfdist.launcher.config import LaunchConfig
 from tfdist.strategies.kinds import StrategyKind
 

@@ -8,10 +8,11 @@ reports its node's address; the driver then builds every task's TF_CONFIG
 exactly as the local launcher writes them (``plan.tf_configs_at``). Each
 actor runs the same ``tfdist.cli.train`` command as a child process and
 streams its output lines back (printed with ``[worker:1]`` prefixes) and
-then its exit code. Supervision, fault injection, task restarts and
-``--max-restarts`` relaunches are the local launcher's own
-(``supervisor.run_job``): a task here is a :class:`RayProc`, a Popen-like
-handle on the actor's child. A relaunch places every task anew (a lost
+then its exit code. ``RayEngine`` implements the engine contract
+(``launcher.engine.api.Engine``), so supervision, fault injection, member
+restarts and ``--max-restarts`` relaunches are the attempt loop's, as for the
+local engine (``launcher.attempts``): a member here is a :class:`RayProc`, a
+Popen-like handle on the actor's child. A relaunch places every task anew (a lost
 node's tasks land on the nodes left); a restarted task (``--restart-tasks``)
 is a new actor in the same bundle, on the same node and port, so its
 TF_CONFIG is unchanged.
@@ -35,13 +36,12 @@ import threading
 import time
 
 from tfdist import protocol
-from tfdist.launcher import elastic, files
-from tfdist.launcher.elastic import workers_text
+from tfdist.launcher import files
 from tfdist.launcher import plan as plans
 from tfdist.launcher.config import ENGINES, LaunchConfig, LaunchRequest
 from tfdist.launcher.engine.api import SINK_LOCK, Engine, Formation, MemberProcess, Placement
 from tfdist.launcher.engine.local import child_setup, member_command, stop_members, wait_all
-from tfdist.launcher.membership import Membership
+from tfdist.launcher.membership import ElasticPlan, Membership, workers_text
 from tfdist.launcher.plan import LaunchError
 from tfdist.launcher.state import JobState, SignalMember
 from tfdist.protocol import Exit
@@ -394,7 +394,7 @@ class RayEngine(Engine):
     def _alive_nodes(self) -> int:
         return sum(1 for n in self.ray.nodes() if n.get("Alive"))
 
-    def membership(self, plan: elastic.ElasticPlan, event_paths, record_path, log
+    def membership(self, plan: ElasticPlan, event_paths, record_path, log
                    ) -> "NodeMembership":
         """--min-workers: the supervisor's membership hook, which decides what is placed."""
         self.membership = NodeMembership(plan, list(self.all_names), self, event_paths, log,
@@ -611,7 +611,7 @@ class NodeMembership(Membership):
 
     CHECK_EVERY = 2.0  # seconds between looks at the cluster's room (ray.nodes() is a GCS call)
 
-    def __init__(self, plan: elastic.ElasticPlan, names: list[str], engine: "RayEngine",
+    def __init__(self, plan: ElasticPlan, names: list[str], engine: "RayEngine",
                  event_paths=(), log=print, record_path: str | None = None):
         super().__init__(plan, names, event_paths, log, record_path=record_path)
         self.engine = engine

@@ -10,7 +10,7 @@ per host in the ``cpuacct`` hierarchy counts the CPU time its members used
 (``outcome.json``'s ``host_cpus``).
 
 ``plan_host_cpus`` checks the request (pure); ``HostCpus`` makes, records
-and removes the cgroups (``launcher/cgroups.py`` does the writing).
+and removes the cgroups (``launcher/machine/cgroups.py`` does the writing).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 import os
 import time
 
-from tfdist.launcher import cgroups
+from tfdist.launcher.machine import cgroups
 from tfdist.launcher.plan import LaunchError
 
 

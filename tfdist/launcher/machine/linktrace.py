@@ -24,7 +24,7 @@ import time
 from typing import Callable
 
 from tfdist import protocol
-from tfdist.launcher.network import host_counters, parse_net_dev, read_net_dev
+from tfdist.launcher.machine.network import host_counters, parse_net_dev, read_net_dev
 
 INTERVAL = 0.01
 # Ten minutes of samples at 10 ms: some 2 MB of JSON for three hosts.

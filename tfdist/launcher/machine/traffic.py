@@ -191,7 +191,7 @@ def compare(record: dict, params: int, gradient_dtype: str = "float32",
 
 
 def main(argv=None) -> int:
-    """``python -m launcher.traffic MODEL_DIR --params N``: measured vs the model."""
+    """``python -m launcher.machine.traffic MODEL_DIR --params N``: measured vs the model."""
     import argparse
     import json
     import os

@@ -7,7 +7,7 @@ import signal
 import time
 
 from tfdist import protocol
-from tfdist.launcher.faults import MAX_TASK_RESTARTS
+from tfdist.launcher.recovery.faults import MAX_TASK_RESTARTS
 from tfdist.launcher.state import JobState, RestartMember, SignalMember
 
 class TaskRestarter:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import re
 
-from tfdist.launcher import cgroups
+from tfdist.launcher.machine import cgroups
 from tfdist.linux import vm_hwm_bytes
 from tfdist.launcher.state import JobState
 

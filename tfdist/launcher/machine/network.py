@@ -15,7 +15,7 @@ used, and no packet leaves the machine.
 (``tc qdisc ... tbf``): each host has RATE up and RATE down. Latency would need
 ``netem``, a kernel module many hosts lack: there is no latency emulation.
 
-    python -m launcher.network --hosts 2 --link-rate 100mbit   # build, measure, tear down
+    python -m launcher.machine.network --hosts 2 --link-rate 100mbit   # build, measure, tear down
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def hosts_problem(timeout: float = 20.0) -> str | None:
         return problem
     try:
         probe = subprocess.run(
-            [*UNSHARE, sys.executable, "-m", "tfdist.launcher.network", "--hosts", "2", "--probe"],
+            [*UNSHARE, sys.executable, "-m", "tfdist.launcher.machine.network", "--hosts", "2", "--probe"],
             stdin=subprocess.DEVNULL, capture_output=True,
             text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -407,7 +407,7 @@ class SimulatedHosts:
         """One TCP transfer from host ``src`` to host ``dst``, timed by the receiver."""
         size = probe_bytes(self.rate_bits or 10**9)
         recv = subprocess.Popen(
-            [sys.executable, "-m", "tfdist.launcher.linkprobe", "recv", plans.host_address(dst),
+            [sys.executable, "-m", "tfdist.launcher.machine.linkprobe", "recv", plans.host_address(dst),
              str(PROBE_PORT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL, text=True, preexec_fn=self._entering(dst))
         try:
@@ -415,7 +415,7 @@ class SimulatedHosts:
             if ready.strip() != "ready":
                 raise RuntimeError(f"link probe receiver did not start: {ready!r} "
                                    f"{recv.stderr.read() if recv.poll() is not None else ''}")
-            subprocess.run([sys.executable, "-m", "tfdist.launcher.linkprobe", "send",
+            subprocess.run([sys.executable, "-m", "tfdist.launcher.machine.linkprobe", "send",
                             plans.host_address(dst), str(PROBE_PORT), str(size)],
                            check=True, timeout=timeout, stdin=subprocess.DEVNULL,
                            preexec_fn=self._entering(src))
@@ -458,7 +458,7 @@ def _readline(stream, timeout: float) -> str:
     return box[0]
 
 
-# --- a self-check: python -m launcher.network --------------------------------------------
+# --- a self-check: python -m launcher.machine.network --------------------------------------------
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Build N simulated hosts, measure a link, tear down.")
@@ -486,7 +486,7 @@ def main(argv=None) -> int:
         if problem is not None:
             print(f"error: no network namespace here ({problem})", file=sys.stderr)
             return 2
-        cmd = [*UNSHARE, sys.executable, "-m", "tfdist.launcher.network", *(argv or sys.argv[1:]),
+        cmd = [*UNSHARE, sys.executable, "-m", "tfdist.launcher.machine.network", *(argv or sys.argv[1:]),
                INSIDE_FLAG]
         return subprocess.run(cmd, stdin=subprocess.DEVNULL).returncode
     hosts = SimulatedHosts(args.hosts, rate)
