@@ -87,6 +87,21 @@ def test_the_parameter_rule_counts_every_kind_of_parameter():
     assert wide_signatures({"a.py": method}, limit=7) == ["a.py:f 8"]
 
 
+def task_named_types(sources: dict[str, str]) -> list[str]:
+    """``path:name`` for every class named ``Task...``: in the launcher a process of the
+    cluster is a member (docs/architecture.md's words); a task is the user's workload."""
+    return sorted(f"{path}:{node.name}" for path, text in sources.items()
+                  for node in ast.walk(ast.parse(text, path))
+                  if isinstance(node, ast.ClassDef) and node.name.startswith("Task"))
+
+
+def test_launcher_types_name_members_not_tasks():
+    sources = {p: t for p, t in _code().items() if p.startswith("tfdist/launcher/")}
+    assert task_named_types(sources) == []
+    assert task_named_types({"a.py": "class TaskHost:\n    pass\nclass MemberHost:\n    pass\n"}) == [
+        "a.py:TaskHost"]
+
+
 def test_the_length_rule_counts_a_long_function():
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
     assert long_functions({"a.py": f"def f():\n{body}\n"}) == ["a.py:f 81"]

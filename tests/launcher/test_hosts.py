@@ -215,7 +215,7 @@ def test_injector_returns_a_slow_action_when_its_step_comes(tmp_path):
 
 def test_restarter_asks_for_a_restart_after_the_delay_and_at_most_limit_times():
     now = [0.0]
-    restarter = restarters.TaskRestarter(1.0, log=lambda m: None, limit=1, clock=lambda: now[0])
+    restarter = restarters.MemberRestarter(1.0, log=lambda m: None, limit=1, clock=lambda: now[0])
     dead = JobState((MemberView("worker:0", 5, exit_code=-9), MemberView("ps:0", 6)))
     assert restarter(dead) == []  # the delay starts
     now[0] = 1.5
@@ -228,7 +228,7 @@ def test_restarter_kills_a_worker_the_chief_reports_stuck_once_then_restarts_it(
     events = str(tmp_path / "chief-0.jsonl")
     logs = []
     now = [0.0]
-    restarter = restarters.TaskRestarter(1.0, log=logs.append, limit=3, clock=lambda: now[0],
+    restarter = restarters.MemberRestarter(1.0, log=logs.append, limit=3, clock=lambda: now[0],
                                      event_paths=[events])
     running = JobState((MemberView("chief:0", 11), MemberView("worker:1", 12), MemberView("ps:0", 13)))
     assert restarter(running) == []
@@ -420,7 +420,7 @@ def test_a_relaunched_job_starts_its_slowed_task_in_the_cgroup_again(tmp_path, c
                          max_restarts=1, restart_delay=0)
     program = tmp_path / "relaunched.py"
     program.write_text(_RELAUNCHED)
-    config = LaunchConfig(kind=kinds.get("mirrored"), cluster=plan, recovery=recovery,
+    config = LaunchConfig(kind=kinds.get("mirrored"), plan=plan, recovery=recovery,
                           limits=Limits(grace=2.0, timeout=30.0), program=str(program),
                           member=MemberArgs(options=TrainOptions(model_dir=str(tmp_path)),
                                             extra=(str(tmp_path / "marker"),)))

@@ -90,7 +90,7 @@ def test_decide(strategy, exits, expected):
 def test_saved_files_replay_each_task(tmp_path):
     tasks = plans.build_cluster(kinds.get("multiworker"), 2, ports=[21, 22])
     member = MemberArgs(options=TrainOptions(epochs=2))
-    config = LaunchConfig(kind=kinds.get("multiworker"), cluster=plans.ClusterPlan(tasks),
+    config = LaunchConfig(kind=kinds.get("multiworker"), plan=plans.ClusterPlan(tasks),
                           member=member)
     cmd = local.member_command(config, Formation(tasks, member), python="python")
     files.save_launch_files(str(tmp_path), tasks, cmd)
@@ -373,7 +373,7 @@ def test_bad_launcher_flags_exit_2_with_one_line_and_touch_nothing(tmp_path, fla
 def test_program_replaces_train_py_with_the_same_arguments(tmp_path, monkeypatch):
     # --program: another trainer (a tutorial peer) on the same cluster and flags.
     five = MemberArgs(options=TrainOptions(steps=5))
-    config = LaunchConfig(kind=kinds.get("ps"), cluster=plans.ClusterPlan({}), member=five)
+    config = LaunchConfig(kind=kinds.get("ps"), plan=plans.ClusterPlan({}), member=five)
     formation = Formation({}, five)
     plain = local.member_command(config, formation, python="py")
     peer = local.member_command(dataclasses.replace(config, program="/p/peer.py"), formation,

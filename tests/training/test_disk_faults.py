@@ -188,7 +188,7 @@ def test_the_restarter_leaves_a_task_that_exited_74_down():
     from tfdist.launcher.recovery import faults
     from tfdist.launcher.state import JobState, MemberView
 
-    restarter = restarters.TaskRestarter(0.0, log=lambda _: None, clock=lambda: 0.0)
+    restarter = restarters.MemberRestarter(0.0, log=lambda _: None, clock=lambda: 0.0)
     state = JobState((MemberView("worker:1", 11, int(Exit.STORAGE), 1),
                       MemberView("worker:2", 12, int(Exit.FAILED), 1)), 0)
     restarter(state)  # each failed task's restart is due after the delay: the next poll

@@ -30,7 +30,7 @@ from tfdist.launcher.machine.hostcpus import HostCpus
 from tfdist.launcher.recovery.injector import FaultInjector
 from tfdist.launcher.machine.memory import MemoryLimits, PeakMemory
 from tfdist.launcher.plan import share_cores
-from tfdist.launcher.recovery.restarter import TaskRestarter
+from tfdist.launcher.recovery.restarter import MemberRestarter
 from tfdist.launcher.machine.slowdown import Slowdown
 from tfdist.launcher.state import JobState, SetLink
 from tfdist.launcher.supervisor import Supervisor
@@ -53,7 +53,7 @@ class RunContext:
     limits: MemoryLimits | None = None
     budgets: HostCpus | None = None
     injector: FaultInjector | None = None
-    restarter: TaskRestarter | None = None
+    restarter: MemberRestarter | None = None
     membership: object = None  # launcher.membership.Membership under --min-workers
     hooks: list = field(default_factory=list)
     formation: Formation | None = None
@@ -67,7 +67,7 @@ class RunContext:
         cores (asked at every start: a slow-down may begin mid-run)."""
         hosts, slowdown, budgets = self.engine.hosts, self.slowdown, self.budgets
         return Placement(
-            netns=hosts.netns(self.config.cluster.host_of[name]) if hosts is not None else None,
+            netns=hosts.netns(self.config.plan.host_of[name]) if hosts is not None else None,
             cgroup=slowdown.cgroup_for(name) if slowdown is not None else None,
             memory_cgroup=self.limits.cgroup_for(name) if self.limits is not None else None,
             cpus=self.cores[name].cpus if name in self.cores else (),
@@ -96,7 +96,7 @@ def _machine(run: RunContext, cores) -> None:
         run.slowdown = Slowdown({n: cores[n].cores(total) for n in config.names}, log=log)
     run.limits = MemoryLimits(dict(config.memory_limits), log=log)
     if config.host_cpus is not None:
-        run.budgets = HostCpus(config.host_cpus, dict(config.cluster.host_of), log=log)
+        run.budgets = HostCpus(config.host_cpus, dict(config.plan.host_of), log=log)
 
 
 def _hooks(run: RunContext, event_paths: list[str]) -> None:
@@ -111,7 +111,7 @@ def _hooks(run: RunContext, event_paths: list[str]) -> None:
     run.injector = FaultInjector(
         [*recovery.faults, *(s for s in recovery.slow if not s.from_start)],
         log=log, grace=config.grace, event_paths=event_paths)
-    run.restarter = TaskRestarter(
+    run.restarter = MemberRestarter(
         recovery.restart_delay, log=log, roles=config.kind.restartable_roles,
         event_paths=event_paths,
     ) if recovery.restart_tasks else None
@@ -132,7 +132,7 @@ def run_job(run: RunContext) -> int:
         peaks = PeakMemory() if engine.reads_memory() else PeakMemory(read=lambda pid: None)
         run.hooks = [run.injector, *filter(None, [run.restarter]), peaks]
         membership = run.membership
-        run.formation = Formation(config.cluster.tf_configs, config.member, envs, run.place,
+        run.formation = Formation(config.plan.tf_configs, config.member, envs, run.place,
                                   membership.env() if membership is not None else {})
         # After the link probe (the engine's open), so only the job's bytes count.
         before = outcome.counters(engine.hosts, log)
@@ -253,7 +253,7 @@ def reform(run: RunContext, code: int) -> int | None:
     else:
         log(f"[launch] global batch {batch} kept: {batch // n} per worker x {n}")
     run.formation = dataclasses.replace(
-        run.formation, tf_configs=membership.configs(config.cluster.tf_configs),
+        run.formation, tf_configs=membership.configs(config.plan.tf_configs),
         member=dataclasses.replace(config.member, options=options), env=membership.env())
     return None
 

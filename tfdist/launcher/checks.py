@@ -51,11 +51,11 @@ def check_members(tf_configs: dict[str, dict | None], command: list[str], env: d
     """
     procs = {}
     for name, tf_config in tf_configs.items():
-        task_env = {k: v for k, v in env.items() if k != "TF_CONFIG"}
+        member_env = {k: v for k, v in env.items() if k != "TF_CONFIG"}
         if tf_config is not None:
-            task_env["TF_CONFIG"] = json.dumps(tf_config)
+            member_env["TF_CONFIG"] = json.dumps(tf_config)
         procs[name] = subprocess.Popen(
-            [*command, "--dry-run" if full else "--check-only"], env=task_env, text=True,
+            [*command, "--dry-run" if full else "--check-only"], env=member_env, text=True,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + timeout
     checks = []
@@ -111,7 +111,7 @@ def preflight(config: LaunchConfig) -> int | None:
     One task per role is enough to check flags (the others differ only by
     index); ``--dry-run`` shows them all.
     """
-    cluster = config.cluster
+    cluster = config.plan
     roles: dict[str, str] = {}
     for name in cluster.names:
         roles.setdefault(name.partition(":")[0], name)

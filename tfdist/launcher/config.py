@@ -28,7 +28,7 @@ from tfdist.flags import option, to_argv
 from tfdist.options import TrainOptions
 from tfdist.launcher import plan as plans
 from tfdist.launcher.recovery.elastic import DEFAULT_REJOIN_TIMEOUT, ElasticPlan
-from tfdist.launcher.recovery.faults import FAULT_SPEC, MAX_TASK_RESTARTS, RESTART_DELAY, RecoveryPlan
+from tfdist.launcher.recovery.faults import FAULT_SPEC, MAX_MEMBER_RESTARTS, RESTART_DELAY, RecoveryPlan
 from tfdist.launcher.machine.network import INSIDE_FLAG, NETNS_MODES
 from tfdist.launcher.plan import ClusterPlan
 from tfdist.launcher.plan import CoreShare
@@ -121,7 +121,7 @@ class Recovery:
 
     restart_tasks: bool = option(
         False, f"ps, ps-sync: restart a dead worker with its TF_CONFIG (at most "
-        f"{MAX_TASK_RESTARTS} times each), and kill and restart one the chief reports stuck, "
+        f"{MAX_MEMBER_RESTARTS} times each), and kill and restart one the chief reports stuck, "
         "as a cluster manager's liveness check would")
     restart_delay: float = option(RESTART_DELAY, "seconds before a task or job is restarted",
                                   metavar="SECONDS")
@@ -219,7 +219,7 @@ class LaunchRequest:
 @dataclass(frozen=True)
 class LaunchConfig:
     kind: StrategyKind
-    cluster: ClusterPlan
+    plan: ClusterPlan  # every member, its host, address and TF_CONFIG (the launch's plan)
     recovery: RecoveryPlan = RecoveryPlan()
     # Each task's thread pools and CPU set (``plan.share_cores``).
     cores: Mapping[str, CoreShare] = field(default_factory=dict)
@@ -261,4 +261,4 @@ class LaunchConfig:
 
     @property
     def names(self) -> list[str]:
-        return self.cluster.names
+        return self.plan.names

@@ -90,7 +90,7 @@ def plan_cluster(asked: Cluster, kind: StrategyKind) -> plans.ClusterPlan:
                           "--hosts gives each simulated host its own: use one of the two")
     if asked.hosts:
         return plans.build_host_cluster(kind, asked.workers, asked.ps, asked.chief, asked.hosts)
-    n = plans.task_count(kind, asked.workers, asked.ps, asked.chief)
+    n = plans.member_count(kind, asked.workers, asked.ps, asked.chief)
     return plans.loopback_plan(kind, asked.workers, asked.ps, asked.chief,
                                plans.free_ports(n), asked.host)
 
@@ -170,7 +170,7 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
         slowed=bool(asked.slow), problem=hostcpus.cgroups_problem()
         if request.cluster.host_cpus is not None else None)
     return LaunchConfig(
-        kind=kind, cluster=cluster, recovery=recovery,
+        kind=kind, plan=cluster, recovery=recovery,
         cores=plans.share_cores(kind, cluster.names, os.cpu_count() or 1, host_cpus),
         member=member, program=program,
         limits=request.limits, dry_run=request.dry_run, netns=request.cluster.netns,
@@ -182,7 +182,7 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
 
 def elastic_divisors(config: LaunchConfig) -> dict[int, int]:
     """What the global batch must divide by at each size the elastic job may take."""
-    return _divisors(config.kind, config.cluster, config.elastic, config.options)
+    return _divisors(config.kind, config.plan, config.elastic, config.options)
 
 
 def _divisors(kind: StrategyKind, cluster: plans.ClusterPlan, plan: elastic.ElasticPlan,
@@ -210,7 +210,7 @@ def pin_elastic_batch(config: LaunchConfig) -> LaunchConfig:
     if config.elastic is None or config.program is not None or \
             config.options.global_batch_size is not None:
         return config
-    cluster = config.cluster
+    cluster = config.plan
     first = next((n for n in cluster.names if cluster.tf_configs[n] is not None), None)
     checks = check_members({first: cluster.tf_configs[first]}, member_command(
         config, Formation(cluster.tf_configs, config.member)), dict(os.environ))
@@ -228,9 +228,9 @@ def decide_network(config: LaunchConfig) -> tuple[bool, str | None]:
     """Whether the cluster runs in a private namespace, and the warning if it cannot."""
     if config.netns_inside:
         return False, None
-    network.check_hosts_mode(config.cluster.hosts, config.netns, config.link_rate,
+    network.check_hosts_mode(config.plan.hosts, config.netns, config.link_rate,
                              network.hosts_problem, link_trace=config.link_trace)
-    use_netns, warning = (True, None) if config.cluster.hosts else network.decide_netns(
+    use_netns, warning = (True, None) if config.plan.hosts else network.decide_netns(
         config.netns, config.kind, network.netns_problem)
     files.check_launch_dir(config.launch_dir)
     return use_netns, warning
@@ -241,8 +241,8 @@ def run_local(config: LaunchConfig) -> int:
     simulated hosts (``--hosts``) or on loopback."""
     if config.netns_inside:
         network.loopback_up()
-    hosts = network.SimulatedHosts(config.cluster.hosts, config.rate_bits) \
-        if config.cluster.hosts else None
+    hosts = network.SimulatedHosts(config.plan.hosts, config.rate_bits) \
+        if config.plan.hosts else None
     return run_on(LocalEngine(config, hosts))
 
 

@@ -162,7 +162,7 @@ def start_link_trace(config: LaunchConfig, network) -> linktrace.LinkTrace | Non
     """``--link-trace``: sampling every host's link from here to the job's end."""
     if not config.link_trace or network is None:
         return None
-    return linktrace.LinkTrace(config.cluster.hosts).start()
+    return linktrace.LinkTrace(config.plan.hosts).start()
 
 
 def traffic_record(config: LaunchConfig, before, after, log) -> dict | None:
@@ -171,7 +171,7 @@ def traffic_record(config: LaunchConfig, before, after, log) -> dict | None:
     if after is None:
         return None
     steps, shares = _chief_steps(config.model_dir)
-    traffic = trafficlib.measured_record(before, after, steps, dict(config.cluster.host_of),
+    traffic = trafficlib.measured_record(before, after, steps, dict(config.plan.host_of),
                                          config.kind.trainer, shares)
     log(trafficlib.describe(traffic))
     return traffic
@@ -183,7 +183,7 @@ def finish_link_trace(tracer, config: LaunchConfig, launch_dir: str | None,
     if tracer is None:
         return
     trace = tracer.stop()
-    plan = config.cluster
+    plan = config.plan
     host_tasks = {f"host{i}": [n for n, h in plan.host_of.items() if h == i]
                   for i in range(plan.hosts)}
     events = [(e.kind, e.time) for evs in job.values() for e in evs]
@@ -250,7 +250,7 @@ def finish(run, code: int, figures: JobFigures) -> None:
     launch_dir = config.launch_dir
     if not os.path.isdir(launch_dir):
         return
-    plan, slowed = config.cluster, [str(s) for s in config.recovery.slow]
+    plan, slowed = config.plan, [str(s) for s in config.recovery.slow]
     write_outcome(os.path.join(launch_dir, "outcome.json"), protocol.LaunchOutcome(
         int(code), list(injector.fired), restarts, run.relaunches, per_task=rates or None,
         hosts={n: plan.where(n) for n in config.names} if plan.hosts else None,

@@ -39,7 +39,7 @@ def member_names(kind: StrategyKind, workers: int, ps: int = 0, chief: bool = Fa
     return [f"{role}:{i}" for role, n in counts.items() for i in range(n)]
 
 
-def task_count(kind: StrategyKind, workers: int, ps: int, chief: bool) -> int:
+def member_count(kind: StrategyKind, workers: int, ps: int, chief: bool) -> int:
     return len(member_names(kind, workers, ps, chief))
 
 
@@ -139,9 +139,6 @@ class ClusterPlan:
     @property
     def names(self) -> list[str]:
         return list(self.tf_configs)
-
-    def address_of_host(self, index: int) -> str:
-        return host_address(index)
 
     def where(self, member: str) -> str | None:
         """``host1 (10.77.0.12)`` for a task on a simulated host, else ``None``."""

@@ -138,21 +138,21 @@ class LocalEngine(Engine):
 
     def open(self, log) -> int | None:
         config = self.config
-        cluster, launch_dir = config.cluster, config.launch_dir
+        plan, launch_dir = config.plan, config.launch_dir
         if self.hosts is not None:
-            link = self.hosts.build(cluster, config.link_rate, log)
+            link = self.hosts.build(plan, config.link_rate, log)
             if link is False:
                 return Exit.FAILED
             self.link = link
-        command = member_command(config, Formation(cluster.tf_configs, config.member))
+        command = member_command(config, Formation(plan.tf_configs, config.member))
         try:
-            files.save_launch_files(launch_dir, cluster, command)
+            files.save_launch_files(launch_dir, plan, command)
         except OSError as err:
             log(f"[launch] error: could not write the launch files into {launch_dir!r} "
                 f"({err.strerror or err}: {err.filename}); nothing was started. Free space or "
                 "make the directory writable, then run the same command again")
             return Exit.STORAGE
-        log(f"[launch] {config.kind.name}: {', '.join(cluster.names)}; TF_CONFIGs in "
+        log(f"[launch] {config.kind.name}: {', '.join(plan.names)}; TF_CONFIGs in "
             f"{launch_dir}/")
         self.env = dict(os.environ)
         self.env.setdefault("PYTHONUNBUFFERED", "1")
@@ -190,7 +190,7 @@ class LocalEngine(Engine):
 
     def membership(self, plan, event_paths: list[str], record_path: str | None, log):
         config = self.config
-        return HostMembership(plan, config.names, dict(config.cluster.host_of), event_paths,
+        return HostMembership(plan, config.names, dict(config.plan.host_of), event_paths,
                               log, record_path=record_path, live=config.kind.asynchronous)
 
     def reads_memory(self) -> bool:

@@ -57,7 +57,7 @@ HEAD_PINNED = ("spread-workers",)
 # Ray's own marker resource of the head node (1 on it, absent elsewhere): a bundle asking
 # for a sliver of it can only be placed there.
 HEAD_RESOURCE = "node:__internal_head__"
-CPUS_PER_TASK = 1  # each task's bundle; a worker also asks for one GPU when the cluster has GPUs
+CPUS_PER_MEMBER = 1  # each task's bundle; a worker also asks for one GPU when the cluster has GPUs
 # How long the job may wait for its placement group and actors before it is refused.
 STARTUP_TIMEOUT = 60.0
 LOST = -signal.SIGKILL  # an actor that died: to the supervisor, a task killed outright
@@ -115,7 +115,7 @@ def bundles_for(kind, names: list[str], gpus: float, pin_head: bool = False
     that compute nothing on the head node."""
     out = []
     for name in names:
-        bundle = {"CPU": float(CPUS_PER_TASK)}
+        bundle = {"CPU": float(CPUS_PER_MEMBER)}
         computes = name.partition(":")[0] in kind.computing_roles
         if gpus >= 1 and computes:
             bundle["GPU"] = 1.0
@@ -155,10 +155,10 @@ def node_shares(kind, node_of: dict[str, str], cpus_of: dict[str, int]
     return out
 
 
-class TaskHost:
+class MemberHost:
     """The Ray actor of one TF task: holds its port, runs its ``train.py``, relays its lines.
 
-    Runs in a Ray worker process on some node (``ray.remote(TaskHost)`` in the
+    Runs in a Ray worker process on some node (``ray.remote(MemberHost)`` in the
     driver); a threaded actor, so ``signal`` reaches a running ``run``.
     """
 
@@ -375,13 +375,13 @@ class RayEngine(Engine):
         ray, t0 = self.ray, time.monotonic()
         if self.local:
             # Logical CPUs: one per task's bundle, whatever this host has.
-            ray.init(num_cpus=len(self.all_names) * CPUS_PER_TASK, include_dashboard=False,
+            ray.init(num_cpus=len(self.all_names) * CPUS_PER_MEMBER, include_dashboard=False,
                      log_to_driver=False, logging_level=logging.WARNING)
-            where = f"a local Ray instance (num_cpus={len(self.all_names) * CPUS_PER_TASK})"
+            where = f"a local Ray instance (num_cpus={len(self.all_names) * CPUS_PER_MEMBER})"
         else:
             ray.init(address=self.address, log_to_driver=False, logging_level=logging.WARNING)
             where = f"the Ray cluster at {self.address}"
-        self.actor_class = ray.remote(TaskHost)
+        self.actor_class = ray.remote(MemberHost)
         total = ray.cluster_resources()
         self.log(f"[launch] ray: {where} in {time.monotonic() - t0:.1f}s: {self._alive_nodes()} "
                  f"node(s), {total.get('CPU', 0):g} CPU, {total.get('GPU', 0):g} GPU")
@@ -534,7 +534,7 @@ class RayEngine(Engine):
         """Start ``name``'s process in its actor. A restart reuses the actor if it lives,
         else places a new one in the same bundle, on the same port."""
         command = member_command(self.config, self.formation)
-        env, task_env = os.environ, self.formation.member_env(name)
+        env, member_env = os.environ, self.formation.member_env(name)
         placed = self.placed[name]
         old = self.procs.get(name)
         if old is not None and old.actor_lost:
@@ -546,7 +546,7 @@ class RayEngine(Engine):
         share = self.cores[name]
         # The supervisor sized the thread pools by the driver's cores; the task runs on
         # its node, whose cores and co-located tasks decide them (node_shares).
-        own = {k: v for k, v in task_env.items() if k not in plans.THREAD_POOL_ENV}
+        own = {k: v for k, v in member_env.items() if k not in plans.THREAD_POOL_ENV}
         job_env = {**{k: v for k, v in env.items() if k in FORWARDED_ENV}, **own, **share.env,
                    "TF_CONFIG": json.dumps(self.tf_configs[name]), "PYTHONUNBUFFERED": "1",
                    "TMPDIR": os.path.join(self.scratch, name.replace(":", "-"))}

@@ -15,7 +15,7 @@ used, and no packet leaves the machine.
 (``tc qdisc ... tbf``): each host has RATE up and RATE down. Latency would need
 ``netem``, a kernel module many hosts lack: there is no latency emulation.
 
-    python -m launcher.machine.network --hosts 2 --link-rate 100mbit   # build, measure, tear down
+    python -m tfdist.launcher.machine.network --hosts 2 --link-rate 100mbit   # build, measure, tear down
 """
 
 from __future__ import annotations
@@ -458,7 +458,7 @@ def _readline(stream, timeout: float) -> str:
     return box[0]
 
 
-# --- a self-check: python -m launcher.machine.network --------------------------------------------
+# --- a self-check: python -m tfdist.launcher.machine.network --------------------------------------------
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Build N simulated hosts, measure a link, tear down.")

@@ -26,7 +26,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FRAME_OVERHEAD = 1514 / 1448
 
 
-def task_flows(trainer: str, names: list[str], params: int, gradient_dtype: str = "float32",
+def member_flows(trainer: str, names: list[str], params: int, gradient_dtype: str = "float32",
                shares: dict[str, float] | None = None) -> dict[tuple[str, str], float]:
     """``{(sender, receiver): payload bytes per step}`` for the tasks ``names``.
 
@@ -117,7 +117,7 @@ def host_bytes_per_step(flows: dict[tuple[str, str], float],
 def predict(trainer: str, host_of: dict[str, int], params: int, gradient_dtype: str = "float32",
             shares: dict[str, float] | None = None) -> dict[int, dict[str, float]]:
     """Payload bytes per step each host sends (tx) and receives (rx)."""
-    flows = task_flows(trainer, list(host_of), params, gradient_dtype, shares)
+    flows = member_flows(trainer, list(host_of), params, gradient_dtype, shares)
     return host_bytes_per_step(flows, host_of)
 
 
@@ -191,7 +191,7 @@ def compare(record: dict, params: int, gradient_dtype: str = "float32",
 
 
 def main(argv=None) -> int:
-    """``python -m launcher.machine.traffic MODEL_DIR --params N``: measured vs the model."""
+    """``python -m tfdist.launcher.machine.traffic MODEL_DIR --params N``: measured vs the model."""
     import argparse
     import json
     import os

@@ -5,7 +5,7 @@ partition, slow, restart, relaunch.
 the command hands them the raw specs, never its argparse namespace) into a
 ``RecoveryPlan``. What fires them is elsewhere, one concern each:
 ``launcher/recovery/injector.py`` (``FaultInjector``), ``launcher/recovery/restarter.py``
-(``TaskRestarter``) and ``launcher/machine/slowdown.py`` (``Slowdown``).
+(``MemberRestarter``) and ``launcher/machine/slowdown.py`` (``Slowdown``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ LASTING_SPEC = {
                  "without +SECONDS until the launcher ends)",
 }
 SLOW_SPEC = "ROLE:INDEX=FRACTION[@WHEN], FRACTION in (0, 1), e.g. worker:1=0.25 or worker:1=0.5@step=200"
-MAX_TASK_RESTARTS = 3  # per task: a worker that keeps dying is not a transient fault
+MAX_MEMBER_RESTARTS = 3  # per task: a worker that keeps dying is not a transient fault
 
 
 @dataclass(frozen=True)
