@@ -388,7 +388,7 @@ needs_hosts = pytest.mark.skipif(HOSTS_PROBLEM is not None,
 @needs_hosts
 @pytest.mark.timeout(60)
 def test_shaped_link_measures_within_a_quarter_of_the_set_rate():
-    proc = subprocess.run([sys.executable, "-m", "tfdist.launcher.machine.network", "--hosts", "2",
+    proc = subprocess.run([sys.executable, "-m", "tfdist.cli.hosts", "--hosts", "2",
                            "--link-rate", "50mbit"], capture_output=True,
                           text=True, timeout=50)
     assert proc.returncode == 0, proc.stderr
@@ -396,7 +396,7 @@ def test_shaped_link_measures_within_a_quarter_of_the_set_rate():
     assert result["set_bits_per_sec"] == 50 * 10**6
     assert 0.75 <= result["measured_bits_per_sec"] / result["set_bits_per_sec"] <= 1.25, result
     # The control: unshaped, the same transfer runs far faster than the set rate.
-    proc = subprocess.run([sys.executable, "-m", "tfdist.launcher.machine.network", "--hosts", "2"],
+    proc = subprocess.run([sys.executable, "-m", "tfdist.cli.hosts", "--hosts", "2"],
                           capture_output=True, text=True, timeout=50)
     assert json.loads(proc.stdout.strip().splitlines()[-1])["measured_bits_per_sec"] > 4 * 50 * 10**6
 

@@ -15,12 +15,11 @@ used, and no packet leaves the machine.
 (``tc qdisc ... tbf``): each host has RATE up and RATE down. Latency would need
 ``netem``, a kernel module many hosts lack: there is no latency emulation.
 
-    python -m tfdist.launcher.machine.network --hosts 2 --link-rate 100mbit   # build, measure, tear down
+    python -m tfdist.cli.hosts --hosts 2 --link-rate 100mbit   # build, measure, tear down
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import glob
 import json
@@ -43,6 +42,8 @@ NETNS_MODES = ("auto", "on", "off")
 # our uid to root inside it lets the launcher bring devices up.
 UNSHARE = ("unshare", "--user", "--map-root-user", "--net")
 INSIDE_FLAG = "--netns-inside"
+# The hosts' self-check and probe, a command of its own (tfdist/cli/hosts.py), run in a namespace.
+PROBE_COMMAND = ("-m", "tfdist.cli.hosts")
 LAUNCH = ("-m", "tfdist.cli.launch")  # the same command, re-run inside the namespace
 BRIDGE = "simbr0"
 PROBE_PORT = 5201
@@ -125,7 +126,7 @@ def hosts_problem(timeout: float = 20.0) -> str | None:
         return problem
     try:
         probe = subprocess.run(
-            [*UNSHARE, sys.executable, "-m", "tfdist.launcher.machine.network", "--hosts", "2", "--probe"],
+            [*UNSHARE, sys.executable, *PROBE_COMMAND, "--hosts", "2", "--probe"],
             stdin=subprocess.DEVNULL, capture_output=True,
             text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -456,51 +457,6 @@ def _readline(stream, timeout: float) -> str:
     if not box:
         raise RuntimeError(f"no answer from the link probe within {timeout:g}s")
     return box[0]
-
-
-# --- a self-check: python -m tfdist.launcher.machine.network --------------------------------------------
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Build N simulated hosts, measure a link, tear down.")
-    p.add_argument("--hosts", type=int, default=2)
-    p.add_argument("--link-rate", default=None)
-    p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument(INSIDE_FLAG, action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    try:
-        rate = parse_rate(args.link_rate) if args.link_rate else None
-        if args.hosts < 2 or args.hosts > plans.MAX_HOSTS:
-            raise LaunchError(f"--hosts={args.hosts}; use 2 to {plans.MAX_HOSTS}")
-    except LaunchError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.probe:  # run by hosts_problem(), already inside a namespace
-        hosts = SimulatedHosts(args.hosts)
-        try:
-            hosts.up()
-        finally:
-            hosts.close()
-        return 0
-    if not args.netns_inside:
-        problem = netns_problem()
-        if problem is not None:
-            print(f"error: no network namespace here ({problem})", file=sys.stderr)
-            return 2
-        cmd = [*UNSHARE, sys.executable, "-m", "tfdist.launcher.machine.network", *(argv or sys.argv[1:]),
-               INSIDE_FLAG]
-        return subprocess.run(cmd, stdin=subprocess.DEVNULL).returncode
-    hosts = SimulatedHosts(args.hosts, rate)
-    try:
-        hosts.up()
-        check = hosts.measure()
-    finally:
-        hosts.close()
-    print(json.dumps({"hosts": args.hosts, "link_rate": args.link_rate, **check.to_dict()}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 # --- data, before entering a namespace without network -----------------------------
