@@ -103,11 +103,17 @@ def spawn():
             p.kill()
 
 
+def running_with(marker: str) -> list[str]:
+    """Live processes (zombies and this one left out) whose command line contains
+    ``marker`` (e.g. a model dir), as ``"pid: command"``: what a finished job left behind.
+    The soak's scan (``tfdist.linux.live_processes``), one implementation."""
+    from tfdist.linux import live_processes
+
+    return [f"{pid}: {cmd}" for pid, cmd, _ in live_processes() if marker in cmd]
+
+
 def descendants_alive(marker: str) -> list[str]:
     """Processes whose command line contains ``marker`` (e.g. a model dir)."""
-    # The soak's scan (bench/soak.py), one implementation.
-    from tfdist.linux import running_with
-
     return running_with(marker)
 
 

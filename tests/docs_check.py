@@ -75,7 +75,7 @@ PARSER_SOURCES = {
     "tfdist.bench.soak": _parse_args("tfdist.bench.soak"),
     "tfdist.cli.hosts": _module_main("tfdist.cli.hosts"),
     "tfdist.cli.traffic": _module_main("tfdist.cli.traffic"),
-    "tfdist.training.prepare_data": _module_main("tfdist.training.prepare_data"),
+    "tfdist.cli.prepare_data": _module_main("tfdist.cli.prepare_data"),
     "tfdist.bench.overlap": _module_main("tfdist.bench.overlap"),
     "tfdist.bench.link_trace": _module_main("tfdist.bench.link_trace"),
 }

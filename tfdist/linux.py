@@ -97,10 +97,3 @@ def live_processes(environ: bool = False):
             continue
         if state != "Z":
             yield int(pid), cmd, env
-
-
-def running_with(marker: str) -> list[str]:
-    """Live processes (zombies left out) whose command line contains ``marker``
-    (e.g. a model dir), as ``"pid: command"``: what a finished job left behind.
-    The soak and the tests ask it; this process is never counted."""
-    return [f"{pid}: {cmd}" for pid, cmd, _ in live_processes() if marker in cmd]

@@ -13,9 +13,8 @@ import pytest
 
 from tfdist import protocol
 from tfdist.bench import soak
-from conftest import REPO, child_env
+from conftest import REPO, child_env, running_with
 from tfdist.launcher import policy
-from tfdist.linux import running_with
 from tfdist.strategies import kinds
 
 CLUSTER = ("ps", "ps-sync", "multiworker")

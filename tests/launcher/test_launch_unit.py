@@ -161,14 +161,14 @@ def test_inner_launcher_does_not_decide_again(monkeypatch, tmp_path):
 
 def test_mnist_is_prepared_by_a_module_entry_point_not_a_code_string():
     cmd = network.prepare_data_command("/data", python="py")
-    assert cmd == ["py", "-m", "tfdist.training.prepare_data", "--data-dir", "/data"]
-    assert network.prepare_data_command("", python="py") == ["py", "-m", "tfdist.training.prepare_data"]
+    assert cmd == ["py", "-m", "tfdist.cli.prepare_data", "--data-dir", "/data"]
+    assert network.prepare_data_command("", python="py") == ["py", "-m", "tfdist.cli.prepare_data"]
 
 
 def test_prepare_data_module_reports_missing_data_in_one_line(tmp_path):
     import subprocess
 
-    proc = subprocess.run([sys.executable, "-m", "tfdist.training.prepare_data", "--data-dir",
+    proc = subprocess.run([sys.executable, "-m", "tfdist.cli.prepare_data", "--data-dir",
                            str(tmp_path)], capture_output=True, text=True,
                           timeout=120)
     lines = proc.stderr.strip().splitlines()

@@ -467,7 +467,7 @@ def mnist_prepared(data_dir: str) -> bool:
 
 
 def prepare_data_command(data_dir: str, python: str = sys.executable) -> list[str]:
-    return [python, "-m", "tfdist.training.prepare_data", *(["--data-dir", data_dir] if data_dir else [])]
+    return [python, "-m", "tfdist.cli.prepare_data", *(["--data-dir", data_dir] if data_dir else [])]
 
 
 def prepare_data(data_dir: str | None, env: dict[str, str]) -> int:
