@@ -51,3 +51,20 @@ def test_nothing_in_the_launcher_asks_which_engine_it_has():
     assert {path: found for path, text in sources.items() if (found := probes(text))} == {}
     assert probes("if engine is None:\n    pass\nif hasattr(proc, 'signal_group'):\n") == [
         "if engine is None:", "if hasattr(proc, 'signal_group'):"]
+
+
+def shadowed_methods(source: str) -> list[str]:
+    """Contract methods an engine's instance attribute would hide (``self.membership = ...``)."""
+    import ast
+
+    return sorted({node.attr for node in ast.walk(ast.parse(source))
+                   if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                   and isinstance(node.value, ast.Name) and node.value.id == "self"
+                   and node.attr in Engine.__abstractmethods__})
+
+
+def test_no_engine_hides_a_contract_method_behind_an_attribute():
+    for module in ("local.py", "ray_engine.py"):
+        assert shadowed_methods((REPO / "tfdist/launcher/engine" / module).read_text()) == []
+    assert shadowed_methods("class E:\n    def __init__(self):\n        self.membership = None\n"
+                            ) == ["membership"]

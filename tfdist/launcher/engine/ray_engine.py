@@ -319,7 +319,7 @@ class RayEngine(Engine):
         self.ray, self.config, self.address, self.placement = ray, config, address, placement
         self.log = log
         self.all_names = config.names
-        self.membership: NodeMembership | None = None  # --min-workers: who is placed
+        self.node_membership: NodeMembership | None = None  # --min-workers: who is placed
         self.startup_timeout = min(startup_timeout, config.timeout or startup_timeout)
         self.pg = None
         self.placed: dict[str, Placed] = {}
@@ -340,7 +340,8 @@ class RayEngine(Engine):
     @property
     def names(self) -> list[str]:
         """The tasks placed this attempt: every task, or under --min-workers the members."""
-        return self.membership.names if self.membership is not None else list(self.all_names)
+        placed = self.node_membership
+        return placed.names if placed is not None else list(self.all_names)
 
     # --- the cluster ---------------------------------------------------------------
 
@@ -397,9 +398,9 @@ class RayEngine(Engine):
     def membership(self, plan: ElasticPlan, event_paths, record_path, log
                    ) -> "NodeMembership":
         """--min-workers: the supervisor's membership hook, which decides what is placed."""
-        self.membership = NodeMembership(plan, list(self.all_names), self, event_paths, log,
-                                         record_path=record_path)
-        return self.membership
+        self.node_membership = NodeMembership(plan, list(self.all_names), self, event_paths,
+                                              log, record_path=record_path)
+        return self.node_membership
 
     def dead_nodes(self) -> set[str]:
         """The nodes Ray counts as dead, of those this attempt's tasks were placed on."""
