@@ -103,11 +103,17 @@ def spawn():
             p.kill()
 
 
+def running_with(marker: str) -> list[str]:
+    """Live processes (zombies and this one left out) whose command line contains
+    ``marker`` (e.g. a model dir), as ``"pid: command"``: what a finished job left behind.
+    The soak's scan (``tfdist.linux.live_processes``), one implementation."""
+    from tfdist.linux import live_processes
+
+    return [f"{pid}: {cmd}" for pid, cmd, _ in live_processes() if marker in cmd]
+
+
 def descendants_alive(marker: str) -> list[str]:
     """Processes whose command line contains ``marker`` (e.g. a model dir)."""
-    # The soak's scan (bench/soak.py), one implementation.
-    from tfdist.launcher.processes import running_with
-
     return running_with(marker)
 
 
@@ -143,3 +149,17 @@ def refused_line(argv, tmp_path, capsys) -> str:
     assert code == 2 and len(err) == 1, (code, err)
     assert not (tmp_path / "run").exists()
     return err[0]
+
+
+def recovery_plan(kind, tasks, hosts: int = 0, **flags):
+    """``recovery.faults.plan_recovery`` from launch.py's flag names: the fault flags
+    (lists of specs) into a ``Faults``, the restart flags into a ``Recovery``."""
+    import dataclasses
+
+    from tfdist.launcher.config import Faults, Recovery
+    from tfdist.launcher.recovery.faults import plan_recovery
+
+    fault_fields = {f.name for f in dataclasses.fields(Faults)}
+    asked = Faults(**{k: tuple(v or ()) for k, v in flags.items() if k in fault_fields})
+    again = Recovery(**{k: v for k, v in flags.items() if k not in fault_fields})
+    return plan_recovery(kind, tasks, asked, again, hosts)

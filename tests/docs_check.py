@@ -72,13 +72,13 @@ PARSER_SOURCES = {
     "train": _parse_args("tfdist.cli.train"),
     "launch": _parse_args("tfdist.cli.launch"),
     "bench": _parse_args("tfdist.cli.bench"),
-    "tfdist.cli.soak": _parse_args("tfdist.cli.soak"),
-    "tfdist.cli.link_table": _module_main("tfdist.cli.link_table"),
-    "tfdist.launcher.network": _module_main("tfdist.launcher.network"),
-    "tfdist.launcher.traffic": _module_main("tfdist.launcher.traffic"),
-    "tfdist.training.prepare_data": _module_main("tfdist.training.prepare_data"),
-    "tfdist.cli.overlap": _module_main("tfdist.cli.overlap"),
-    "tfdist.cli.trace_study": _module_main("tfdist.cli.trace_study"),
+    "tfdist.cli.tools.soak": _parse_args("tfdist.cli.tools.soak"),
+    "tfdist.cli.tools.link_table": _module_main("tfdist.cli.tools.link_table"),
+    "tfdist.cli.tools.hosts": _module_main("tfdist.cli.tools.hosts"),
+    "tfdist.cli.tools.traffic": _module_main("tfdist.cli.tools.traffic"),
+    "tfdist.cli.tools.prepare_data": _module_main("tfdist.cli.tools.prepare_data"),
+    "tfdist.cli.tools.overlap": _module_main("tfdist.cli.tools.overlap"),
+    "tfdist.cli.tools.trace_study": _module_main("tfdist.cli.tools.trace_study"),
 }
 MODULE_COMMANDS = {"tfdist.cli.train": "train", "tfdist.cli.launch": "launch",
                    "tfdist.cli.bench": "bench"}
@@ -388,7 +388,7 @@ def check_file_names(text: str, doc: Path) -> list[str]:
 
 REFERENCE = REPO / "docs" / "reference.md"
 TABLES = {"train.py": "train", "launch.py": "launch", "bench.py": "bench",
-          "tfdist.cli.soak": "tfdist.cli.soak"}
+          "tfdist.cli.tools.soak": "tfdist.cli.tools.soak"}
 REGION = re.compile(r"(<!-- flags: (\S+) -->\n)(.*?)(<!-- /flags -->)", re.S)
 
 

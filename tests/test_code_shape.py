@@ -9,6 +9,7 @@ import subprocess
 from conftest import REPO
 
 MAX_FUNCTION_LINES = 80
+MAX_LAUNCHER_PARAMETERS = 8  # tfdist/launcher/: more belongs in a typed object (a RunContext, a group)
 DOCSTRING_FROM_LINES = 100  # a class this long says what it owns
 ISSUE_NUMBER = re.compile(r"(?<![\w-])issues?[\s#:-]*\d+", re.IGNORECASE)
 
@@ -29,6 +30,21 @@ def long_functions(sources: dict[str, str], limit: int = MAX_FUNCTION_LINES) -> 
                 lines = node.end_lineno - node.lineno + 1
                 if lines > limit:
                     found.append(f"{path}:{node.name} {lines}")
+    return sorted(found)
+
+
+def wide_signatures(sources: dict[str, str], limit: int = MAX_LAUNCHER_PARAMETERS) -> list[str]:
+    """``path:name count`` for every function taking more than ``limit`` parameters
+    (``self``/``cls`` not counted; ``*args`` and ``**kwargs`` count one each)."""
+    found = []
+    for path, text in sources.items():
+        for node in ast.walk(ast.parse(text, path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+                count = len(names) + bool(a.vararg) + bool(a.kwarg) - (names[:1] in (["self"], ["cls"]))
+                if count > limit:
+                    found.append(f"{path}:{node.name} {count}")
     return sorted(found)
 
 
@@ -54,6 +70,36 @@ def test_no_function_outside_the_tests_is_over_80_lines():
     sources = _code()
     assert len(sources) > 80  # the real tree: tfdist/, strategies/, models/, the commands
     assert long_functions(sources) == []
+
+
+def test_no_function_in_the_launcher_takes_more_than_8_parameters():
+    sources = {p: t for p, t in _code().items() if p.startswith("tfdist/launcher/")}
+    assert len(sources) > 20
+    assert wide_signatures(sources) == []
+
+
+def test_the_parameter_rule_counts_every_kind_of_parameter():
+    assert wide_signatures({"a.py": "def f(a, b, c, d, e, f, g, h, i):\n    pass\n"}) == ["a.py:f 9"]
+    assert wide_signatures({"a.py": "def f(a, b, c, d, e, f, g, *h, i, **j):\n    pass\n"}) == [
+        "a.py:f 10"]
+    method = "class A:\n    def f(self, a, b, c, d, e, f, g, h):\n        pass\n"
+    assert wide_signatures({"a.py": method}) == []
+    assert wide_signatures({"a.py": method}, limit=7) == ["a.py:f 8"]
+
+
+def task_named_types(sources: dict[str, str]) -> list[str]:
+    """``path:name`` for every class named ``Task...``: in the launcher a process of the
+    cluster is a member (docs/architecture.md's words); a task is the user's workload."""
+    return sorted(f"{path}:{node.name}" for path, text in sources.items()
+                  for node in ast.walk(ast.parse(text, path))
+                  if isinstance(node, ast.ClassDef) and node.name.startswith("Task"))
+
+
+def test_launcher_types_name_members_not_tasks():
+    sources = {p: t for p, t in _code().items() if p.startswith("tfdist/launcher/")}
+    assert task_named_types(sources) == []
+    assert task_named_types({"a.py": "class TaskHost:\n    pass\nclass MemberHost:\n    pass\n"}) == [
+        "a.py:TaskHost"]
 
 
 def test_the_length_rule_counts_a_long_function():

@@ -29,14 +29,6 @@ TESTED_API: dict[str, str] = {
                                 "every command (docs/architecture.md); tests/test_options.py runs it "
                                 "over each command's parser",
 }
-# Dead functions inside tfdist/launcher/, which another change is restructuring; the
-# coordinator removes this set once that change is merged (each entry must still be dead).
-LAUNCHER_PENDING: set[str] = {
-    "tfdist/launcher/plan.py:ClusterPlan.address_of_host",
-    "tfdist/launcher/processes.py:quote",
-    "tfdist/launcher/processes.py:running_with",  # the tests' only
-    "tfdist/launcher/processes.py:start_members",  # the tests' only
-}
 
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 
@@ -176,15 +168,13 @@ def _project_files() -> dict[str, str]:
 
 def test_no_function_is_dead():
     dead, tests_only = dead_functions(_project_files())
-    unused = [k for k in dead + tests_only if k not in TESTED_API and k not in LAUNCHER_PENDING]
+    unused = [k for k in dead + tests_only if k not in TESTED_API]
     assert unused == []
 
 
 def test_every_allowance_is_still_needed():
     dead, tests_only = dead_functions(_project_files())
     assert sorted(k for k in TESTED_API if k not in tests_only) == []
-    assert sorted(k for k in LAUNCHER_PENDING if k not in dead + tests_only) == []
-    assert all(k.startswith("tfdist/launcher/") for k in LAUNCHER_PENDING)
 
 
 def test_the_check_finds_dead_and_test_only_functions():

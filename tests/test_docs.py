@@ -99,7 +99,7 @@ PLANTED = [
     ("an indented block:\n\n    python bench.py --suite scenarios --links-only\n\nafter it",
      "bench: no flag --links-only"),
     ("`python -m training.prepare_data`", "python -m training.prepare_data: no such module"),
-    ("`python -m tfdist.cli.soak --runs 3`", "tfdist.cli.soak: no flag --runs"),
+    ("`python -m tfdist.cli.tools.soak --runs 3`", "tfdist.cli.tools.soak: no flag --runs"),
     ("`python launch.py --strategy ps --program bench/peers/tf_keras_ps.py -- --epochs 1`",
      "--program bench/peers/tf_keras_ps.py: no such file"),
 ]
@@ -115,7 +115,7 @@ def test_good_command_lines_pass():
     good = ("```bash\npython launch.py --strategy ps --workers 2 --ps 1 --hosts 3 "
             "--slow worker:1=0.25 -- --epochs 1 --model-dir runs/x  # a comment --x\n"
             "TF_CONFIG='...' tfdist-train --strategy=auto --dry-run\n"
-            "python -m tfdist.cli.soak --jobs 3 --out runs/soak\n"
+            "python -m tfdist.cli.tools.soak --jobs 3 --out runs/soak\n"
             "python launch.py --strategy ps --program tfdist/bench/peers/tf_keras_ps.py "
             "-- --peer-only-flag\n```\n")
     assert dc.check_commands(good) == []

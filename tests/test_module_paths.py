@@ -24,18 +24,6 @@ from conftest import REPO
 _TARGET = re.compile(r"(?:\bpython3?|\$\(PY(?:THON)?\))\s+-m\s+([A-Za-z_][\w.]*[\w])"
                      r"|[\"']-m[\"'],\s*[\"']([A-Za-z_][\w.]*[\w])[\"']")
 
-# Stale targets in tfdist/launcher/, which another change is restructuring: each is
-# (file, target). The coordinator removes this set once that change is merged and the
-# strings are updated; every entry must still be stale and still be there.
-LAUNCHER_PENDING: set[tuple[str, str]] = {
-    ("tfdist/launcher/linkprobe.py", "launcher.linkprobe"),
-    ("tfdist/launcher/network.py", "launcher.network"),
-    ("tfdist/launcher/traffic.py", "launcher.traffic"),
-    # The bench's link-trace table moved; launcher/config.py's --link-trace help and
-    # launcher/linktrace.py still name its old path (docs/reference.md is generated from the help).
-    ("tfdist/launcher/linktrace.py", "tfdist.bench.link_trace"),
-    ("docs/reference.md", "tfdist.bench.link_trace"),
-}
 
 
 def _sources() -> list[str]:
@@ -79,8 +67,7 @@ def runs_as_program(target: str) -> bool:
 
 def stale(found: dict[str, set[str]]) -> list[str]:
     return sorted(f"{path}: python -m {target}" for target, paths in found.items()
-                  if not runs_as_program(target) for path in paths
-                  if (path, target) not in LAUNCHER_PENDING)
+                  if not runs_as_program(target) for path in paths)
 
 
 def test_every_python_m_target_runs_as_a_program():
@@ -88,12 +75,6 @@ def test_every_python_m_target_runs_as_a_program():
     # The real tree: the commands' argv and the documented tools are all read.
     assert {"tfdist.cli.train", "tfdist.strategies.server", "pytest"} <= set(found)
     assert stale(found) == []
-
-
-def test_every_pending_launcher_entry_is_still_stale_and_still_there():
-    found = named_targets(_sources())
-    assert sorted(e for e in LAUNCHER_PENDING
-                  if e[0] not in found.get(e[1], set()) or runs_as_program(e[1])) == []
 
 
 def test_the_check_finds_stale_targets(tmp_path):

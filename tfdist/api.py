@@ -24,7 +24,7 @@ from tfdist.protocol import ConfigError, Exit
 
 if TYPE_CHECKING:  # the groups' modules load when a run starts: `import tfdist` stays cheap
     from tfdist.launcher.config import Cluster, Faults, Limits, Recovery
-    from tfdist.training.config import TrainOptions
+    from tfdist.options import TrainOptions
 
 
 class TfdistError(Exception):
@@ -128,13 +128,6 @@ def _task_spec(task) -> str:
         "or tfdist.fit('package.module:NAME', ...)", Exit.BAD_INPUT)
 
 
-def _train_args(task: str | None, options) -> tuple[str, ...]:
-    """Training options as every task's ``tfdist-train`` flags (``tfdist.flags.to_argv``)."""
-    from tfdist import flags
-
-    return (*(("--task", task) if task is not None else ()), *flags.to_argv(options))
-
-
 def fit(task="mnist-cnn", strategy: str = "auto", *, workers: int = 0, ps: int = 0,
         chief: bool = False, options: TrainOptions | None = None, callbacks=None) -> Result:
     """Train ``task`` and evaluate it; the run's :class:`Result`.
@@ -152,7 +145,7 @@ def fit(task="mnist-cnn", strategy: str = "auto", *, workers: int = 0, ps: int =
     Raises :class:`TfdistError`.
     """
     from tfdist.launcher.config import Cluster
-    from tfdist.training.config import TrainOptions
+    from tfdist.options import TrainOptions
 
     options = _typed(options, TrainOptions, "options")
     if callbacks is not None and workers:
@@ -253,17 +246,18 @@ def launch(strategy: str = "auto", task=None, *, cluster: Cluster | None = None,
     ``train.py`` does and says which. Returns the chief's :class:`Result` with each
     task's outcome; raises :class:`TfdistError`.
     """
-    from tfdist.launcher.config import Cluster, Faults, LaunchRequest, Limits, Recovery
-    from tfdist.launcher.job import MemberCheckFailed, choose_kind, run_request
+    from tfdist.launcher.config import Cluster, Faults, LaunchRequest, Limits, MemberArgs, Recovery
+    from tfdist.launcher.checks import MemberCheckFailed
+    from tfdist.launcher.job import choose_kind, run_request
     from tfdist.launcher.plan import LaunchError
-    from tfdist.training.config import TrainOptions
+    from tfdist.options import TrainOptions
 
     options = _typed(options, TrainOptions, "options")
     request = LaunchRequest(
         strategy=strategy, cluster=_typed(cluster, Cluster, "cluster"),
         faults=_typed(faults, Faults, "faults"), recovery=_typed(recovery, Recovery, "recovery"),
         limits=_typed(limits, Limits, "limits"),
-        train_args=_train_args(None if task is None else _task_spec(task), options))
+        member=MemberArgs(task=None if task is None else _task_spec(task), options=options))
     try:
         kind = choose_kind(request)
         code = run_request(request)
@@ -286,7 +280,7 @@ def __getattr__(name):
 
         return getattr(config, name)
     if name == "TrainOptions":
-        from tfdist.training.config import TrainOptions
+        from tfdist.options import TrainOptions
 
         return TrainOptions
     if name == "Task":

@@ -166,10 +166,6 @@ def to_argv(obj, *, exclude: Iterable[str] = ()) -> list[str]:
     return argv
 
 
-def defaults(cls) -> dict[str, Any]:
-    return {f.name: f.default for f in options_of(cls)}
-
-
 # --- --help ------------------------------------------------------------------
 
 def description(doc: str) -> str:

@@ -422,10 +422,10 @@ class LaunchOutcome:
     # Under --hosts: each host's bytes sent and received over the job (its
     # veth's counters at start and end, headers included) and per step of
     # the chief's final run, with its TCP retransmissions and its shapers'
-    # drops over the job (launcher.traffic.measured_record).
+    # drops over the job (launcher.machine.traffic.measured_record).
     traffic: dict | None = None
     # Each task's peak resident memory in bytes, the largest over its restarts
-    # and the job's relaunches (launcher.memory: sampled at every poll).
+    # and the job's relaunches (launcher.machine.memory: sampled at every poll).
     peak_rss_bytes: dict | None = None
     # --memory-limit: each limited task's {"limit_bytes", "max_usage_bytes"} (the
     # most its memory cgroup was charged), and those the kernel's OOM killer

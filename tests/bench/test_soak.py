@@ -13,10 +13,9 @@ import pytest
 
 from tfdist import protocol
 from tfdist.bench import soak
-from tfdist.cli import soak as soak_cli
-from conftest import REPO, child_env
+from tfdist.cli.tools import soak as soak_cli
+from conftest import REPO, child_env, running_with
 from tfdist.launcher import policy
-from tfdist.launcher.processes import running_with
 from tfdist.strategies import kinds
 
 CLUSTER = ("ps", "ps-sync", "multiworker")
@@ -306,7 +305,7 @@ def test_a_soak_is_correct_and_leaves_nothing(spawn, tmp_path, strategies):
     # The default tier's one job draws one fault (each fault costs a recovery: its
     # time ran 72 to 121 s with up to three); the long tier's jobs draw 1 to 3.
     faults = ["--max-faults", "1"] if jobs == 1 else []
-    proc = spawn([sys.executable, "-m", "tfdist.cli.soak", "--jobs", str(jobs),
+    proc = spawn([sys.executable, "-m", "tfdist.cli.tools.soak", "--jobs", str(jobs),
                   "--steps", "600", "--strategies", ",".join(strategies), *faults,
                   "--job-timeout", "240", "--out", str(out)])
     code = proc.wait(timeout=400)

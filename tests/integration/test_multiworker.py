@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tfdist.launcher import processes
+from tfdist.launcher.plan import free_ports
 from conftest import REPO, child_env, descendants_alive, launch_cmd, read_results
 
 pytestmark = pytest.mark.multiprocess
@@ -99,7 +99,7 @@ def test_launcher_sigterm_stops_every_task(tmp_path, spawn):
 
 @pytest.mark.timeout(120)
 def test_lonely_worker_gives_up_naming_the_missing_task(tmp_path, spawn):
-    port0, port1 = processes.free_ports(2)
+    port0, port1 = free_ports(2)
     tf_config = {"cluster": {"worker": [f"localhost:{port0}", f"localhost:{port1}"]},
                  "task": {"type": "worker", "index": 0}}
     p = spawn([sys.executable, str(REPO / "train.py"), "--strategy=multiworker", "--steps=5",

@@ -2,6 +2,7 @@
 decisions (no TensorFlow), and a real multiworker job that loses a host for
 good and finishes on the survivors (multiprocess)."""
 
+import dataclasses
 import json
 import os
 import re
@@ -11,12 +12,17 @@ import sys
 import pytest
 
 from tfdist import protocol
-from tfdist.launcher import elastic, injector as injectors, faults, network
+from tfdist.launcher.recovery import elastic
+from tfdist.launcher.recovery import injector as injectors
+from tfdist.launcher.recovery import faults
+from tfdist.launcher.machine import network
 from tfdist.launcher import plan as plans
+from tfdist.launcher.membership import HostMembership
 from tfdist.launcher.plan import LaunchError
 from tfdist.launcher.state import JobState, RestartMember, SignalMember, MemberView
 from tfdist.protocol import Exit
 from tfdist.strategies import kinds
+from tfdist.options import TrainOptions
 
 MW = kinds.get("multiworker")
 WORKERS = ["worker:0", "worker:1", "worker:2"]
@@ -98,25 +104,25 @@ def test_member_configs_name_only_the_members_in_order():
                                    "task": {"type": "worker", "index": 1}}
 
 
-@pytest.mark.parametrize("args,n,expected,said", [
-    (["--steps", "9"], 2, ["--steps", "9"], False),
-    (["--replicas-to-aggregate", "3"], 2, ["--replicas-to-aggregate", "2"], True),
-    (["--replicas-to-aggregate=3"], 2, ["--replicas-to-aggregate=2"], True),
-    (["--replicas-to-aggregate", "2"], 3, ["--replicas-to-aggregate", "2"], False),
+@pytest.mark.parametrize("given,n,expected,said", [
+    (None, 2, None, False),
+    (3, 2, 2, True),
+    (2, 3, 2, False),
 ])
-def test_ps_sync_k_is_at_most_the_workers_left(args, n, expected, said):
-    out, line = elastic.aggregate_args(args, n)
-    assert out == expected and (line is not None) == said
+def test_ps_sync_k_is_at_most_the_workers_left(given, n, expected, said):
+    options = TrainOptions(steps=9, replicas_to_aggregate=given)
+    out, line = elastic.aggregate(options, n)
+    assert out == TrainOptions(steps=9, replicas_to_aggregate=expected)
+    assert (line is not None) == said
     if said:
         assert "K = min(K, workers)" in line
 
 
-def test_global_batch_is_the_flags_else_the_run_record(tmp_path):
-    assert elastic.global_batch(str(tmp_path), []) is None
+def test_global_batch_is_the_options_else_the_run_record(tmp_path):
+    assert elastic.global_batch(str(tmp_path), TrainOptions()) is None
     (tmp_path / "run.json").write_text(json.dumps({"global_batch_size": 192}))
-    assert elastic.global_batch(str(tmp_path), []) == 192
-    assert elastic.global_batch(str(tmp_path), ["--global-batch-size", "96"]) == 96
-    assert elastic.global_batch(str(tmp_path), ["--global-batch-size=102"]) == 102
+    assert elastic.global_batch(str(tmp_path), TrainOptions()) == 192
+    assert elastic.global_batch(str(tmp_path), TrainOptions(global_batch_size=96)) == 96
 
 
 # --- one global batch for every formation --------------------------------------------
@@ -198,20 +204,21 @@ def _config(*argv):
 
 
 def test_the_launcher_pins_the_chosen_batch_into_every_formations_flags(monkeypatch, capsys):
-    from tfdist.launcher import job, processes
+    from tfdist.launcher import checks, job
 
     asked = []
 
-    def check_tasks(tf_configs, command, env, **kw):
+    def check_members(tf_configs, command, env, **kw):
         asked.append((list(tf_configs), command))
-        return [processes.MemberCheck(n, 0, {"global_batch_size": 256}) for n in tf_configs]
+        return [checks.MemberCheck(n, 0, {"global_batch_size": 256}) for n in tf_configs]
 
-    monkeypatch.setattr(processes, "check_tasks", check_tasks)
+    monkeypatch.setattr(job, "check_members", check_members)
     config = _config("--strategy", "multiworker", "--workers", "4", "--hosts", "4",
                      "--min-workers", "2", "--", "--steps", "5", "--model-dir", "/tmp/x")
     pinned = job.pin_elastic_batch(config)
     assert [names for names, _ in asked] == [["worker:0"]]  # one check: the chief's plan
-    assert pinned.train_args == (*config.train_args, "--global-batch-size", "252")
+    assert pinned.options == dataclasses.replace(config.options, global_batch_size=252)
+    assert "--global-batch-size 252" in " ".join(pinned.member.argv())
     assert capsys.readouterr().out.startswith("[launch] elastic: global batch 252 for every "
                                               "formation, 2 to 4 workers")
     # Given (and dividing every size), or not elastic: the flags as they are, no check.
@@ -229,9 +236,8 @@ def _state(*exits, pids=(11, 12, 13), names=WORKERS):
 def _membership(tmp_path, m=2, timeout=5.0):
     now, lines, down = [0.0], [], set()
     paths = {n: str(tmp_path / f"{n}.events") for n in WORKERS}
-    mem = elastic.Membership(elastic.ElasticPlan(m, timeout), WORKERS,
+    mem = HostMembership(elastic.ElasticPlan(m, timeout), WORKERS,
                              {n: i for i, n in enumerate(WORKERS)},
-                             plans.build_host_cluster(MW, 3, hosts=3).tf_configs,
                              list(paths.values()), log=lines.append, clock=lambda: now[0],
                              record_path=str(tmp_path / "membership.json"))
     mem.new_attempt(lambda: down)
@@ -266,7 +272,8 @@ def test_a_host_down_past_the_rejoin_timeout_ends_the_attempt_and_shrinks(tmp_pa
                          "continuing with 2 workers from step 100 (steps 100-150 redone)")
     with open(mem.env()[protocol.MEMBERSHIP_ENV]) as f:
         assert json.load(f) == mem.record()
-    assert set(mem.configs()) == {"worker:0", "worker:1"}
+    assert set(mem.configs(plans.build_host_cluster(MW, 3, hosts=3).tf_configs)) == {
+        "worker:0", "worker:1"}
 
 
 def test_the_step_recorded_is_the_one_the_new_formation_resumed_from(tmp_path):
@@ -348,13 +355,13 @@ def test_under_ps_sync_the_chief_is_told_to_save_when_a_worker_is_back(tmp_path)
     names = ["chief:0", "worker:0", "worker:1", "worker:2", "ps:0"]
     tf_configs = plans.build_host_cluster(kinds.get("ps-sync"), 3, 1, hosts=4).tf_configs
     down, paths = {3}, [str(tmp_path / "chief.events")]
-    mem = elastic.Membership(elastic.ElasticPlan(2, 1.0), names,
+    mem = HostMembership(elastic.ElasticPlan(2, 1.0), names,
                              {"chief:0": 0, "ps:0": 0, "worker:0": 1, "worker:1": 2,
-                              "worker:2": 3}, tf_configs, paths, log=lambda m: None,
+                              "worker:2": 3}, paths, log=lambda m: None,
                              clock=lambda: 0.0)
     mem.members = ["worker:0", "worker:1"]  # worker:2 left
     assert mem.names == ["chief:0", "worker:0", "worker:1", "ps:0"]
-    assert mem.configs()["ps:0"]["cluster"]["worker"] == tf_configs["worker:0"]["cluster"][
+    assert mem.configs(tf_configs)["ps:0"]["cluster"]["worker"] == tf_configs["worker:0"]["cluster"][
         "worker"][:2]
     mem.new_attempt(lambda: down)
     _emit(paths[0], protocol.STARTED, 0)
@@ -366,11 +373,10 @@ def test_under_ps_sync_the_chief_is_told_to_save_when_a_worker_is_back(tmp_path)
 
 def test_under_ps_a_worker_whose_host_is_gone_leaves_and_rejoins_when_it_is_back(tmp_path):
     names = ["chief:0", "worker:0", "worker:1", "ps:0"]
-    tf_configs = plans.build_host_cluster(kinds.get("ps"), 2, 1, hosts=3).tf_configs
     now, lines, down = [0.0], [], set()
-    mem = elastic.Membership(elastic.ElasticPlan(1, 5.0), names,
+    mem = HostMembership(elastic.ElasticPlan(1, 5.0), names,
                              {"chief:0": 0, "ps:0": 0, "worker:0": 1, "worker:1": 2},
-                             tf_configs, [], log=lines.append, clock=lambda: now[0],
+                             [], log=lines.append, clock=lambda: now[0],
                              record_path=str(tmp_path / "m.json"), live=True)
     mem.new_attempt(lambda: down)
     pids = (1, 2, 3, 4)
@@ -395,9 +401,8 @@ def test_under_ps_a_worker_whose_host_is_gone_leaves_and_rejoins_when_it_is_back
 def test_under_ps_below_min_workers_for_the_rejoin_timeout_stops_the_job(tmp_path):
     names = ["chief:0", "worker:0", "worker:1", "ps:0"]
     now, lines, down = [0.0], [], {2}
-    mem = elastic.Membership(elastic.ElasticPlan(2, 5.0), names,
+    mem = HostMembership(elastic.ElasticPlan(2, 5.0), names,
                              {"chief:0": 0, "ps:0": 0, "worker:0": 1, "worker:1": 2},
-                             plans.build_host_cluster(kinds.get("ps"), 2, 1, hosts=3).tf_configs,
                              [], log=lines.append, clock=lambda: now[0], live=True)
     mem.new_attempt(lambda: down)
     gone = _state(None, None, 0, None, names=names, pids=(1, 2, 3, 4))

@@ -8,13 +8,27 @@ import sys
 
 import pytest
 
+from conftest import recovery_plan
+
 from tfdist import protocol
-from tfdist.launcher import faults, processes
-from tfdist.launcher import injector as injectors
+from tfdist.launcher.recovery import faults
+from tfdist.launcher.engine.local import LocalEngine, start_member
+from tfdist.launcher.recovery import injector as injectors
 from tfdist.launcher import plan as plans
 from tfdist.launcher.state import JobState, SetLink, SignalMember, MemberView
 from tfdist.launcher.supervisor import Supervisor
 from tfdist.strategies import kinds
+
+
+class Starting(LocalEngine):
+    """The local engine, each member started by ``starter`` (a stand-in command)."""
+
+    def __init__(self, starter):
+        super().__init__(config=None)
+        self.starter = starter
+
+    def start(self, name):
+        return self.starter(name)
 
 PS_TASKS = ["chief:0", "worker:0", "worker:1", "ps:0"]
 
@@ -58,7 +72,7 @@ def test_kill_takes_no_duration():
 
 
 def test_plan_recovery_puts_hangs_and_partitions_in_the_plan():
-    plan = faults.plan_recovery(kinds.get("ps"), PS_TASKS, hang=["worker:1@step=10+5"],
+    plan = recovery_plan(kinds.get("ps"), PS_TASKS, hang=["worker:1@step=10+5"],
                                 partition=["host2@30"], hosts=3, kill=["worker:0@50"])
     assert plan.faults == (faults.Fault("kill", "worker:0", seconds=50.0),
                            faults.Fault("hang", "worker:1", step=10, lift_after=5.0),
@@ -72,7 +86,7 @@ def test_plan_recovery_puts_hangs_and_partitions_in_the_plan():
 ])
 def test_plan_recovery_rejects_hangs_and_partitions(kwargs, words):
     with pytest.raises(plans.LaunchError) as err:
-        faults.plan_recovery(kinds.get("ps"), PS_TASKS, **kwargs)
+        recovery_plan(kinds.get("ps"), PS_TASKS, **kwargs)
     for word in words:
         assert word in str(err.value)
 
@@ -161,11 +175,11 @@ def test_supervisor_stop_continues_a_hung_task_before_killing_it():
 
     def starter(name):
         # Ignores nothing: a continued task ends at the SIGTERM.
-        return processes.start_member(name, None, [sys.executable, "-c",
+        return start_member(name, None, [sys.executable, "-c",
                                                  "import time; time.sleep(120)"], {},
                                     sink=open(os.devnull, "w"))
 
-    sup = Supervisor(kinds.get("ps"), starter, log=lines.append, grace=30)
+    sup = Supervisor(kinds.get("ps"), Starting(starter), log=lines.append, grace=30)
     sup.start(["worker:1"])
     pid = sup.members["worker:1"].proc.pid
     sup.apply(SignalMember("worker:1", signal.SIGSTOP, group=True, pid=pid))
@@ -191,7 +205,7 @@ class FakeHosts:
 
 def test_supervisor_brings_a_downed_link_up_when_it_stops():
     net = FakeHosts()
-    sup = Supervisor(kinds.get("ps"), starter=None, log=lambda m: None, network=net)
+    sup = Supervisor(kinds.get("ps"), Starting(None), log=lambda m: None, network=net)
     sup.apply(SetLink(2, up=False))
     assert sup.links_down == {2}
     sup.stop()

@@ -8,7 +8,10 @@ import time
 
 import pytest
 
-from tfdist.launcher import cgroups, hostcpus, network, processes
+from tfdist.launcher.machine import cgroups
+from tfdist.launcher.machine import hostcpus
+from tfdist.launcher.machine import network
+from tfdist.launcher import plan as plans
 from tfdist.launcher.plan import LaunchError
 from tfdist.protocol import Exit
 from tfdist.strategies import kinds
@@ -53,14 +56,14 @@ def test_the_launcher_refuses_a_budget_above_the_machine_before_anything(tmp_pat
 
 def test_under_a_budget_busy_members_size_their_pools_to_it_and_are_not_pinned():
     mw, ps = kinds.get("multiworker"), kinds.get("ps")
-    shares = processes.share_cores(mw, ["worker:0", "worker:1"], 2, host_cpus=0.5)
+    shares = plans.share_cores(mw, ["worker:0", "worker:1"], 2, host_cpus=0.5)
     assert {n: (dict(s.env), s.cpus) for n, s in shares.items()} == {
         "worker:0": ({"TF_NUM_INTRAOP_THREADS": "1"}, ()),
         "worker:1": ({"TF_NUM_INTRAOP_THREADS": "1"}, ())}
-    shares = processes.share_cores(ps, ["chief:0", "worker:0", "ps:0"], 8, host_cpus=2.5)
+    shares = plans.share_cores(ps, ["chief:0", "worker:0", "ps:0"], 8, host_cpus=2.5)
     assert [s.env["TF_NUM_INTRAOP_THREADS"] for s in shares.values()] == ["1", "3", "1"]
     # Without a budget, the cores are shared out and pinned as before.
-    assert processes.share_cores(mw, ["worker:0", "worker:1"], 2)["worker:1"].cpus == (1,)
+    assert plans.share_cores(mw, ["worker:0", "worker:1"], 2)["worker:1"].cpus == (1,)
 
 
 def test_each_host_gets_one_quota_and_one_account_and_they_are_recorded(tmp_path):

@@ -14,13 +14,34 @@ import time
 
 import pytest
 
+from conftest import recovery_plan
+
 from tfdist import protocol
-from tfdist.launcher import cgroups, faults, network, processes, supervisor
-from tfdist.launcher import injector as injectors, restarter as restarters, slowdown as slowdowns
+from tfdist.launcher import attempts, files, outcome, supervisor
+from tfdist.launcher.machine import cgroups
+from tfdist.launcher.recovery import faults
+from tfdist.launcher.machine import network
+from tfdist.launcher.engine.api import Placement
+from tfdist.launcher.engine.local import LocalEngine, child_setup, start_member
+from tfdist.launcher.recovery import injector as injectors
+from tfdist.launcher.recovery import restarter as restarters
+from tfdist.launcher.machine import slowdown as slowdowns
 from tfdist.launcher import plan as plans
-from tfdist.launcher.config import LaunchConfig, Limits
+from tfdist.launcher.config import LaunchConfig, Limits, MemberArgs
+from tfdist.options import TrainOptions
 from tfdist.launcher.state import JobState, RestartMember, SignalMember, SlowMember, MemberView
 from tfdist.strategies import kinds, parse_tf_config
+
+
+class Starting(LocalEngine):
+    """The local engine, each member started by ``starter`` (a stand-in command)."""
+
+    def __init__(self, starter):
+        super().__init__(config=None)
+        self.starter = starter
+
+    def start(self, name):
+        return self.starter(name)
 
 
 # --- the host plan (pure) ------------------------------------------------------------------
@@ -85,7 +106,7 @@ def test_bad_host_plans(args, words):
 
 def test_saved_files_say_which_host_each_task_is_on(tmp_path):
     plan = plans.build_host_cluster(kinds.get("ps"), workers=2, ps=1, hosts=3)
-    processes.save_launch_files(str(tmp_path), plan, ["python", "train.py", "--strategy=ps"])
+    files.save_launch_files(str(tmp_path), plan, ["python", "train.py", "--strategy=ps"])
     script = (tmp_path / "commands.sh").read_text()
     assert "# worker:1 on host2 (10.77.0.13)" in script
     assert "# chief:0 on host0 (10.77.0.11)" in script
@@ -158,7 +179,7 @@ def test_parse_slow_rejects(spec, words):
 
 def _recovery(tasks, strategy="ps", **flags):
     """plan_recovery with the launcher's defaults, as launch.py calls it."""
-    return faults.plan_recovery(kinds.get(strategy), tasks, **flags)
+    return recovery_plan(kinds.get(strategy), tasks, **flags)
 
 
 def test_plan_recovery_checks_slow_tasks():
@@ -176,8 +197,8 @@ def test_quota_is_the_fraction_of_the_cores_the_task_would_use():
     assert cgroups.quota_us(0.25, 1) == 25_000
     assert cgroups.quota_us(0.5, 2) == 100_000
     assert cgroups.quota_us(0.001, 1) == 1000  # the kernel's minimum
-    assert processes.CoreShare({}, (2, 3)).cores(8) == 2
-    assert processes.CoreShare({"TF_NUM_INTRAOP_THREADS": "1"}).cores(8) == 8
+    assert plans.CoreShare({}, (2, 3)).cores(8) == 2
+    assert plans.CoreShare({"TF_NUM_INTRAOP_THREADS": "1"}).cores(8) == 8
 
 
 def test_injector_returns_a_slow_action_when_its_step_comes(tmp_path):
@@ -194,7 +215,7 @@ def test_injector_returns_a_slow_action_when_its_step_comes(tmp_path):
 
 def test_restarter_asks_for_a_restart_after_the_delay_and_at_most_limit_times():
     now = [0.0]
-    restarter = restarters.TaskRestarter(1.0, log=lambda m: None, limit=1, clock=lambda: now[0])
+    restarter = restarters.MemberRestarter(1.0, log=lambda m: None, limit=1, clock=lambda: now[0])
     dead = JobState((MemberView("worker:0", 5, exit_code=-9), MemberView("ps:0", 6)))
     assert restarter(dead) == []  # the delay starts
     now[0] = 1.5
@@ -207,7 +228,7 @@ def test_restarter_kills_a_worker_the_chief_reports_stuck_once_then_restarts_it(
     events = str(tmp_path / "chief-0.jsonl")
     logs = []
     now = [0.0]
-    restarter = restarters.TaskRestarter(1.0, log=logs.append, limit=3, clock=lambda: now[0],
+    restarter = restarters.MemberRestarter(1.0, log=logs.append, limit=3, clock=lambda: now[0],
                                      event_paths=[events])
     running = JobState((MemberView("chief:0", 11), MemberView("worker:1", 12), MemberView("ps:0", 13)))
     assert restarter(running) == []
@@ -245,11 +266,11 @@ def test_worker_rates_from_ps_chief_events(tmp_path):
                                {"steps_per_worker": {"worker:0": a, "worker:1": b}})
         with open(log.path, "a") as f:
             f.write(event.to_json() + "\n")
-    rates = supervisor.worker_rates(kinds.get("ps"), supervisor.job_events(
+    rates = outcome.worker_rates(kinds.get("ps"), outcome.job_events(
         {"chief:0": path, "worker:0": str(tmp_path / "none")}))
     assert rates == {"worker:0": {"steps": 110, "share": 0.8333, "steps_per_sec": 5.0},
                      "worker:1": {"steps": 22, "share": 0.1667, "steps_per_sec": 1.0}}
-    assert "worker:1 22 local steps (17%), 1.0 steps/s" in supervisor.describe_rates(rates)
+    assert "worker:1 22 local steps (17%), 1.0 steps/s" in outcome.describe_rates(rates)
 
 
 def test_worker_rates_from_one_report_say_why_there_is_no_rate(tmp_path):
@@ -258,9 +279,9 @@ def test_worker_rates_from_one_report_say_why_there_is_no_rate(tmp_path):
         f.write(protocol.Event(protocol.PROGRESS, "chief:0", 200, 100.0,
                                {"steps_per_worker": {"worker:0": 98, "worker:1": 102}}
                                ).to_json() + "\n")
-    rates = supervisor.worker_rates(kinds.get("ps"), supervisor.job_events({"chief:0": path}))
+    rates = outcome.worker_rates(kinds.get("ps"), outcome.job_events({"chief:0": path}))
     assert rates["worker:0"] == {"steps": 98, "share": 0.49, "steps_per_sec": None}
-    line = supervisor.describe_rates(rates)
+    line = outcome.describe_rates(rates)
     assert line.startswith("worker:0 98 local steps (49%); worker:1 102 local steps (51%) (steps/s needs")
     assert "?" not in line and "--log-every" in line
 
@@ -273,7 +294,7 @@ def test_worker_rates_from_sync_workers_own_events(tmp_path):
             for step in (100, 200, 300):
                 f.write(protocol.Event(protocol.PROGRESS, name, step, step / per_sec,
                                        {"steps_per_sec": 1.0}).to_json() + "\n")
-    rates = supervisor.worker_rates(kinds.get("multiworker"), supervisor.job_events(paths))
+    rates = outcome.worker_rates(kinds.get("multiworker"), outcome.job_events(paths))
     assert rates["worker:1"] == {"steps": 300, "share": None, "steps_per_sec": 20.0}
 
 
@@ -323,13 +344,14 @@ def test_slowdown_caps_a_busy_process_and_a_restart_is_slowed_again(method):
     started = []
 
     def starter(name):
-        place = processes.Placement(cgroup=slow.cgroup_for(name))
-        member = processes.start_member(name, None, [sys.executable, "-c", _BURN], {},
+        place = Placement(cgroup=slow.cgroup_for(name))
+        member = start_member(name, None, [sys.executable, "-c", _BURN], {},
                                     sink=open(os.devnull, "w"), place=place)
         started.append(member)
         return member
 
-    sup = supervisor.Supervisor(kinds.get("ps"), starter, log=lambda m: None, grace=2, slowdown=slow)
+    sup = supervisor.Supervisor(kinds.get("ps"), Starting(starter), log=lambda m: None, grace=2,
+                                slowdown=slow)
     try:
         sup.start(["worker:1"])
         full = _burn_rate(started[-1])
@@ -366,7 +388,7 @@ needs_hosts = pytest.mark.skipif(HOSTS_PROBLEM is not None,
 @needs_hosts
 @pytest.mark.timeout(60)
 def test_shaped_link_measures_within_a_quarter_of_the_set_rate():
-    proc = subprocess.run([sys.executable, "-m", "tfdist.launcher.network", "--hosts", "2",
+    proc = subprocess.run([sys.executable, "-m", "tfdist.cli.tools.hosts", "--hosts", "2",
                            "--link-rate", "50mbit"], capture_output=True,
                           text=True, timeout=50)
     assert proc.returncode == 0, proc.stderr
@@ -374,13 +396,13 @@ def test_shaped_link_measures_within_a_quarter_of_the_set_rate():
     assert result["set_bits_per_sec"] == 50 * 10**6
     assert 0.75 <= result["measured_bits_per_sec"] / result["set_bits_per_sec"] <= 1.25, result
     # The control: unshaped, the same transfer runs far faster than the set rate.
-    proc = subprocess.run([sys.executable, "-m", "tfdist.launcher.network", "--hosts", "2"],
+    proc = subprocess.run([sys.executable, "-m", "tfdist.cli.tools.hosts", "--hosts", "2"],
                           capture_output=True, text=True, timeout=50)
     assert json.loads(proc.stdout.strip().splitlines()[-1])["measured_bits_per_sec"] > 4 * 50 * 10**6
 
 
 _RELAUNCHED = """import os, sys
-marker = sys.argv[1]
+marker = sys.argv[-1]
 cpu = [l.strip() for l in open("/proc/self/cgroup") if "cpu" in l.split(":")[1].split(",")]
 print("cgroup", cpu[0].rsplit("/", 1)[1] if cpu else "none", flush=True)
 if not os.path.exists(marker):
@@ -396,14 +418,20 @@ def test_a_relaunched_job_starts_its_slowed_task_in_the_cgroup_again(tmp_path, c
     plan = plans.loopback_plan(kinds.get("mirrored"), 1, 0, False, None)
     recovery = _recovery(plan.tf_configs, strategy="mirrored", slow=["local:0=0.5"],
                          max_restarts=1, restart_delay=0)
-    config = LaunchConfig(kind=kinds.get("mirrored"), cluster=plan, recovery=recovery,
-                          limits=Limits(grace=2.0, timeout=30.0))
+    program = tmp_path / "relaunched.py"
+    program.write_text(_RELAUNCHED)
+    config = LaunchConfig(kind=kinds.get("mirrored"), plan=plan, recovery=recovery,
+                          limits=Limits(grace=2.0, timeout=30.0), program=str(program),
+                          member=MemberArgs(options=TrainOptions(model_dir=str(tmp_path)),
+                                            extra=(str(tmp_path / "marker"),)))
     launch_dir = tmp_path / "launch"
-    processes.save_launch_files(str(launch_dir), plan, ["unused"])
     logs = []
-    code = supervisor.run_job(config, [sys.executable, "-c", _RELAUNCHED,
-                                       str(tmp_path / "marker")], {}, [],
-                              log=logs.append, launch_dir=str(launch_dir))
+    engine = LocalEngine(config)
+    try:
+        assert engine.open(logs.append) is None
+        code = attempts.run_job(attempts.RunContext(config, engine, logs.append))
+    finally:
+        engine.close()
     assert code == 0, logs
     out = [l for l in capsys.readouterr().out.splitlines() if "cgroup" in l]
     expected = f"[local:0] cgroup {cgroups.CGROUP_PREFIX}{os.getpid()}-local-0"
@@ -424,7 +452,7 @@ def test_closing_a_slowdown_ends_a_straggler_left_in_its_cgroup():
     slow.activate("worker:1", 0.05)
     path = slow.cgroups["worker:1"]
     straggler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
-                                 preexec_fn=processes.child_setup(processes.Placement(cgroup=path)))
+                                 preexec_fn=child_setup(Placement(cgroup=path)))
     try:
         with open(os.path.join(path, "cgroup.procs")) as f:
             assert str(straggler.pid) in f.read().split()

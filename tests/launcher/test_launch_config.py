@@ -7,9 +7,10 @@ import pytest
 
 from tfdist.cli import launch
 from conftest import REPO
-from tfdist.launcher import faults, job
-from tfdist.launcher.config import LaunchConfig
+from tfdist.launcher import job
+from tfdist.launcher.recovery import faults
 from tfdist.strategies import kinds
+from tfdist.options import TrainOptions
 
 LAUNCHER = REPO / "tfdist" / "launcher"
 
@@ -28,7 +29,8 @@ def test_flags_become_one_frozen_config_with_the_kind_object():
     assert config.recovery.slow == (faults.Slow("worker:1", 0.3),)
     assert config.recovery.faults == (faults.Fault("kill", "worker:0", step=50),)
     assert config.recovery.restart_tasks
-    assert config.train_args == ("--steps", "30", "--model-dir", "runs/ps")
+    assert config.options == TrainOptions(steps=30, model_dir="runs/ps")
+    assert config.member.argv() == ["--steps", "30", "--model-dir", "runs/ps"]
     assert config.launch_dir == "runs/ps/launch"
     assert set(config.cores) == set(config.names)
     assert config.launch_argv[:2] == ("--strategy", "ps")
@@ -48,7 +50,7 @@ def _functions(path):
 
 
 def test_no_launcher_function_takes_the_flags():
-    # launcher/network.py's main is `python -m launcher.network`, its own command.
+    # launcher/machine/network.py's main is `python -m launcher.machine.network`, its own command.
     offenders = [f"{p.name}:{f.name}" for p in sorted(LAUNCHER.glob("*.py"))
                  for f in _functions(p)
                  if {a.arg for a in f.args.args + f.args.kwonlyargs} & {"args", "namespace"}]
@@ -56,18 +58,22 @@ def test_no_launcher_function_takes_the_flags():
     assert not any("getattr(args" in p.read_text() for p in LAUNCHER.glob("*.py"))
 
 
-def test_only_the_cgroups_module_joins_a_cgroup():
-    writers = sorted(p.name for p in LAUNCHER.glob("*.py") if '"cgroup.procs"' in p.read_text())
-    assert writers == ["cgroups.py"]
+def test_only_one_function_joins_a_cgroup():
+    writers = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "tfdist").rglob("*.py")
+                     if '"cgroup.procs"), "w"' in p.read_text())
+    assert writers == ["tfdist/linux.py"]
 
 
-def test_run_job_takes_the_config():
+def test_the_attempts_share_one_run_context_led_by_the_config():
+    import dataclasses as dc
     import inspect
 
-    from tfdist.launcher import supervisor
+    from tfdist.launcher import attempts
 
-    first = next(iter(inspect.signature(supervisor.run_job).parameters.values()))
-    assert first.name == "config" and first.annotation in (LaunchConfig, "LaunchConfig")
+    assert dc.fields(attempts.RunContext)[0].name == "config"
+    for fn in (attempts.run_job, attempts.attempts, attempts.reform):
+        first = next(iter(inspect.signature(fn).parameters.values()))
+        assert first.name == "run" and first.annotation in (attempts.RunContext, "RunContext")
 
 
 def test_a_relative_task_file_is_the_one_beside_the_launcher(tmp_path, monkeypatch):
@@ -76,9 +82,12 @@ def test_a_relative_task_file_is_the_one_beside_the_launcher(tmp_path, monkeypat
     from tfdist.cli import launch
 
     monkeypatch.chdir(tmp_path)
-    assert job.with_task_path(["--task", "mine/task.py", "--epochs", "1"]) == [
-        "--task", str(tmp_path / "mine" / "task.py"), "--epochs", "1"]
-    assert job.with_task_path(["--task=t.py:OBJ"]) == [f"--task={tmp_path / 't.py'}:OBJ"]
+    kind = kinds.get("mirrored")
+    member = job.resolve_member(kind, launch.member_args(["--task", "mine/task.py", "--epochs", "2"]))
+    assert member.argv()[:2] == ["--task", str(tmp_path / "mine" / "task.py")]
+    assert member.options.epochs == 2
+    member = job.resolve_member(kind, launch.member_args(["--task=t.py:OBJ"]))
+    assert member.task == f"{tmp_path / 't.py'}:OBJ"
     # Built-in names and import paths are not files.
     for spec in ("mnist-cnn", "pkg.mod:NAME"):
-        assert job.with_task_path(["--task", spec]) == ["--task", spec]
+        assert job.resolve_member(kind, launch.member_args(["--task", spec])).task == spec

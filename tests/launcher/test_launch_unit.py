@@ -1,5 +1,6 @@
 """The launcher's pure stages, without a cluster (one test starts a trivial child to read its CPU set)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -8,11 +9,19 @@ from pathlib import Path
 
 import pytest
 
+from conftest import recovery_plan
+
 from tfdist.cli import launch
 from tfdist import protocol
-from tfdist.launcher import faults, job, network, processes, supervisor
-from tfdist.launcher import injector as injectors
+from tfdist.launcher import attempts, files, job, supervisor
+from tfdist.launcher.recovery import faults
+from tfdist.launcher.machine import network
+from tfdist.launcher.engine import local
+from tfdist.launcher.recovery import injector as injectors
 from tfdist.launcher import plan as plans
+from tfdist.launcher.config import LaunchConfig, MemberArgs
+from tfdist.launcher.engine.api import Formation, Placement
+from tfdist.options import TrainOptions
 from tfdist.strategies import ConfigError, kinds, parse_tf_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,7 +69,7 @@ def test_bad_layouts(args, words):
 
 
 def test_free_ports_are_distinct():
-    ports = processes.free_ports(5)
+    ports = plans.free_ports(5)
     assert len(set(ports)) == 5 and all(0 < p < 65536 for p in ports)
 
 
@@ -80,13 +89,16 @@ def test_decide(strategy, exits, expected):
 
 def test_saved_files_replay_each_task(tmp_path):
     tasks = plans.build_cluster(kinds.get("multiworker"), 2, ports=[21, 22])
-    cmd = processes.task_command(kinds.get("multiworker"), ["--epochs", "1"], python="python")
-    processes.save_launch_files(str(tmp_path), tasks, cmd)
+    member = MemberArgs(options=TrainOptions(epochs=2))
+    config = LaunchConfig(kind=kinds.get("multiworker"), plan=plans.ClusterPlan(tasks),
+                          member=member)
+    cmd = local.member_command(config, Formation(tasks, member), python="python")
+    files.save_launch_files(str(tmp_path), tasks, cmd)
     for name, tf_config in tasks.items():
         saved = json.loads((tmp_path / f"{name.replace(':', '-')}.tf_config.json").read_text())
         assert saved == tf_config
     script = (tmp_path / "commands.sh").read_text()
-    assert script.count("--strategy=multiworker --epochs 1") == 2
+    assert script.count("--strategy=multiworker --epochs 2") == 2
     assert "worker-1.tf_config.json" in script
 
 
@@ -138,7 +150,7 @@ def test_inner_launcher_does_not_decide_again(monkeypatch, tmp_path):
     # Inside the namespace a second unshare would nest namespaces forever.
     monkeypatch.setattr(network, "netns_problem", lambda: pytest.fail("probed inside"))
     monkeypatch.setattr(network, "hosts_problem", lambda: pytest.fail("probed inside"))
-    monkeypatch.setattr(supervisor, "run_job", lambda *a, **k: 0)
+    monkeypatch.setattr(attempts, "run_job", lambda *a, **k: 0)
     monkeypatch.setattr(network, "loopback_up", lambda: None)
     monkeypatch.setattr(network, "run_in_netns", lambda *a: pytest.fail("re-entered"))
     monkeypatch.setattr(job.signal, "signal", lambda *a: None)  # keep pytest's handlers
@@ -148,15 +160,15 @@ def test_inner_launcher_does_not_decide_again(monkeypatch, tmp_path):
 
 
 def test_mnist_is_prepared_by_a_module_entry_point_not_a_code_string():
-    cmd = processes.prepare_data_command("/data", python="py")
-    assert cmd == ["py", "-m", "tfdist.training.prepare_data", "--data-dir", "/data"]
-    assert processes.prepare_data_command("", python="py") == ["py", "-m", "tfdist.training.prepare_data"]
+    cmd = network.prepare_data_command("/data", python="py")
+    assert cmd == ["py", "-m", "tfdist.cli.tools.prepare_data", "--data-dir", "/data"]
+    assert network.prepare_data_command("", python="py") == ["py", "-m", "tfdist.cli.tools.prepare_data"]
 
 
 def test_prepare_data_module_reports_missing_data_in_one_line(tmp_path):
     import subprocess
 
-    proc = subprocess.run([sys.executable, "-m", "tfdist.training.prepare_data", "--data-dir",
+    proc = subprocess.run([sys.executable, "-m", "tfdist.cli.tools.prepare_data", "--data-dir",
                            str(tmp_path)], capture_output=True, text=True,
                           timeout=120)
     lines = proc.stderr.strip().splitlines()
@@ -166,51 +178,51 @@ def test_prepare_data_module_reports_missing_data_in_one_line(tmp_path):
 
 
 def test_mnist_prepared_looks_for_a_tfds_copy(tmp_path):
-    assert not processes.mnist_prepared(str(tmp_path))
+    assert not network.mnist_prepared(str(tmp_path))
     (tmp_path / "mnist" / "3.0.1").mkdir(parents=True)
     (tmp_path / "mnist" / "3.0.1" / "dataset_info.json").write_text("{}")
-    assert processes.mnist_prepared(str(tmp_path))
+    assert network.mnist_prepared(str(tmp_path))
 
 
 def test_core_shares_split_cores_between_computing_tasks():
     mw = plans.build_cluster(kinds.get("multiworker"), 2, ports=[1, 2])
     # Each worker also gets cores of its own, and an inter-op pool as large as
     # the host's (a one-thread pool deadlocks a ps worker).
-    assert processes.share_cores(kinds.get("multiworker"), mw, 8) == {
-        "worker:0": processes.CoreShare({"TF_NUM_INTRAOP_THREADS": "4",
+    assert plans.share_cores(kinds.get("multiworker"), mw, 8) == {
+        "worker:0": plans.CoreShare({"TF_NUM_INTRAOP_THREADS": "4",
                                          "TF_NUM_INTEROP_THREADS": "8"}, (0, 1, 2, 3)),
-        "worker:1": processes.CoreShare({"TF_NUM_INTRAOP_THREADS": "4",
+        "worker:1": plans.CoreShare({"TF_NUM_INTRAOP_THREADS": "4",
                                          "TF_NUM_INTEROP_THREADS": "8"}, (4, 5, 6, 7)),
     }
     ps_kind = kinds.get("ps")
     ps = plans.build_cluster(ps_kind, 3, ps=1, ports=[1, 2, 3, 4, 5])
     env = {n: s.env["TF_NUM_INTRAOP_THREADS"]
-           for n, s in processes.share_cores(ps_kind, ps, 2).items()}
+           for n, s in plans.share_cores(ps_kind, ps, 2).items()}
     # The ps chief only dispatches and the ps only applies updates; never below one thread.
     assert env == {"chief:0": "1", "worker:0": "1", "worker:1": "1", "worker:2": "1", "ps:0": "1"}
     ps6 = {n: s.env["TF_NUM_INTRAOP_THREADS"]
-           for n, s in processes.share_cores(ps_kind, ps, 6).items()}
+           for n, s in plans.share_cores(ps_kind, ps, 6).items()}
     assert ps6["worker:0"] == "2" and ps6["chief:0"] == ps6["ps:0"] == "1"
-    pinned = {n: s.cpus for n, s in processes.share_cores(ps_kind, ps, 6).items()}
+    pinned = {n: s.cpus for n, s in plans.share_cores(ps_kind, ps, 6).items()}
     assert pinned == {"chief:0": (), "worker:0": (0, 1), "worker:1": (2, 3), "worker:2": (4, 5),
                       "ps:0": ()}
     # More busy tasks than cores: nobody is pinned.
-    assert all(s.cpus == () for s in processes.share_cores(ps_kind, ps, 2).values())
+    assert all(s.cpus == () for s in plans.share_cores(ps_kind, ps, 2).values())
     # The CPU set is a placement, not an environment variable passed to the task.
     assert all(not any("CPU" in k for k in s.env)
-               for s in processes.share_cores(ps_kind, ps, 6).values())
+               for s in plans.share_cores(ps_kind, ps, 6).values())
 
 
 def test_pipeline_stages_share_cores_unpinned():
     kind = kinds.get("pipeline")
     cluster = plans.build_cluster(kind, 2, ports=[1, 2, 3])
-    shares = processes.share_cores(kind, cluster, 2)
+    shares = plans.share_cores(kind, cluster, 2)
     # Each stage still sizes its pool to its share, but no stage is pinned.
     assert {n: s.env["TF_NUM_INTRAOP_THREADS"] for n, s in shares.items()} == {
         "chief:0": "1", "worker:0": "1", "worker:1": "1"}
     assert all(s.cpus == () for s in shares.values())
     mw = kinds.get("multiworker")
-    assert all(s.cpus for s in processes.share_cores(
+    assert all(s.cpus for s in plans.share_cores(
         mw, plans.build_cluster(mw, 2, ports=[1, 2]), 2).values())
 
 
@@ -220,9 +232,8 @@ def test_pinned_task_runs_on_its_own_cores(tmp_path):
         pytest.skip("needs Linux and 2 usable cores to observe pinning")
     out = tmp_path / "out.txt"
     code = f"import os; open({str(out)!r}, 'w').write(repr(sorted(os.sched_getaffinity(0))))"
-    (task,) = processes.start_members({"worker:1": None}, [sys.executable, "-c", code], {},
-                                 sink=open(os.devnull, "w"),
-                                 places={"worker:1": processes.Placement(cpus=(1,))})
+    task = local.start_member("worker:1", None, [sys.executable, "-c", code], {},
+                              sink=open(os.devnull, "w"), place=Placement(cpus=(1,)))
     assert task.proc.wait(30) == 0
     assert out.read_text() == "[1]"
 # --- fault injection and recovery flags (pure) ------------------------------------
@@ -251,7 +262,7 @@ def test_parse_fault_rejects_with_the_expected_form(spec):
 
 def _recovery(tasks, strategy="ps", **flags):
     """plan_recovery with the launcher's defaults, as launch.py calls it."""
-    return faults.plan_recovery(kinds.get(strategy), tasks, **flags)
+    return recovery_plan(kinds.get(strategy), tasks, **flags)
 
 
 def test_plan_recovery_checks_tasks_and_flags():
@@ -361,9 +372,13 @@ def test_bad_launcher_flags_exit_2_with_one_line_and_touch_nothing(tmp_path, fla
 
 def test_program_replaces_train_py_with_the_same_arguments(tmp_path, monkeypatch):
     # --program: another trainer (a tutorial peer) on the same cluster and flags.
-    plain = processes.task_command(kinds.get("ps"), ["--steps", "5"], python="py")
-    peer = processes.task_command(kinds.get("ps"), ["--steps", "5"], python="py", program="/p/peer.py")
-    assert tuple(plain[1:3]) == processes.TRAIN == ("-m", "tfdist.cli.train")
+    five = MemberArgs(options=TrainOptions(steps=5))
+    config = LaunchConfig(kind=kinds.get("ps"), plan=plans.ClusterPlan({}), member=five)
+    formation = Formation({}, five)
+    plain = local.member_command(config, formation, python="py")
+    peer = local.member_command(dataclasses.replace(config, program="/p/peer.py"), formation,
+                                python="py")
+    assert tuple(plain[1:3]) == local.TRAIN == ("-m", "tfdist.cli.train")
     assert peer[1] == "/p/peer.py"
     assert plain[3:] == peer[2:] == ["--strategy=ps", "--steps", "5"]
     from tfdist.cli import launch
@@ -376,11 +391,13 @@ def test_program_replaces_train_py_with_the_same_arguments(tmp_path, monkeypatch
     assert os.path.isabs(program) and program.endswith("tfdist/bench/peers/keras3_fit.py")
 
 
-def test_train_args_are_read_by_exact_flag_not_prefix():
+def test_train_flags_are_read_by_exact_flag_not_prefix():
     # argparse's default abbreviation matching read "--model logreg" as "--model-dir".
-    args = ["--model-dir", "runs/x", "--model", "logreg"]
-    assert processes.train_arg(args, "--model-dir", "default") == "runs/x"
-    assert processes.train_arg(["--model", "logreg"], "--model-dir", "default") == "default"
+    from tfdist.cli import launch
+
+    member = launch.member_args(["--model-dir", "runs/x", "--model", "logreg"])
+    assert member.options.model_dir == "runs/x" and member.model == "logreg"
+    assert launch.member_args(["--model", "logreg"]).options.model_dir is None
 
 
 # --- every task's own check before anything is written; launch.py --dry-run ---------------
@@ -432,7 +449,7 @@ def test_saving_launch_files_replaces_a_planted_file_link(tmp_path):
     launch_dir.mkdir()
     (launch_dir / "commands.sh").symlink_to(target)
     cluster = plans.loopback_plan(kinds.get("multiworker"), 2, 0, False, [1001, 1002], "localhost")
-    processes.save_launch_files(str(launch_dir), cluster, ["python", "train.py"])
+    files.save_launch_files(str(launch_dir), cluster, ["python", "train.py"])
     assert target.read_text() == "keep"
     assert not (launch_dir / "commands.sh").is_symlink()
     assert "worker:1" in (launch_dir / "commands.sh").read_text()

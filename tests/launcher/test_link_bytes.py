@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-from tfdist.launcher import network, traffic
+from tfdist.launcher.machine import network
+from tfdist.launcher.machine import traffic
 
 CNN = 225_034
 LOGREG = 7_850  # 784 x 10 + 10

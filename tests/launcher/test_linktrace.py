@@ -6,7 +6,8 @@ import threading
 import pytest
 
 from tfdist import protocol
-from tfdist.launcher import linktrace, network
+from tfdist.launcher.machine import linktrace
+from tfdist.launcher.machine import network
 from tfdist.launcher.plan import LaunchError
 
 RATE = 100e6  # 12,500,000 bytes/s: 125,000 bytes in a 10 ms sample is the full rate

@@ -1,4 +1,4 @@
-"""The launcher's memory module: the peak-memory hook and --memory-limit (launcher/memory.py)."""
+"""The launcher's memory module: the peak-memory hook and --memory-limit (launcher/machine/memory.py)."""
 
 import os
 import subprocess
@@ -6,10 +6,12 @@ import sys
 
 import pytest
 
-from tfdist.launcher import cgroups
-from tfdist.launcher.memory import (MIN_LIMIT, MemoryLimitError, MemoryLimits, PeakMemory, parse_limits,
-                             parse_size, vm_hwm_bytes)
-from tfdist.launcher.processes import Placement, child_setup
+from tfdist.launcher.machine import cgroups
+from tfdist.launcher.machine.memory import (MIN_LIMIT, MemoryLimitError, MemoryLimits, PeakMemory, parse_limits,
+                             parse_size)
+from tfdist.linux import vm_hwm_bytes
+from tfdist.launcher.engine.api import Placement
+from tfdist.launcher.engine.local import child_setup
 from tfdist.launcher.state import JobState, MemberView
 
 

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from tfdist.launcher import network
+from tfdist.launcher.machine import network
 from conftest import descendants_alive, launch_cmd
 
 pytestmark = pytest.mark.multiprocess

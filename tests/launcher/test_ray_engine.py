@@ -11,10 +11,11 @@ import pytest
 
 from tfdist.cli import launch as launch_cli
 from tfdist.launcher import plan as plans
-from tfdist.launcher import ray_engine
-from tfdist.launcher.config import Cluster, Faults, LaunchRequest
+from tfdist.launcher.engine import ray_engine
+from tfdist.launcher.config import Cluster, Faults, LaunchRequest, MemberArgs
 from tfdist.launcher.job import build_config, run_request
 from tfdist.launcher.plan import LaunchError
+from tfdist.options import TrainOptions
 from tfdist.protocol import Exit
 from tfdist.strategies import kinds
 
@@ -117,10 +118,11 @@ def test_tf_configs_from_placed_addresses_match_the_local_launchers():
 def test_model_dir_made_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = build_config(LaunchRequest(strategy="ps", cluster=Cluster(ps=1, engine="ray"),
-                                        train_args=("--model-dir", "runs/x", "--steps", "3")))
+                                        member=MemberArgs(options=TrainOptions(
+                                            model_dir="runs/x", steps=3))))
     out = ray_engine.absolute_model_dir(config)
     assert out.model_dir == str(tmp_path / "runs/x")
-    assert list(out.train_args) == ["--model-dir", str(tmp_path / "runs/x"), "--steps", "3"]
+    assert out.member.argv() == ["--steps", "3", "--model-dir", str(tmp_path / "runs/x")]
 
 
 def test_missing_ray_is_one_line_exit_2(monkeypatch, capsys):

@@ -13,7 +13,8 @@ import re
 import pytest
 
 from conftest import descendants_alive, launch_cmd, read_results
-from tfdist.launcher import cgroups, network
+from tfdist.launcher.machine import cgroups
+from tfdist.launcher.machine import network
 
 pytestmark = pytest.mark.multiprocess
 

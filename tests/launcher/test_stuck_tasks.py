@@ -18,7 +18,7 @@ import time
 import pytest
 
 from conftest import descendants_alive, launch_cmd, read_results
-from tfdist.launcher import network
+from tfdist.launcher.machine import network
 
 pytestmark = pytest.mark.multiprocess
 

@@ -3,9 +3,21 @@
 import threading
 
 from tfdist.launcher import supervisor
-from tfdist.launcher.processes import MemberProcess
+from tfdist.launcher.engine.api import MemberProcess
+from tfdist.launcher.engine.local import LocalEngine
 from tfdist.launcher.state import RestartMember
 from tfdist.strategies import kinds
+
+
+class Starting(LocalEngine):
+    """The local engine, each member started by ``starter`` (a stand-in command)."""
+
+    def __init__(self, starter):
+        super().__init__(config=None)
+        self.starter = starter
+
+    def start(self, name):
+        return self.starter(name)
 
 
 class FakeProc:
@@ -25,7 +37,7 @@ def _task(name, proc):
 def _supervisor(procs, logs):
     """Each start of worker:1 takes the next of ``procs``."""
     queue = list(procs)
-    return supervisor.Supervisor(kinds.get("ps"), lambda name: _task(name, queue.pop(0)),
+    return supervisor.Supervisor(kinds.get("ps"), Starting(lambda name: _task(name, queue.pop(0))),
                                  log=logs.append)
 
 

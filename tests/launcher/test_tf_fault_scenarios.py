@@ -36,9 +36,11 @@ import sys
 import pytest
 
 from tfdist import protocol
-from conftest import REPO, child_env, descendants_alive, launch_cmd, read_results
-from tfdist.launcher import faults, plan as plans
-from tfdist.launcher import injector as injectors
+from conftest import (REPO, child_env, descendants_alive, launch_cmd, read_results,
+                      recovery_plan)
+from tfdist.launcher import plan as plans
+from tfdist.launcher.recovery import faults
+from tfdist.launcher.recovery import injector as injectors
 from tfdist.launcher.state import JobState, SignalMember, MemberView
 from tfdist.strategies import kinds
 
@@ -76,7 +78,7 @@ def test_parse_ran_and_down_rejects_bad_specs(spec, words):
 def test_a_down_naming_a_task_the_cluster_does_not_have_is_refused():
     tasks = plans.build_cluster(kinds.get("ps"), 2, ps=1, ports=[1, 2, 3, 4])
     with pytest.raises(plans.LaunchError) as err:
-        faults.plan_recovery(kinds.get("ps"), tasks, kill=["ps:0@down=worker:5"])
+        recovery_plan(kinds.get("ps"), tasks, kill=["ps:0@down=worker:5"])
     assert "does not have" in str(err.value) and "ps:0@down=worker:5" in str(err.value)
 
 

@@ -25,7 +25,7 @@ import sys
 
 import pytest
 
-from tfdist.launcher import restarter as restarters
+from tfdist.launcher.recovery import restarter as restarters
 from tfdist import protocol
 from conftest import REPO, child_env, descendants_alive, launch_cmd, read_results
 from tfdist.protocol import Exit
@@ -166,7 +166,7 @@ def test_no_checkpoint_yet_says_start_again():
 
 
 def test_the_exit_code_is_documented_and_never_relaunched():
-    from tfdist.launcher import faults
+    from tfdist.launcher.recovery import faults
 
     assert Exit.STORAGE == 74 and Exit.STORAGE not in protocol.RELAUNCH
     assert Exit.STORAGE not in (Exit.PREEMPTED, Exit.TASK_LOST)
@@ -185,10 +185,10 @@ def test_fault_exit_prints_one_line_and_returns_74(capsys):
 
 
 def test_the_restarter_leaves_a_task_that_exited_74_down():
-    from tfdist.launcher import faults
+    from tfdist.launcher.recovery import faults
     from tfdist.launcher.state import JobState, MemberView
 
-    restarter = restarters.TaskRestarter(0.0, log=lambda _: None, clock=lambda: 0.0)
+    restarter = restarters.MemberRestarter(0.0, log=lambda _: None, clock=lambda: 0.0)
     state = JobState((MemberView("worker:1", 11, int(Exit.STORAGE), 1),
                       MemberView("worker:2", 12, int(Exit.FAILED), 1)), 0)
     restarter(state)  # each failed task's restart is due after the delay: the next poll
@@ -542,7 +542,7 @@ def _launch_kind(kind, model_dir, *extra):
 
 def _chief_pid(model_dir) -> int:
     """The chief's process, told from the workers' by its TF_CONFIG."""
-    from tfdist.launcher.processes import live_processes
+    from tfdist.linux import live_processes
 
     for pid, cmd, env in live_processes(environ=True):
         # The launcher starts each task as ``python -m tfdist.cli.train``.

@@ -159,7 +159,7 @@ def test_an_unwritable_export_dir_is_refused_before_training(tmp_path, capsys):
 
 
 def test_an_export_failure_is_not_relaunched():
-    from tfdist.launcher.faults import should_relaunch
+    from tfdist.launcher.recovery.faults import should_relaunch
 
     assert not should_relaunch(Exit.EXPORT, attempt=0, max_restarts=3)
     assert should_relaunch(Exit.TASK_LOST, attempt=0, max_restarts=3)

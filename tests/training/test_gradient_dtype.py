@@ -97,7 +97,7 @@ def test_multiworker_bfloat16_trains_logreg_as_well_as_float32_on_half_the_bytes
     """Two workers on two simulated hosts where this machine can make them:
     the launcher's byte counters then show the all-reduce carrying 16 bits
     (and not a second, float32 one)."""
-    from tfdist.launcher import network
+    from tfdist.launcher.machine import network
 
     hosts = ["--hosts", "2"] if network.hosts_problem() is None else []
     accuracy, sent = {}, {}

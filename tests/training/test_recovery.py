@@ -146,10 +146,10 @@ def test_foreign_checkpoint_is_refused_and_the_run_dir_left_alone(trained, capsy
 
 
 def test_task_lost_names_the_unreachable_task_in_one_line():
-    from tfdist.launcher import processes
+    from tfdist.launcher.plan import free_ports
     from tfdist.training.loop.survival.recovery import task_lost
 
-    port0, port1 = processes.free_ports(2)
+    port0, port1 = free_ports(2)
     cluster = parse_tf_config(
         '{"cluster": {"worker": ["localhost:%d", "localhost:%d"]}, '
         '"task": {"type": "worker", "index": 0}}' % (port0, port1))

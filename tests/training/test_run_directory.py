@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tfdist.launcher.processes import free_ports
+from tfdist.launcher.plan import free_ports
 from tfdist.cli import train
 from conftest import REPO, child_env
 from tfdist.protocol import Exit

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, child_env
-from tfdist.launcher.processes import free_ports
+from tfdist.launcher.plan import free_ports
 from tfdist.training import sharding
 
 PROGRAM = REPO / "tests" / "training" / "sharded_ps_program.py"

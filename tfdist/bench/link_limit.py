@@ -8,7 +8,7 @@ run's results and that record:
 * **measured bytes per step** on the busiest host and direction: the link
   that bounds the step rate;
 * the **traffic model**'s prediction for the same host and direction
-  (``launcher/traffic.py``, ``docs/performance.md`` "Bytes per step");
+  (``launcher/machine/traffic.py``, ``docs/performance.md`` "Bytes per step");
 * the **link-bound limit**: the examples/s at which that link would be busy
   all the time, ``rate / bytes per step x global batch``. The rate is the
   one ``tc`` enforces: it meters frames with their headers, as the
@@ -26,7 +26,7 @@ the traffic model) the limit is also given as that protocol allows:
 
 from __future__ import annotations
 
-from tfdist.launcher import traffic as trafficlib
+from tfdist.launcher.machine import traffic as trafficlib
 
 # A host/direction moving less than this share of the busiest one's bytes
 # is left out of the model's check: a few kB of control traffic (the

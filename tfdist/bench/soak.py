@@ -1,7 +1,7 @@
 """Soak: back-to-back training jobs with random faults, checked and counted.
 
-    python -m tfdist.cli.soak --jobs 3                      # one job each of multiworker, ps, ps-sync
-    python -m tfdist.cli.soak --jobs 60 --seed 7 --out runs/soak-60
+    python -m tfdist.cli.tools.soak --jobs 3                      # one job each of multiworker, ps, ps-sync
+    python -m tfdist.cli.tools.soak --jobs 60 --seed 7 --out runs/soak-60
 
 Jobs go round-robin over ``--strategies`` (default multiworker, ps, ps-sync,
 mirrored). Each runs under ``launch.py`` with 1-3 faults drawn from the
@@ -42,9 +42,10 @@ from dataclasses import asdict, dataclass, field
 
 from tfdist import protocol
 from tfdist.bench.common import LAUNCH, ROOT
-from tfdist.launcher import cgroups, policy
+from tfdist.launcher import policy
+from tfdist.launcher.machine import cgroups
 from tfdist.launcher.plan import place_members
-from tfdist.launcher.processes import live_processes
+from tfdist.linux import live_processes
 from tfdist.strategies import ConfigError, kinds
 from tfdist.strategies.kinds import StrategyKind
 from tfdist.strategies.tf_config import TRAINING_ROLES
@@ -501,7 +502,7 @@ def report(config: "SoakConfig", jobs: list[Job]) -> dict:
     }
 
 
-# --- the configuration (its flags: tfdist/cli/soak.py) ---------------------------------
+# --- the configuration (its flags: tfdist/cli/tools/soak.py) ---------------------------------
 
 @dataclass(frozen=True)
 class SoakConfig:

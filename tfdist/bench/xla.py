@@ -1,4 +1,4 @@
-"""``python -m tfdist.cli.xla``: examples/s with and without ``jit_compile=True``, the
+"""``python -m tfdist.cli.tools.xla``: examples/s with and without ``jit_compile=True``, the
 same model under each strategy, the runs interleaved.
 
 The task is this module's (``tfdist.bench.xla:WITH_XLA`` / ``:WITHOUT_XLA``): an
@@ -107,7 +107,7 @@ def table(runs: dict) -> str:
 
 @dataclass(frozen=True)
 class XlaConfig:
-    """The study's flags (``tfdist/cli/xla.py``)."""
+    """The study's flags (``tfdist/cli/tools/xla.py``)."""
 
     strategies: tuple[str, ...]
     steps: int = 300

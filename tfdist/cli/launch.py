@@ -26,9 +26,11 @@ import sys
 
 from tfdist import flags, protocol
 from tfdist.cli.parsing import OneLineParser
-from tfdist.launcher.config import LaunchRequest
-from tfdist.launcher.job import MemberCheckFailed, run_request
+from tfdist.launcher.config import LaunchRequest, MemberArgs
+from tfdist.launcher.checks import MemberCheckFailed
+from tfdist.launcher.job import run_request
 from tfdist.launcher.plan import LaunchError
+from tfdist.options import TrainOptions
 from tfdist.protocol import Exit
 from tfdist.strategies import kinds
 
@@ -69,21 +71,52 @@ def parse_args(argv=None):
     return args, train_args
 
 
+# train.py flags that name where a member learns its cluster or how it checks itself:
+# the launcher sets every member's TF_CONFIG and runs the check, so none of them applies.
+LAUNCHERS_OWN = ("cluster_resolver", "slurm_ps", "slurm_port", "check_only")
+
+
+def member_args(train_args: list[str], program: str | None = None) -> MemberArgs:
+    """The flags after ``--`` -> every member's typed flags, parsed once, by train.py's own
+    parser (its errors, word for word). With ``--program`` the flags train.py does not know
+    are the program's own, passed on as given."""
+    from tfdist.cli import train as train_cli
+
+    p = train_cli.parser()
+    if program is None:
+        args, extra = p.parse_args(train_args), []
+    else:
+        args, extra = p.parse_known_args(train_args)
+    parsed = train_cli.parser().parse_args([])
+    for name in LAUNCHERS_OWN:
+        if getattr(args, name) != getattr(parsed, name):
+            flag = "--" + name.replace("_", "-")
+            raise protocol.UsageError(f"{flag} after -- does not apply under launch.py, which "
+                                      "gives every member its TF_CONFIG and checks it; drop it")
+    given = any(a == "--task" or a.startswith("--task=") for a in train_args)
+    return MemberArgs(task=args.task if given else None, model=args.model,
+                      options=flags.from_args(TrainOptions, args), verbose=args.verbose,
+                      extra=tuple(extra))
+
+
 def request_from_args(args: argparse.Namespace, train_args: list[str]) -> LaunchRequest:
-    """Flags -> the typed request (the only place the launcher's Namespace is read)."""
+    """Flags -> the typed request (the only place the launcher's Namespace is read);
+    UsageError (one line) for a bad flag after ``--``."""
     groups = {name: flags.from_args(type(getattr(LaunchRequest, name)), args)
               for name, _ in GROUPS}
-    return flags.from_args(LaunchRequest, args, **groups, train_args=tuple(train_args))
+    return flags.from_args(LaunchRequest, args, **groups,
+                           member=member_args(train_args, args.program))
 
 
 def main(argv=None) -> int:
     try:
         args, train_args = parse_args(argv)
+        request = request_from_args(args, train_args)
     except protocol.UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return Exit.BAD_INPUT
     try:
-        return run_request(request_from_args(args, train_args))
+        return run_request(request)
     except MemberCheckFailed as err:
         print(err.line, file=sys.stderr)
         return err.code

@@ -1,10 +1,14 @@
-"""The simulated cluster behind ``launch.py``, one concern per module.
+"""The simulated cluster behind ``launch.py``: the request's way in at the top, over three wings.
 
-- ``plan``: pure: the tasks, their hosts, addresses and ports, from the strategy kind;
-- ``network``: the private network namespace, simulated hosts on a bridge, shaped links;
-- ``processes``: start and stop task processes, their output, core pinning;
-- ``faults``: kill, preempt, slow, restart, relaunch;
-- ``supervisor``: the job's typed state, the poll loop, the outcome.
+The top: ``config`` (the request, typed; the launch, frozen), ``job`` (a request
+checked and run: ``run_request``, ``run_on``), ``checks`` (every member's own
+check), ``attempts`` (the attempt loop on any engine), ``supervisor`` (one
+attempt's poll loop), ``outcome`` (what the job did), and the shared ``plan``,
+``policy``, ``state``, ``membership``, ``files``. The wings, which import the
+top's shared modules and never each other: ``engine`` (what starts members:
+``api.Engine``, local processes, Ray actors), ``machine`` (namespaces, simulated
+hosts and links, cgroups, slow-downs, memory, traffic), ``recovery`` (fault and
+restart plans, the injector, the restarter, the elastic plan).
 
 ``launch.py`` is the command users run; it only parses flags and calls these.
 """

@@ -5,9 +5,9 @@ The command's flags and the Python API's arguments both become one typed
 a :class:`LaunchConfig` once: the
 strategy kind (the object, not its name), the cluster plan (every task's
 TF_CONFIG and host), each task's share of the cores, the recovery plan
-(faults, slow-downs, restarts) and the job's limits. Everything below it
-(network, processes, supervisor) takes this object or its parts, never the
-command line.
+(faults, slow-downs, restarts), every member's flags (typed: ``MemberArgs``)
+and the job's limits. Everything below it (the engine, the machine, the
+attempts) takes this object or its parts, never the command line.
 
 **Adding a launcher option** (``--min-workers`` was added so): one field in the group it
 belongs to (``Cluster``, ``Faults``, ``Recovery``, ``Limits``), declared with
@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from tfdist.flags import option, to_argv
+from tfdist.options import TrainOptions
 from tfdist.launcher import plan as plans
-from tfdist.launcher.elastic import DEFAULT_REJOIN_TIMEOUT, ElasticPlan
-from tfdist.launcher.faults import FAULT_SPEC, MAX_TASK_RESTARTS, RESTART_DELAY, RecoveryPlan
-from tfdist.launcher.network import INSIDE_FLAG, NETNS_MODES
+from tfdist.launcher.recovery.elastic import DEFAULT_REJOIN_TIMEOUT, ElasticPlan
+from tfdist.launcher.recovery.faults import FAULT_SPEC, MAX_MEMBER_RESTARTS, RESTART_DELAY, RecoveryPlan
+from tfdist.launcher.machine.network import INSIDE_FLAG, NETNS_MODES
 from tfdist.launcher.plan import ClusterPlan
-from tfdist.launcher.processes import CoreShare
+from tfdist.launcher.plan import CoreShare
 from tfdist.strategies import kinds
 from tfdist.strategies.kinds import StrategyKind
 
@@ -67,7 +68,7 @@ class Cluster:
     link_trace: bool = option(
         False, "with --link-rate: sample every host's link each 10 ms for the whole job into "
         "<model-dir>/launch/link_trace.json, to see when each link idled (python -m "
-        "tfdist.bench.link_trace RUN_DIR prints and draws it)", group=NETWORK)
+        "tfdist.cli.tools.trace_study RUN_DIR prints and draws it)", group=NETWORK)
     netns: str = option("auto", "run the cluster in a private network namespace, unreachable "
                         "from outside: auto (when the OS allows it; else a warning), on (or "
                         "fail), off", choices=NETNS_MODES, group=NETWORK)
@@ -120,14 +121,14 @@ class Recovery:
 
     restart_tasks: bool = option(
         False, f"ps, ps-sync: restart a dead worker with its TF_CONFIG (at most "
-        f"{MAX_TASK_RESTARTS} times each), and kill and restart one the chief reports stuck, "
+        f"{MAX_MEMBER_RESTARTS} times each), and kill and restart one the chief reports stuck, "
         "as a cluster manager's liveness check would")
     restart_delay: float = option(RESTART_DELAY, "seconds before a task or job is restarted",
                                   metavar="SECONDS")
     max_restarts: int = option(0, "relaunch a failed or preempted job up to N times with the "
                                "same --model-dir (it resumes from its checkpoint)", metavar="N")
     # Elastic: the fewest workers the job goes on with, and how long a lost
-    # worker's host may stay unreachable before it does (launcher.elastic).
+    # worker's host may stay unreachable before it does (launcher.recovery.elastic).
     min_workers: int | None = option(
         None, "multiworker: when a worker's host stays unreachable for --rejoin-timeout, "
         "or its process fails more than --max-restarts times, re-form the job with the "
@@ -155,9 +156,33 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class MemberArgs:
+    """What every member's command is given, typed: ``tfdist-train``'s flags after
+    ``launch.py``'s ``--``, or ``tfdist.launch``'s ``task``/``options``.
+
+    The launcher reads a member's option as a field of ``options`` and changes it with
+    ``dataclasses.replace``; a member's command line is made from it once, by the
+    engine that starts the member (``argv``)."""
+
+    task: str | None = None  # --task as given (None: the member's own default)
+    model: str | None = None  # train.py's --model alias, as given (the member resolves it)
+    options: TrainOptions = TrainOptions()
+    verbose: bool = False  # train.py's --verbose
+    # --program: the flags train.py does not know, the program's own, passed as given.
+    extra: tuple[str, ...] = ()
+
+    def argv(self) -> list[str]:
+        """The member's flags (after ``--strategy``): each option that differs from its
+        default once (``flags.to_argv``)."""
+        return [*(("--task", self.task) if self.task is not None else ()),
+                *(("--model", self.model) if self.model is not None else ()),
+                *to_argv(self.options), *(("--verbose",) if self.verbose else ()), *self.extra]
+
+
+@dataclass(frozen=True)
 class LaunchRequest:
     """What a user asks of the launcher, typed: ``tfdist-launch``'s flags or ``tfdist.launch``'s
-    arguments, unchecked. ``train_args`` go to every task's ``tfdist-train``."""
+    arguments, unchecked. ``member``: what every member's ``tfdist-train`` is given."""
 
     strategy: str = option(
         "auto", "the strategy every task runs (see train.py --help); auto: ps with --ps, "
@@ -176,7 +201,7 @@ class LaunchRequest:
         "check is skipped", metavar="FILE.py", group="job control", unset="train.py")
     # This is the launcher re-run inside its namespace (network.INSIDE_FLAG).
     netns_inside: bool = option(False, "", flag=INSIDE_FLAG, hidden=True)
-    train_args: tuple[str, ...] = ()
+    member: MemberArgs = MemberArgs()
 
     # The typed groups, each a section of --help, in order.
     GROUPS = (("cluster", "cluster"), ("faults", "faults"), ("recovery", "recovery"),
@@ -194,12 +219,12 @@ class LaunchRequest:
 @dataclass(frozen=True)
 class LaunchConfig:
     kind: StrategyKind
-    cluster: ClusterPlan
+    plan: ClusterPlan  # every member, its host, address and TF_CONFIG (the launch's plan)
     recovery: RecoveryPlan = RecoveryPlan()
-    # Each task's thread pools and CPU set (``processes.share_cores``).
+    # Each task's thread pools and CPU set (``plan.share_cores``).
     cores: Mapping[str, CoreShare] = field(default_factory=dict)
-    train_args: tuple[str, ...] = ()  # every task's train.py arguments (--model-dir included)
-    model_dir: str = ""
+    # Every member's flags, typed (--model-dir always set: ``model_dir``).
+    member: MemberArgs = MemberArgs()
     program: str | None = None  # --program: an absolute path run instead of train.py
     limits: Limits = Limits()
     dry_run: bool = False
@@ -207,12 +232,12 @@ class LaunchConfig:
     netns_inside: bool = False  # this is the launcher re-run inside its namespace
     link_rate: str | None = None  # --link-rate as given, e.g. "1gbit"
     rate_bits: int | None = None  # ... in bits per second
-    link_trace: bool = False  # --link-trace: sample every link each 10 ms (launcher.linktrace)
+    link_trace: bool = False  # --link-trace: sample every link each 10 ms (launcher.machine.linktrace)
     launch_argv: tuple[str, ...] = ()  # launch.py's own flags, to re-run it in the namespace
-    # --memory-limit: each limited task's bytes (launcher.memory.parse_limits).
+    # --memory-limit: each limited task's bytes (launcher.machine.memory.parse_limits).
     memory_limits: Mapping[str, int] = field(default_factory=dict)
-    elastic: ElasticPlan | None = None  # --min-workers (launcher.elastic)
-    host_cpus: float | None = None  # --host-cpus: each host's cores (launcher.hostcpus)
+    elastic: ElasticPlan | None = None  # --min-workers (launcher.recovery.elastic)
+    host_cpus: float | None = None  # --host-cpus: each host's cores (launcher.machine.hostcpus)
 
     @property
     def timeout(self) -> float | None:
@@ -223,9 +248,17 @@ class LaunchConfig:
         return self.limits.grace
 
     @property
+    def options(self) -> TrainOptions:
+        return self.member.options
+
+    @property
+    def model_dir(self) -> str:
+        return self.member.options.model_dir or ""
+
+    @property
     def launch_dir(self) -> str:
         return os.path.join(self.model_dir, "launch")
 
     @property
     def names(self) -> list[str]:
-        return self.cluster.names
+        return self.plan.names

@@ -13,30 +13,27 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 
-from tfdist.protocol import Exit, default_model_dir
-from tfdist.launcher import elastic, hostcpus, memory, network, processes, ray_engine
-from tfdist.launcher import supervisor
+from tfdist.options import TrainOptions
+from tfdist.protocol import default_model_dir
+from tfdist.launcher import attempts, files
+from tfdist.launcher.recovery import elastic
+from tfdist.launcher.machine import hostcpus
+from tfdist.launcher.machine import memory
+from tfdist.launcher.machine import network
 from tfdist.launcher import plan as plans
-from tfdist.launcher.config import Cluster, LaunchConfig, LaunchRequest, Limits
-from tfdist.launcher.faults import plan_recovery
+from tfdist.launcher.checks import check_members, preflight
+from tfdist.launcher.engine import ray_engine
+from tfdist.launcher.engine.api import Engine, Formation
+from tfdist.launcher.engine.local import LocalEngine, member_command
+from tfdist.launcher.config import Cluster, LaunchConfig, LaunchRequest, Limits, MemberArgs
+from tfdist.launcher.recovery.faults import plan_recovery
 from tfdist.launcher.plan import LaunchError
 from tfdist.strategies import kinds
 from tfdist.strategies.kinds import StrategyKind
 from tfdist.strategies.tf_config import ClusterConfig
-
-
-class MemberCheckFailed(LaunchError):
-    """A task's own check refused the job: its line (as the task printed it) and exit code."""
-
-    def __init__(self, line: str, code: int):
-        super().__init__(line.removeprefix("error: "))
-        self.line, self.code = line, code
 
 
 def run_request(request: LaunchRequest) -> int:
@@ -49,9 +46,13 @@ def run_request(request: LaunchRequest) -> int:
         print(f"[launch] {kinds.auto_note(config.kind, auto_cluster(request.cluster))}",
               flush=True)
     if request.cluster.engine == "ray":
-        ray_engine.import_ray()  # missing: one line saying how to get it, before the tasks' checks
+        ray = ray_engine.import_ray()  # missing: one line saying how to get it, before the checks
         code = preflight(config)
-        return code if code is not None else ray_engine.run(config, request)
+        if code is not None:
+            return code
+        config = ray_engine.absolute_model_dir(config)
+        return run_on(ray_engine.RayEngine(ray, config, request.cluster.address,
+                                           request.cluster.ray_placement))
     use_netns, warning = decide_network(config)
     if not config.netns_inside and config.program is None:
         # The inner launcher in the namespace was checked by the outer one.
@@ -61,15 +62,15 @@ def run_request(request: LaunchRequest) -> int:
     if warning:
         print(warning, file=sys.stderr, flush=True)
     if use_netns:
-        code = processes.prepare_data(list(config.train_args), dict(os.environ))
+        code = network.prepare_data(config.options.data_dir, dict(os.environ))
         if code != 0:
             return code
         print("[launch] private network namespace: only the cluster's own tasks can reach "
               "its ports", flush=True)
         return network.run_in_netns(
-            network.netns_command(list(config.launch_argv), list(config.train_args)),
+            network.netns_command(list(config.launch_argv), config.member.argv()),
             config.grace)
-    return run_inside(config)
+    return run_local(config)
 
 
 def check_times(limits: Limits) -> None:
@@ -89,9 +90,9 @@ def plan_cluster(asked: Cluster, kind: StrategyKind) -> plans.ClusterPlan:
                           "--hosts gives each simulated host its own: use one of the two")
     if asked.hosts:
         return plans.build_host_cluster(kind, asked.workers, asked.ps, asked.chief, asked.hosts)
-    n = plans.task_count(kind, asked.workers, asked.ps, asked.chief)
+    n = plans.member_count(kind, asked.workers, asked.ps, asked.chief)
     return plans.loopback_plan(kind, asked.workers, asked.ps, asked.chief,
-                               processes.free_ports(n), asked.host)
+                               plans.free_ports(n), asked.host)
 
 
 def auto_cluster(asked: Cluster) -> ClusterConfig:
@@ -113,39 +114,27 @@ def choose_kind(request: LaunchRequest) -> StrategyKind:
     return kinds.get(request.strategy)
 
 
-def with_model_dir(kind: StrategyKind, train_args: list[str]) -> tuple[list[str], str]:
-    """``train_args`` with ``--model-dir`` (default: ``protocol.default_model_dir``, the
-    rule train.py and the Python API follow too), and that directory."""
-    model_dir = processes.train_arg(train_args, "--model-dir", default_model_dir(kind.name))
-    if not processes.has_flag(train_args, "--model-dir"):
-        train_args = [*train_args, "--model-dir", model_dir]
-    return train_args, model_dir
-
-
-def with_task_path(train_args: list[str]) -> list[str]:
-    """``--task path/to/task.py[:NAME]`` made absolute from here: every task
-    starts in the project's directory, and the user's relative path means
-    the file beside them, the same one on every task."""
-    out = list(train_args)
-    for i, arg in enumerate(out):
-        if arg == "--task" and i + 1 < len(out):
-            at, prefix, value = i + 1, "", out[i + 1]
-        elif arg.startswith("--task="):
-            at, prefix, value = i, "--task=", arg[len("--task="):]
-        else:
-            continue
-        path, colon, name = value.partition(":")
+def resolve_member(kind: StrategyKind, member: MemberArgs) -> MemberArgs:
+    """Every member's flags as they run: ``--model-dir`` set (default:
+    ``protocol.default_model_dir``, the rule train.py and the Python API follow too),
+    and ``--task path/to/task.py[:NAME]`` made absolute from here: every member starts
+    in the project's directory, and the user's relative path means the file beside
+    them, the same one on every member."""
+    options, task = member.options, member.task
+    if options.model_dir is None:
+        options = dataclasses.replace(options, model_dir=default_model_dir(kind.name))
+    if task is not None:
+        path, colon, name = task.partition(":")
         if path.endswith(".py") or os.sep in path:
-            out[at] = prefix + os.path.abspath(path) + colon + name
-    return out
+            task = os.path.abspath(path) + colon + name
+    return dataclasses.replace(member, task=task, options=options)
 
 
 def build_config(request: LaunchRequest) -> LaunchConfig:
     """The request, checked, as one frozen config (LaunchError: one line, nothing written)."""
-    train_args = list(request.train_args)
     program = os.path.abspath(request.program) if request.program is not None else None
     kind = choose_kind(request)
-    train_args, model_dir = with_model_dir(kind, with_task_path(train_args))
+    member = resolve_member(kind, request.member)
     check_times(request.limits)
     ray_engine.check_request(request)
     if program is not None and request.dry_run:
@@ -156,17 +145,13 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
                           "a Python program that takes train.py's arguments")
     cluster = plan_cluster(request.cluster, kind)
     asked, again = request.faults, request.recovery
-    recovery = plan_recovery(kind, cluster.tf_configs, kill=list(asked.kill) or None,
-                             preempt=list(asked.preempt) or None, hang=list(asked.hang) or None,
-                             partition=list(asked.partition) or None, hosts=request.cluster.hosts,
-                             slow=list(asked.slow) or None, restart_tasks=again.restart_tasks,
-                             restart_delay=again.restart_delay, max_restarts=again.max_restarts)
+    recovery = plan_recovery(kind, cluster.tf_configs, asked, again, request.cluster.hosts)
     elastic_plan = elastic.plan_elastic(kind, request.cluster.workers, again.min_workers,
                                         again.rejoin_timeout, request.cluster.engine,
                                         request.cluster.hosts, again.max_restarts,
                                         again.shrink_at_once)
     if elastic_plan is not None:
-        check_elastic_batch(kind, cluster, elastic_plan, train_args)
+        check_elastic_batch(kind, cluster, elastic_plan, member.options)
     link_rate = request.cluster.link_rate
     rate = network.parse_rate(link_rate) if link_rate is not None else None
     roles: dict[str, list[str]] = {}
@@ -185,9 +170,9 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
         slowed=bool(asked.slow), problem=hostcpus.cgroups_problem()
         if request.cluster.host_cpus is not None else None)
     return LaunchConfig(
-        kind=kind, cluster=cluster, recovery=recovery,
-        cores=processes.share_cores(kind, cluster.names, os.cpu_count() or 1, host_cpus),
-        train_args=tuple(train_args), model_dir=model_dir, program=program,
+        kind=kind, plan=cluster, recovery=recovery,
+        cores=plans.share_cores(kind, cluster.names, os.cpu_count() or 1, host_cpus),
+        member=member, program=program,
         limits=request.limits, dry_run=request.dry_run, netns=request.cluster.netns,
         netns_inside=request.netns_inside, link_rate=link_rate, rate_bits=rate,
         link_trace=request.cluster.link_trace,
@@ -197,25 +182,24 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
 
 def elastic_divisors(config: LaunchConfig) -> dict[int, int]:
     """What the global batch must divide by at each size the elastic job may take."""
-    return _divisors(config.kind, config.cluster, config.elastic, list(config.train_args))
+    return _divisors(config.kind, config.plan, config.elastic, config.options)
 
 
 def _divisors(kind: StrategyKind, cluster: plans.ClusterPlan, plan: elastic.ElasticPlan,
-              train_args: list[str]) -> dict[int, int]:
+              options: TrainOptions) -> dict[int, int]:
     roles: dict[str, int] = {}
     for name in cluster.names:
         roles[name.partition(":")[0]] = roles.get(name.partition(":")[0], 0) + 1
     return elastic.batch_divisors(kind, roles, range(plan.min_workers, roles.get(
-        elastic.ROLE, 0) + 1), processes.int_arg(train_args, "--replicas-to-aggregate"))
+        elastic.ROLE, 0) + 1), options.replicas_to_aggregate)
 
 
 def check_elastic_batch(kind: StrategyKind, cluster: plans.ClusterPlan,
-                        plan: elastic.ElasticPlan, train_args: list[str]) -> None:
+                        plan: elastic.ElasticPlan, options: TrainOptions) -> None:
     """A given --global-batch-size that some size of the elastic job cannot divide:
     one line, before anything starts."""
-    batch = processes.int_arg(train_args, "--global-batch-size")
-    if batch is not None:
-        elastic.check_batch(batch, _divisors(kind, cluster, plan, train_args))
+    if options.global_batch_size is not None:
+        elastic.check_batch(options.global_batch_size, _divisors(kind, cluster, plan, options))
 
 
 def pin_elastic_batch(config: LaunchConfig) -> LaunchConfig:
@@ -223,158 +207,68 @@ def pin_elastic_batch(config: LaunchConfig) -> LaunchConfig:
     multiple of every size's divisor nearest the full cluster's own choice
     (asked of the chief's check), stated in one line and passed to every
     formation, so a re-formed cluster never chooses its own."""
-    args = list(config.train_args)
     if config.elastic is None or config.program is not None or \
-            processes.has_flag(args, "--global-batch-size"):
+            config.options.global_batch_size is not None:
         return config
-    cluster = config.cluster
+    cluster = config.plan
     first = next((n for n in cluster.names if cluster.tf_configs[n] is not None), None)
-    checks = processes.check_tasks({first: cluster.tf_configs[first]},
-                                   processes.task_command(config.kind, args), dict(os.environ))
+    checks = check_members({first: cluster.tf_configs[first]}, member_command(
+        config, Formation(cluster.tf_configs, config.member)), dict(os.environ))
     plan = checks[0].plan if checks and checks[0].code == 0 else None
     if plan is None or not isinstance(plan.get("global_batch_size"), int):
         return config  # the tasks' own check (preflight) says why
     divisors = elastic_divisors(config)
     batch = elastic.choose_batch(plan["global_batch_size"], divisors)
     print(elastic.batch_line(batch, divisors), flush=True)
-    return dataclasses.replace(config, train_args=(*args, "--global-batch-size", str(batch)))
+    options = dataclasses.replace(config.options, global_batch_size=batch)
+    return dataclasses.replace(config, member=dataclasses.replace(config.member, options=options))
 
 
 def decide_network(config: LaunchConfig) -> tuple[bool, str | None]:
     """Whether the cluster runs in a private namespace, and the warning if it cannot."""
     if config.netns_inside:
         return False, None
-    network.check_hosts_mode(config.cluster.hosts, config.netns, config.link_rate,
+    network.check_hosts_mode(config.plan.hosts, config.netns, config.link_rate,
                              network.hosts_problem, link_trace=config.link_trace)
-    use_netns, warning = (True, None) if config.cluster.hosts else network.decide_netns(
+    use_netns, warning = (True, None) if config.plan.hosts else network.decide_netns(
         config.netns, config.kind, network.netns_problem)
-    processes.check_launch_dir(config.launch_dir)
+    files.check_launch_dir(config.launch_dir)
     return use_netns, warning
 
 
-def show_plan(cluster: plans.ClusterPlan, checks: list[processes.MemberCheck]) -> None:
-    """``--dry-run``: each task's address and duty, then the job's figures."""
-    width = max(len(c.member) for c in checks)
-    for c in checks:
-        if c.plan is None:
-            print(f"{c.member:<{width}}  {c.error}")
-            continue
-        address = ""
-        if c.plan.get("cluster"):
-            role, _, index = c.member.partition(":")
-            address = c.plan["cluster"][role][int(index)]
-        host = f" on {cluster.where(c.member)}" if cluster.hosts else ""
-        print(f"{c.member:<{width}}  {address}{host}: {c.plan['action']}")
-    chief = next((c.plan for c in checks if c.plan and c.plan.get("is_chief")), None)
-    if chief is not None:
-        k = chief.get("gradients_per_update", 1)
-        split = (f"{chief['global_batch_size'] // k} per gradient x K={k} gradients per update"
-                 if k > 1 else f"{chief['per_replica_batch_size']} per replica x "
-                               f"{chief['replicas_in_sync']} in sync")
-        print(f"global batch {chief['global_batch_size']} ({split}), {chief['total_steps']} "
-              f"steps, model dir {chief['model_dir']}")
-
-
-def preflight(config: LaunchConfig) -> int | None:
-    """Every task checks its own flags and TF_CONFIG before anything is written or
-    started: the exit code to end with (``--dry-run`` done), else None; a failed check
-    raises MemberCheckFailed.
-
-    One task per role is enough to check flags (the others differ only by
-    index); ``--dry-run`` shows them all.
-    """
-    cluster = config.cluster
-    roles: dict[str, str] = {}
-    for name in cluster.names:
-        roles.setdefault(name.partition(":")[0], name)
-    checked = cluster.names if config.dry_run else list(roles.values())
-    checks = processes.check_tasks({n: cluster.tf_configs[n] for n in checked},
-                                   processes.task_command(config.kind, list(config.train_args)),
-                                   dict(os.environ), full=config.dry_run)
-    if config.dry_run:
-        show_plan(cluster, checks)
-    failed = [c for c in checks if c.code != 0]
-    if failed:
-        if not config.dry_run:
-            same = all(c.error == failed[0].error for c in failed)
-            raise MemberCheckFailed(failed[0].error if same
-                                  else f"{failed[0].member}: {failed[0].error}", failed[0].code)
-        return failed[0].code
-    return Exit.OK if config.dry_run else None
-
-
-def run_inside(config: LaunchConfig) -> int:
-    """The launcher in its namespace (or on the host network): build, run, tear down."""
-    log = lambda m: print(m, flush=True)  # noqa: E731
+def run_local(config: LaunchConfig) -> int:
+    """The launcher in its namespace (or on the host network): the local engine on the
+    simulated hosts (``--hosts``) or on loopback."""
     if config.netns_inside:
         network.loopback_up()
-    cluster, launch_dir = config.cluster, config.launch_dir
-    command = processes.task_command(config.kind, list(config.train_args), program=config.program)
+    hosts = network.SimulatedHosts(config.plan.hosts, config.rate_bits) \
+        if config.plan.hosts else None
+    return run_on(LocalEngine(config, hosts))
 
+
+def run_on(engine: Engine) -> int:
+    """The job on ``engine``, whichever it is: opened, its attempts run, closed; a SIGTERM
+    to the launcher stops every member (the exit code a shell reports for it)."""
+    config = engine.config
+    log = lambda m: print(m, flush=True)  # noqa: E731
     received: list[int] = []
-    holder: list = []
+    run = attempts.RunContext(config, engine, log)
 
     def on_signal(signum, _frame):
         received.append(signum)
         raise KeyboardInterrupt(signum)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    hosts = scratch = None
+    previous = signal.signal(signal.SIGTERM, on_signal)
     try:
-        link = None
-        if cluster.hosts:
-            hosts = network.SimulatedHosts(cluster.hosts, config.rate_bits)
-            link = build_hosts(config, hosts, log)
-            if link is False:
-                return Exit.FAILED
-        try:
-            processes.save_launch_files(launch_dir, cluster, command)
-        except OSError as err:
-            log(f"[launch] error: could not write the launch files into {launch_dir!r} "
-                f"({err.strerror or err}: {err.filename}); nothing was started. Free space or "
-                "make the directory writable, then run the same command again")
-            return Exit.STORAGE
-        log(f"[launch] {config.kind.name}: {', '.join(cluster.names)}; TF_CONFIGs in {launch_dir}/")
-        env = dict(os.environ)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        # Every task's temporary files (a multiworker worker's private
-        # checkpoints, the preemption counter) go under one directory of this
-        # job's, removed when the job ends: a task killed mid-run cannot clean
-        # up after itself.
-        scratch = tempfile.mkdtemp(prefix="tfdist-job-")
-        env["TMPDIR"] = scratch
-        code = supervisor.run_job(config, command, env, holder, log=log,
-                                  launch_dir=launch_dir, network=hosts, link=link)
+        code = engine.open(log)
+        if code is not None:
+            return code
+        code = attempts.run_job(run)
     except KeyboardInterrupt:
         log("[launch] interrupted; stopping every task")
-        return supervisor.interrupted(holder, received)
+        return attempts.interrupted(run, received)
     finally:
-        if hosts is not None:
-            hosts.close()
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+        engine.close()
+        signal.signal(signal.SIGTERM, previous)
     log(f"[launch] done: exit code {code}")
     return code
-
-
-def build_hosts(config: LaunchConfig, hosts, log):
-    """Bring the simulated hosts up and measure a shaped link: the link record
-    (``None`` unshaped), or ``False`` if the machine cannot (exit 1, not 2:
-    the outer launcher's probe passed, so it is the machine, not the flags)."""
-    cluster = config.cluster
-    try:
-        hosts.up()
-        check = hosts.measure() if config.rate_bits else None
-    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as err:
-        log(f"[launch] error: could not build or measure {cluster.hosts} simulated "
-            f"hosts: {err}")
-        return False
-    log("[launch] hosts: " + ", ".join(
-        f"host{i} {plans.host_address(i)} ("
-        f"{', '.join(n for n, h in cluster.host_of.items() if h == i)})"
-        for i in range(cluster.hosts)) + f" on bridge {network.BRIDGE} "
-        f"({plans.BRIDGE_ADDRESS}/{plans.PREFIX}), private to this launcher")
-    if check is None:
-        return None
-    log(f"[launch] links: {check.describe(config.link_rate)}")
-    return {"rate": config.link_rate, **check.to_dict()}

@@ -7,8 +7,11 @@ nothing compares strategy names, opens a socket or touches a file.
 
 from __future__ import annotations
 
+import math
 import shlex
+import socket
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from tfdist.launcher import policy
 from tfdist.protocol import ConfigError
@@ -36,7 +39,7 @@ def member_names(kind: StrategyKind, workers: int, ps: int = 0, chief: bool = Fa
     return [f"{role}:{i}" for role, n in counts.items() for i in range(n)]
 
 
-def task_count(kind: StrategyKind, workers: int, ps: int, chief: bool) -> int:
+def member_count(kind: StrategyKind, workers: int, ps: int, chief: bool) -> int:
     return len(member_names(kind, workers, ps, chief))
 
 
@@ -51,7 +54,7 @@ def _tf_configs(cluster: dict[str, list[str]]) -> dict[str, dict]:
 def tf_configs_at(addresses: dict[str, str]) -> dict[str, dict]:
     """Every task's TF_CONFIG from its ``host:port``, keyed ``role:index`` in task
     order: the same records ``build_cluster`` writes, for addresses found at run
-    time (``launcher.ray_engine``: each actor binds its own port)."""
+    time (``launcher.engine.ray_engine``: each actor binds its own port)."""
     cluster: dict[str, list[str]] = {}
     for name, address in addresses.items():
         cluster.setdefault(name.partition(":")[0], []).append(address)
@@ -137,9 +140,6 @@ class ClusterPlan:
     def names(self) -> list[str]:
         return list(self.tf_configs)
 
-    def address_of_host(self, index: int) -> str:
-        return host_address(index)
-
     def where(self, member: str) -> str | None:
         """``host1 (10.77.0.12)`` for a task on a simulated host, else ``None``."""
         if member not in self.host_of:
@@ -201,3 +201,70 @@ def commands_script(plan: ClusterPlan, command: list[str], launch_dir: str) -> s
         lines.append(f"TF_CONFIG=\"$(cat {shlex.quote(path)})\" {shlex.join(command)}  # {name}"
                      + (f" on {where}" if where else ""))
     return "\n".join(lines) + "\n"
+
+
+# --- each member's share of the cores, and free ports -------------------------------
+
+@dataclass(frozen=True)
+class CoreShare:
+    """A task's share of this machine's cores: TensorFlow's thread-pool sizes
+    (``env``, set in its environment) and, when it has one, its own CPU set."""
+
+    env: Mapping[str, str]
+    cpus: tuple[int, ...] = ()
+
+    def cores(self, total: int) -> int:
+        """How many cores the task may use at full speed: its CPU set, else all of them."""
+        return len(self.cpus) or max(1, total)
+
+
+# The environment share_cores sets (TensorFlow's pool sizes).
+THREAD_POOL_ENV = ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
+
+
+def share_cores(kind: StrategyKind, members, cpus: int,
+                host_cpus: float | None = None) -> dict[str, CoreShare]:
+    """Each task's share of this machine's ``cpus`` cores (pure).
+
+    The simulated hosts share one machine: left alone, every task sizes its
+    intra-op pool to all the cores, and N workers oversubscribe them N times
+    over. Tasks that only serve or dispatch (ps, and the ps chief) get one
+    thread and no fixed cores. When the busy tasks fit, each is also pinned
+    to cores of its own, as if on a host of its own, which was faster in
+    every run (docs/performance.md), unless the kind says its tasks run
+    faster unpinned (``pins_busy_tasks``: pipeline stages).
+
+    ``host_cpus`` (``--host-cpus C``): each host's budget is its own quota, so
+    a busy task sizes its pool to C cores (at least one thread) and is not
+    pinned: the quota, not a core, is its host.
+    """
+    busy = [n for n in members if n.partition(":")[0] in kind.computing_roles]
+    share = max(1, cpus // max(1, len(busy)))
+    if host_cpus is not None:
+        return {n: CoreShare({"TF_NUM_INTRAOP_THREADS": str(
+            max(1, math.ceil(host_cpus)) if n in busy else 1)}) for n in members}
+    envs = {n: {"TF_NUM_INTRAOP_THREADS": str(share if n in busy else 1)} for n in members}
+    pinned: dict[str, tuple[int, ...]] = {}
+    if kind.pins_busy_tasks and 1 < len(busy) <= cpus:
+        for i, n in enumerate(busy):
+            pinned[n] = tuple(range(i * share, (i + 1) * share))
+            # TensorFlow sizes its inter-op pool by the cores a process may
+            # use; with one, a ps worker's function waiting on a ps read
+            # holds the only thread and the job can deadlock (docs/performance.md).
+            envs[n]["TF_NUM_INTEROP_THREADS"] = str(cpus)
+    return {n: CoreShare(envs[n], pinned.get(n, ())) for n in members}
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports that were free a moment ago."""
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports

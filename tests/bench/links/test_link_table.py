@@ -3,7 +3,7 @@
 import pytest
 
 from tfdist.bench.links import table as lt
-from tfdist.cli import link_table as cli
+from tfdist.cli.tools import link_table as cli
 
 MBIT100 = 100_000_000
 

@@ -1,4 +1,4 @@
-"""``python -m tfdist.cli.trace_study``: a run's link trace as a table and a picture."""
+"""``python -m tfdist.cli.tools.trace_study``: a run's link trace as a table and a picture."""
 
 import json
 import os
@@ -6,8 +6,8 @@ import os
 import pytest
 
 from tfdist.bench.links import trace_study as link_trace
-from tfdist.cli import trace_study as cli
-from tfdist.launcher import linktrace
+from tfdist.cli.tools import trace_study as cli
+from tfdist.launcher.machine import linktrace
 
 RATE = 100e6
 

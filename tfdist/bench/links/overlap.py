@@ -1,6 +1,6 @@
 """When each gradient bucket's all-reduce ran against the backward pass, from a profile.
 
-``python -m tfdist.cli.overlap RUN_DIR/logs/profile-worker-1 ... [--png PICTURE]``
+``python -m tfdist.cli.tools.overlap RUN_DIR/logs/profile-worker-1 ... [--png PICTURE]``
 reads a task's ``--profile-steps`` trace (TensorFlow's XSpace) and prints, per
 step, the backward pass (the ops TensorFlow names ``gradient_tape/...``: their
 first start and last end) and each all-reduce bucket's collective (start, end),
@@ -110,7 +110,7 @@ def draw(panels: list[tuple[str, dict]], path: str) -> None:
 
 @dataclass(frozen=True)
 class OverlapConfig:
-    """The study's flags (``tfdist/cli/overlap.py``)."""
+    """The study's flags (``tfdist/cli/tools/overlap.py``)."""
     profile_dirs: tuple[str, ...]
     png: str | None = None
     labels: tuple[str, ...] = ()  # a panel's title, one per profile directory

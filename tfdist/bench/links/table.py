@@ -1,6 +1,6 @@
 """How near each data-parallel kind comes to its link's limit, and where the rest goes.
 
-    python -m tfdist.cli.link_table --out results/links/link_table
+    python -m tfdist.cli.tools.link_table --out results/links/link_table
 
 Every row is one job run twice, interleaved: on simulated hosts with links
 shaped to ``--link-rate`` (each computing task on a host of its own, the ps
@@ -143,7 +143,7 @@ def markdown(table: list[dict], link_rate: str) -> str:
 
 @dataclass(frozen=True)
 class LinkTableConfig:
-    """The study's flags (``tfdist/cli/link_table.py``), checked."""
+    """The study's flags (``tfdist/cli/tools/link_table.py``), checked."""
     out: str = "results/links/link_table"
     rows: tuple[str, ...] = ()  # empty: every row
     steps: int = 200

@@ -1,6 +1,6 @@
 """When each simulated host's link was busy, from a run's ``--link-trace``.
 
-``python -m tfdist.cli.trace_study RUN_DIR [--png PICTURE] [--start S] [--seconds N]``
+``python -m tfdist.cli.tools.trace_study RUN_DIR [--png PICTURE] [--start S] [--seconds N]``
 reads ``RUN_DIR/launch/link_trace.json`` (``launch.py --hosts N --link-rate RATE
 --link-trace``) and prints, per host and direction, the mean use of the link
 while the job trained (from its first step's end to its last progress report)
@@ -18,7 +18,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from tfdist.launcher import linktrace
+from tfdist.launcher.machine import linktrace
 
 
 def load(run_dir: str) -> dict:
@@ -81,7 +81,7 @@ def draw(trace: dict, path: str, start: float, seconds: float, title: str | None
 
 @dataclass(frozen=True)
 class TraceStudyConfig:
-    """The study's flags (``tfdist/cli/trace_study.py``), checked."""
+    """The study's flags (``tfdist/cli/tools/trace_study.py``), checked."""
     run_dir: str
     png: str | None = None
     start: float = 2.0

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import keras
 import tensorflow as tf
 
-from tfdist import protocol
+from tfdist import linux, protocol
 from tfdist.training.loop.evaluation import Evaluator, split_metrics, weights_sha256
 
 SUMMARY_KEYS = (
@@ -358,19 +358,6 @@ def _rate(optimizer) -> float | None:
         return None
 
 
-def vm_hwm(status: str) -> int | None:
-    """The ``VmHWM`` of a ``/proc/<pid>/status`` text, in bytes (pure)."""
-    for line in status.splitlines():
-        if line.startswith("VmHWM:"):
-            value, unit = line.split()[1:3]
-            return int(value) * {"kB": 1024, "mB": 1 << 20, "gB": 1 << 30}.get(unit, 1)
-    return None
-
-
 def own_peak_rss() -> int:
     """This process's peak resident bytes so far (``VmHWM``); 0 without ``/proc``."""
-    try:
-        with open("/proc/self/status") as f:
-            return vm_hwm(f.read()) or 0
-    except OSError:
-        return 0
+    return linux.vm_hwm_bytes("self") or 0

@@ -46,7 +46,7 @@ from tfdist.training.pipeline import updates
 from tfdist.training.pipeline import weight_grads
 from tfdist.training.loop.step import metric_dict, schedule_in_batches
 from tfdist.training.loop.survival.lost import LOST_MEMBER_ERRORS
-from tfdist.training.loop.reporting import vm_hwm
+from tfdist.linux import vm_hwm
 from tfdist.training.loop.trainer import Trainer
 
 

@@ -3,14 +3,14 @@
 The simulated hosts share one machine's cores, so without a budget a
 worker added to a job adds no compute. With ``--host-cpus C`` every host
 gets one cgroup v1 CFS quota of C cores per period, which every member
-placed on it joins before exec (``processes.child_setup``), relaunches and
+placed on it joins before exec (``engine.local.child_setup``), relaunches and
 re-formations included: N hosts of C cores then compute like N small
 machines, as long as the machine has N x C cores to give. A second cgroup
 per host in the ``cpuacct`` hierarchy counts the CPU time its members used
 (``outcome.json``'s ``host_cpus``).
 
 ``plan_host_cpus`` checks the request (pure); ``HostCpus`` makes, records
-and removes the cgroups (``launcher/cgroups.py`` does the writing).
+and removes the cgroups (``launcher/machine/cgroups.py`` does the writing).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 import os
 import time
 
-from tfdist.launcher import cgroups
+from tfdist.launcher.machine import cgroups
 from tfdist.launcher.plan import LaunchError
 
 

@@ -1,7 +1,7 @@
-"""One TCP transfer, to measure a simulated link: ``python -m launcher.linkprobe``.
+"""One TCP transfer, to measure a simulated link: ``python -m tfdist.launcher.machine.linkprobe``.
 
-    python -m launcher.linkprobe recv ADDRESS PORT      # prints "ready", then one JSON line
-    python -m launcher.linkprobe send ADDRESS PORT BYTES
+    python -m tfdist.launcher.machine.linkprobe recv ADDRESS PORT      # prints "ready", then one JSON line
+    python -m tfdist.launcher.machine.linkprobe send ADDRESS PORT BYTES
 
 The receiver times from its first byte to the sender's close, so the TCP
 handshake and process start-up are not counted.
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     if len(argv) >= 4 and argv[0] == "send":
         send(argv[1], int(argv[2]), int(argv[3]))
         return 0
-    print("error: usage: python -m launcher.linkprobe recv ADDRESS PORT | send ADDRESS PORT BYTES",
+    print("error: usage: python -m tfdist.launcher.machine.linkprobe recv ADDRESS PORT | send ADDRESS PORT BYTES",
           file=sys.stderr)
     return 2
 

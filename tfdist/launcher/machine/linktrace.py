@@ -13,7 +13,7 @@ namespace, reads their counters (``/proc/net/dev``) every ``interval``
 seconds for the whole job, up to ``MAX_SECONDS`` (then it stops sampling and
 says so in the record); ``launch/link_trace.json`` keeps the bytes each host
 sent and received in each interval. Reading the file costs some 50 µs, so
-sampling takes well under 1 % of a core. ``python -m tfdist.bench.link_trace
+sampling takes well under 1 % of a core. ``python -m tfdist.cli.tools.trace_study
 RUN_DIR`` prints each link's figures and draws the timeline.
 """
 
@@ -24,7 +24,7 @@ import time
 from typing import Callable
 
 from tfdist import protocol
-from tfdist.launcher.network import host_counters, parse_net_dev, read_net_dev
+from tfdist.launcher.machine.network import host_counters, parse_net_dev, read_net_dev
 
 INTERVAL = 0.01
 # Ten minutes of samples at 10 ms: some 2 MB of JSON for three hosts.
@@ -191,4 +191,4 @@ def describe(figures: dict, seconds: float, host_tasks: dict[str, list[str]]) ->
         parts.append(f"{host} ({tasks}) out {ways['tx']['mean']:.2f} in {ways['rx']['mean']:.2f}")
     return (f"[launch] link trace: {seconds:.1f} s of every link each "
             f"{INTERVAL * 1e3:.0f} ms; mean use of the rate while training: " + "; ".join(parts)
-            + " (launch/link_trace.json; python -m tfdist.bench.link_trace draws it)")
+            + " (launch/link_trace.json; python -m tfdist.cli.tools.trace_study draws it)")

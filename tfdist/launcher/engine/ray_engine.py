@@ -8,10 +8,11 @@ reports its node's address; the driver then builds every task's TF_CONFIG
 exactly as the local launcher writes them (``plan.tf_configs_at``). Each
 actor runs the same ``tfdist.cli.train`` command as a child process and
 streams its output lines back (printed with ``[worker:1]`` prefixes) and
-then its exit code. Supervision, fault injection, task restarts and
-``--max-restarts`` relaunches are the local launcher's own
-(``supervisor.run_job``): a task here is a :class:`RayProc`, a Popen-like
-handle on the actor's child. A relaunch places every task anew (a lost
+then its exit code. ``RayEngine`` implements the engine contract
+(``launcher.engine.api.Engine``), so supervision, fault injection, member
+restarts and ``--max-restarts`` relaunches are the attempt loop's, as for the
+local engine (``launcher.attempts``): a member here is a :class:`RayProc`, a
+Popen-like handle on the actor's child. A relaunch places every task anew (a lost
 node's tasks land on the nodes left); a restarted task (``--restart-tasks``)
 is a new actor in the same bundle, on the same node and port, so its
 TF_CONFIG is unchanged.
@@ -35,11 +36,13 @@ import threading
 import time
 
 from tfdist import protocol
+from tfdist.launcher import files
 from tfdist.launcher import plan as plans
-from tfdist.launcher import elastic, processes, supervisor
 from tfdist.launcher.config import ENGINES, LaunchConfig, LaunchRequest
+from tfdist.launcher.engine.api import SINK_LOCK, Engine, Formation, MemberProcess, Placement
+from tfdist.launcher.engine.local import child_setup, member_command, stop_members, wait_all
+from tfdist.launcher.membership import ElasticPlan, Membership, workers_text
 from tfdist.launcher.plan import LaunchError
-from tfdist.launcher.processes import MemberProcess
 from tfdist.launcher.state import JobState, SignalMember
 from tfdist.protocol import Exit
 
@@ -54,7 +57,7 @@ HEAD_PINNED = ("spread-workers",)
 # Ray's own marker resource of the head node (1 on it, absent elsewhere): a bundle asking
 # for a sliver of it can only be placed there.
 HEAD_RESOURCE = "node:__internal_head__"
-CPUS_PER_TASK = 1  # each task's bundle; a worker also asks for one GPU when the cluster has GPUs
+CPUS_PER_MEMBER = 1  # each task's bundle; a worker also asks for one GPU when the cluster has GPUs
 # How long the job may wait for its placement group and actors before it is refused.
 STARTUP_TIMEOUT = 60.0
 LOST = -signal.SIGKILL  # an actor that died: to the supervisor, a task killed outright
@@ -112,7 +115,7 @@ def bundles_for(kind, names: list[str], gpus: float, pin_head: bool = False
     that compute nothing on the head node."""
     out = []
     for name in names:
-        bundle = {"CPU": float(CPUS_PER_TASK)}
+        bundle = {"CPU": float(CPUS_PER_MEMBER)}
         computes = name.partition(":")[0] in kind.computing_roles
         if gpus >= 1 and computes:
             bundle["GPU"] = 1.0
@@ -141,21 +144,21 @@ def shortage(bundles: list[dict[str, float]], resources: dict, nodes: int, place
 
 
 def node_shares(kind, node_of: dict[str, str], cpus_of: dict[str, int]
-                ) -> dict[str, processes.CoreShare]:
+                ) -> dict[str, plans.CoreShare]:
     """Each task's thread pools and cores (pure): every Ray node is a host of its own, its
     tasks sharing its cores exactly as the local launcher shares one machine's
-    (``processes.share_cores``: pools sized to a task's share, busy tasks pinned apart)."""
-    out: dict[str, processes.CoreShare] = {}
+    (``plans.share_cores``: pools sized to a task's share, busy tasks pinned apart)."""
+    out: dict[str, plans.CoreShare] = {}
     for node in sorted(set(node_of.values())):
         here = [n for n in node_of if node_of[n] == node]
-        out.update(processes.share_cores(kind, here, max(1, cpus_of.get(node, 1))))
+        out.update(plans.share_cores(kind, here, max(1, cpus_of.get(node, 1))))
     return out
 
 
-class TaskHost:
+class MemberHost:
     """The Ray actor of one TF task: holds its port, runs its ``train.py``, relays its lines.
 
-    Runs in a Ray worker process on some node (``ray.remote(TaskHost)`` in the
+    Runs in a Ray worker process on some node (``ray.remote(MemberHost)`` in the
     driver); a threaded actor, so ``signal`` reaches a running ``run``.
     """
 
@@ -194,7 +197,7 @@ class TaskHost:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             # Dies with this actor (ray.kill, a lost node): no orphan on the node.
             start_new_session=True,
-            preexec_fn=processes.child_setup(processes.Placement(cpus=tuple(cpus))))
+            preexec_fn=child_setup(Placement(cpus=tuple(cpus))))
         yield {"pid": self.proc.pid}
         for raw in iter(self.proc.stdout.readline, b""):
             yield raw.decode(errors="replace").rstrip("\n")
@@ -279,7 +282,7 @@ def _pump(proc: RayProc, stream, name: str, keep: list[str], sink=None) -> None:
                 proc.started.set()
             elif isinstance(item, str):
                 keep.append(item)
-                with processes._SINK_LOCK:
+                with SINK_LOCK:
                     sink.write(f"[{name}] {item}\n")
                     sink.flush()
             else:
@@ -308,7 +311,7 @@ class Placed:
         return f"{self.ip}:{self.port}"
 
 
-class RayEngine:
+class RayEngine(Engine):
     """The job on Ray: connect (or start a local instance), place each attempt, start each task."""
 
     def __init__(self, ray, config: LaunchConfig, address: str | None, placement: str, log=print,
@@ -316,16 +319,17 @@ class RayEngine:
         self.ray, self.config, self.address, self.placement = ray, config, address, placement
         self.log = log
         self.all_names = config.names
-        self.membership: NodeMembership | None = None  # --min-workers: who is placed
+        self.node_membership: NodeMembership | None = None  # --min-workers: who is placed
         self.startup_timeout = min(startup_timeout, config.timeout or startup_timeout)
         self.pg = None
         self.placed: dict[str, Placed] = {}
         self.tf_configs: dict[str, dict] = {}
-        self.cores: dict[str, processes.CoreShare] = {}  # each task's, on its node
+        self.cores: dict[str, plans.CoreShare] = {}  # each task's, on its node
         self.procs: dict[str, RayProc] = {}
         self.actor_class = None
         self.local = address is None
         self.placements: list[dict] = []  # each attempt's {task: node}, for launch/ray.json
+        self.formation: Formation | None = None
         # Each task's temporary files (a multiworker worker's private checkpoints)
         # go under this path on its node: the actor removes its task's when the
         # task ends, and close() the whole of it here, where a killed actor's or a
@@ -336,21 +340,49 @@ class RayEngine:
     @property
     def names(self) -> list[str]:
         """The tasks placed this attempt: every task, or under --min-workers the members."""
-        return self.membership.names if self.membership is not None else list(self.all_names)
+        placed = self.node_membership
+        return placed.names if placed is not None else list(self.all_names)
 
     # --- the cluster ---------------------------------------------------------------
+
+    def open(self, log) -> int | None:
+        config = self.config
+        files.check_launch_dir(config.launch_dir)
+        os.makedirs(config.launch_dir, exist_ok=True)
+        self.connect()
+        log(f"[launch] {config.kind.name} on Ray: {', '.join(config.names)}; TF_CONFIGs in "
+            f"{config.launch_dir}/")
+        return None
+
+    def signal(self, member: MemberProcess, sig: int, group: bool = True) -> None:
+        if group:
+            member.proc.signal_group(sig)
+        else:
+            member.proc.send_signal(sig)
+
+    def poll(self, member: MemberProcess) -> int | None:
+        return member.proc.poll()
+
+    def wait(self, members: list[MemberProcess], timeout: float) -> None:
+        wait_all(members, timeout)
+
+    def stop(self, members: list[MemberProcess], grace: float) -> None:
+        stop_members(members, grace, group_signal=lambda proc, sig: proc.signal_group(sig))
+
+    def reads_memory(self) -> bool:
+        return False  # VmHWM is read from this host's /proc: not for members on other nodes
 
     def connect(self) -> None:
         ray, t0 = self.ray, time.monotonic()
         if self.local:
             # Logical CPUs: one per task's bundle, whatever this host has.
-            ray.init(num_cpus=len(self.all_names) * CPUS_PER_TASK, include_dashboard=False,
+            ray.init(num_cpus=len(self.all_names) * CPUS_PER_MEMBER, include_dashboard=False,
                      log_to_driver=False, logging_level=logging.WARNING)
-            where = f"a local Ray instance (num_cpus={len(self.all_names) * CPUS_PER_TASK})"
+            where = f"a local Ray instance (num_cpus={len(self.all_names) * CPUS_PER_MEMBER})"
         else:
             ray.init(address=self.address, log_to_driver=False, logging_level=logging.WARNING)
             where = f"the Ray cluster at {self.address}"
-        self.actor_class = ray.remote(TaskHost)
+        self.actor_class = ray.remote(MemberHost)
         total = ray.cluster_resources()
         self.log(f"[launch] ray: {where} in {time.monotonic() - t0:.1f}s: {self._alive_nodes()} "
                  f"node(s), {total.get('CPU', 0):g} CPU, {total.get('GPU', 0):g} GPU")
@@ -363,12 +395,12 @@ class RayEngine:
     def _alive_nodes(self) -> int:
         return sum(1 for n in self.ray.nodes() if n.get("Alive"))
 
-    def elastic_membership(self, plan: elastic.ElasticPlan, event_paths, record_path, log
-                           ) -> "NodeMembership":
+    def membership(self, plan: ElasticPlan, event_paths, record_path, log
+                   ) -> "NodeMembership":
         """--min-workers: the supervisor's membership hook, which decides what is placed."""
-        self.membership = NodeMembership(plan, list(self.all_names), self, event_paths, log,
-                                         record_path=record_path)
-        return self.membership
+        self.node_membership = NodeMembership(plan, list(self.all_names), self, event_paths,
+                                              log, record_path=record_path)
+        return self.node_membership
 
     def dead_nodes(self) -> set[str]:
         """The nodes Ray counts as dead, of those this attempt's tasks were placed on."""
@@ -417,9 +449,10 @@ class RayEngine:
 
     # --- each attempt: place, bind, TF_CONFIGs ----------------------------------------
 
-    def new_attempt(self, attempt: int) -> None:
+    def new_attempt(self, attempt: int, formation: Formation) -> None:
         """Place every task anew: the placement group, one actor per bundle, their ports,
         every TF_CONFIG, the launch files. LaunchError (one line) if the cluster lacks room."""
+        self.formation = formation
         ray = self.ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -481,15 +514,14 @@ class RayEngine:
     def _save(self, attempt: int) -> None:
         launch_dir = self.config.launch_dir
         plan = plans.ClusterPlan(self.tf_configs)
-        command = processes.task_command(self.config.kind, list(self.config.train_args),
-                                         program=self.config.program)
+        command = member_command(self.config, self.formation)
         if attempt == 0:
-            processes.save_launch_files(launch_dir, plan, command)
+            files.save_launch_files(launch_dir, plan, command)
         else:  # the progress events of every attempt stay (a relaunch appends)
             for name, tf_config in self.tf_configs.items():
-                processes._write_file(os.path.join(launch_dir, plans.tf_config_file(name)),
+                files.write_file(os.path.join(launch_dir, plans.tf_config_file(name)),
                                       json.dumps(tf_config) + "\n")
-            processes._write_file(os.path.join(launch_dir, "commands.sh"),
+            files.write_file(os.path.join(launch_dir, "commands.sh"),
                                   plans.commands_script(plan, command, launch_dir))
         self.placements.append({n: {"node_id": p.node_id, "address": p.address}
                                 for n, p in self.placed.items()})
@@ -499,10 +531,11 @@ class RayEngine:
 
     # --- each task -----------------------------------------------------------------------
 
-    def start(self, name: str, command: list[str], env: dict[str, str],
-              task_env: dict[str, str]) -> MemberProcess:
-        """Start ``name``'s process in its actor (the supervisor's starter). A restart reuses
-        the actor if it lives, else places a new one in the same bundle, on the same port."""
+    def start(self, name: str) -> MemberProcess:
+        """Start ``name``'s process in its actor. A restart reuses the actor if it lives,
+        else places a new one in the same bundle, on the same port."""
+        command = member_command(self.config, self.formation)
+        env, member_env = os.environ, self.formation.member_env(name)
         placed = self.placed[name]
         old = self.procs.get(name)
         if old is not None and old.actor_lost:
@@ -514,7 +547,7 @@ class RayEngine:
         share = self.cores[name]
         # The supervisor sized the thread pools by the driver's cores; the task runs on
         # its node, whose cores and co-located tasks decide them (node_shares).
-        own = {k: v for k, v in task_env.items() if k not in processes.THREAD_POOL_ENV}
+        own = {k: v for k, v in member_env.items() if k not in plans.THREAD_POOL_ENV}
         job_env = {**{k: v for k, v in env.items() if k in FORWARDED_ENV}, **own, **share.env,
                    "TF_CONFIG": json.dumps(self.tf_configs[name]), "PYTHONUNBUFFERED": "1",
                    "TMPDIR": os.path.join(self.scratch, name.replace(":", "-"))}
@@ -566,7 +599,7 @@ class RayEngine:
         return None
 
 
-class NodeMembership(elastic.Membership):
+class NodeMembership(Membership):
     """--min-workers on Ray: a worker whose Ray actor is lost (its node gone) ends the
     attempt; the job re-forms with as many workers as the live nodes hold (at least M,
     at most the original N), each attempt placed anew, so the members are always the
@@ -579,16 +612,13 @@ class NodeMembership(elastic.Membership):
 
     CHECK_EVERY = 2.0  # seconds between looks at the cluster's room (ray.nodes() is a GCS call)
 
-    def __init__(self, plan: elastic.ElasticPlan, names: list[str], engine: "RayEngine",
+    def __init__(self, plan: ElasticPlan, names: list[str], engine: "RayEngine",
                  event_paths=(), log=print, record_path: str | None = None):
-        super().__init__(plan, names, {}, {}, event_paths, log, record_path=record_path)
+        super().__init__(plan, names, event_paths, log, record_path=record_path)
         self.engine = engine
         self.lost_nodes: set[str] = set()
         self.lost_at = 0.0
         self.looked = 0.0
-
-    def configs(self) -> dict[str, dict]:
-        return {}  # the engine builds them where it places the members
 
     def new_attempt(self, links_down) -> None:
         super().new_attempt(links_down)
@@ -617,9 +647,9 @@ class NodeMembership(elastic.Membership):
                 if first is not None:
                     self.growing = self.workers[len(self.members):room]
                     self.changed_at = self.back_seen = time.time()
-                    self.log(f"[launch] the live Ray nodes hold {_workers(room)} again; SIGTERM "
+                    self.log(f"[launch] the live Ray nodes hold {workers_text(room)} again; SIGTERM "
                              f"to {first.name}: the job checkpoints where it is and stops "
-                             f"(exit 42), then re-forms with {_workers(room)}")
+                             f"(exit 42), then re-forms with {workers_text(room)}")
                     return [SignalMember(first.name, signal.SIGTERM, group=False, pid=first.pid)]
         return []
 
@@ -650,7 +680,7 @@ class NodeMembership(elastic.Membership):
             back = self.growing
             self.members = self.workers[:len(self.members) + len(back)]
             self._change(f"{', '.join(back)} back (a Ray node joined: the live nodes hold "
-                         f"{_workers(len(self.members))})", back=True)
+                         f"{workers_text(len(self.members))})", back=True)
             return None
         if code == Exit.OK or not self.lost:
             return code
@@ -665,7 +695,7 @@ class NodeMembership(elastic.Membership):
                + (f"its Ray node {', '.join(sorted(n[:8] for n in dead))} gone" if dead else
                   "its Ray actor gone, its node alive") + ")")
         if room < self.plan.min_workers:
-            self.log(f"[launch] {why}: the live Ray nodes hold {_workers(room)}, below "
+            self.log(f"[launch] {why}: the live Ray nodes hold {workers_text(room)}, below "
                      f"--min-workers={self.plan.min_workers}; stopping (exit "
                      f"{int(Exit.TASK_LOST)}): run the same command when capacity is back to "
                      "resume from the newest checkpoint")
@@ -673,10 +703,6 @@ class NodeMembership(elastic.Membership):
         self.members = self.workers[:room]
         self._change(why, back=False)
         return None
-
-
-def _workers(n: int) -> str:
-    return f"{n} worker" + ("" if n == 1 else "s")
 
 
 # What the driver's environment passes to every task (each node has its own otherwise):
@@ -687,45 +713,5 @@ FORWARDED_ENV = ("TFDS_DATA_DIR", "TF_CPP_MIN_LOG_LEVEL", protocol.EVENTS_ENV)
 def absolute_model_dir(config: LaunchConfig) -> LaunchConfig:
     """The model dir as an absolute path in every task's flags: it is the shared path every
     node writes to, whatever each actor's working directory is."""
-    model_dir = os.path.abspath(config.model_dir)
-    args = list(config.train_args)
-    for i, arg in enumerate(args):
-        if arg == "--model-dir" and i + 1 < len(args):
-            args[i + 1] = model_dir
-        elif arg.startswith("--model-dir="):
-            args[i] = f"--model-dir={model_dir}"
-    return dataclasses.replace(config, model_dir=model_dir, train_args=tuple(args))
-
-
-def run(config: LaunchConfig, request: LaunchRequest, log=None) -> int:
-    """The whole job on Ray: its exit code (as the local launcher decides it)."""
-    log = log or (lambda m: print(m, flush=True))
-    ray = import_ray()
-    config = absolute_model_dir(config)
-    command = processes.task_command(config.kind, list(config.train_args), program=config.program)
-    processes.check_launch_dir(config.launch_dir)
-    os.makedirs(config.launch_dir, exist_ok=True)
-    engine = RayEngine(ray, config, request.cluster.address, request.cluster.ray_placement,
-                       log=log)
-    received: list[int] = []
-    holder: list = []
-
-    def on_signal(signum, _frame):
-        received.append(signum)
-        raise KeyboardInterrupt(signum)
-
-    previous = signal.signal(signal.SIGTERM, on_signal)
-    try:
-        engine.connect()
-        log(f"[launch] {config.kind.name} on Ray: {', '.join(config.names)}; TF_CONFIGs in "
-            f"{config.launch_dir}/")
-        code = supervisor.run_job(config, command, dict(os.environ), holder, log=log,
-                                  launch_dir=config.launch_dir, engine=engine)
-    except KeyboardInterrupt:
-        log("[launch] interrupted; stopping every task")
-        return supervisor.interrupted(holder, received)
-    finally:
-        engine.close()
-        signal.signal(signal.SIGTERM, previous)
-    log(f"[launch] done: exit code {code}")
-    return code
+    options = dataclasses.replace(config.options, model_dir=os.path.abspath(config.model_dir))
+    return dataclasses.replace(config, member=dataclasses.replace(config.member, options=options))

@@ -1,4 +1,4 @@
-"""Make sure MNIST is prepared (downloading it when online): ``python -m tfdist.training.prepare_data``.
+"""Make sure MNIST is prepared (downloading it when online): ``python -m tfdist.cli.tools.prepare_data``.
 
 The launcher runs this before it enters a network namespace, which has no
 network. Bad input or no data: one ``error:`` line and exit 2.

@@ -1,4 +1,4 @@
-"""``python -m tfdist.cli.overlap PROFILE_DIR ...``: the overlap study's flags -> one frozen
+"""``python -m tfdist.cli.tools.overlap PROFILE_DIR ...``: the overlap study's flags -> one frozen
 ``OverlapConfig`` -> ``bench/links/overlap.py: run``."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from tfdist.bench.links import overlap
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tfdist.cli.overlap",
+    p = argparse.ArgumentParser(prog="python -m tfdist.cli.tools.overlap",
                                 description=overlap.__doc__.splitlines()[0])
     p.add_argument("profile_dir", nargs="+",
                    help="a task's <model-dir>/logs/profile-<task> directory (several: one panel each)")

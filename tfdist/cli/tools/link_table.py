@@ -1,4 +1,4 @@
-"""``python -m tfdist.cli.link_table``: the link study's flags -> one frozen
+"""``python -m tfdist.cli.tools.link_table``: the link study's flags -> one frozen
 ``LinkTableConfig`` -> ``bench/links/table.py: run``."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from tfdist.bench.links import table
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tfdist.cli.link_table",
+    p = argparse.ArgumentParser(prog="python -m tfdist.cli.tools.link_table",
                                 description=table.__doc__.splitlines()[0])
     p.add_argument("--out", default="results/links/link_table",
                    help="directory for runs/, link_table.json and link_table.md")

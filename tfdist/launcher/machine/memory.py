@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 import re
 
-from tfdist.launcher import cgroups
+from tfdist.launcher.machine import cgroups
+from tfdist.linux import vm_hwm_bytes
 from tfdist.launcher.state import JobState
 
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -102,19 +103,6 @@ class MemoryLimits:
         for path in self.paths.values():
             cgroups.remove(path, log=self.log)
         self.paths.clear()
-
-
-def vm_hwm_bytes(pid: int, proc: str = "/proc") -> int | None:
-    """The peak resident set of process ``pid`` in bytes, or ``None`` (gone, unreadable)."""
-    try:
-        with open(f"{proc}/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    value, unit = line.split()[1:3]
-                    return int(value) * {"kB": 1024, "mB": 1 << 20, "gB": 1 << 30}.get(unit, 1)
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 class PeakMemory:

@@ -1,7 +1,7 @@
 """cgroups (v1): the one module that creates, joins and removes them.
 
 CPU quotas (``cpu``): ``slowdown.Slowdown`` makes one per slowed task; a task
-joins its cgroup between fork and exec (``processes.child_setup``), or,
+joins its cgroup between fork and exec (``engine.local.child_setup``), or,
 already running, when a slow-down starts; either way through :func:`join`.
 Memory limits (``memory``): ``memory.MemoryLimits`` makes one per limited
 task (``launch.py --memory-limit``), joined between fork and exec.
@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+
+from tfdist import linux
 
 CFS_PERIOD_US = 100_000
 CGROUP_PREFIX = "showcase-"
@@ -156,9 +158,10 @@ def throttled_seconds(path: str) -> float | None:
 
 
 def join(path: str, pid: int) -> None:
-    """Move process ``pid`` into the cgroup ``path`` (cgroup v1: all its threads)."""
-    with open(os.path.join(path, "cgroup.procs"), "w") as f:
-        f.write(str(pid))
+    """Move process ``pid`` into the cgroup ``path`` (cgroup v1: all its threads); the
+    one writer is ``tfdist.linux.join_cgroup``, which a member's placement also calls
+    between fork and exec."""
+    linux.join_cgroup(path, pid)
 
 
 def remove(path: str, timeout: float = 10.0, log=print) -> None:

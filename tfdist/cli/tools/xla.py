@@ -1,4 +1,4 @@
-"""``python -m tfdist.cli.xla``: the XLA study's flags -> one frozen ``XlaConfig`` ->
+"""``python -m tfdist.cli.tools.xla``: the XLA study's flags -> one frozen ``XlaConfig`` ->
 ``bench/xla.py: run``."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from tfdist.bench import xla
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tfdist.cli.xla",
+    p = argparse.ArgumentParser(prog="python -m tfdist.cli.tools.xla",
                                 description=xla.__doc__.splitlines()[0])
     p.add_argument("--strategies", nargs="+", default=list(xla.CLUSTER), choices=list(xla.CLUSTER),
                    help="the rows to run")

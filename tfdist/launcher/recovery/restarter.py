@@ -1,5 +1,5 @@
 """A supervisor hook that restarts a dead (or reported stuck) worker after a delay, at most
-``MAX_TASK_RESTARTS`` times, as a cluster manager would."""
+``MAX_MEMBER_RESTARTS`` times, as a cluster manager would."""
 
 from __future__ import annotations
 
@@ -7,17 +7,17 @@ import signal
 import time
 
 from tfdist import protocol
-from tfdist.launcher.faults import MAX_TASK_RESTARTS
+from tfdist.launcher.recovery.faults import MAX_MEMBER_RESTARTS
 from tfdist.launcher.state import JobState, RestartMember, SignalMember
 
-class TaskRestarter:
+class MemberRestarter:
     """Restarts a dead worker (of a kind whose workers may rejoin) after a delay.
 
     Under ps the coordinator waits for a lost worker to come back at the same
     address, and gives it work again once it does.
     """
 
-    def __init__(self, delay: float, log=print, limit: int = MAX_TASK_RESTARTS,
+    def __init__(self, delay: float, log=print, limit: int = MAX_MEMBER_RESTARTS,
                  clock=time.monotonic, roles: tuple[str, ...] = ("worker",), event_paths=()):
         self.delay, self.log, self.limit, self.clock, self.roles = delay, log, limit, clock, roles
         self.restarts: dict[str, int] = {}

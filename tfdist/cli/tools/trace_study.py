@@ -1,4 +1,4 @@
-"""``python -m tfdist.cli.trace_study RUN_DIR``: the trace study's flags -> one frozen
+"""``python -m tfdist.cli.tools.trace_study RUN_DIR``: the trace study's flags -> one frozen
 ``TraceStudyConfig`` -> ``bench/links/trace_study.py: run``."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from tfdist.bench.links import trace_study
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tfdist.cli.trace_study",
+    p = argparse.ArgumentParser(prog="python -m tfdist.cli.tools.trace_study",
                                 description=trace_study.__doc__.splitlines()[0])
     p.add_argument("run_dir", help="a --model-dir of a launch.py run with --link-trace")
     p.add_argument("--png", help="draw every link's use over the chosen window here")

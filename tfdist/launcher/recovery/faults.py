@@ -4,8 +4,8 @@ partition, slow, restart, relaunch.
 ``parse_fault``, ``parse_slow`` and ``plan_recovery`` check the specs (pure;
 the command hands them the raw specs, never its argparse namespace) into a
 ``RecoveryPlan``. What fires them is elsewhere, one concern each:
-``launcher/injector.py`` (``FaultInjector``), ``launcher/restarter.py``
-(``TaskRestarter``) and ``launcher/slowdown.py`` (``Slowdown``).
+``launcher/recovery/injector.py`` (``FaultInjector``), ``launcher/recovery/restarter.py``
+(``MemberRestarter``) and ``launcher/machine/slowdown.py`` (``Slowdown``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ LASTING_SPEC = {
                  "without +SECONDS until the launcher ends)",
 }
 SLOW_SPEC = "ROLE:INDEX=FRACTION[@WHEN], FRACTION in (0, 1), e.g. worker:1=0.25 or worker:1=0.5@step=200"
-MAX_TASK_RESTARTS = 3  # per task: a worker that keeps dying is not a transient fault
+MAX_MEMBER_RESTARTS = 3  # per task: a worker that keeps dying is not a transient fault
 
 
 @dataclass(frozen=True)
@@ -176,19 +176,20 @@ class RecoveryPlan:
     slow: tuple[Slow, ...] = ()
 
 
-def plan_recovery(kind: StrategyKind, members, *, kill=(), preempt=(), slow=(), hang=(),
-                  partition=(), hosts: int = 0, restart_tasks: bool = False,
-                  restart_delay: float = RESTART_DELAY, max_restarts: int = 0) -> RecoveryPlan:
+def plan_recovery(kind: StrategyKind, members, asked, again, hosts: int = 0) -> RecoveryPlan:
     """Check the fault, slow-down and restart flags (their raw specs) against the cluster (pure).
 
-    ``hosts``: how many simulated hosts (``--hosts``; 0: none), which a
-    ``--partition`` needs.
+    ``asked``: the request's ``Faults`` (``kill``, ``preempt``, ``hang``,
+    ``partition``, ``slow``: each a tuple of specs); ``again``: its ``Recovery``
+    (``restart_tasks``, ``restart_delay``, ``max_restarts``); ``hosts``: how many
+    simulated hosts (``--hosts``; 0: none), which a ``--partition`` needs.
     """
     names = list(members)
-    specs = {"kill": kill or (), "preempt": preempt or (), "hang": hang or (),
-             "partition": partition or ()}
-    faults = tuple(parse_fault(action, spec) for action in FAULT_ACTIONS for spec in specs[action])
-    slowed = tuple(parse_slow(spec) for spec in (slow or ()))
+    restart_tasks, restart_delay = again.restart_tasks, again.restart_delay
+    max_restarts = again.max_restarts
+    faults = tuple(parse_fault(action, spec) for action in FAULT_ACTIONS
+                   for spec in getattr(asked, action))
+    slowed = tuple(parse_slow(spec) for spec in asked.slow)
     for fault in faults:
         if fault.action != "partition":
             continue

@@ -1,4 +1,4 @@
-"""``python -m tfdist.cli.soak``: the soak's flags -> one frozen ``SoakConfig`` ->
+"""``python -m tfdist.cli.tools.soak``: the soak's flags -> one frozen ``SoakConfig`` ->
 ``bench/soak.py: run`` (back-to-back jobs with random faults, checked and counted).
 """
 
@@ -17,7 +17,7 @@ from tfdist.strategies import ConfigError, kinds
 
 def parse_args(argv=None) -> soak.SoakConfig:
     """The flags, checked, as one frozen config; ConfigError (one line) otherwise."""
-    p = argparse.ArgumentParser(prog="python -m tfdist.cli.soak", description=soak.__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tfdist.cli.tools.soak", description=soak.__doc__.split("\n\n")[0])
     p.add_argument("--jobs", type=int, default=4, help="jobs in all, round-robin over --strategies")
     p.add_argument("--steps", type=int, default=1200, help="steps per job")
     p.add_argument("--max-faults", type=int, default=3, help="faults per job: 1 to this, drawn")
@@ -45,7 +45,7 @@ def parse_args(argv=None) -> soak.SoakConfig:
     for kind in chosen:
         if not policy.survivable_faults(kind):
             raise ConfigError(f"--strategies names {kind.name!r}, which has no faults to soak")
-    command = " ".join(["python -m tfdist.cli.soak", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(["python -m tfdist.cli.tools.soak", *(argv if argv is not None else sys.argv[1:])])
     return soak.SoakConfig(chosen, args.jobs, args.steps, seed, out, args.max_faults,
                            args.accuracy_floor, args.job_timeout, command)
 

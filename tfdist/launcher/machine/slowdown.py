@@ -1,5 +1,5 @@
 """``Slowdown``: a task at a fraction of its speed from outside the process, as a slower or
-busier host would: a cgroup v1 ``cpu`` controller CFS quota (``launcher/cgroups.py``), or
+busier host would: a cgroup v1 ``cpu`` controller CFS quota (``launcher/machine/cgroups.py``), or
 where cgroups cannot be written a SIGSTOP/SIGCONT duty cycle; never code inside the
 training step."""
 
@@ -10,7 +10,7 @@ import signal
 import threading
 import time
 
-from tfdist.launcher import cgroups
+from tfdist.launcher.machine import cgroups
 
 # Seconds per SIGCONT/SIGSTOP cycle: long enough that this thread's wake-up
 # delay on a busy machine (a few ms) is small against FRACTION of it, short

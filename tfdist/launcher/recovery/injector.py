@@ -7,7 +7,7 @@ import signal
 import time
 
 from tfdist import protocol
-from tfdist.launcher.faults import FAULT_ACTIONS, LASTING, Fault, Slow
+from tfdist.launcher.recovery.faults import FAULT_ACTIONS, LASTING, Fault, Slow
 from tfdist.launcher.state import JobState, SetLink, SignalMember, SlowMember
 
 STEP_EVENTS = (protocol.PROGRESS, protocol.CHECKPOINT, protocol.PREEMPTED, protocol.DONE)

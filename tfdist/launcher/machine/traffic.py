@@ -26,7 +26,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FRAME_OVERHEAD = 1514 / 1448
 
 
-def task_flows(trainer: str, names: list[str], params: int, gradient_dtype: str = "float32",
+def member_flows(trainer: str, names: list[str], params: int, gradient_dtype: str = "float32",
                shares: dict[str, float] | None = None) -> dict[tuple[str, str], float]:
     """``{(sender, receiver): payload bytes per step}`` for the tasks ``names``.
 
@@ -117,7 +117,7 @@ def host_bytes_per_step(flows: dict[tuple[str, str], float],
 def predict(trainer: str, host_of: dict[str, int], params: int, gradient_dtype: str = "float32",
             shares: dict[str, float] | None = None) -> dict[int, dict[str, float]]:
     """Payload bytes per step each host sends (tx) and receives (rx)."""
-    flows = task_flows(trainer, list(host_of), params, gradient_dtype, shares)
+    flows = member_flows(trainer, list(host_of), params, gradient_dtype, shares)
     return host_bytes_per_step(flows, host_of)
 
 
@@ -188,32 +188,3 @@ def compare(record: dict, params: int, gradient_dtype: str = "float32",
                    "tx_model": round(model[int(name[4:])]["tx"] * overhead),
                    "rx_model": round(model[int(name[4:])]["rx"] * overhead)}
             for name, h in record["hosts"].items()}
-
-
-def main(argv=None) -> int:
-    """``python -m launcher.traffic MODEL_DIR --params N``: measured vs the model."""
-    import argparse
-    import json
-    import os
-
-    p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("model_dir")
-    p.add_argument("--params", type=int, required=True, help="trainable parameters (cnn: 225034)")
-    p.add_argument("--gradient-dtype", default="float32", choices=sorted(DTYPE_BYTES))
-    args = p.parse_args(argv)
-    with open(os.path.join(args.model_dir, "launch", "outcome.json")) as f:
-        record = json.load(f).get("traffic")
-    if not record or not record.get("steps"):
-        print(f"error: {args.model_dir}/launch/outcome.json has no traffic per step "
-              "(run launch.py with --hosts N)")
-        return 2
-    for name, c in compare(record, args.params, args.gradient_dtype).items():
-        ratio = lambda m, e: f"{m / e:.2f}x" if e else "-"  # noqa: E731
-        print(f"{name}: sent {c['tx']:,} B/step (model {c['tx_model']:,}, "
-              f"{ratio(c['tx'], c['tx_model'])}), received {c['rx']:,} "
-              f"(model {c['rx_model']:,}, {ratio(c['rx'], c['rx_model'])})")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

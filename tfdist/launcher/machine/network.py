@@ -15,13 +15,13 @@ used, and no packet leaves the machine.
 (``tc qdisc ... tbf``): each host has RATE up and RATE down. Latency would need
 ``netem``, a kernel module many hosts lack: there is no latency emulation.
 
-    python -m launcher.network --hosts 2 --link-rate 100mbit   # build, measure, tear down
+    python -m tfdist.cli.tools.hosts --hosts 2 --link-rate 100mbit   # build, measure, tear down
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
+import glob
 import json
 import os
 import re
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from tfdist.launcher import plan as plans
 from tfdist.launcher.plan import LaunchError
-from tfdist.launcher.processes import CLONE_NEWNET, die_with_parent, enter_netns, libc
+from tfdist.linux import CLONE_NEWNET, die_with_parent, enter_netns, libc
 from tfdist.strategies.kinds import StrategyKind
 
 NETNS_MODES = ("auto", "on", "off")
@@ -42,6 +42,8 @@ NETNS_MODES = ("auto", "on", "off")
 # our uid to root inside it lets the launcher bring devices up.
 UNSHARE = ("unshare", "--user", "--map-root-user", "--net")
 INSIDE_FLAG = "--netns-inside"
+# The hosts' self-check and probe, a command of its own (tfdist/cli/tools/hosts.py), run in a namespace.
+PROBE_COMMAND = ("-m", "tfdist.cli.tools.hosts")
 LAUNCH = ("-m", "tfdist.cli.launch")  # the same command, re-run inside the namespace
 BRIDGE = "simbr0"
 PROBE_PORT = 5201
@@ -124,7 +126,7 @@ def hosts_problem(timeout: float = 20.0) -> str | None:
         return problem
     try:
         probe = subprocess.run(
-            [*UNSHARE, sys.executable, "-m", "tfdist.launcher.network", "--hosts", "2", "--probe"],
+            [*UNSHARE, sys.executable, *PROBE_COMMAND, "--hosts", "2", "--probe"],
             stdin=subprocess.DEVNULL, capture_output=True,
             text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -135,10 +137,11 @@ def hosts_problem(timeout: float = 20.0) -> str | None:
     return None
 
 
-def netns_command(launch_argv: list[str], train_args: list[str],
+def netns_command(launch_argv: list[str], member_argv: list[str],
                   python: str = sys.executable) -> list[str]:
-    """This launcher again, inside new namespaces, told that it is inside (pure)."""
-    return [*UNSHARE, python, *LAUNCH, *launch_argv, INSIDE_FLAG, "--", *train_args]
+    """This launcher again, inside new namespaces, told that it is inside (pure);
+    ``member_argv``: every member's flags (``MemberArgs.argv``), after ``--``."""
+    return [*UNSHARE, python, *LAUNCH, *launch_argv, INSIDE_FLAG, "--", *member_argv]
 
 
 def loopback_up() -> None:
@@ -330,6 +333,28 @@ class SimulatedHosts:
             raise
         return self
 
+    def build(self, cluster, link_rate: str | None, log):
+        """Bring the hosts up and measure a shaped link: the link record (``None``
+        unshaped), or ``False`` if the machine cannot (exit 1, not 2: the outer
+        launcher's probe passed, so it is the machine, not the flags).
+        ``cluster``: the ``plan.ClusterPlan`` placed on them."""
+        try:
+            self.up()
+            check = self.measure() if self.rate_bits else None
+        except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as err:
+            log(f"[launch] error: could not build or measure {cluster.hosts} simulated "
+                f"hosts: {err}")
+            return False
+        log("[launch] hosts: " + ", ".join(
+            f"host{i} {plans.host_address(i)} ("
+            f"{', '.join(n for n, h in cluster.host_of.items() if h == i)})"
+            for i in range(cluster.hosts)) + f" on bridge {BRIDGE} "
+            f"({plans.BRIDGE_ADDRESS}/{plans.PREFIX}), private to this launcher")
+        if check is None:
+            return None
+        log(f"[launch] links: {check.describe(link_rate)}")
+        return {"rate": link_rate, **check.to_dict()}
+
     def _add_host(self, i: int) -> None:
         # Popen returns after exec, so after the holder's unshare: its
         # namespace exists (a veth moved in earlier would land in ours).
@@ -383,7 +408,7 @@ class SimulatedHosts:
         """One TCP transfer from host ``src`` to host ``dst``, timed by the receiver."""
         size = probe_bytes(self.rate_bits or 10**9)
         recv = subprocess.Popen(
-            [sys.executable, "-m", "tfdist.launcher.linkprobe", "recv", plans.host_address(dst),
+            [sys.executable, "-m", "tfdist.launcher.machine.linkprobe", "recv", plans.host_address(dst),
              str(PROBE_PORT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL, text=True, preexec_fn=self._entering(dst))
         try:
@@ -391,7 +416,7 @@ class SimulatedHosts:
             if ready.strip() != "ready":
                 raise RuntimeError(f"link probe receiver did not start: {ready!r} "
                                    f"{recv.stderr.read() if recv.poll() is not None else ''}")
-            subprocess.run([sys.executable, "-m", "tfdist.launcher.linkprobe", "send",
+            subprocess.run([sys.executable, "-m", "tfdist.launcher.machine.linkprobe", "send",
                             plans.host_address(dst), str(PROBE_PORT), str(size)],
                            check=True, timeout=timeout, stdin=subprocess.DEVNULL,
                            preexec_fn=self._entering(src))
@@ -434,46 +459,25 @@ def _readline(stream, timeout: float) -> str:
     return box[0]
 
 
-# --- a self-check: python -m launcher.network --------------------------------------------
+# --- data, before entering a namespace without network -----------------------------
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Build N simulated hosts, measure a link, tear down.")
-    p.add_argument("--hosts", type=int, default=2)
-    p.add_argument("--link-rate", default=None)
-    p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument(INSIDE_FLAG, action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    try:
-        rate = parse_rate(args.link_rate) if args.link_rate else None
-        if args.hosts < 2 or args.hosts > plans.MAX_HOSTS:
-            raise LaunchError(f"--hosts={args.hosts}; use 2 to {plans.MAX_HOSTS}")
-    except LaunchError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.probe:  # run by hosts_problem(), already inside a namespace
-        hosts = SimulatedHosts(args.hosts)
-        try:
-            hosts.up()
-        finally:
-            hosts.close()
+def mnist_prepared(data_dir: str) -> bool:
+    return bool(glob.glob(os.path.join(os.path.expanduser(data_dir), "mnist", "*",
+                                       "dataset_info.json")))
+
+
+def prepare_data_command(data_dir: str, python: str = sys.executable) -> list[str]:
+    return [python, "-m", "tfdist.cli.tools.prepare_data", *(["--data-dir", data_dir] if data_dir else [])]
+
+
+def prepare_data(data_dir: str | None, env: dict[str, str]) -> int:
+    """Download MNIST first if tfds would: the namespace has no network.
+    ``data_dir``: the members' ``--data-dir`` (None: ``TFDS_DATA_DIR``, else tfds's own)."""
+    data_dir = data_dir or env.get("TFDS_DATA_DIR") or ""
+    where = data_dir or os.path.join("~", "tensorflow_datasets")
+    if mnist_prepared(where):
         return 0
-    if not args.netns_inside:
-        problem = netns_problem()
-        if problem is not None:
-            print(f"error: no network namespace here ({problem})", file=sys.stderr)
-            return 2
-        cmd = [*UNSHARE, sys.executable, "-m", "tfdist.launcher.network", *(argv or sys.argv[1:]),
-               INSIDE_FLAG]
-        return subprocess.run(cmd, stdin=subprocess.DEVNULL).returncode
-    hosts = SimulatedHosts(args.hosts, rate)
-    try:
-        hosts.up()
-        check = hosts.measure()
-    finally:
-        hosts.close()
-    print(json.dumps({"hosts": args.hosts, "link_rate": args.link_rate, **check.to_dict()}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    print(f"[launch] no MNIST in {where}; checking or downloading it before entering the "
+          "network namespace, which has no network", flush=True)
+    return subprocess.run(prepare_data_command(data_dir), env=env,
+                          stdin=subprocess.DEVNULL).returncode
