@@ -21,9 +21,9 @@ demo: venv
 	$(PY) launch.py --strategy multiworker --workers 2 -- --epochs 1 --model-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 # Two passes over the default tier (pyproject.toml's addopts: not image, long or ray).
-# The tests that start no cluster run on two pytest workers: 7.7 minutes one at a
-# time, 3.6 to 4.5 on two (a 2-core host). The launched-cluster tests (37, about 15 minutes) then run one at a
-# time: each cluster already keeps both cores busy, and its timeouts assume so.
+# The tests that start no cluster (1,684) run on two pytest workers: 5.7 minutes on
+# a 2-core host. The launched-cluster tests (27, about 13 minutes; 40 took 18.7) then
+# run one at a time: each cluster already keeps both cores busy, and its timeouts assume so.
 # Both passes always run; the exit code is non-zero if either failed.
 DEFAULT_TIER := not image and not long and not ray
 test: venv
@@ -46,8 +46,9 @@ test-ray: venv
 	$(PY) -m pytest -q -m ray tests/launcher/test_ray.py
 
 # The long multiprocess suites: every fault and task feature under every cluster
-# strategy, several launches each (210 tests; the 183 of them timed took about 72 minutes on a
-# 2-core host, the 27 added since are not timed together); `make test` runs one of each kind.
+# strategy, several launches each (242 tests; the 183 of them timed took about 72 minutes on a
+# 2-core host, the 59 added or moved here since are not timed together); `make test` runs
+# one of each kind.
 test-long: venv
 	$(PY) -m pytest -q -m long
 

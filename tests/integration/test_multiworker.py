@@ -60,6 +60,7 @@ def test_three_workers_uneven_batch_end_cleanly(tmp_path, spawn):
     assert descendants_alive(model_dir) == []
 
 
+@pytest.mark.long  # make test: a lost host under elastic, a hung worker, a preemption
 @pytest.mark.timeout(240)
 def test_killed_worker_fails_the_job_fast_and_leaves_nothing(tmp_path, spawn):
     model_dir = str(tmp_path / "mwkill")
@@ -97,6 +98,7 @@ def test_launcher_sigterm_stops_every_task(tmp_path, spawn):
     assert descendants_alive(model_dir) == []
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_lonely_worker_gives_up_naming_the_missing_task(tmp_path, spawn):
     port0, port1 = free_ports(2)

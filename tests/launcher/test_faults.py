@@ -37,6 +37,7 @@ def _index(lines, pattern):
     return next(i for i, l in enumerate(lines) if re.search(pattern, l))
 
 
+@pytest.mark.long  # make test: the soak's ps job survives one fault
 @pytest.mark.timeout(200)
 def test_ps_lost_worker_training_goes_on_and_no_step_is_missing(tmp_path, spawn):
     model_dir = str(tmp_path / "pswk")

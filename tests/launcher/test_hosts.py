@@ -330,7 +330,7 @@ def _burn_rate(member, seconds=2.0):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("method", [
-    pytest.param("cgroup", marks=needs_cgroup), "signals"])
+    pytest.param("cgroup", marks=needs_cgroup), pytest.param("signals", marks=pytest.mark.long)])
 @pytest.mark.timeout(60)
 def test_slowdown_caps_a_busy_process_and_a_restart_is_slowed_again(method):
     # A cap is a ceiling whatever else runs on the machine (other jobs share

@@ -129,8 +129,9 @@ def _hosts_problem():
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("strategy,launch_args", [
     # Shaped, with the link trace: its samples add up to the record's bytes.
-    ("multiworker", ["--workers", "2", "--hosts", "2", "--link-rate", "1gbit", "--link-trace"]),
-    # The long tier: one strategy in make test (CI time)
+    # The long tier (make test's budget: a shaped link is measured by test_sim_cluster)
+    pytest.param("multiworker", ["--workers", "2", "--hosts", "2", "--link-rate", "1gbit",
+                                 "--link-trace"], marks=pytest.mark.long),
     pytest.param("ps", ["--workers", "2", "--ps", "1", "--hosts", "3"], marks=pytest.mark.long),
 ])
 def test_launch_records_each_hosts_bytes_per_step(strategy, launch_args, tmp_path, spawn):

@@ -118,6 +118,7 @@ def test_ports_are_unreachable_from_outside_and_the_job_still_succeeds(tmp_path,
 
 
 @needs_netns
+@pytest.mark.long
 @pytest.mark.timeout(180)
 def test_sigterm_to_the_outer_launcher_stops_every_task(tmp_path, spawn):
     model_dir = tmp_path / "nsterm"

@@ -120,7 +120,7 @@ def test_model_dir_made_absolute(tmp_path, monkeypatch):
     config = build_config(LaunchRequest(strategy="ps", cluster=Cluster(ps=1, engine="ray"),
                                         member=MemberArgs(options=TrainOptions(
                                             model_dir="runs/x", steps=3))))
-    out = ray_engine.absolute_model_dir(config)
+    out = ray_engine.with_shared_model_dir(config)
     assert out.model_dir == str(tmp_path / "runs/x")
     assert out.member.argv() == ["--steps", "3", "--model-dir", str(tmp_path / "runs/x")]
 

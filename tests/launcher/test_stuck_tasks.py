@@ -94,6 +94,7 @@ def _outcome(model_dir):
         return json.load(f)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(90)
 def test_a_hung_task_is_stopped_then_continued_after_its_seconds(tmp_path, spawn):
     model_dir = str(tmp_path / "hang")
@@ -144,6 +145,7 @@ HOSTS_PROBLEM = network.hosts_problem()
 
 
 @pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_a_partitioned_host_is_unreachable_then_reachable_again(tmp_path, spawn):
     import os

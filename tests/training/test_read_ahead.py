@@ -96,6 +96,7 @@ def test_read_ahead_where_it_cannot_be_honoured_is_one_line_and_exit_2(tmp_path,
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 def test_one_worker_reads_ahead_so_each_step_is_one_update_stale(tmp_path, spawn):
     """One worker, 2 calls of 10 steps: the first step computes on the weights read
     as the call starts (0 stale); every other step on weights read before this

@@ -269,6 +269,7 @@ def test_a_port_already_taken_is_one_line_naming_task_and_port(tmp_path, held_on
 # --- item 3: a worker that cannot see the chief's checkpoints -----------------------------
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_workers_that_resume_from_different_steps_refuse_to_train(finished, tmp_path, spawn):
     """--model-dir not shared: the chief resumes at step 10, worker:1 finds nothing."""

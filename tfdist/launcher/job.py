@@ -50,7 +50,7 @@ def run_request(request: LaunchRequest) -> int:
         code = preflight(config)
         if code is not None:
             return code
-        config = ray_engine.absolute_model_dir(config)
+        config = ray_engine.with_shared_model_dir(config)
         return run_on(ray_engine.RayEngine(ray, config, request.cluster.address,
                                            request.cluster.ray_placement))
     use_netns, warning = decide_network(config)

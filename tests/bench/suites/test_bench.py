@@ -401,6 +401,7 @@ def test_scenarios_smoke_slow_worker_writes_tables_and_plots(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.long
 @pytest.mark.timeout(200)
 def test_tutorial_peer_runs_under_the_launcher_and_reports(tmp_path):
     # The multi-worker Keras tutorial's way (tf_keras), started by launch.py --program.

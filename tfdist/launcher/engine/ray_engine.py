@@ -710,7 +710,7 @@ class NodeMembership(Membership):
 FORWARDED_ENV = ("TFDS_DATA_DIR", "TF_CPP_MIN_LOG_LEVEL", protocol.EVENTS_ENV)
 
 
-def absolute_model_dir(config: LaunchConfig) -> LaunchConfig:
+def with_shared_model_dir(config: LaunchConfig) -> LaunchConfig:
     """The model dir as an absolute path in every task's flags: it is the shared path every
     node writes to, whatever each actor's working directory is."""
     options = dataclasses.replace(config.options, model_dir=os.path.abspath(config.model_dir))
