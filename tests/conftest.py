@@ -13,6 +13,19 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tfdist.launcher.engine.local import LocalEngine  # noqa: E402  (after the path)
+
+
+class Starting(LocalEngine):
+    """The local engine, each member started by ``starter`` (a stand-in command): the
+    launcher tests' supervisor without real members."""
+
+    def __init__(self, starter):
+        super().__init__(config=None)
+        self.starter = starter
+
+    def start(self, name):
+        return self.starter(name)
 
 
 def child_env(tf_config=None, **extra):

@@ -8,27 +8,17 @@ import sys
 
 import pytest
 
-from conftest import recovery_plan
+from conftest import Starting, recovery_plan
 
 from tfdist import protocol
 from tfdist.launcher.recovery import faults
-from tfdist.launcher.engine.local import LocalEngine, start_member
+from tfdist.launcher.engine.local import start_member
 from tfdist.launcher.recovery import injector as injectors
 from tfdist.launcher import plan as plans
 from tfdist.launcher.state import JobState, SetLink, SignalMember, MemberView
 from tfdist.launcher.supervisor import Supervisor
 from tfdist.strategies import kinds
 
-
-class Starting(LocalEngine):
-    """The local engine, each member started by ``starter`` (a stand-in command)."""
-
-    def __init__(self, starter):
-        super().__init__(config=None)
-        self.starter = starter
-
-    def start(self, name):
-        return self.starter(name)
 
 PS_TASKS = ["chief:0", "worker:0", "worker:1", "ps:0"]
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import recovery_plan
+from conftest import Starting, recovery_plan
 
 from tfdist import protocol
 from tfdist.launcher import attempts, files, outcome, supervisor
@@ -31,17 +31,6 @@ from tfdist.launcher.config import LaunchConfig, Limits, MemberArgs
 from tfdist.options import TrainOptions
 from tfdist.launcher.state import JobState, RestartMember, SignalMember, SlowMember, MemberView
 from tfdist.strategies import kinds, parse_tf_config
-
-
-class Starting(LocalEngine):
-    """The local engine, each member started by ``starter`` (a stand-in command)."""
-
-    def __init__(self, starter):
-        super().__init__(config=None)
-        self.starter = starter
-
-    def start(self, name):
-        return self.starter(name)
 
 
 # --- the host plan (pure) ------------------------------------------------------------------

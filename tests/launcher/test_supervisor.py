@@ -4,20 +4,9 @@ import threading
 
 from tfdist.launcher import supervisor
 from tfdist.launcher.engine.api import MemberProcess
-from tfdist.launcher.engine.local import LocalEngine
+from conftest import Starting
 from tfdist.launcher.state import RestartMember
 from tfdist.strategies import kinds
-
-
-class Starting(LocalEngine):
-    """The local engine, each member started by ``starter`` (a stand-in command)."""
-
-    def __init__(self, starter):
-        super().__init__(config=None)
-        self.starter = starter
-
-    def start(self, name):
-        return self.starter(name)
 
 
 class FakeProc:
