@@ -328,16 +328,22 @@ def test_the_cap_can_fail():
 BENCH_WINGS = ("suites", "links")
 
 
-def bench_wing(module: str) -> str | None:
-    parts = module.split(".")
-    if parts[:2] == ["tfdist", "bench"] and len(parts) > 3 and parts[2] in BENCH_WINGS:
-        return parts[2]
+def wing(module: str, package: str, wings: tuple[str, ...]) -> str | None:
+    """The wing of ``package`` (``tfdist.bench``) that ``module`` lies in, if any."""
+    parts, top = module.split("."), package.split(".")
+    if parts[:len(top)] == top and len(parts) > len(top) + 1 and parts[len(top)] in wings:
+        return parts[len(top)]
     return None
 
 
-def bench_sideways(graph: dict[str, set[str]]) -> list[str]:
+def sideways(graph: dict[str, set[str]], package: str, wings: tuple[str, ...]) -> list[str]:
+    """Every import from one wing of ``package`` into another."""
     return sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
-                  if bench_wing(m) and bench_wing(t) and bench_wing(m) != bench_wing(t))
+                  if (a := wing(m, package, wings)) and (b := wing(t, package, wings)) and a != b)
+
+
+def bench_sideways(graph: dict[str, set[str]]) -> list[str]:
+    return sideways(graph, "tfdist.bench", BENCH_WINGS)
 
 
 def test_bench_wings_import_no_sibling_wing():
@@ -375,16 +381,8 @@ def test_the_wheel_lists_every_package():
 LAUNCHER_WINGS = ("engine", "machine", "recovery")
 
 
-def launcher_wing(module: str) -> str | None:
-    parts = module.split(".")
-    if parts[:2] == ["tfdist", "launcher"] and len(parts) > 3 and parts[2] in LAUNCHER_WINGS:
-        return parts[2]
-    return None
-
-
 def launcher_sideways(graph: dict[str, set[str]]) -> list[str]:
-    return sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
-                  if launcher_wing(m) and launcher_wing(t) and launcher_wing(m) != launcher_wing(t))
+    return sideways(graph, "tfdist.launcher", LAUNCHER_WINGS)
 
 
 def test_launcher_wings_import_no_other_wing():
