@@ -137,10 +137,7 @@ def test_one_process_strategies_train_as_fit(tmp_path, capsys, strategy, name):
 
 
 # What each cluster strategy refuses (the refusal tests below check the line).
-REFUSED = {"multiworker": ("OWN_STEP_JIT",),
-           "ps": ("OWN_STEP_JIT",),
-           "ps-sync": ("OWN_STEP_JIT",),
-           # The pipeline step over stages (docs/pipeline.md): model parallelism.
+REFUSED = {# The pipeline step over stages (docs/pipeline.md): model parallelism.
            "pipeline": ("FLIPPED_TRAIN_STEP", "OWN_STEP_ACCUMULATION", "OWN_STEP_JIT")}
 # What the pipeline's cut refuses (not a chain of layers: a task gives stages()).
 NOT_A_CHAIN = ("SUBCLASSED", "TWO_OUTPUTS", "LIST_OUTPUTS")
@@ -175,12 +172,6 @@ def _checked(name):
 
 
 @pytest.mark.parametrize("strategy,name,says", [
-    # XLA compiles the replica's forward and backward pass; a train_step applies its update too.
-    ("multiworker", "OWN_STEP_JIT", "jit_compile=True and overrides train_step, which "
-                                    "multiworker cannot compile with XLA: its optimizer.apply "
-                                    "all-reduces"),
-    ("ps", "OWN_STEP_JIT", "jit_compile=True and overrides train_step, which ps cannot compile "
-                           "with XLA: it reads and updates the variables on the ps tasks"),
     ("pipeline", "FLIPPED_TRAIN_STEP", "overrides train_step, which pipeline cannot honour"),
 ])
 def test_what_a_strategy_cannot_honour_is_one_line(strategy, name, says):

@@ -192,12 +192,6 @@ def check(kind, checked, gradient_dtype: str = "float32") -> None:
         raise ConfigError(f"{who}the model is compiled with run_eagerly=True; a distributed "
                           "step is always traced (tf.function), so compile without it "
                           "(debug eagerly with model.fit, then train here)")
-    if getattr(model, "jit_compile", False) is True and kind.own_step_jit_refusal and \
-            overrides(model, "train_step"):
-        raise ConfigError(f"{who}the model is compiled with jit_compile=True and overrides "
-                          f"train_step, which {kind.name} cannot compile with XLA: "
-                          f"{kind.own_step_jit_refusal}; compile with jit_compile=False for "
-                          "this strategy, or train the model without its own train_step")
     if getattr(task, "callbacks", None) is not None and kind.callbacks_refusal:
         raise ConfigError(f"{who}the task gives callbacks(), which {kind.name} cannot run: "
                           f"{kind.callbacks_refusal}; train it under another strategy, or "
@@ -304,8 +298,8 @@ CONTRACT = {
                        "(none, mirrored), its forward and backward pass (multiworker: "
                        "the all-reduce and update outside XLA; ps, ps-sync: on the values "
                        "read from the ps), each stage's forward and backward (pipeline); "
-                       "with a model's own train_step refused under multiworker, ps, "
-                       "ps-sync",
+                       "a model's own train_step compiled whole (none, mirrored) or each "
+                       "call of its model on values (multiworker, ps, ps-sync)",
         "auto_scale_loss": "honoured: Keras's LossScaleOptimizer (under ps-sync the workers' "
                            "gradients are scaled by the scale of their step, ps:0 unscales "
                            "their average)",
