@@ -85,9 +85,6 @@ class StrategyKind:
     # update outside XLA; "values": the same on the variables' values, read from the
     # ps outside XLA, the gradients pushed and applied outside it.
     jit_compiles = "step"
-    # compile(jit_compile=True) with a model's own train_step (one function that
-    # computes and applies its update); "" where XLA compiles it, as fit does.
-    own_step_jit_refusal = ""
     optimizer_refusals: Mapping[str, str] = {}
     # Elements with sample weights (or a task's class_weight); "" where honoured.
     sample_weight_refusal = ""
@@ -233,8 +230,6 @@ class MultiWorker(StrategyKind):
     # Measured on CPU: the step's collective all-reduce inside XLA is UnimplementedError,
     # so only the forward and backward pass are compiled.
     jit_compiles = "gradients"
-    own_step_jit_refusal = ("its optimizer.apply all-reduces the gradients across the "
-                            "workers, which XLA cannot compile here (UnimplementedError)")
     buckets_all_reduce = True
     shard_state_refusal = ""
 
@@ -314,8 +309,6 @@ class ParameterServer(StrategyKind):
     # Measured: "Trying to access resource ... located in device /job:ps" for a
     # compiled step that reads the variables, so XLA gets their values instead.
     jit_compiles = "values"
-    own_step_jit_refusal = ("it reads and updates the variables on the ps tasks, which an "
-                            "XLA-compiled function cannot")
     min_ps = 1
 
     def check(self, cluster):

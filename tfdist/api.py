@@ -140,28 +140,46 @@ def fit(task="mnist-cnn", strategy: str = "auto", *, workers: int = 0, ps: int =
     mirrored) and says which in one line. ``options``: a :class:`TrainOptions`, the
     training options (``steps``, ``epochs``, ``seed``, ``model_dir``: default
     ``runs/<strategy>``, ...), each one of ``train.py``'s flags.
-    ``callbacks``: Keras callbacks, as ``model.fit(callbacks=...)`` (one process; a
-    cluster's tasks take them from the task's own ``callbacks()``).
+    ``callbacks``: Keras callbacks, as ``model.fit(callbacks=...)``, in place of the task's
+    ``callbacks()``; with ``workers=N`` they are pickled and run on the cluster's chief
+    (``--callbacks-file``), so each must be picklable and importable there.
     Raises :class:`TfdistError`.
     """
     from tfdist.launcher.config import Cluster
     from tfdist.options import TrainOptions
 
     options = _typed(options, TrainOptions, "options")
-    if callbacks is not None and workers:
-        raise TfdistError("callbacks=[...] are objects of this process, which a "
-                          "cluster's tasks cannot receive; give the task a callbacks() "
-                          "method instead", Exit.BAD_INPUT)
+    if workers:
+        spec, cluster = _task_spec(task), Cluster(workers=workers, ps=ps, chief=chief)
+        if callbacks is None:
+            return launch(strategy, spec, cluster=cluster, options=options)
+        return _launch_with_callbacks(strategy, spec, cluster, options, list(callbacks))
     if callbacks is not None:
         task, options = _with_callbacks(task, list(callbacks), options)
-    if workers:
-        return launch(strategy, _task_spec(task), cluster=Cluster(workers=workers, ps=ps,
-                                                                  chief=chief),
-                      options=options)
     if ps or chief:
         raise TfdistError(f"ps={ps}, chief={chief} need a cluster: give workers=N too",
                           Exit.BAD_INPUT)
     return _fit_here(task, strategy, options)
+
+
+def _launch_with_callbacks(strategy, spec, cluster, options, callbacks: list) -> Result:
+    """``launch`` with ``callbacks`` pickled for the chief (``--callbacks-file``), in a
+    directory of this process's that is removed when the job ends."""
+    import shutil
+    import tempfile
+
+    from tfdist.training.loop.callbacks import ship
+
+    directory = tempfile.mkdtemp(prefix="tfdist-callbacks-")
+    try:
+        try:
+            path = ship(callbacks, directory)
+        except ConfigError as err:
+            raise TfdistError(str(err), Exit.BAD_INPUT) from None
+        return launch(strategy, spec, cluster=cluster,
+                      options=dataclasses.replace(options, callbacks_file=path))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class _TaskWithCallbacks:

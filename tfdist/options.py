@@ -115,8 +115,13 @@ class TrainOptions:
         "one push to the ps) applies their mean, as Keras's gradient_accumulation_steps: a step "
         "is N batches", metavar="N", group="training",
         unset="the task optimizer's own, else 1")
-    steps_per_execution: int = option(1, "steps per tf.function call (fewer host round trips)",
-                                      metavar="N", group="training")
+    steps_per_execution: int | None = option(
+        None, "steps per tf.function call (fewer host round trips)", metavar="N",
+        group="training", unset="the model's compile(steps_per_execution=N), else 1")
+    callbacks_file: str | None = option(
+        None, "Keras callbacks pickled by tfdist.fit(callbacks=[...], workers=N): the chief runs "
+        "them in place of the task's callbacks()", metavar="FILE", group="training",
+        unset="the task's callbacks()")
     data_dir: str | None = option(None, "tfds data dir for the built-in MNIST tasks",
                                   metavar="DIR", group="training", unset="TFDS_DATA_DIR, else tfds's own")
     synthetic_data: bool = option(
@@ -252,11 +257,11 @@ class TrainOptions:
                 "which has float32's range"
             )
         positive = {
-            "epochs": self.epochs, "steps_per_execution": self.steps_per_execution,
-            "log_every": self.log_every, "startup_timeout": self.startup_timeout,
+            "epochs": self.epochs, "log_every": self.log_every, "startup_timeout": self.startup_timeout,
             "micro_batches": self.micro_batches, "pipelines": self.pipelines,
         }
-        for name in ("steps", "checkpoint_every", "learning_rate", "global_batch_size"):
+        for name in ("steps", "checkpoint_every", "learning_rate", "global_batch_size",
+                     "steps_per_execution"):
             if getattr(self, name) is not None:
                 positive[name] = getattr(self, name)
         if self.eval_every < 0:

@@ -313,6 +313,16 @@ class OwnStepJit(FlippedTrainStep):
         return model
 
 
+class StepsPerExecution(Blobs):
+    """compile(steps_per_execution=10): ten steps per call, as --steps-per-execution 10."""
+
+    def build_model(self):
+        model = super().build_model()
+        model.compile(optimizer=self.optimizer(), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"], steps_per_execution=10)
+        return model
+
+
 class NumpyData(Blobs):
     """``dataset(split)`` returns NumPy arrays, ``(x, y)``."""
 
@@ -350,6 +360,7 @@ GLOBAL_CLIP_NORM = GlobalClipNorm()
 EMA = Ema()
 LOSS_SCALED = LossScaled()
 NUMPY_DATA = NumpyData()
+STEPS_PER_EXECUTION = StepsPerExecution()
 JIT = Jit()
 OWN_STEP_JIT = OwnStepJit()
 VALIDATED = Validated()

@@ -272,6 +272,17 @@ class Gan:
         return tf.data.Dataset.from_tensor_slices(images(split))  # images only
 
 
+class GanJit(Gan):
+    """The GAN with jit_compile=True (the guide's compile() does not pass it on): fit
+    compiles its train_step whole with XLA; multiworker, ps and ps-sync each call of
+    its generator and discriminator (tfdist/training/workload/xla_calls.py)."""
+
+    def build_model(self):
+        gan = super().build_model()
+        gan.jit_compile = True
+        return gan
+
+
 # --- knowledge distillation ------------------------------------------------------------
 
 
@@ -383,6 +394,7 @@ LOWER_LEVEL = LowerLevel()
 SAMPLE_WEIGHTS = SampleWeights()
 OWN_TEST_STEP = OwnTestStep()
 GAN = Gan()
+GAN_JIT = GanJit()
 DISTILLATION = Distillation()
 FEATURES_ONLY = FeaturesOnly()
 

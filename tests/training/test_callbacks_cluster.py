@@ -146,6 +146,7 @@ class _CopyTrainer:
         self.state = types.SimpleNamespace(model=self.trained, optimizer=self.trained.optimizer)
         self.task = types.SimpleNamespace(task=task)
         self.bundle = types.SimpleNamespace(strategy=None)
+        self.config = types.SimpleNamespace(callbacks_file=None)  # the task's own callbacks()
         self._keras = keras
 
     def local_model(self):

@@ -45,6 +45,8 @@ METRICS = {
     # Its own train_step compiled with XLA, as fit compiles it: the flipped labels, 0.34.
     "OWN_STEP_JIT": ("accuracy",),
     "NUMPY_DATA": ("accuracy",),
+    # compile(steps_per_execution=10): the run packs 10 steps a call, as the flag does.
+    "STEPS_PER_EXECUTION": ("accuracy",),
     "GRADIENT_ACCUMULATION": ("accuracy",),
     # A model's own train_step with gradient_accumulation_steps=4: the library's
     # accumulation takes its applies (flipped labels: 0.34 honoured).
@@ -53,7 +55,8 @@ METRICS = {
     "VALIDATED": ("accuracy", "val_accuracy", "val_loss"),
 }
 # In the default tier (seconds each); the rest in the long tier.
-FAST = ("TWO_OUTPUTS", "FLIPPED_TRAIN_STEP")  # SUBCLASSED: under multiworker
+FAST = ("TWO_OUTPUTS", "FLIPPED_TRAIN_STEP",  # SUBCLASSED: under multiworker
+        "STEPS_PER_EXECUTION")
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,6 +126,9 @@ def test_one_process_strategies_train_as_fit(tmp_path, capsys, strategy, name):
         assert len(re.findall(r"^validation step \d+ epoch \d+ val_accuracy ", out, re.M)) == 2
         assert [p["epoch"] for p in results["val_curve"]] == [1, 2]
         assert {"val/accuracy", "val/loss"} <= tensorboard_tags(str(tmp_path / "logs"))["scalars"]
+    if name == "STEPS_PER_EXECUTION":
+        # The model's 10 steps a call, as --steps-per-execution 10 would pack them.
+        assert results["steps_per_execution"] == 10, results["steps_per_execution"]
     if name == "FLIPPED_TRAIN_STEP":
         # The model's own step ran: its tracked loss is in the progress lines.
         out = capsys.readouterr().out
@@ -131,10 +137,7 @@ def test_one_process_strategies_train_as_fit(tmp_path, capsys, strategy, name):
 
 
 # What each cluster strategy refuses (the refusal tests below check the line).
-REFUSED = {"multiworker": ("OWN_STEP_JIT",),
-           "ps": ("OWN_STEP_JIT",),
-           "ps-sync": ("OWN_STEP_JIT",),
-           # The pipeline step over stages (docs/pipeline.md): model parallelism.
+REFUSED = {# The pipeline step over stages (docs/pipeline.md): model parallelism.
            "pipeline": ("FLIPPED_TRAIN_STEP", "OWN_STEP_ACCUMULATION", "OWN_STEP_JIT")}
 # What the pipeline's cut refuses (not a chain of layers: a task gives stages()).
 NOT_A_CHAIN = ("SUBCLASSED", "TWO_OUTPUTS", "LIST_OUTPUTS")
@@ -169,12 +172,6 @@ def _checked(name):
 
 
 @pytest.mark.parametrize("strategy,name,says", [
-    # XLA compiles the replica's forward and backward pass; a train_step applies its update too.
-    ("multiworker", "OWN_STEP_JIT", "jit_compile=True and overrides train_step, which "
-                                    "multiworker cannot compile with XLA: its optimizer.apply "
-                                    "all-reduces"),
-    ("ps", "OWN_STEP_JIT", "jit_compile=True and overrides train_step, which ps cannot compile "
-                           "with XLA: it reads and updates the variables on the ps tasks"),
     ("pipeline", "FLIPPED_TRAIN_STEP", "overrides train_step, which pipeline cannot honour"),
 ])
 def test_what_a_strategy_cannot_honour_is_one_line(strategy, name, says):
@@ -208,6 +205,8 @@ def test_the_pipelines_cut_refuses_a_model_that_is_not_a_chain_in_one_line(name)
 
 @pytest.mark.parametrize("argv,says", [
     (["--task", SPEC + "STRING_FEATURES"], "feature 'x' is string, the model's input is float32"),
+    (["--task", SPEC + "STEPS_PER_EXECUTION", "--steps-per-execution", "5"],
+     "--steps-per-execution 5 disagrees with task"),
 ])
 def test_the_command_refuses_in_one_line_with_exit_2(tmp_path, capsys, argv, says):
     assert says in refused_line(argv, tmp_path, capsys)
@@ -288,12 +287,58 @@ def test_the_python_api_takes_callbacks_as_fit_does(tmp_path):
     assert r.global_step == 62
 
 
-def test_callbacks_cannot_cross_to_a_cluster():
+def _local_callback():
+    # Defined in a function: the cluster's chief, another process, cannot import it.
+    class Here(keras.callbacks.Callback):
+        pass
+
+    return Here()
+
+
+@pytest.mark.parametrize("callback,says", [
+    (_local_callback(), "callbacks[1] (Here) cannot be sent to the cluster's chief"),
+    (keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr),
+     "callbacks[1] (LearningRateScheduler) cannot be sent to the cluster's chief"),
+])
+def test_a_callback_the_chief_cannot_import_is_refused_in_one_line(tmp_path, callback, says):
     import tfdist
 
-    with pytest.raises(tfdist.TfdistError, match="give the task a callbacks") as refused:
-        tfdist.fit(SPEC + "BLOBS", workers=2, callbacks=[keras.callbacks.Callback()])
-    assert refused.value.exit_code == 2 and "\n" not in refused.value.message
+    with pytest.raises(tfdist.TfdistError) as refused:
+        tfdist.fit(SPEC + "BLOBS", workers=2, callbacks=[keras.callbacks.Callback(), callback],
+                   options=tfdist.TrainOptions(model_dir=str(tmp_path / "run")))
+    line = refused.value.message
+    assert refused.value.exit_code == 2 and "\n" not in line and says in line, line
+    assert "not a lambda, not in __main__" in line, line
+    assert not (tmp_path / "run").exists()  # refused before anything started
+
+
+@pytest.mark.multiprocess
+@pytest.mark.long
+@pytest.mark.parametrize("strategy,ps", [("multiworker", 0), ("ps", 1)])
+def test_callbacks_given_to_fit_run_on_a_clusters_chief(tmp_path, monkeypatch, strategy, ps):
+    """tfdist.fit(callbacks=[...], workers=2): pickled, run on the chief in place of the
+    task's own (VALIDATED has none), EarlyStopping ends the run as under fit."""
+    import tempfile
+
+    import tfdist
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+
+    recorder = fit_tasks.LoggingRecorder(str(tmp_path))
+    r = tfdist.fit(SPEC + "VALIDATED", strategy, workers=2, ps=ps, callbacks=[
+        keras.callbacks.EarlyStopping(monitor="val_loss", patience=0, min_delta=1.0),
+        keras.callbacks.CSVLogger(str(tmp_path / "log.csv")), recorder],
+        options=tfdist.TrainOptions(model_dir=str(tmp_path / "run"), epochs=5,
+                                    global_batch_size=BATCH, log_every=60))
+    assert r.record["stopped_by"] == "EarlyStopping" and r.global_step == 124, r.record
+    rows = (tmp_path / "log.csv").read_text().splitlines()
+    assert len(rows) == 3 and "val_loss" in rows[0], rows
+    calls = json.loads((tmp_path / "calls.json").read_text())
+    assert calls[0][0] == "train_begin" and calls[-1][0] == "train_end", calls
+    assert [c[1] for c in calls if c[0] == "epoch_end"] == [0, 1]
+    assert recorder.calls == []  # the chief's copy ran, not this process's
+    assert not list((tmp_path / "tmp").iterdir())  # the pickle's directory is gone
 
 
 @pytest.mark.multiprocess

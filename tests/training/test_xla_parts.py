@@ -40,6 +40,20 @@ from tfdist.training.loop import step as steplib
 from tfdist.training.ps import read_ahead
 
 MODE, BATCH, STEPS = sys.argv[1], 32, 3
+# "own-gradients", "own-values": the same part for a model with its own train_step.
+OWN, MODE = MODE.startswith("own-"), MODE.removeprefix("own-")
+
+class Own(keras.Sequential):
+    """The guide's first train_step (its apply routed, its calls compiled on values)."""
+
+    def train_step(self, data):
+        x, y = data[:2]  # train_on_batch hands (x, y, None)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables),
+                             self.trainable_variables)
+        return {"loss": loss}
 rng = np.random.default_rng(0)
 X = rng.normal(size=(BATCH * STEPS, 12)).astype("float32")
 Y = rng.integers(0, 5, size=BATCH * STEPS)
@@ -62,7 +76,7 @@ def build(jit):
     layers = [keras.Input((12,)), keras.layers.Dense(16, activation="relu")]
     if MODE == "values":
         layers.append(keras.layers.BatchNormalization())
-    model = keras.Sequential(layers + [keras.layers.Dense(5)])
+    model = (Own if OWN else keras.Sequential)(layers + [keras.layers.Dense(5)])
     model.compile(optimizer=keras.optimizers.Adam(1e-2), metrics=["accuracy"],
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=jit)
@@ -76,8 +90,8 @@ def trained(part):
         model = build(part is not None)
         state = types.SimpleNamespace(model=model, optimizer=model.optimizer,
                                       global_step=tf.Variable(0, dtype=tf.int64))
-    metrics = steplib.TrainMetrics(model)
-    if MODE == "gradients":
+    metrics = steplib.TrainMetrics(model, ("loss",) if OWN else None)
+    if MODE == "gradients" or OWN:
         step_fn = steplib.make_step_fn(state, metrics, jit=part)
     elif part == "values":
         step_fn = read_ahead.make_read_once_step_fn(state, metrics, accumulation=1, jit=True)
@@ -105,7 +119,7 @@ out["diff_keras"] = max(float(np.abs(a - b).max()) for a, b in zip(part.get_weig
 out["diff_plain"] = max(float(np.abs(a - b).max()) for a, b in zip(part.get_weights(), plain.get_weights()))
 out["moved"] = min(float(np.abs(a - b).max()) for a, b in zip(ref.get_weights(), initial))
 out["iterations"] = int(part.optimizer.iterations.numpy())
-if MODE == "values":
+if MODE == "values" and not OWN:
     try:  # the whole step compiled: XLA reading the variables on the ps
         trained("step")
         out["whole_step"] = "ran"
@@ -160,6 +174,19 @@ def test_the_ps_part_compiles_the_gradients_on_values_read_outside_xla():
     _keras_update(got)
     # What the refusal measured: XLA cannot compile reads of variables on the ps.
     assert got["whole_step"] != "ran" and "/job:ps" in got["whole_step"], got["whole_step"]
+
+
+@pytest.mark.parametrize("part", [pytest.param("gradients", marks=pytest.mark.long), "values"])
+def test_a_models_own_train_step_has_each_call_of_its_model_compiled_on_values(part):
+    """Under multiworker, ps and ps-sync (``workload.xla_calls``): the train_step stays
+    outside XLA, each call of its model is one XLA function of the weights' values (its
+    backward too), its routed apply all-reduces (two replicas) or updates the ps outside."""
+    got = _run("own-" + part)
+    ops = _compiled_forward_and_backward(got["xla"])
+    assert not [o for o in ops if o in READS], got["xla"]  # every value handed in
+    _keras_update(got)
+    if part == "values":
+        assert got["devices"] == ["/job:ps/replica:0/task:0/device:CPU:0"], got["devices"]
 
 
 def test_a_model_left_at_auto_is_not_compiled_with_xla_as_fit_leaves_it_under_a_strategy(

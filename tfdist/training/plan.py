@@ -90,6 +90,8 @@ class RunPlan:
     read_ahead: bool = False
     # --shard-state: the training state split over the workers (training.sync.zero); "off": not.
     shard_state: str = "off"
+    # Steps per tf.function call: --steps-per-execution, else the model's compile(...), else 1.
+    steps_per_execution: int = 1
 
     @property
     def examples_per_gradient(self) -> int:
@@ -111,7 +113,7 @@ class RunPlan:
         c = self.config
         return Schedule(
             total_steps=self.total_steps, steps_per_epoch=self.steps_per_epoch,
-            steps_per_execution=c.steps_per_execution, checkpoint_every=c.checkpoint_every,
+            steps_per_execution=self.steps_per_execution, checkpoint_every=c.checkpoint_every,
             eval_every=c.eval_every, log_every=c.log_every, start_step=start_step,
             export_every=(c.export_every or 0) if c.export else 0,
         )
@@ -214,15 +216,15 @@ def request(config: TrainConfig, task_object=None) -> RunRequest:
 
 def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
             train_examples: int | None = None, test_examples: int | None = None,
-            task_accumulation: int | None = None, own_train_step: bool = False) -> RunPlan:
+            task_accumulation: int | None = None, own_train_step: bool = False,
+            task_steps_per_execution: int | None = None) -> RunPlan:
     """The one place a run is planned; ConfigError for anything that cannot run.
 
     ``train_examples`` None with no ``--steps``: the task's size is not known
     yet (a user's task before it is inspected), and the plan says so by
     raising; callers that only check flags pass ``--steps``-free built-ins.
-    A bare ``TrainConfig`` is read first (``request``).
-    ``task_accumulation``: the task's optimizer's ``gradient_accumulation_steps``;
-    ``own_train_step``: the model has its own step.
+    A bare ``TrainConfig`` is read first (``request``). The ``task_*`` and
+    ``own_train_step`` keywords: what the inspected task says (``contract.plan_facts``).
     """
     if isinstance(run, TrainConfig):
         run = request(run)
@@ -265,14 +267,12 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
         raise ConfigError(f"--gradient-accumulation-steps {accumulation} cannot be honoured "
                           f"under {kind.name}: {why}; drop it for this strategy")
     steps_per_epoch = max(1, train_examples // (batch * accumulation)) if train_examples else 1
-    if config.steps is not None:
-        total = config.steps
-    elif train_examples is None:
+    total = config.steps
+    if total is None and train_examples is None:
         raise ConfigError(
             f"task {spec.name!r}: its training split's size is not known, so epochs cannot be "
             "counted; pass --steps N")
-    else:
-        total = config.epochs * steps_per_epoch
+    total = config.epochs * steps_per_epoch if total is None else total
     if total > MAX_STEPS:
         flag, value = ("--steps", config.steps) if config.steps is not None else (
             "--epochs", config.epochs)
@@ -291,7 +291,8 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
         steps_per_epoch=steps_per_epoch, optimizer=_optimizer(config, spec),
         sharding=_sharding(config, kind, cluster), accumulation_steps=accumulation,
         read_ahead=_read_ahead(config, kind, own_train_step),
-        shard_state=_shard_state(config, kind, replicas, own_train_step))
+        shard_state=_shard_state(config, kind, replicas, own_train_step),
+        steps_per_execution=_steps_per_execution(config, spec, task_steps_per_execution))
 
 
 # What the sharded update (training.sync.zero) builds; "weights" (ZeRO stage 3) is named
@@ -356,6 +357,18 @@ def _accumulation(config: TrainConfig, spec: TaskSpec, task_value: int | None) -
     if task_value and not (tasks.flags_set_optimizer(spec) or config.optimizer_overridden):
         return int(task_value)
     return 1
+
+
+def _steps_per_execution(config: TrainConfig, spec: TaskSpec, task_value: int | None) -> int:
+    """The flag, else the model's compile(steps_per_execution=N), else 1; the two
+    disagreeing is one line (neither would be what the other asked for)."""
+    flag = config.steps_per_execution
+    if flag is not None and task_value is not None and flag != task_value:
+        raise ConfigError(
+            f"--steps-per-execution {flag} disagrees with task {spec.name!r}'s model, compiled "
+            f"with steps_per_execution={task_value}; drop the flag or pass "
+            f"--steps-per-execution {task_value}")
+    return flag or task_value or 1
 
 
 def _no_pipeline_flags(config: TrainConfig, kind: StrategyKind) -> None:

@@ -47,21 +47,20 @@ def preflight(run_request: RunRequest, gpus: list[str] | None = None) -> RunPlan
     """
     cluster, kind, spec = run_request.config.cluster, run_request.kind, run_request.task
     train_n, test_n = tasks.static_sizes(spec)
-    accumulation, own_step = None, False
+    facts = {}
     if train_n is None and kind.reads_data(cluster):
         checked = tasks.inspect(spec, tasks.load(spec, run_request.config.data_dir),
                                 steps_given=run_request.config.steps is not None)
         contract.check(kind, checked, run_request.config.gradient_dtype)
         train_n, test_n = checked.info.train_examples, checked.info.test_examples
-        accumulation, own_step = contract.accumulation_of(checked)
+        facts = contract.plan_facts(checked)
     elif train_n is None:
         # A task that does not read data (a ps, a worker under ps) needs
         # no sizes; its steps are the chief's.
         run_request = run_request.with_config(_with_steps(run_request.config))
     if gpus is None:
         gpus = _physical_gpus()
-    plan = resolve(run_request, gpus, train_examples=train_n, test_examples=test_n,
-                   task_accumulation=accumulation, own_train_step=own_step)
+    plan = resolve(run_request, gpus, train_examples=train_n, test_examples=test_n, **facts)
     check_task_dirs(plan)
     if plan.pipeline is not None and kind.reads_data(cluster):
         # More stages than layers, bad --stages, a model that is not a chain:
@@ -164,10 +163,8 @@ def follow_checkpoints(run_request: RunRequest, task=None) -> None:
     config, spec = run_request.config, run_request.task
     checked = tasks.inspect(spec, task if task is not None else tasks.load(spec, config.data_dir),
                             steps_given=config.steps is not None)
-    accumulation, own_step = contract.accumulation_of(checked)
     plan = resolve(run_request, [], train_examples=checked.info.train_examples,
-                   test_examples=checked.info.test_examples, task_accumulation=accumulation,
-                   own_train_step=own_step)
+                   test_examples=checked.info.test_examples, **contract.plan_facts(checked))
     sidecar.follow(plan, checked, config.startup_timeout)
 
 
@@ -201,10 +198,8 @@ def build_and_plan(run_request: RunRequest, task, gpus: list[str]):
                             steps_given=config.steps is not None)
     contract.check(kind, checked, config.gradient_dtype)
     info = checked.info
-    accumulation, own_step = contract.accumulation_of(checked)
     plan = resolve(run_request, gpus, train_examples=info.train_examples,
-                   test_examples=info.test_examples, task_accumulation=accumulation,
-                   own_train_step=own_step)
+                   test_examples=info.test_examples, **contract.plan_facts(checked))
     check_task_dirs(plan)
     for note in (plan.strategy_note(), plan.batch_note()):
         if note:

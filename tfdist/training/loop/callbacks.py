@@ -34,6 +34,12 @@ under ``ps``; a rate set on its optimizer reaches every stage's optimizer.
 
 from __future__ import annotations
 
+import functools
+import importlib.machinery
+import os
+import pickle
+import sys
+
 import numpy as np
 
 from tfdist.protocol import ConfigError
@@ -52,6 +58,8 @@ class Callbacks:
         self._given_rate: float | None = None
         self._given_weights: list | None = None  # what a refreshed copy was given
         given = getattr(trainer.task.task, "callbacks", None)
+        if trainer.config.callbacks_file:  # tfdist.fit(callbacks=[...], workers=N)'s, shipped
+            given = functools.partial(receive, trainer.config.callbacks_file)
         # The trained optimizer: the one whose learning rate the steps read.
         self._optimizer = trainer.trained_optimizer()
         # Every training task agrees with the chief (several tasks train in step).
@@ -226,3 +234,60 @@ def _rate(optimizer) -> float | None:
         return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
     except Exception:  # pylint: disable=broad-except
         return None
+
+
+# --- callbacks shipped to a cluster's chief (tfdist.fit(callbacks=[...], workers=N)) -----
+
+SHIPPED_NAME = "callbacks.pkl"
+
+
+class _Shipping(pickle.Pickler):
+    """A pickler that refuses a class or function another process could not import
+    (``__main__``'s, a function's local, a module off its path), which plain pickle
+    would write and the chief then fail to read."""
+
+    def persistent_id(self, obj):
+        if isinstance(obj, type) or callable(obj) and hasattr(obj, "__qualname__"):
+            module = getattr(obj, "__module__", None) or ""
+            name = f"{module}.{getattr(obj, '__qualname__', '?')}"
+            top = module.partition(".")[0]
+            if module == "__main__" or "<locals>" in name:
+                raise pickle.PicklingError(f"{name} exists only in this process")
+            if top and top not in sys.builtin_module_names and \
+                    importlib.machinery.PathFinder.find_spec(top) is None:
+                raise pickle.PicklingError(f"{name}: module {top!r} is not importable from "
+                                           f"{os.getcwd()}")
+        return None
+
+
+def ship(callbacks: list, directory: str) -> str:
+    """``callbacks`` pickled into ``directory`` (the path), for ``--callbacks-file``;
+    ConfigError naming the first one that cannot reach another process."""
+    import io
+
+    for i, callback in enumerate(callbacks):
+        try:
+            _Shipping(io.BytesIO()).dump(callback)
+        except Exception as err:  # pickle raises PicklingError, TypeError, AttributeError
+            raise ConfigError(
+                f"callbacks[{i}] ({type(callback).__name__}) cannot be sent to the cluster's "
+                f"chief, another process: {str(err).splitlines()[0]}; define its class and "
+                "what it holds at the top level of an importable module (not a lambda, not in "
+                "__main__), or give the task a callbacks() method") from None
+    path = os.path.join(directory, SHIPPED_NAME)
+    with open(path, "wb") as f:
+        pickle.dump(list(callbacks), f)
+    return path
+
+
+def receive(path: str) -> list:
+    """The callbacks ``ship`` wrote (on the chief); one line if they cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            callbacks = pickle.load(f)
+    except Exception as err:  # a missing file, a class that no longer imports
+        raise ConfigError(f"--callbacks-file {path}: cannot read the callbacks "
+                          f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+                          "pass a file tfdist.fit(callbacks=[...]) wrote, from the same "
+                          "directory and code") from None
+    return list(callbacks)

@@ -86,7 +86,7 @@ def run_hparams(plan) -> dict:
     flags = {k: v for k, v in plan.defining_flags().items() if v is not None}
     return {
         **flags,
-        "steps_per_execution": plan.config.steps_per_execution,
+        "steps_per_execution": plan.steps_per_execution,
         "num_workers": plan.cluster.num_workers, "num_ps": plan.cluster.num_ps,
         "gradients_per_update": plan.gradients_per_update,
     }
@@ -300,7 +300,7 @@ def results_record(plan, trainer, reporter, model, values: dict, specific: dict,
         num_ps=cluster.num_ps,
         replicas_in_sync=plan.replicas,
         global_batch_size=plan.global_batch_size,
-        steps_per_execution=config.steps_per_execution,
+        steps_per_execution=plan.steps_per_execution,
         seed=config.seed,
         completed_steps=trainer.completed,
         steps_this_run=ran,

@@ -195,12 +195,15 @@ def make_step_fn(state: TrainState, metrics: TrainMetrics, gradient_dtype: str =
     ``jit`` (``xla_part``: the strategy's ``jit_compiles`` for a model compiled
     with ``jit_compile=True``, else None): "step" compiles the whole replica step
     with XLA, as fit does; "gradients" only the forward, loss and backward pass
-    (``xla_gradients``), the all-reduce and the update run outside XLA.
+    (``xla_gradients``), the all-reduce and the update run outside XLA. A model's
+    own ``train_step`` is compiled whole ("step") or, for the other parts, each call
+    of its model (``workload.xla_calls``), its applies outside XLA.
     """
     model, optimizer = state.model, state.optimizer
     if metrics.own_step:
-        own = _own_step_fn(model, metrics, lambda: DirectApply(gradient_dtype, accumulation))
-        if jit != "step":  # contract.check refuses the other parts for a train_step
+        own = _own_step_fn(model, metrics, lambda: DirectApply(gradient_dtype, accumulation),
+                           xla=jit not in (None, "step"))
+        if jit != "step":
             return own
         # As fit compiles a model's train_step under jit_compile=True.
         compiled = tf.function(own, jit_compile=True, reduce_retracing=True)
@@ -359,15 +362,17 @@ class DirectApply:
             original_apply(optimizer, grads, variables)
 
 
-def own_train_steps(model, handler, batches):
+def own_train_steps(model, handler, batches, xla: bool = False):
     """The model's own ``train_step`` on each of ``batches`` (as the dataset yields
     them), its applies routed to ``handler`` (``DirectApply``, or ps-sync's worker);
-    returns the last call's logs, flattened as Keras flattens them."""
+    returns the last call's logs, flattened as Keras flattens them. ``xla``: each
+    call of its model compiled with XLA, on values (``workload.xla_calls``)."""
     from tfdist.training.workload.apply_route import ApplyRoute, optimizer_attrs
+    from tfdist.training.workload.xla_calls import compiled_calls
 
     route = ApplyRoute(model, optimizer_attrs(model))
     logs = None
-    with route.routed(handler):
+    with route.routed(handler), (compiled_calls(model) if xla else contextlib.nullcontext()):
         for i, batch in enumerate(batches):
             handler.batch = i
             route.new_call()
@@ -379,7 +384,7 @@ def own_train_steps(model, handler, batches):
     return logs
 
 
-def _own_step_fn(model: keras.Model, metrics: TrainMetrics, make_handler):
+def _own_step_fn(model: keras.Model, metrics: TrainMetrics, make_handler, xla: bool = False):
     """The model's own ``train_step``, called in replica context as ``fit`` calls it
     under MirroredStrategy (``strategy.run(train_step, (data,))``), on each of the
     step's batches, its applies routed to a handler of each replica's own
@@ -394,7 +399,7 @@ def _own_step_fn(model: keras.Model, metrics: TrainMetrics, make_handler):
     """
 
     def step_fn(*batches):  # each batch as the dataset yields it
-        logs = own_train_steps(model, make_handler(), batches)
+        logs = own_train_steps(model, make_handler(), batches, xla)
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         loss = tf.constant(0.0)
         if metrics.has_loss:

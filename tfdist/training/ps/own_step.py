@@ -117,9 +117,10 @@ class QueuedApply:
 
 
 def make_own_work_fn(strategy, model, train_metrics, q, slots, workers: int,
-                     accumulation: int, *, take_token, stop: int):
+                     accumulation: int, *, take_token, stop: int, xla: bool = False):
     """The worker closure for a model's own train_step: take the newest token that
-    starts an update, run the step on it (``QueuedApply``), queue its gradients."""
+    starts an update, run the step on it (``QueuedApply``), queue its gradients.
+    ``xla``: each call of the model compiled with XLA on values (jit_compile=True)."""
     n_slots = len(slots)
 
     def replica_step(token, worker, *batches):
@@ -128,7 +129,7 @@ def make_own_work_fn(strategy, model, train_metrics, q, slots, workers: int,
         handler.begin(token, worker)
         # The step's weight reads come after the token (so after its update).
         with tf.control_dependencies([token]):
-            logs = own_train_steps(model, handler, batches)
+            logs = own_train_steps(model, handler, batches, xla)
         if handler.last is None:
             raise ConfigError("the model's own train_step made no apply; ps-sync has no "
                               "gradient to queue")

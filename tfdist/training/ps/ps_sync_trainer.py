@@ -462,7 +462,8 @@ class PsSyncTrainer(CoordinatedTrainer):
         if train_metrics.own_step:
             self._work = own_step.make_own_work_fn(
                 strategy, state.model, train_metrics, self._q, slots, len(self.workers),
-                plan.accumulation_steps, take_token=take_token, stop=STOP)
+                plan.accumulation_steps, take_token=take_token, stop=STOP,
+                xla=xla_part(state.model, bundle.kind) == "values")
         else:
             self._work = make_work_fn(strategy, state.model, state.optimizer, train_metrics,
                                       self._q, state.global_step, len(self.workers),

@@ -190,7 +190,8 @@ class PsTrainer(CoordinatedTrainer):
             step_fn = (read_ahead.make_read_once_step_fn(
                 state, train_metrics, self.config.gradient_dtype, plan.accumulation_steps, jit)
                 if once else make_step_fn(state, train_metrics, self.config.gradient_dtype,
-                                          plan.accumulation_steps))
+                                          plan.accumulation_steps,
+                                          xla_part(state.model, bundle.kind)))
             self._train_fn = make_train_fn(
                 strategy, step_fn, state,
                 len(train_metrics.names),

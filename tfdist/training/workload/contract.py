@@ -192,17 +192,6 @@ def check(kind, checked, gradient_dtype: str = "float32") -> None:
         raise ConfigError(f"{who}the model is compiled with run_eagerly=True; a distributed "
                           "step is always traced (tf.function), so compile without it "
                           "(debug eagerly with model.fit, then train here)")
-    if getattr(model, "jit_compile", False) is True and kind.own_step_jit_refusal and \
-            overrides(model, "train_step"):
-        raise ConfigError(f"{who}the model is compiled with jit_compile=True and overrides "
-                          f"train_step, which {kind.name} cannot compile with XLA: "
-                          f"{kind.own_step_jit_refusal}; compile with jit_compile=False for "
-                          "this strategy, or train the model without its own train_step")
-    spe = getattr(model, "steps_per_execution", 1)
-    if spe not in (1, None):
-        raise ConfigError(f"{who}the model is compiled with steps_per_execution={spe}; the "
-                          "library packs steps into one call itself: compile without it and "
-                          f"pass --steps-per-execution {spe}")
     if getattr(task, "callbacks", None) is not None and kind.callbacks_refusal:
         raise ConfigError(f"{who}the task gives callbacks(), which {kind.name} cannot run: "
                           f"{kind.callbacks_refusal}; train it under another strategy, or "
@@ -252,6 +241,20 @@ def accumulation_of(checked) -> tuple[int | None, bool]:
     return next(iter(found.values()), None), overrides(model, "train_step")
 
 
+def steps_per_execution_of(checked) -> int | None:
+    """The model's ``compile(steps_per_execution=N)`` (None when it is 1 or unset): the
+    plan packs N steps into one call, as ``--steps-per-execution N`` does."""
+    n = getattr(checked.local_model, "steps_per_execution", None)
+    return int(n) if n and int(n) != 1 else None
+
+
+def plan_facts(checked) -> dict:
+    """What the plan takes of the inspected task (``plan.resolve``'s keywords)."""
+    accumulation, own_step = accumulation_of(checked)
+    return {"task_accumulation": accumulation, "own_train_step": own_step,
+            "task_steps_per_execution": steps_per_execution_of(checked)}
+
+
 def with_inner(optimizer) -> list:
     """The optimizer and, for a LossScaleOptimizer, the one it wraps (whose update
     and settings Keras uses): those of the two that exist."""
@@ -289,13 +292,14 @@ CONTRACT = {
         "metrics": "honoured: Keras's CompileMetrics, named as fit names them",
         "weighted_metrics": "honoured: with the elements' or class_weight's sample weights",
         "run_eagerly": "refused: a distributed step is always traced",
-        "steps_per_execution": "mapped: --steps-per-execution; refused in compile",
+        "steps_per_execution": "mapped: --steps-per-execution, which it sets unless the "
+                               "flag gives another value (one line)",
         "jit_compile": "honoured: the replica's step compiled with XLA inside strategy.run "
                        "(none, mirrored), its forward and backward pass (multiworker: "
                        "the all-reduce and update outside XLA; ps, ps-sync: on the values "
                        "read from the ps), each stage's forward and backward (pipeline); "
-                       "with a model's own train_step refused under multiworker, ps, "
-                       "ps-sync",
+                       "a model's own train_step compiled whole (none, mirrored) or each "
+                       "call of its model on values (multiworker, ps, ps-sync)",
         "auto_scale_loss": "honoured: Keras's LossScaleOptimizer (under ps-sync the workers' "
                            "gradients are scaled by the scale of their step, ps:0 unscales "
                            "their average)",
