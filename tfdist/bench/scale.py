@@ -155,6 +155,39 @@ def crossovers(profile: pr.Profile) -> list[dict]:
     return out
 
 
+SIZES = (1, 100)  # the profile's parameters, and 100 times them (a what-if: the same compute)
+WINNER_WORKERS = (2, 16, 128, 1024)
+
+
+def winners(profile: pr.Profile) -> list[dict]:
+    """Which strategy the model predicts fastest per link rate, model size and worker count."""
+    out = []
+    for rate in (100e6, 1e9, 10e9):
+        for size in SIZES:
+            prof = replace(profile, params=profile.params * size)
+            for n in WINNER_WORKERS:
+                ranked = sorted(pr.predict_all(prof, big_target(n, rate)),
+                                key=lambda p: -p.examples_per_sec)
+                out.append({"link": RATES[rate], "params": prof.params, "workers": n,
+                            "winner": ranked[0].strategy, "bound": ranked[0].bound,
+                            "examples_per_sec": ranked[0].examples_per_sec,
+                            "ahead_of_next": ranked[0].examples_per_sec / ranked[1].examples_per_sec})
+    return out
+
+
+def render_winners(found: list[dict]) -> list[str]:
+    """The winners as a table (pure): one row per link rate and size, one column per N."""
+    lines = ["| links | parameters | " + " | ".join(f"{n} workers" for n in WINNER_WORKERS) + " |",
+             "|---|---|" + "---|" * len(WINNER_WORKERS)]
+    rows: dict[tuple, list[str]] = {}
+    for w in found:
+        rows.setdefault((w["link"], w["params"]), []).append(
+            f"{w['winner']} {w['examples_per_sec']:,.0f} ({w['ahead_of_next']:.1f}×; {w['bound']})")
+    for (link, params), cells in rows.items():
+        lines.append(f"| {link} | {params / 1e6:.1f} M | " + " | ".join(cells) + " |")
+    return lines
+
+
 def big_target(workers: int, rate: float) -> pr.Target:
     """A real cluster of ``workers``: one core per host, a ps per 8 workers on its own machine."""
     return pr.Target(workers, ps=max(1, workers // WORKERS_PER_PS), link_bits_per_sec=rate,
@@ -237,11 +270,12 @@ def run(directory: str, out=print) -> int:
     first = next(iter(profiles.values()))
     record = {"rows": table, "summary": numbers, "costs": costs,
               "profiles": {t: vars(p) for t, p in profiles.items()},
-              "crossovers": crossovers(first)}
+              "crossovers": crossovers(first), "winners": winners(first)}
     with open(os.path.join(directory, "scale.json"), "w") as f:
         json.dump(record, f, indent=1)
     with open(os.path.join(directory, "scale.md"), "w") as f:
-        f.write("\n".join(render(table, costs, profiles, numbers)) + "\n")
+        f.write("\n".join(render(table, costs, profiles, numbers) + [""]
+                          + render_winners(record["winners"])) + "\n")
     for path in plot(table, profiles, directory):
         out(f"wrote {path}")
     out("\n".join(render(table, costs, profiles, numbers)))
