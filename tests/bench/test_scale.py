@@ -28,9 +28,10 @@ def measured(tmp_path, monkeypatch):
     # The runs' machine is read as this one's: two cores, as where they ran.
     monkeypatch.setattr(pr.os, "cpu_count", lambda: 2)
     # Made by the model itself with known costs: 40 ms a step, 4 ns per byte, 3 ms dispatch.
-    truth = pr.Profile("mnist-cnn", CNN, 64, 0.040, 0.5, cpu_per_byte=4e-9, hidden=0.36,
-                       dispatch_seconds=0.003, kernel_per_byte=3e-9)
+    truth = pr.Profile("mnist-cnn", CNN, 64, 0.040, 0.5, cpu_per_byte=2e-9, hidden=0.36,
+                       dispatch_seconds=0.003, kernel_per_byte=3e-9, ring_cpu_per_byte=2e-9)
     cells = [("mw1", "multiworker", 1, 0, 0.5, None), ("mw2", "multiworker", 2, 0, 0.5, None),
+             ("ps1", "ps", 1, 1, 0.4, None),
              ("mw4", "multiworker", 4, 0, 0.5, None), ("ps4", "ps", 4, 1, 0.4, None),
              ("ps2", "ps", 2, 1, 0.4, None), ("mw2s", "multiworker", 2, 0, 0.5, 100e6)]
     for name, s, n, ps, cores, rate in cells:
@@ -38,8 +39,8 @@ def measured(tmp_path, monkeypatch):
                            per_worker_batch=64, machine_cores=2.0)
         write(tmp_path, name, s, n, pr.predict(truth, target, s).examples_per_sec, ps, cores, rate)
     (tmp_path / "plan.json").write_text(json.dumps({
-        "fit": {"mw1": "profile", "mw2": "cpu_per_byte", "mw4": "kernel_per_byte",
-                "ps4": "dispatch_seconds"}, "held_out": ["mw2s"]}))
+        "fit": {"mw1": "profile", "ps1": "cpu_per_byte", "mw2": "ring_cpu_per_byte",
+                "mw4": "kernel_per_byte", "ps4": "dispatch_seconds"}, "held_out": ["mw2s"]}))
     return tmp_path, truth
 
 
@@ -48,13 +49,14 @@ def test_the_fit_recovers_the_costs_that_made_the_runs(measured):
     runs, plan = scale.load(str(root))
     profiles, costs = scale.fit(runs, plan)
     assert profiles["mnist-cnn"].compute_seconds == pytest.approx(0.040, rel=1e-6)
-    assert costs["cpu_per_byte"] == pytest.approx(4e-9, rel=1e-4)
+    assert costs["cpu_per_byte"] == pytest.approx(2e-9, rel=1e-4)
+    assert costs["ring_cpu_per_byte"] == pytest.approx(2e-9, rel=1e-4)
     assert costs["dispatch_seconds"] == pytest.approx(0.003, rel=1e-4)
     assert costs["kernel_per_byte"] == pytest.approx(3e-9, rel=1e-4)
     table = scale.rows(runs, plan, profiles)
     roles = {r["run"]: r["role"] for r in table}
     assert roles == {"mw1": "fit", "mw2": "fit", "ps4": "fit", "ps2": "checked", "mw4": "fit",
-                     "mw2s": "held out"}
+                     "ps1": "fit", "mw2s": "held out"}
     assert max(abs(r["error"]) for r in table) < 1e-4
     eff = {r["run"]: r["efficiency"] for r in table}
     assert eff["mw1"] == pytest.approx(1.0) and eff["mw2"] < 1.0

@@ -18,7 +18,8 @@ built from:
   receives per step, in frames, over the link rate;
 * the **CPU of moving bytes**: gRPC's copies and the TCP stack's, per byte
   sent or received, on the same CPU budget as the compute (on unshaped
-  links between simulated hosts it is all that communication costs);
+  links between simulated hosts it is all that communication costs), and
+  what the all-reduce adds per byte (its sums and chunk copies);
 * **latency**: per message round (a ring all-reduce has 2(N-1), a ps step 2);
 * **overlap**: the fraction of compute the all-reduce can run under (its
   buckets start during the backward pass); under ``ps`` and ``ps-sync`` a
@@ -36,7 +37,8 @@ Per strategy (N workers, k ps, W the weights' bytes, G the gradients'):
   ps fan-in.
 * ``ps-sync`` (K = N): an update waits for N gradients, then sends the new
   weights to every worker: the ps host's outgoing N W and incoming N G take
-  turns with the compute (``traffic.serial``). BytePS's communication optimum
+  turns (``traffic.serial``), while the workers compute; the longer of a
+  worker's read-compute-push and the ps host's share bounds the update. BytePS's communication optimum
   for n workers and k CPU servers, 2n(n-1)M / ((n^2 + kn - 2k) B), is given
   beside it as the bound a synchronous design with k servers could reach.
 
@@ -64,7 +66,7 @@ STRATEGIES = ("multiworker", "ps", "ps-sync")
 # The costs a run's records do not give apart, fitted once (docs/strategies.md,
 # results/scale: which runs, and which points were left out of the fit).
 CALIBRATION = {"cpu_per_byte": 0.0, "hidden": 0.36, "dispatch_seconds": 0.0,
-               "kernel_per_byte": 0.0}
+               "kernel_per_byte": 0.0, "ring_cpu_per_byte": 0.0}
 TERMS = ("compute", "link", "ps fan-in", "all-reduce ring", "shared machine")
 SHARDED = ("optimizer", "gradients")
 
@@ -85,6 +87,8 @@ class Profile:
     # CPU-seconds (on one core) per byte a host sends or receives: gRPC's
     # serialization and the TCP stack's copies, charged to the same budget.
     cpu_per_byte: float = 0.0
+    # What the all-reduce adds per byte (its chunks' sums and extra copies).
+    ring_cpu_per_byte: float = 0.0
     # Fraction of the compute the all-reduce can run under (buckets during
     # the backward pass); results/links measured 1 - exposed compute.
     hidden: float = 0.0
@@ -187,7 +191,8 @@ def _multiworker(profile: Profile, target: Target) -> Prediction:
         each_way, rounds = 2 * (n - 1) / n * g, 2 * (n - 1)
     link = _link_seconds(each_way, target)
     ring = rounds * target.latency if n > 1 else 0.0
-    cpu = _host_cpu(profile, target, 2 * each_way)
+    cpu = ((profile.cpu_per_byte + profile.ring_cpu_per_byte) * 2 * each_way
+           / (target.cores or profile.cores))
     exposed = max(0.0, link + ring - profile.hidden * compute)
     step = compute + cpu + exposed
     terms = {"compute": compute + cpu, "link": link, "all-reduce ring": ring}
@@ -239,8 +244,12 @@ def _ps_sync(profile: Profile, target: Target) -> Prediction:
     fan_cpu = (_host_cpu(profile, target, busiest["tx"] + busiest["rx"])
                + profile.dispatch_seconds / (target.cores or profile.cores))
     worker_cpu = _host_cpu(profile, target, w + g)
-    step = compute + worker_cpu + max(fan_link, fan_cpu)
-    terms = {"compute": compute + worker_cpu, "link": _link_seconds(w + g, target),
+    worker_link = _link_seconds(w + g, target)
+    # A worker reads, computes and pushes in turn; the ps host serves the N
+    # workers' transfers while the others compute, so the longer of the two
+    # bounds an update (its own out and in take turns: fan_link is their sum).
+    step = max(compute + worker_cpu + worker_link, fan_link, fan_cpu)
+    terms = {"compute": compute + worker_cpu, "link": worker_link,
              "ps fan-in": max(fan_link, fan_cpu)}
     cores = target.cores or profile.cores
     demand = (n * (compute + worker_cpu) * cores + profile.dispatch_seconds

@@ -55,13 +55,14 @@ def _solve(low: float, high: float, too_fast, steps: int = 60) -> float:
     return (low + high) / 2
 
 
-FIT_RANGES = {"cpu_per_byte": 1e-6, "kernel_per_byte": 1e-6, "dispatch_seconds": 1.0}
+FIT_RANGES = {"cpu_per_byte": 1e-6, "ring_cpu_per_byte": 1e-6, "kernel_per_byte": 1e-6,
+              "dispatch_seconds": 1.0}
 
 
 def fit(runs: dict[str, pr.Measured], plan: dict) -> tuple[dict[str, pr.Profile], dict]:
     """Each task's profile and the costs, fitted in ``plan['fit']``'s order: ``{run: what}``,
     ``profile`` (a one-worker run: its compute) or a cost solved so the run is predicted
-    exactly (``cpu_per_byte``, ``kernel_per_byte``, ``dispatch_seconds``)."""
+    exactly (one of ``FIT_RANGES``)."""
     costs = dict(pr.CALIBRATION)
     profiles: dict[str, pr.Profile] = {}
     for name, what in plan["fit"].items():
