@@ -217,3 +217,11 @@ def test_a_shared_machine_with_no_core_free_stretches_the_step():
     two = pr.predict(kernel, pr.Target(2, machine_cores=2.0), "multiworker")
     assert two.step_seconds == pr.predict(kernel, pr.Target(2), "multiworker").step_seconds
     assert two.bound == "compute"
+
+
+def test_colliding_ps_reads_use_only_part_of_the_ps_link():
+    t = pr.Target(8, link_bits_per_sec=MBIT100)
+    full = pr.predict(PROFILE, t, "ps")
+    part = pr.predict(replace(PROFILE, ps_link_use=0.7), t, "ps")
+    assert part.step_seconds == pytest.approx(full.step_seconds / 0.7)
+    assert part.bound == full.bound == "ps fan-in"

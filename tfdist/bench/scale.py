@@ -107,10 +107,12 @@ def rows(runs: dict[str, pr.Measured], plan: dict, profiles: dict[str, pr.Profil
 
 
 def _cell(run: pr.Measured) -> tuple:
-    """A scaling curve: everything but the worker count."""
+    """A scaling curve: everything but the worker count. One multiworker worker sends
+    nothing, so its link does not count: the unshaped one-worker run is every link's."""
     t = run.target
-    return (run.task, run.strategy, t.ps if run.strategy != "multiworker" else 0, t.cores,
-            t.link_bits_per_sec, t.per_worker_batch)
+    mw = run.strategy == "multiworker"
+    return (run.task, run.strategy, 0 if mw else t.ps, t.cores,
+            None if mw else t.link_bits_per_sec, t.per_worker_batch)
 
 
 def summary(table: list[dict]) -> dict:
