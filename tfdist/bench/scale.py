@@ -158,6 +158,15 @@ def crossovers(profile: pr.Profile) -> list[dict]:
     return out
 
 
+HEADER = ["# Scaling curves, measured and predicted", "",
+          "Each row one run (`runs/<name>/`: its `results.json` and `outcome.json`; "
+          "`measure.sh` ran them, `runs.log` says when and at what load). *Efficiency*: "
+          "examples/s ÷ (workers × the one-worker run's of the same curve). *Predicted*: "
+          "`bench.py --predict-check` (`tfdist/bench/scale.py`); *role*: fitted on, checked "
+          "against, or held out (named in `plan.json` before it was measured).", ""]
+WINNERS_NOTE = ("Hosts of one core, a ps per 8 workers on its own machine, 50 µs per message "
+                "round; the CNN's profile, and the same compute with 100 times the parameters. "
+                "Each cell: the fastest, its examples/s, how far ahead of the next, its bound.")
 SIZES = (1, 100)  # the profile's parameters, and 100 times them (a what-if: the same compute)
 WINNER_WORKERS = (2, 16, 128, 1024)
 
@@ -277,7 +286,9 @@ def run(directory: str, out=print) -> int:
     with open(os.path.join(directory, "scale.json"), "w") as f:
         json.dump(record, f, indent=1)
     with open(os.path.join(directory, "scale.md"), "w") as f:
-        f.write("\n".join(render(table, costs, profiles, numbers) + [""]
+        f.write("\n".join(HEADER + render(table, costs, profiles, numbers)
+                          + ["", "## Predicted, not measured: the fastest strategy to 1,024 "
+                             "workers", "", WINNERS_NOTE, ""]
                           + render_winners(record["winners"])) + "\n")
     for path in plot(table, profiles, directory):
         out(f"wrote {path}")
