@@ -143,25 +143,6 @@ def test_what_the_model_cannot_answer_is_one_line(target, strategy, words):
     assert "\n" not in str(err.value)
 
 
-def test_crossover_finds_where_ps_overtakes():
-    # Little compute against a fast link: the ring's 2(N-1) latencies grow with N,
-    # async ps's step does not, so ps overtakes at some N and stays ahead.
-    light = replace(PROFILE, compute_seconds=0.001)
-    t = pr.Target(1, link_bits_per_sec=10e9, latency=200e-6, ps=8, ps_own_hosts=True)
-    counts = [2, 4, 8, 16, 64, 256]
-    n = pr.crossover(light, t, "multiworker", "ps", counts)
-    assert n in counts[1:]
-
-    def rates(workers):
-        return [pr.predict(light, replace(t, workers=workers), s).examples_per_sec
-                for s in ("multiworker", "ps")]
-
-    before = rates(counts[counts.index(n) - 1])
-    after = rates(n)
-    assert before[1] <= before[0] and after[1] > after[0]
-    assert pr.crossover(light, t, "ps", "multiworker", counts[-1:]) is None
-
-
 def write_run(tmp_path, results, outcome=None):
     (tmp_path / "launch").mkdir()
     (tmp_path / "results.json").write_text(json.dumps(results))

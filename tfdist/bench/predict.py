@@ -61,6 +61,7 @@ import sys
 from dataclasses import dataclass, replace
 
 from tfdist.launcher.machine import traffic as trafficlib
+from tfdist.strategies import kinds
 
 STRATEGIES = ("multiworker", "ps", "ps-sync")
 # The costs a run's records do not give apart: the overlap (0.36: 1 - the exposed
@@ -71,6 +72,11 @@ CALIBRATION = {"cpu_per_byte": 0.0, "hidden": 0.36, "dispatch_seconds": 0.0,
                "kernel_per_byte": 0.0, "ring_cpu_per_byte": 0.0, "ps_link_use": 0.7}
 TERMS = ("compute", "link", "ps fan-in", "all-reduce ring", "shared machine")
 SHARDED = ("optimizer", "gradients")
+
+
+def all_reduces(strategy: str) -> bool:
+    """Whether ``strategy``'s workers all-reduce (the kind's loop is ``sync``)."""
+    return kinds.get(strategy).trainer == "sync"
 
 
 class PredictError(ValueError):
@@ -148,7 +154,7 @@ def check(target: Target, strategy: str) -> None:
     if target.shard_state not in ("off", *SHARDED):
         raise PredictError(f"--shard-state {target.shard_state!r} cannot be predicted; allowed: "
                            f"off, {', '.join(SHARDED)} (weights is not built)")
-    if target.shard_state != "off" and strategy != "multiworker":
+    if target.shard_state != "off" and not all_reduces(strategy):
         raise PredictError(f"--shard-state {target.shard_state} is multiworker's only; "
                            f"{strategy} holds its state on the ps tasks")
 
@@ -299,17 +305,7 @@ def predict(profile: Profile, target: Target, strategy: str) -> Prediction:
 def predict_all(profile: Profile, target: Target) -> list[Prediction]:
     """Every strategy the target allows (``--shard-state`` leaves multiworker alone)."""
     return [predict(profile, target, s) for s in STRATEGIES
-            if target.shard_state == "off" or s == "multiworker"]
-
-
-def crossover(profile: Profile, target: Target, first: str, second: str,
-              workers: list[int]) -> int | None:
-    """The fewest of ``workers`` at which ``second`` runs more examples/s than ``first``."""
-    for n in workers:
-        t = replace(target, workers=n)
-        if predict(profile, t, second).examples_per_sec > predict(profile, t, first).examples_per_sec:
-            return n
-    return None
+            if target.shard_state == "off" or all_reduces(s)]
 
 
 # --- from a measured run ------------------------------------------------------------------------
@@ -335,12 +331,13 @@ def read_run(run_dir: str) -> Measured:
     outcome = (_load(os.path.join(run_dir, "launch", "outcome.json"))
                or _load(os.path.join(run_dir, "outcome.json")) or {})
     strategy, n = results["strategy"], results["num_workers"]
-    if strategy in ("none", "mirrored"):
-        strategy, n = "multiworker", 1
+    if kinds.get(strategy).single_process:
+        strategy, n = STRATEGIES[0], 1  # one process: the one-worker all-reduce's step
     cpus = outcome.get("host_cpus") or {}
     cores = min((h["cores"] for h in cpus.values()), default=None)
     link = (outcome.get("link") or {}).get("set_bits_per_sec")
-    per_worker = results["global_batch_size"] // max(1, n if strategy != "ps" else 1)
+    # An asynchronous (ps) worker runs whole steps of the global batch.
+    per_worker = results["global_batch_size"] // (1 if kinds.get(strategy).asynchronous else n)
     target = Target(workers=n, ps=max(1, results.get("num_ps") or 1), link_bits_per_sec=link,
                     gradient_dtype=results.get("gradient_dtype") or "float32",
                     accumulation=results.get("gradient_accumulation_steps") or 1,

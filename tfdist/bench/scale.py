@@ -110,7 +110,7 @@ def _cell(run: pr.Measured) -> tuple:
     """A scaling curve: everything but the worker count. One multiworker worker sends
     nothing, so its link does not count: the unshaped one-worker run is every link's."""
     t = run.target
-    mw = run.strategy == "multiworker"
+    mw = pr.all_reduces(run.strategy)
     return (run.task, run.strategy, 0 if mw else t.ps, t.cores,
             None if mw else t.link_bits_per_sec, t.per_worker_batch)
 
@@ -130,7 +130,7 @@ def render(table: list[dict], costs: dict, profiles: dict, numbers: dict) -> lis
              "| efficiency | predicted | error | bound (predicted) | role |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
-        ps = r["ps"] if r["strategy"] != "multiworker" else ""
+        ps = "" if pr.all_reduces(r["strategy"]) else r["ps"]
         eff = f"{r['efficiency']:.2f}" if r["efficiency"] is not None else ""
         lines.append(f"| {r['task']} | {r['strategy']} | {ps} | {r['workers']} | {r['cores']:g} "
                      f"| {r['link']} | {r['measured']:,.0f} | {eff} | {r['predicted']:,.0f} "
@@ -235,7 +235,7 @@ def plot(table: list[dict], profiles: dict, directory: str) -> list[str]:
     for i, (key, pts) in enumerate(sorted(curves.items())):
         colour = f"C{i % 10}"
         pts = sorted(pts, key=lambda r: r["workers"])
-        label = f"{key[1]}{' ' + str(key[2]) + ' ps' if key[1] != 'multiworker' else ''}, {key[3]}"
+        label = f"{key[1]}{'' if pr.all_reduces(key[1]) else ' ' + str(key[2]) + ' ps'}, {key[3]}"
         ax.plot([p["workers"] for p in pts], [p["measured"] for p in pts], "o", color=colour,
                 label=label)
         ax.plot([p["workers"] for p in pts], [p["predicted"] for p in pts], "--", color=colour)
