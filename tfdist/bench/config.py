@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from tfdist.flags import option
 
 SCENARIOS_GROUP = "--suite scenarios (the flags above set the uniform accuracy runs)"
+PREDICT_GROUP = "--predict (the target cluster; --workers gives its worker counts)"
 
 
 def _kinds() -> str:
@@ -36,6 +37,9 @@ def _scenarios_help() -> str:
 
 @dataclass(frozen=True)
 class BenchConfig:
+    """bench.py's flags: every run's work, the suite and its scenarios, and the
+    predictor's target cluster (``--predict``, ``--predict-check``)."""
+
     # Every run's work (both suites; the scenarios' uniform accuracy runs).
     model: str = option("cnn", "the built-in model every run trains (train.py --model)",
                         choices=_models)
@@ -101,6 +105,37 @@ class BenchConfig:
                                   metavar="N[,N...]", group=SCENARIOS_GROUP)
     scaling_steps: int = option(200, "steps of each scaling study run", metavar="N",
                                 group=SCENARIOS_GROUP)
+    predict: str | None = option(
+        None, "run nothing: from the measured run in RUN_DIR (its results.json and "
+        "launch/outcome.json; a one-worker run is the short profiling run), predict examples/s "
+        "of multiworker, ps and ps-sync at each of --workers on the target cluster below, and "
+        "the term that bounds each step (tfdist/bench/predict.py)", metavar="RUN_DIR",
+        group=PREDICT_GROUP)
+    predict_check: str | None = option(
+        None, "run nothing: fit the predictor's costs on the runs DIR/plan.json names, predict "
+        "every run under DIR/runs and write DIR/scale.md, scale.json and the plots "
+        "(tfdist/bench/scale.py)", metavar="DIR", group=PREDICT_GROUP)
+    predict_ps: int = option(1, "ps tasks of the target cluster", metavar="N",
+                             group=PREDICT_GROUP)
+    predict_link_rate: str | None = option(None, "every host's link rate, as launch.py "
+                                           "--link-rate takes it (100mbit, 1gbit)",
+                                           metavar="RATE", group=PREDICT_GROUP,
+                                           unset="unshaped: no rate bound")
+    predict_gradient_dtype: str = option("float32", "the gradients' dtype on the wire",
+                                         choices=("float32", "bfloat16"), group=PREDICT_GROUP)
+    predict_accumulation: int = option(1, "batches accumulated per step", metavar="N",
+                                       group=PREDICT_GROUP)
+    predict_shard_state: str = option("off", "multiworker's --shard-state",
+                                      choices=("off", "optimizer", "gradients"),
+                                      group=PREDICT_GROUP)
+    predict_host_cpus: float | None = option(None, "each host's cores (the compute scales as "
+                                             "1/C)", metavar="C", group=PREDICT_GROUP,
+                                             unset="the measured run's budget")
+    predict_latency_us: float = option(0.0, "microseconds each message round costs (a ring "
+                                       "has 2(N-1) a step)", metavar="US", group=PREDICT_GROUP)
+    predict_ps_own_hosts: bool = option(False, "each ps on a machine of its own (the "
+                                        "launcher's simulated cluster puts the chief and "
+                                        "every ps on one host)", group=PREDICT_GROUP)
     report_only: bool = option(False, "run nothing: write scenarios.md and the plots again "
                                "from <out>/scenarios.json (a finished suite's figures)",
                                group=SCENARIOS_GROUP)

@@ -18,6 +18,7 @@ import argparse
 import sys
 
 from tfdist import flags
+from tfdist.bench import predict, scale
 from tfdist.bench.suites import default as suite, scenarios
 from tfdist.bench.config import BenchConfig
 
@@ -43,6 +44,10 @@ def main(argv=None) -> int:
     if config.steps is not None and config.steps < 1 or config.epochs < 1:
         print("error: --steps and --epochs must be positive", file=sys.stderr)
         return 2
+    if config.predict is not None:
+        return predict.report(config)
+    if config.predict_check is not None:
+        return scale.run(config.predict_check)
     if config.suite == "scenarios":
         return scenarios.run(config)
     return suite.run(config)

@@ -1,0 +1,114 @@
+"""The scaling curves against the predictor (pure but for files): the fit on the planned
+runs, each run's error and role, the summary, the predicted crossovers, and the command."""
+
+import json
+
+import pytest
+
+from tfdist.bench import predict as pr, scale
+from tfdist.cli import bench as cli
+
+CNN = 225_034
+
+
+def write(root, name, strategy, workers, examples_per_sec, ps=0, cores=0.5, rate=None):
+    d = root / "runs" / name
+    d.mkdir(parents=True)
+    batch = 64 if strategy == "ps" else 64 * workers
+    (d / "results.json").write_text(json.dumps({
+        "strategy": strategy, "num_workers": workers, "num_ps": ps, "global_batch_size": batch,
+        "examples_per_sec": examples_per_sec, "trainable_params": CNN, "task": "mnist-cnn"}))
+    (d / "outcome.json").write_text(json.dumps({
+        "link": {"set_bits_per_sec": rate} if rate else None,
+        "host_cpus": {f"host{i}": {"cores": cores} for i in range(workers + (ps > 0))}}))
+
+
+@pytest.fixture
+def measured(tmp_path, monkeypatch):
+    # The runs' machine is read as this one's: two cores, as where they ran.
+    monkeypatch.setattr(pr.os, "cpu_count", lambda: 2)
+    # Made by the model itself with known costs: 40 ms a step, 4 ns per byte, 3 ms dispatch.
+    truth = pr.Profile("mnist-cnn", CNN, 64, 0.040, 0.5, cpu_per_byte=2e-9, hidden=0.36,
+                       dispatch_seconds=0.003, kernel_per_byte=3e-9, ring_cpu_per_byte=2e-9)
+    cells = [("mw1", "multiworker", 1, 0, 0.5, None), ("mw2", "multiworker", 2, 0, 0.5, None),
+             ("ps1", "ps", 1, 1, 0.4, None),
+             ("mw4", "multiworker", 4, 0, 0.5, None), ("ps4", "ps", 4, 1, 0.4, None),
+             ("ps2", "ps", 2, 1, 0.4, None), ("mw2s", "multiworker", 2, 0, 0.5, 100e6)]
+    for name, s, n, ps, cores, rate in cells:
+        target = pr.Target(n, ps=max(ps, 1), link_bits_per_sec=rate, cores=cores,
+                           per_worker_batch=64, machine_cores=2.0)
+        write(tmp_path, name, s, n, pr.predict(truth, target, s).examples_per_sec, ps, cores, rate)
+    (tmp_path / "plan.json").write_text(json.dumps({
+        "fit": {"mw1": "profile", "ps1": "cpu_per_byte", "mw2": "ring_cpu_per_byte",
+                "mw4": "kernel_per_byte", "ps4": "dispatch_seconds"}, "held_out": ["mw2s"]}))
+    return tmp_path, truth
+
+
+def test_the_fit_recovers_the_costs_that_made_the_runs(measured):
+    root, truth = measured
+    runs, plan = scale.load(str(root))
+    profiles, costs = scale.fit(runs, plan)
+    assert profiles["mnist-cnn"].compute_seconds == pytest.approx(0.040, rel=1e-6)
+    assert costs["cpu_per_byte"] == pytest.approx(2e-9, rel=1e-4)
+    assert costs["ring_cpu_per_byte"] == pytest.approx(2e-9, rel=1e-4)
+    assert costs["dispatch_seconds"] == pytest.approx(0.003, rel=1e-4)
+    assert costs["kernel_per_byte"] == pytest.approx(3e-9, rel=1e-4)
+    table = scale.rows(runs, plan, profiles)
+    roles = {r["run"]: r["role"] for r in table}
+    assert roles == {"mw1": "fit", "mw2": "fit", "ps4": "fit", "ps2": "checked", "mw4": "fit",
+                     "ps1": "fit", "mw2s": "held out"}
+    assert max(abs(r["error"]) for r in table) < 1e-4
+    eff = {r["run"]: r["efficiency"] for r in table}
+    assert eff["mw1"] == pytest.approx(1.0) and eff["mw2"] < 1.0
+    numbers = scale.summary(table)
+    assert numbers["points"] == 2 and numbers["held_out"] == 1
+
+
+def test_an_error_is_reported_against_the_measurement(measured):
+    root, _ = measured
+    runs, plan = scale.load(str(root))
+    profiles, _ = scale.fit(runs, plan)
+    slower = {**runs, "ps2": pr.Measured("ps", runs["ps2"].target,
+                                         runs["ps2"].examples_per_sec / 2, CNN, "mnist-cnn")}
+    row = next(r for r in scale.rows(slower, plan, profiles) if r["run"] == "ps2")
+    assert row["error"] == pytest.approx(1.0, rel=1e-4)  # predicted twice what ran
+    assert scale.summary(scale.rows(slower, plan, profiles))["max_abs_error"] == pytest.approx(
+        1.0, rel=1e-4)
+
+
+def test_crossovers_are_where_the_leader_changes():
+    profile = pr.Profile("mnist-cnn", CNN, 64, 0.010, 1.0)
+    found = scale.crossovers(profile)
+    assert {c["link"] for c in found} == {"100 Mbit/s", "1 Gbit/s", "10 Gbit/s"}
+    for c in found:
+        if c["workers"] is None:
+            continue
+        at = scale.big_target(c["workers"], {"100 Mbit/s": 100e6, "1 Gbit/s": 1e9,
+                                             "10 Gbit/s": 10e9}[c["link"]])
+        assert (pr.predict(profile, at, c["overtaken_by"]).examples_per_sec
+                > pr.predict(profile, at, c["leader"]).examples_per_sec)
+
+
+def test_the_command_writes_the_table_and_plots(measured, capsys):
+    root, _ = measured
+    assert cli.main(["--predict-check", str(root)]) == 0
+    text = (root / "scale.md").read_text()
+    assert "| mnist-cnn | multiworker |  | 4 | 0.5 | unshaped |" in text
+    assert (root / "scale.png").exists() and (root / "predicted_1024.png").exists()
+    assert json.loads((root / "scale.json").read_text())["summary"]["points"] == 2
+
+
+def test_the_predict_command_and_its_bad_input(measured, capsys):
+    root, _ = measured
+    run = str(root / "runs" / "mw1")
+    assert cli.main(["--predict", run, "--workers", "1,1024", "--predict-link-rate", "1gbit"]) == 0
+    out = capsys.readouterr().out
+    assert "| 1024 | multiworker |" in out and "predicted, not measured" in out
+    assert cli.main(["--predict", run, "--predict-link-rate", "fast"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --predict: --predict-link-rate 'fast' is not a rate")
+    assert "\n" not in err
+    assert cli.main(["--predict", run, "--predict-shard-state", "optimizer",
+                     "--predict-ps", "2"]) == 0
+    assert "| ps |" not in capsys.readouterr().out
+    assert cli.main(["--predict-check", str(root / "nowhere")]) == 2

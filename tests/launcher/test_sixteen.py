@@ -1,0 +1,86 @@
+"""Jobs of 16 workers on one machine (long tier, each ~15-20 GB: run them alone): `ps` with
+16 workers and 4 ps, `ps-sync` with 8 workers and 2 ps, each host a small CPU budget, one
+worker killed (under `ps` restarted; under `ps-sync` K = 7 of 8 goes on without it); every
+step trained and nothing left behind."""
+
+import glob
+import json
+import os
+
+import pytest
+
+from tfdist.launcher.machine import cgroups, hostcpus, network
+
+HOSTS_PROBLEM = network.hosts_problem()
+CGROUP_PROBLEM = hostcpus.cgroups_problem()
+STEPS = 200
+
+
+HOSTS = 5  # the chief and the ps tasks on one; the workers spread over four
+
+
+def _budget(hosts: int) -> str:
+    """The machine's cores shared out over ``hosts``, rounded down to a hundredth."""
+    return str(int((os.cpu_count() or 1) / hosts * 100) / 100)
+
+
+def _check_outcome(model_dir: str, members: int, hosts: int, restarts: int) -> dict:
+    with open(os.path.join(model_dir, "launch", "outcome.json")) as f:
+        outcome = json.load(f)
+    assert outcome["exit_code"] == 0 and outcome["task_restarts"] == restarts
+    assert len(outcome["host_cpus"]) == hosts
+    assert all(h["cpu_seconds"] > 0 for h in outcome["host_cpus"].values())
+    assert len(outcome["peak_rss_bytes"]) == members
+    assert outcome["first_step_seconds"] > 0 and outcome["launcher_cpu_seconds"] > 0
+    for root in (cgroups.cpu_cgroup_root(), cgroups.cgroup_root("cpuacct")):
+        assert glob.glob(os.path.join(root, f"{cgroups.CGROUP_PREFIX}*-host*")) == []
+    return outcome
+
+
+def _run(tmp_path, spawn, strategy: str, workers: int, ps: int, restart: bool,
+         extra=()) -> tuple[dict, dict]:
+    from conftest import descendants_alive, launch_cmd, read_results
+
+    model_dir = str(tmp_path / strategy)
+    # A host per worker would leave the chief and every ps a seventeenth of the
+    # machine: their start-up alone (TensorFlow's import, ~10 CPU-seconds each)
+    # would take minutes. Four workers share a host here, each host 0.4 cores.
+    hosts = HOSTS
+    p = spawn(launch_cmd(strategy, "--workers", str(workers), "--ps", str(ps), "--hosts",
+                         str(hosts), "--host-cpus", _budget(hosts), "--timeout", "780",
+                         "--grace", "3", "--kill", "worker:5@step=60",
+                         *(["--restart-tasks", "--restart-delay", "1"] if restart else []),
+                         train_args=["--model", "logreg", "--steps", str(STEPS), "--log-every",
+                                     "50", "--startup-timeout", "600", *extra,
+                                     "--model-dir", model_dir]))
+    assert p.wait(820) == 0, p.output
+    assert any(l.startswith("[launch] fault --kill worker:5@step=60") for l in p.lines), p.output
+    assert restart == any(l.startswith("[launch] restarted worker:5 (pid ") for l in p.lines)
+    r = read_results(model_dir)
+    assert r["completed_steps"] == STEPS and r["num_workers"] == workers and r["num_ps"] == ps
+    outcome = _check_outcome(model_dir, workers + ps + 1, hosts, int(restart))
+    assert descendants_alive(model_dir) == []
+    return r, outcome
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.skipif(CGROUP_PROBLEM is not None, reason=f"no CPU cgroups here: {CGROUP_PROBLEM}")
+@pytest.mark.timeout(870)
+def test_ps_with_16_workers_and_4_ps_survives_a_killed_worker(tmp_path, spawn):
+    r, _ = _run(tmp_path, spawn, "ps", 16, 4, restart=True)
+    # The coordinator gave the restarted worker work again, and every worker some.
+    assert len(r["steps_per_worker"]) == 16 and all(v > 0 for v in r["steps_per_worker"].values())
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
+@pytest.mark.skipif(CGROUP_PROBLEM is not None, reason=f"no CPU cgroups here: {CGROUP_PROBLEM}")
+@pytest.mark.timeout(870)
+def test_ps_sync_with_8_workers_and_2_ps_survives_a_killed_worker(tmp_path, spawn):
+    r, _ = _run(tmp_path, spawn, "ps-sync", 8, 2, restart=False,
+                extra=["--replicas-to-aggregate", "7"])
+    # K = 7 of 8: each update took 7 gradients, the killed worker's gap covered by the rest.
+    assert r["aggregated_gradients"] == 7 * STEPS
