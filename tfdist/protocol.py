@@ -447,6 +447,10 @@ class LaunchOutcome:
     # step (its "started" event), and the launcher's own CPU time over the job.
     first_step_seconds: float | None = None
     launcher_cpu_seconds: float | None = None
+    # --evaluator: each sidecar evaluator's {"status": "finished", "failed",
+    # "killed" or "stopped" (by the launcher, still running), "exit_code"} in
+    # the last attempt; never part of the job's exit code.
+    evaluators: dict | None = None
 
     def write(self, path: str) -> None:
         write_json_atomic(path, dataclasses.asdict(self))
