@@ -334,7 +334,8 @@ class Results:
     membership: list | None = None
     # How the final evaluation ran (training.loop.evaluation): {"split", "where":
     # "members" (each training member evaluated its range of the split's batches,
-    # the metrics' states summed) or "chief", "members" (how many), "batch_size",
+    # the metrics' states summed), "workers" (ps: "shards" closures on the
+    # workers, each merged once) or "chief", "members" (how many), "batch_size",
     # "examples", "examples_per_member": {member: examples}, "seconds", and
     # "alone_because" when the members could not share it}.
     evaluation: dict | None = None
