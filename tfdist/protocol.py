@@ -334,7 +334,8 @@ class Results:
     membership: list | None = None
     # How the final evaluation ran (training.loop.evaluation): {"split", "where":
     # "members" (each training member evaluated its range of the split's batches,
-    # the metrics' states summed) or "chief", "members" (how many), "batch_size",
+    # the metrics' states summed), "workers" (ps: "shards" closures on the
+    # workers, each merged once) or "chief", "members" (how many), "batch_size",
     # "examples", "examples_per_member": {member: examples}, "seconds", and
     # "alone_because" when the members could not share it}.
     evaluation: dict | None = None
@@ -447,6 +448,10 @@ class LaunchOutcome:
     # step (its "started" event), and the launcher's own CPU time over the job.
     first_step_seconds: float | None = None
     launcher_cpu_seconds: float | None = None
+    # --evaluator: each sidecar evaluator's {"status": "finished", "failed",
+    # "killed" or "stopped" (by the launcher, still running), "exit_code"} in
+    # the last attempt; never part of the job's exit code.
+    evaluators: dict | None = None
 
     def write(self, path: str) -> None:
         write_json_atomic(path, dataclasses.asdict(self))

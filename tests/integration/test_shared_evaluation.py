@@ -150,11 +150,45 @@ def _test_split(task, options):
 @pytest.mark.parametrize("task,options,examples", BUILTINS)
 def test_under_ps_the_chiefs_evaluation_matches_one_process(tmp_path, spawn, task, options,
                                                             examples):
-    """Under ps the chief evaluates the whole split alone (the coordinator's workers
-    take no share), and its figures are one process's."""
+    """Under ps the split is cut into 5 x 2 shards the coordinator schedules on the
+    workers (training.ps.sharded_eval), each merged once on the chief, and the figures
+    are one process's."""
     model_dir, results, _ = run(spawn, tmp_path, task, 2, "--steps", "30", *options,
                                 timeout=640, strategy="ps", launch_args=("--ps", "1"))
-    record = results["evaluation"]
-    assert record["where"] == "chief" and record["examples"] == examples, record
-    assert sum(record["examples_per_member"].values()) == examples
+    assert_sharded(results, examples, shards=10)
     assert_equal_to_one_process(results, evaluate_saved(model_dir, _test_split(task, options)))
+
+
+def assert_sharded(results, examples, shards):
+    record = results["evaluation"]
+    assert record["where"] == "workers" and record["shards"] == shards, record
+    assert record["examples"] == examples == sum(record["examples_per_member"].values())
+    assert set(record["examples_per_member"]) <= {"worker:0", "worker:1"}
+
+
+@pytest.mark.long
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("strategy,name,shards", [
+    ("ps", "BINARY", "auto"), ("ps", "TWO_OUTPUTS", "3"), ("ps", "SAMPLE_WEIGHTED", "7")])
+def test_under_ps_the_workers_evaluate_shards_as_one_process(tmp_path, spawn, strategy, name,
+                                                             shards):
+    """7,777 examples in 8 batches cut into shards, at the --eval-every point too."""
+    from tests.training import eval_tasks
+
+    model_dir, results, _ = run(spawn, tmp_path, f"{TASKS}:{name}", 2, "--steps", "20",
+                                "--eval-every", "10", "--eval-shards", shards, timeout=640,
+                                strategy=strategy, launch_args=("--ps", "1"))
+    assert_sharded(results, 7777, shards=10 if shards == "auto" else min(int(shards), 8))
+    want = evaluate_saved(model_dir, getattr(eval_tasks, name).dataset("test"))
+    # Each output's own loss is Keras's batch-size-weighted figure (see above): compared
+    # with Keras's at the library's batch, to 1e-3 (a shard's batches have no static size).
+    same_batches = evaluate_saved(model_dir, getattr(eval_tasks, name).dataset("test"), 1000)
+    own = {k for k in want if k.endswith("_loss")}
+    want = {k: same_batches[k] if k in own else v for k, v in want.items()}
+    assert_equal_to_one_process(
+        {**results, "test_metrics": {k: v for k, v in results["test_metrics"].items()
+                                     if k not in own}},
+        {k: v for k, v in want.items() if k not in own})
+    for k in own:
+        assert results["test_metrics"][k] == pytest.approx(want[k], rel=1e-3), k
+    assert [point["step"] for point in results["eval_curve"]] == [10, 20]

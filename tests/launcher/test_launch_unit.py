@@ -244,6 +244,7 @@ def test_pinned_task_runs_on_its_own_cores(tmp_path):
     ("preempt", "chief:0@step=150", faults.Fault("preempt", "chief:0", step=150)),
     ("kill", " ps:0@step=0 ", faults.Fault("kill", "ps:0", step=0)),
     ("kill", "local:0@step=7", faults.Fault("kill", "local:0", step=7)),
+    ("kill", "evaluator:0@step=40", faults.Fault("kill", "evaluator:0", step=40)),
 ])
 def test_parse_fault(action, spec, expected):
     assert faults.parse_fault(action, spec) == expected
@@ -251,7 +252,7 @@ def test_parse_fault(action, spec, expected):
 
 @pytest.mark.parametrize("spec", [
     "worker1@20", "worker:1", "worker:x@20", "worker:1@-3", "worker:1@step=abc",
-    "@20", "evaluator:0@5", "worker:1@20m", "worker:1@step=", "worker:1@step=5@6",
+    "@20", "trainer:0@5", "worker:1@20m", "worker:1@step=", "worker:1@step=5@6",
 ])
 def test_parse_fault_rejects_with_the_expected_form(spec):
     with pytest.raises(plans.LaunchError) as err:

@@ -90,7 +90,8 @@ def show_plan(cluster: plans.ClusterPlan, checks: list[MemberCheck]) -> None:
         address = ""
         if c.plan.get("cluster"):
             role, _, index = c.member.partition(":")
-            address = c.plan["cluster"][role][int(index)]
+            addresses = c.plan["cluster"].get(role) or []
+            address = addresses[int(index)] if int(index) < len(addresses) else ""
         host = f" on {cluster.where(c.member)}" if cluster.hosts else ""
         print(f"{c.member:<{width}}  {address}{host}: {c.plan['action']}")
     chief = next((c.plan for c in checks if c.plan and c.plan.get("is_chief")), None)

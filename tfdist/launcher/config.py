@@ -49,6 +49,12 @@ class Cluster:
     ps: int = option(0, "parameter-server tasks (ps, ps-sync; a chief is added to coordinate)",
                      metavar="N")
     chief: bool = option(False, "multiworker: add a separate chief task (it trains too)")
+    evaluator: bool = option(
+        False, "add a sidecar evaluator, evaluator:0: train.py with TF_CONFIG task type "
+        "evaluator, outside the training cluster, evaluating each new checkpoint of "
+        "--model-dir (val_* to logs/eval, its history to results.json); training never waits "
+        "for it and its exit never decides the job's (outcome.json records it); not with "
+        "--strategy none or mirrored (one process), --engine ray or --min-workers")
     host: str = option("localhost", "address written into TF_CONFIG (without --hosts)",
                        group=NETWORK)
     hosts: int = option(

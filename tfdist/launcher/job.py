@@ -89,10 +89,28 @@ def plan_cluster(asked: Cluster, kind: StrategyKind) -> plans.ClusterPlan:
         raise LaunchError(f"--host {asked.host} names the one address of a loopback cluster; "
                           "--hosts gives each simulated host its own: use one of the two")
     if asked.hosts:
-        return plans.build_host_cluster(kind, asked.workers, asked.ps, asked.chief, asked.hosts)
+        plan = plans.build_host_cluster(kind, asked.workers, asked.ps, asked.chief, asked.hosts)
+        return plans.with_evaluator(plan) if asked.evaluator else plan
     n = plans.member_count(kind, asked.workers, asked.ps, asked.chief)
-    return plans.loopback_plan(kind, asked.workers, asked.ps, asked.chief,
-                               plans.free_ports(n), asked.host)
+    ports = plans.free_ports(n + int(asked.evaluator))
+    plan = plans.loopback_plan(kind, asked.workers, asked.ps, asked.chief, ports[:n], asked.host)
+    return plans.with_evaluator(plan, ports[n], asked.host) if asked.evaluator else plan
+
+
+def check_evaluator(request: LaunchRequest, kind: StrategyKind) -> None:
+    """``--evaluator`` where a sidecar can follow the job, else one line (pure)."""
+    if not request.cluster.evaluator:
+        return
+    if kind.single_process:
+        raise LaunchError(f"--evaluator evaluates a cluster's checkpoints beside it; --strategy "
+                          f"{kind.name} is one process, which evaluates its own run after "
+                          "training: drop --evaluator, or use a multi-process strategy")
+    if request.program is not None:
+        raise LaunchError("--evaluator runs train.py as the evaluator; --program runs another "
+                          "program on every member: drop one of the two")
+    if request.recovery.min_workers is not None:
+        raise LaunchError("--evaluator is not combined with --min-workers (a re-formed cluster "
+                          "starts only its workers): drop one of the two")
 
 
 def auto_cluster(asked: Cluster) -> ClusterConfig:
@@ -137,6 +155,7 @@ def build_config(request: LaunchRequest) -> LaunchConfig:
     member = resolve_member(kind, request.member)
     check_times(request.limits)
     ray_engine.check_request(request)
+    check_evaluator(request, kind)
     if program is not None and request.dry_run:
         raise LaunchError("--dry-run shows train.py's own plan for each task; it does not "
                           "apply with --program: drop one of the two")

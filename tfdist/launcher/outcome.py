@@ -260,4 +260,14 @@ def finish(run, code: int, figures: JobFigures) -> None:
         restarts_per_task=dict(restarter.restarts) if restarter is not None and
         restarter.restarts else None,
         membership=membership.history if membership is not None else None,
-        host_cpus=figures.host_cpus, **scale_), log)
+        host_cpus=figures.host_cpus, evaluators=_evaluators(run, log), **scale_), log)
+
+
+def _evaluators(run, log) -> dict | None:
+    """The sidecar evaluators' fate in the last attempt (``--evaluator``), and one line."""
+    found = run.supervisor.evaluators if run.supervisor is not None else {}
+    for name, status in found.items():
+        log(f"[launch] {name}: {status['status']}"
+            + (f" (exit {status['exit_code']})" if status["exit_code"] else "")
+            + "; the job's exit code is training's")
+    return found or None

@@ -174,6 +174,33 @@ def build_host_cluster(kind: StrategyKind, workers: int, ps: int = 0, chief: boo
     return ClusterPlan(_tf_configs(cluster), hosts, host_of)
 
 
+def with_evaluator(plan: ClusterPlan, port: int | None = None,
+                   host: str = "localhost") -> ClusterPlan:
+    """``plan`` and one sidecar evaluator (``--evaluator``), ``evaluator:0`` (pure).
+
+    Its TF_CONFIG is the training cluster's plus its own address under
+    ``evaluator`` (as TensorFlow's parameter-server tutorial writes it); the
+    training members' TF_CONFIGs do not name it, so it stays outside their
+    cluster. With simulated hosts it runs on host 0, beside the members that
+    only coordinate or serve, on that host's next port; else on ``host:port``.
+    """
+    first = next((c for c in plan.tf_configs.values() if c is not None), None)
+    if first is None:
+        raise LaunchError("--evaluator follows a cluster's checkpoints; this job is one "
+                          "process: drop --evaluator")
+    name = f"{policy.EVALUATOR}:0"
+    host_of = dict(plan.host_of)
+    if plan.hosts:
+        host_of[name] = 0
+        address = f"{host_address(0)}:{BASE_PORT + sum(1 for h in plan.host_of.values() if not h)}"
+    else:
+        address = f"{host}:{port}"
+    cluster = {**first["cluster"], policy.EVALUATOR: [address]}
+    tf_configs = {**plan.tf_configs,
+                  name: {"cluster": cluster, "task": {"type": policy.EVALUATOR, "index": 0}}}
+    return ClusterPlan(tf_configs, plan.hosts, host_of)
+
+
 def loopback_plan(kind: StrategyKind, workers: int, ps: int, chief: bool,
                   ports: list[int] | None, host: str = "localhost") -> ClusterPlan:
     return ClusterPlan(build_cluster(kind, workers, ps, ports, host, chief))

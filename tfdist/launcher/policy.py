@@ -52,14 +52,24 @@ def layout(kind: StrategyKind, workers: int, ps: int = 0, chief: bool = False) -
     return {"chief": 1 if chief or coordinator else 0, "worker": workers, "ps": ps}
 
 
+# The sidecar evaluator's role (``launch.py --evaluator``): a member outside the
+# training cluster, as TensorFlow's TF_CONFIG and Kubeflow's TFJob keep it.
+EVALUATOR = "evaluator"
+
+
+def is_evaluator(member: str) -> bool:
+    return member.partition(":")[0] == EVALUATOR
+
+
 def decides(kind: StrategyKind, member: str) -> bool:
     """Whether ``task``'s exit decides the job's outcome (first failure wins).
 
     Serving tasks do not: they run until the chief is gone, and a lost
     serving worker's steps are rescheduled on the others. Every task of a
-    kind without servers runs every step, so each one decides.
+    kind without servers runs every step, so each one decides. The sidecar
+    evaluator never does: nobody waits for it, so a lost one changes nothing.
     """
-    return member.partition(":")[0] not in kind.serving_roles
+    return member.partition(":")[0] not in (*kind.serving_roles, EVALUATOR)
 
 
 # How long a drawn --hang or --partition lasts (its +SECONDS), drawn uniformly.

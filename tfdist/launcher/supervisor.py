@@ -62,10 +62,29 @@ def storage_line(name: str, lines: list[str], relaunches: bool = False) -> str:
             "previous checkpoint")
 
 
+# How long a job whose training ended well waits for its sidecar evaluator
+# (--evaluator) to evaluate the final checkpoint and add its history to
+# results.json: one evaluation of a test split takes seconds to a minute here,
+# and the evaluator itself waits at most a minute for the chief's record.
+EVALUATOR_WAIT = 300.0
+
+
+def evaluator_status(code: int | None) -> dict:
+    """What became of a sidecar evaluator, for ``outcome.json`` (pure): ``finished``
+    (exit 0), ``failed`` (its own exit code), ``killed`` (by a signal) or ``stopped``
+    (still running when the launcher ended the job)."""
+    if code is None:
+        return {"status": "stopped", "exit_code": None}
+    if code < 0:
+        return {"status": "killed", "exit_code": code, "signal": signal.Signals(-code).name}
+    return {"status": "finished" if code == 0 else "failed", "exit_code": code}
+
+
 class Supervisor:
     """One attempt of the job: its processes, their exits, the hooks' actions."""
 
     poll = 0.1  # seconds between polls
+    evaluator_wait = EVALUATOR_WAIT
 
     def __init__(self, kind: StrategyKind, engine: Engine, log=print, grace: float = 5.0,
                  slowdown=None, attempt: int = 0, network=None, relaunches: bool = False):
@@ -83,6 +102,9 @@ class Supervisor:
         # --min-workers: a host cut off for good stays cut off between
         # attempts (the job re-forms without it); lifted when the job ends.
         self.keep_links = False
+        # --evaluator: what became of each sidecar evaluator (evaluator_status),
+        # set when the attempt ends.
+        self.evaluators: dict[str, dict] = {}
 
     # --- processes ---------------------------------------------------------------
 
@@ -212,13 +234,14 @@ class Supervisor:
                         # itself; a SIGTERM now would be read as another notice.
                         self.log("[launch] job preempted: waiting for every task to checkpoint "
                                  "and exit")
-                        self.engine.wait(list(self.members.values()), self.grace)
+                        self.engine.wait(self._training(), self.grace)
                         self.reap()
                     elif code != 0:
                         self.log(f"[launch] job failed (exit {code}); stopping the other tasks")
                     else:
                         # Servers notice the chief is gone and exit on their own.
-                        self.engine.wait(list(self.members.values()), self.grace)
+                        self.engine.wait(self._training(), self.grace)
+                        self._wait_evaluators()
                     return code
                 if time.monotonic() > deadline:
                     self.log(f"[launch] error: job still running after --timeout={timeout:g}s; "
@@ -226,4 +249,25 @@ class Supervisor:
                     return Exit.TIMEOUT
                 time.sleep(self.poll)
         finally:
+            self.evaluators = {n: evaluator_status(self.exits[n]) for n in self.members
+                               if policy.is_evaluator(n)}
             self.stop()
+
+    def _training(self) -> list[MemberProcess]:
+        """The members of the training cluster (the sidecar evaluator is not)."""
+        return [m for n, m in self.members.items() if not policy.is_evaluator(n)]
+
+    def _wait_evaluators(self) -> None:
+        """Training ended well: a sidecar evaluator still running evaluates the final
+        checkpoint and ends by itself; it is given ``evaluator_wait`` seconds."""
+        live = [m for n, m in self.members.items()
+                if policy.is_evaluator(n) and self.exits[n] is None]
+        if not live:
+            return
+        self.log(f"[launch] training done; waiting up to {self.evaluator_wait:g}s for the "
+                 "evaluator to evaluate the final checkpoint")
+        self.engine.wait(live, self.evaluator_wait)
+        self.reap()
+        if any(self.exits[n] is None for n in self.members if policy.is_evaluator(n)):
+            self.log("[launch] the evaluator did not finish in time: stopping it (the job's "
+                     "outcome is training's)")

@@ -92,6 +92,9 @@ class RunPlan:
     shard_state: str = "off"
     # Steps per tf.function call: --steps-per-execution, else the model's compile(...), else 1.
     steps_per_execution: int = 1
+    # --eval-shards resolved: the shards each evaluation is cut into under ps and
+    # ps-sync (training.ps.sharded_eval); unused elsewhere.
+    eval_shards: int = 1
 
     @property
     def examples_per_gradient(self) -> int:
@@ -287,12 +290,32 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
         pipeline=pipeline, config=config, cluster=cluster, kind=kind, task=spec,
         gradients_per_update=k, global_batch_size=batch, batch_chosen=chosen,
         replicas=replicas, devices=devices, train_examples=train_examples,
-        test_examples=test_examples, total_steps=total,
-        steps_per_epoch=steps_per_epoch, optimizer=_optimizer(config, spec),
-        sharding=_sharding(config, kind, cluster), accumulation_steps=accumulation,
-        read_ahead=_read_ahead(config, kind, own_train_step),
+        test_examples=test_examples, total_steps=total, steps_per_epoch=steps_per_epoch,
+        optimizer=_optimizer(config, spec), sharding=_sharding(config, kind, cluster),
+        accumulation_steps=accumulation, read_ahead=_read_ahead(config, kind, own_train_step),
         shard_state=_shard_state(config, kind, replicas, own_train_step),
-        steps_per_execution=_steps_per_execution(config, spec, task_steps_per_execution))
+        steps_per_execution=_steps_per_execution(config, spec, task_steps_per_execution),
+        eval_shards=eval_shards(config.eval_shards, cluster.num_members("worker")))
+
+
+# --eval-shards auto: shards per worker, as tf_keras's pss_evaluation_shards="auto".
+EVAL_SHARDS_PER_WORKER = 5
+
+
+def eval_shards(value: str, workers: int) -> int:
+    """--eval-shards as a count (auto: ``EVAL_SHARDS_PER_WORKER`` x workers); ConfigError
+    for anything but a positive whole number or auto."""
+    if value == "auto":
+        return EVAL_SHARDS_PER_WORKER * max(1, workers)
+    try:
+        shards = int(value)
+    except ValueError:
+        shards = 0
+    if shards < 1 or str(shards) != value.strip():
+        raise ConfigError(f"--eval-shards={value!r} is not allowed; use a positive whole "
+                          f"number of shards (e.g. 10), or auto ({EVAL_SHARDS_PER_WORKER} per "
+                          "worker)")
+    return shards
 
 
 # What the sharded update (training.sync.zero) builds; "weights" (ZeRO stage 3) is named

@@ -62,6 +62,11 @@ def preflight(run_request: RunRequest, gpus: list[str] | None = None) -> RunPlan
         gpus = _physical_gpus()
     plan = resolve(run_request, gpus, train_examples=train_n, test_examples=test_n, **facts)
     check_task_dirs(plan)
+    if kind.role(cluster) == "evaluator":
+        # launch.py --evaluator: refused by the evaluator's own check, before any start.
+        from tfdist.training import sidecar
+
+        sidecar.check(plan)
     if plan.pipeline is not None and kind.reads_data(cluster):
         # More stages than layers, bad --stages, a model that is not a chain:
         # one line now, not after every worker has started.

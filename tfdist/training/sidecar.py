@@ -164,12 +164,17 @@ class Sidecar:
                 "examples": self.evaluator.examples, "evaluations": self.history}
 
 
-def follow(plan, checked, timeout: float) -> dict:
-    """Run the sidecar on ``plan``'s run directory; add its record to results.json."""
+def check(plan) -> None:
+    """ConfigError (one line) when ``plan``'s checkpoints cannot be followed here."""
     why = refusal(plan)
     if why is not None:
         raise ConfigError(f"{plan.cluster.member_name}: the sidecar evaluator cannot follow "
                           f"this run: {why}")
+
+
+def follow(plan, checked, timeout: float) -> dict:
+    """Run the sidecar on ``plan``'s run directory; add its record to results.json."""
+    check(plan)
     sidecar = Sidecar(plan, checked, timeout)
     record = sidecar.run()
     add_to_results(plan.config.model_dir, record)

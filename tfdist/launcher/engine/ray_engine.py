@@ -92,6 +92,9 @@ def check_request(request: LaunchRequest) -> None:
         ("--host-cpus", cluster.host_cpus, "CPU cgroups are this host's"),
         ("--netns on", cluster.netns == "on" or None, "Ray's nodes must reach each other"),
         ("--dry-run", request.dry_run or None, "addresses are known once the actors are placed"),
+        ("--evaluator", cluster.evaluator or None,
+         "each actor's TF_CONFIG is made from the placed addresses, with no member outside "
+         "the training cluster"),
     ]
     for flag, value, why in refused:
         if value:

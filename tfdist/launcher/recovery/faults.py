@@ -95,7 +95,7 @@ class Slow:
         return f"--slow {self.member}={self.fraction:g}{when}"
 
 
-_TASK = r"(chief|worker|ps|local):(\d+)"
+_TASK = r"(chief|worker|ps|local|evaluator):(\d+)"
 _WHEN = r"(?:step=(\d+)|(\d+(?:\.\d+)?)s?)"
 _FAULT_RX = re.compile(rf"^{_TASK}@(?:{_WHEN}|ran=(\d+)|down={_TASK})$")
 _LIFT = r"(?:\+(\d+(?:\.\d+)?)s?)?"

@@ -60,6 +60,49 @@ class EvalMembers:
     total: Callable
 
 
+@dataclass(frozen=True)
+class EvalShards:
+    """The split cut into ``count`` shards of contiguous batches, each evaluated by one
+    closure a coordinator schedules on a worker (``ps``), on the chief's
+    call: ``run(local, initial_states, split, batch_size, bounds)`` returns each
+    closure's ``(shard, states, examples, worker)`` as the coordinator returned it.
+    ``refusal``: why this model cannot be evaluated so (the chief does), else None."""
+
+    count: int
+    run: Callable
+    refusal: str | None = None
+    is_chief: bool = True
+
+
+class ShardMerge:
+    """Each shard's metric states added once, whatever returns it how often: a closure
+    the coordinator ran again after a lost worker, or a shard given twice, counts once."""
+
+    def __init__(self, shards: int):
+        self.shards = shards
+        self.states: list[np.ndarray] | None = None
+        self.merged: set[int] = set()
+        self.examples = 0
+        self.per_worker: dict[str, int] = {}
+
+    def add(self, shard: int, states, examples: int, worker: str) -> bool:
+        """Merge ``shard``'s states; False (nothing merged) when it was merged before."""
+        if not 0 <= shard < self.shards:
+            raise ValueError(f"shard {shard} is outside 0..{self.shards - 1}")
+        if shard in self.merged:
+            return False
+        self.merged.add(shard)
+        arrays = [np.asarray(v, np.float64) for v in states]
+        self.states = arrays if self.states is None else [
+            a + b for a, b in zip(self.states, arrays)]
+        self.examples += int(examples)
+        self.per_worker[worker] = self.per_worker.get(worker, 0) + int(examples)
+        return True
+
+    def missing(self) -> list[int]:
+        return [s for s in range(self.shards) if s not in self.merged]
+
+
 def batch_range(batches: int, members: int, rank: int) -> tuple[int, int]:
     """The batches ``[lo, hi)`` member ``rank`` of ``members`` evaluates: contiguous,
     disjoint, covering ``range(batches)``, sizes differing by at most one."""
@@ -158,9 +201,13 @@ class Evaluator:
             return
         task, batch_size, split, members = self._task, self.batch_size, self.split, self.members
         if members is not None:
-            self.alone_because = self._sharing_refusal(task)
+            self.alone_because = ((members.refusal if isinstance(members, EvalShards)
+                                   else None) or self._sharing_refusal(task))
         if members is None or self.alone_because is not None:
             self.dataset = data.eval_dataset(task, batch_size, split).cache()
+            return
+        if isinstance(members, EvalShards):
+            self.dataset = ()  # each shard is read on its worker
             return
         batches = -(-self.examples // batch_size)
         lo, hi = batch_range(batches, len(members.names), members.rank)
@@ -205,14 +252,20 @@ class Evaluator:
         if not self.shared:
             self._say_alone()
             out = self.local.evaluate(self.dataset, verbose=0, return_dict=True)
-            counts = {self.member if self.members is None else self.members.names[
+            counts = {self.member if self.members is None or isinstance(
+                self.members, EvalShards) else self.members.names[
                 self.members.rank]: self.examples}
+        elif isinstance(self.members, EvalShards):
+            out, counts = self._sharded_pass()
         else:
             out, counts = self._shared_pass()
+        sharded = isinstance(self.members, EvalShards) and self.shared
         self.record = {
-            "split": self.split, "where": "members" if self.shared else "chief",
+            "split": self.split, "where": ("workers" if sharded else
+                                           "members" if self.shared else "chief"),
             "members": len(counts), "batch_size": self.batch_size, "examples": self.examples,
             "examples_per_member": counts,
+            **({"shards": self.members.count} if sharded else {}),
             "seconds": round(time.perf_counter() - started, 3),
             **({"alone_because": self.alone_because} if self.alone_because else {})}
         return {name: float(value) for name, value in out.items()}
@@ -246,6 +299,30 @@ class Evaluator:
             offset += value.size
         counts = {name: int(round(n)) for name, n in zip(members.names, total[offset:])}
         return pythonify_logs(local.get_metrics_result()), counts
+
+
+    def _sharded_pass(self) -> tuple[dict, dict]:
+        """Every shard evaluated by a closure on a worker from the same initial metric
+        states, each shard's states merged once, the results read from the sums."""
+        from keras.src.utils.python_utils import pythonify_logs
+
+        local, shards = self.local, self.members
+        local.reset_metrics()
+        variables = local.metrics_variables
+        initial = [keras.ops.convert_to_numpy(v) for v in variables]
+        batches = -(-self.examples // self.batch_size)
+        count = min(shards.count, batches)
+        bounds = [batch_range(batches, count, s) for s in range(count)]
+        merge = ShardMerge(count)
+        for shard, states, examples, worker in shards.run(local, initial, self.split,
+                                                          self.batch_size, bounds):
+            merge.add(shard, states, examples, worker)
+        if merge.missing() or merge.examples != self.examples:
+            raise RuntimeError(f"the sharded evaluation merged {merge.examples} of "
+                               f"{self.examples} examples; shards missing: {merge.missing()}")
+        for var, summed in zip(variables, merge.states):
+            var.assign(summed.astype(keras.backend.standardize_dtype(var.dtype)))
+        return pythonify_logs(local.get_metrics_result()), dict(sorted(merge.per_worker.items()))
 
 
 def split_metrics(values: dict[str, float]) -> tuple[float, dict[str, float]]:

@@ -200,6 +200,18 @@ class CoordinatedTrainer(Trainer):
             optimizer.iterations.assign(int(self.state.global_step.numpy()))
         return local
 
+    def evaluation_members(self):
+        """Each evaluation cut into ``--eval-shards`` shards the coordinator schedules on
+        the workers (``training.ps.sharded_eval``); ``--evaluate-on chief``: the chief
+        alone. ``ps-sync`` overrides it."""
+        if self.config.evaluate_on == "chief":
+            return None
+        from tfdist.training.ps.sharded_eval import CoordinatedEvaluation
+
+        evaluation = CoordinatedEvaluation(self.coordinator, self.state.model, self.task.task,
+                                           self.workers)
+        return evaluation.shards(self.plan.eval_shards, self.task.local_model)
+
     def ps_variable_bytes(self) -> dict[str, int]:
         """Bytes of model variables and optimizer slots each ps task holds."""
         state = self.state

@@ -581,6 +581,12 @@ class PsSyncTrainer(CoordinatedTrainer):
                   "update_p99": recent["p99"]}
         return text, fields
 
+    def evaluation_members(self):
+        """The chief evaluates alone: shard closures scheduled after a drain did not
+        return under ps-sync (its workers' calls wait on step tokens), so this trainer
+        keeps the chief's own evaluation."""
+        return None
+
     def result_fields(self, ran: int) -> dict:
         global_steps = int(self.state.global_step.numpy())
         counts = self._counts()

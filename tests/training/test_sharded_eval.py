@@ -1,0 +1,114 @@
+"""The evaluation under ps and ps-sync cut into shards (training.ps.sharded_eval):
+each shard's metric states merged once, the merged results equal one process's
+``model.evaluate``, and ``--eval-shards`` checked.
+
+The shards here are evaluated in this process by the closures' own step
+(``stateless_test_steps``) and handed to the chief's ``Evaluator`` as a
+coordinator would return them, a retried one twice; the real coordinator is
+tests/integration/test_sharded_evaluation.py's.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdist.protocol import ConfigError
+from tfdist.training.loop.evaluation import Evaluator, EvalShards, ShardMerge
+from tfdist.training.plan import eval_shards
+from tfdist.training.ps.sharded_eval import refusal, stateless_test_steps
+from tfdist.training.workload import data
+
+from tests.training import eval_tasks
+from tests.training.test_evaluation_shares import assert_same, reference
+
+
+# --- merging once -------------------------------------------------------------------------
+
+def test_each_shard_is_merged_once_whoever_returns_it():
+    merge = ShardMerge(3)
+    assert merge.add(0, [np.array([1.0, 2.0]), np.array(3.0)], 10, "worker:0")
+    assert merge.add(2, [np.array([1.0, 0.0]), np.array(1.0)], 7, "worker:1")
+    # The coordinator ran shard 0 again after its worker was lost: not counted twice.
+    assert not merge.add(0, [np.array([1.0, 2.0]), np.array(3.0)], 10, "worker:1")
+    assert merge.missing() == [1]
+    assert merge.add(1, [np.array([0.5, 0.5]), np.array(2.0)], 5, "worker:1")
+    assert merge.missing() == []
+    assert [v.tolist() for v in merge.states] == [[2.5, 2.5], 6.0]
+    assert merge.examples == 22
+    assert merge.per_worker == {"worker:0": 10, "worker:1": 12}
+    with pytest.raises(ValueError):
+        merge.add(3, [], 1, "worker:0")
+
+
+def _shards_here(task, model, returned_twice=(), workers=2):
+    """An ``EvalShards`` whose closures run in this process on ``model``'s weights, in
+    the order a coordinator might return them (``returned_twice``: shards returned again)."""
+    def run(local, initial, split, batch_size, bounds):
+        values = [tf.convert_to_tensor(w.value) for w in model.weights]
+        order = list(range(len(bounds)))[::-1] + list(returned_twice)
+        for shard in order:
+            lo, hi = bounds[shard]
+            batches = data.task_split(task, split).skip(lo * batch_size).take(
+                (hi - lo) * batch_size).batch(batch_size)
+            states, examples = stateless_test_steps(local, values, [tf.constant(v) for v in initial],
+                                                    batches)
+            yield shard, [s.numpy() for s in states], int(examples), f"worker:{shard % workers}"
+
+    return run
+
+
+@pytest.mark.parametrize("name,shards", [("BINARY", 3), ("TWO_OUTPUTS", 8),
+                                         ("SAMPLE_WEIGHTED", 5), ("OWN_TEST_STEP", 2)])
+def test_merged_shards_equal_one_process(name, shards):
+    task = getattr(eval_tasks, name)
+    model = task.build_model()
+    shards_here = EvalShards(shards, _shards_here(task, model, returned_twice=(1,)))
+    evaluator = Evaluator(task, task.build_model(), members=shards_here)
+    got, want = evaluator(model), reference(task, model)
+    # Each output's own loss (cls_loss) is Keras's figure weighted by the batch's static
+    # size, which differs between Keras's traced evaluate and a shard's batches (see
+    # test_evaluation_shares.reference): compared to 1e-3; everything else to 1e-5.
+    own = {k for k in want if k.endswith("_loss")}
+    assert_same({k: v for k, v in got.items() if k not in own},
+                {k: v for k, v in want.items() if k not in own})
+    for name in own:
+        assert got[name] == pytest.approx(want[name], rel=1e-3), name
+    record = evaluator.record
+    assert record["where"] == "workers" and record["shards"] == shards
+    assert sum(record["examples_per_member"].values()) == record["examples"] == 7777
+
+
+def test_a_model_the_workers_cannot_map_is_evaluated_on_the_chief(capsys):
+    task = eval_tasks.BINARY
+    model = task.build_model()
+    why = "the model's variables are split over the ps tasks (--shard-variables)"
+    evaluator = Evaluator(task, task.build_model(), members=EvalShards(
+        4, _shards_here(task, model), refusal=why))
+    assert_same(evaluator(model), reference(task, model))
+    assert evaluator.record["where"] == "chief"
+    assert why in capsys.readouterr().out
+
+
+def test_a_split_variable_is_refused_by_name():
+    import keras
+
+    small = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    other = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)])
+    assert refusal(small, small) is None
+    assert "split over the ps tasks" in refusal(small, other)
+
+
+# --- --eval-shards ---------------------------------------------------------------------------
+
+def test_eval_shards_auto_is_five_per_worker():
+    assert eval_shards("auto", 2) == 10
+    assert eval_shards("auto", 4) == 20
+    assert eval_shards("3", 2) == 3
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "x", "1.5", ""])
+def test_eval_shards_refuses_what_is_not_a_positive_count_in_one_line(value):
+    with pytest.raises(ConfigError) as refused:
+        eval_shards(value, 2)
+    line = str(refused.value)
+    assert "--eval-shards" in line and "positive whole number" in line and "\n" not in line
