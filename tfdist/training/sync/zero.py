@@ -349,7 +349,7 @@ class ShardedState:
     def state_bytes(self, gradient_dtype: str) -> dict[str, int]:
         """Bytes of training state this worker holds at once: the model's weights and its
         weights shard, the gradients (stage 1: all of them; stage 2: the summed shard and
-        the largest bucket's), the shard optimizer's slots."""
+        the largest variable's or bucket's), the shard optimizer's slots."""
         wire = tf.as_dtype(gradient_dtype).size
         total, shard = self.layout.total, self.layout.shard_size
         # The backward pass makes each variable's gradient whole; a bucket is a block of it.
