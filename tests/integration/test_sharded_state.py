@@ -31,7 +31,9 @@ def finish_job(p, model_dir, timeout=200):
 @pytest.mark.timeout(240)
 def test_optimizer_sharded_over_two_workers_matches_plain(tmp_path, spawn):
     # Both jobs at once (each launch has its own network namespace and ports).
-    jobs = [start_job(spawn, tmp_path / "zero1", "--shard-state", "optimizer"),
+    # Buckets of 8 KiB cut the 784 x 10 kernel into blocks of rows (shard_layout).
+    jobs = [start_job(spawn, tmp_path / "zero1", "--shard-state", "optimizer",
+                      "--all-reduce-bucket", "8k"),
             start_job(spawn, tmp_path / "plain")]
     sharded, hashes = finish_job(jobs[0], tmp_path / "zero1")
     assert sharded["shard_state"] == "optimizer" and sharded["global_steps"] == 40
@@ -68,7 +70,7 @@ def test_sharded_checkpoints_resume_exactly_sharded_or_plain(tmp_path, spawn):
     workers the reduce-scatter's sum and the all-reduce's are the same two terms, so the
     sharded and the plain update are the same bytes, and every case must match exactly."""
     s20, p20, whole = tmp_path / "s20", tmp_path / "p20", tmp_path / "s40"
-    sharded = ("--shard-state", "optimizer")
+    sharded = ("--shard-state", "optimizer", "--all-reduce-bucket", "8k")  # the kernel cut
     first = [start_job(spawn, s20, *sharded, *CONSTANT, steps=20, timeout=LONG),
              start_job(spawn, p20, *CONSTANT, steps=20, timeout=LONG),
              start_job(spawn, whole, *sharded, *CONSTANT, timeout=LONG)]
@@ -98,7 +100,9 @@ def test_sharded_checkpoint_resumes_at_another_worker_count(tmp_path, spawn):
                          timeout=LONG), s20,
                timeout=LONG)
     _copy(s20, tmp_path / "plain3")
-    runs = {"sharded3": (s20, ("--shard-state", "gradients")), "plain3": (tmp_path / "plain3", ())}
+    # Three workers re-slice a layout whose kernel was cut in blocks of rows (8 KiB buckets).
+    runs = {"sharded3": (s20, ("--shard-state", "gradients", "--all-reduce-bucket", "8k")),
+            "plain3": (tmp_path / "plain3", ())}
     started = {name: start_job(spawn, d, *args, *CONSTANT, workers=3, timeout=LONG)
                for name, (d, args) in runs.items()}
     accuracy = {}

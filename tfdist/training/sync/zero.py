@@ -135,7 +135,9 @@ class ShardedState:
         self.coll = Collectives(workers, self.device)
         self.rank = self.coll.rank(member)
         sizes = [int(np.prod(v.shape)) for v in self.variables]
-        self.layout = ShardLayout.plan(sizes, workers, (bucket_bytes or BUCKET_BYTES) // 4)
+        rows = [int(np.prod(v.shape[1:])) if len(v.shape) > 1 else 1 for v in self.variables]
+        self.layout = ShardLayout.plan(sizes, workers, (bucket_bytes or BUCKET_BYTES) // 4,
+                                       rows)
         self.pieces = self.layout.pieces(self.rank)
         self._cache: dict[tuple[str, int], tf.Tensor] = {}  # (slot, bucket): gathered
         with tf.device(self.device):
@@ -243,7 +245,7 @@ class ShardedState:
                 grads = tf.identity_n(grads)
             rows = []
             for b in layout.buckets:
-                parts = [tf.reshape(g, [-1]) for g in grads[b.first:b.stop]]
+                parts = [tf.reshape(self._block(grads[s.var], s), [-1]) for s in b.segments]
                 if b.padded > b.size:
                     parts.append(tf.zeros([b.padded - b.size], parts[0].dtype))
                 flat = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
@@ -251,6 +253,14 @@ class ShardedState:
             return loss, values, rows
 
         return replica_step
+
+    def _block(self, tensor, segment):
+        """A segment's rows of a variable-shaped tensor (a first-axis slice: TensorFlow
+        aliases it, no copy), or the whole tensor."""
+        if segment.length == self.layout.sizes[segment.var]:
+            return tensor
+        row = self.layout.sizes[segment.var] // int(tensor.shape[0])
+        return tensor[segment.start // row:segment.stop // row]
 
     def _update(self, rows, accumulation: int) -> None:
         """Reduce-scatter each bucket's rows, update this worker's shard, all-gather the
@@ -267,21 +277,38 @@ class ShardedState:
             with steplib.schedule_in_batches(self.shard_optimizer, accumulation):
                 self.shard_optimizer.apply([grad], [self.flat])
             self.optimizer.iterations.assign(self.shard_optimizer.iterations)
-            updated = self.flat.value
+            updated, previous = self.flat.value, []
             for b in self.layout.buckets:
-                whole = self.coll.all_gather(updated[b.column:b.column + b.chunk])
-                self._assign(b, whole)
+                # One bucket after another, each written before the next is gathered, so
+                # one gathered bucket is alive at a time, not every bucket's at once.
+                with tf.control_dependencies(previous):
+                    whole = self.coll.all_gather(updated[b.column:b.column + b.chunk])
+                previous = self._assign(b, whole)
+            self._constrain()
 
-    def _assign(self, bucket, whole) -> None:
-        """A gathered bucket (``[N x chunk]``) into its variables, constraints applied as
-        Keras's apply applies them."""
-        start = 0
-        for var in range(bucket.first, bucket.stop):
-            v, size = self.variables[var], self.layout.sizes[var]
-            v.assign(tf.reshape(whole[start:start + size], v.shape))
+    def _assign(self, bucket, whole) -> list:
+        """A gathered bucket (``[N x chunk]``) into its variables, on this worker's one
+        copy of each (a cut variable's block into its rows); returns the writes."""
+        start, writes = 0, []
+        for seg in bucket.segments:
+            v = self.variables[seg.var]
+            value, local = whole[start:start + seg.length], _local_copy(v)
+            if seg.length == self.layout.sizes[seg.var]:
+                writes.append(local.assign(tf.reshape(value, v.shape), read_value=False))
+            else:
+                rows = int(v.shape[0]) * seg.length // self.layout.sizes[seg.var]
+                first = int(v.shape[0]) * seg.start // self.layout.sizes[seg.var]
+                writes.append(tf.raw_ops.ResourceStridedSliceAssign(
+                    ref=local.handle, begin=[first], end=[first + rows], strides=[1],
+                    value=tf.reshape(value, [rows, *v.shape[1:]])))
+            start += seg.length
+        return writes
+
+    def _constrain(self) -> None:
+        """Weight constraints, as Keras's apply applies them, once every bucket is in."""
+        for v in self.variables:
             if v.constraint is not None:
                 v.assign(v.constraint(v))
-            start += size
 
     # --- checkpoints --------------------------------------------------------------------
 
@@ -303,11 +330,13 @@ class ShardedState:
     def full_slot(self, kind: str, var: int, shape) -> tf.Tensor:
         """Variable ``var``'s whole slot ``kind`` from the gathered slots; outside a save
         (a restore asks for the tensors' specs) zeros of its shape."""
-        bucket, offset = self.layout.offset_in_bucket(var)
-        whole = self._cache.get((kind, self.layout.buckets.index(bucket)))
-        if whole is None:
-            return tf.zeros(shape, tf.float32)
-        return tf.reshape(whole[offset:offset + self.layout.sizes[var]], shape)
+        parts = []
+        for bucket, offset, seg in self.layout.placements(var):
+            whole = self._cache.get((kind, bucket))
+            if whole is None:
+                return tf.zeros(shape, tf.float32)
+            parts.append(whole[offset:offset + seg.length])
+        return tf.reshape(parts[0] if len(parts) == 1 else tf.concat(parts, 0), shape)
 
     def restore_slot(self, kind: str, var: int, value):
         """The part of variable ``var``'s restored slot that this worker owns, into its
@@ -320,13 +349,24 @@ class ShardedState:
     def state_bytes(self, gradient_dtype: str) -> dict[str, int]:
         """Bytes of training state this worker holds at once: the model's weights and its
         weights shard, the gradients (stage 1: all of them; stage 2: the summed shard and
-        the largest bucket's), the shard optimizer's slots."""
+        the largest variable's or bucket's), the shard optimizer's slots."""
         wire = tf.as_dtype(gradient_dtype).size
         total, shard = self.layout.total, self.layout.shard_size
-        largest = max(b.padded for b in self.layout.buckets)
+        # The backward pass makes each variable's gradient whole; a bucket is a block of it.
+        largest = max(max(b.padded for b in self.layout.buckets), max(self.layout.sizes))
         grads = wire * total if self.level == "optimizer" else wire * largest
         return {"weights": 4 * (total + shard), "gradients": grads + 4 * shard,
                 "slots": 4 * shard * len(self.slots)}
+
+
+def _local_copy(variable):
+    """This worker's one copy of a model variable (the sharded update runs one replica
+    per worker), written directly: a mirrored variable's own assign takes only the
+    whole value, and its writes are needed as ops to order the buckets' gathers."""
+    value = getattr(variable, "value", variable)
+    if hasattr(value, "_get_on_device_or_primary"):
+        return value._get_on_device_or_primary()
+    return value
 
 
 def _shard_optimizer(optimizer, flat, level: str):
