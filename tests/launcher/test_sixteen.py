@@ -63,22 +63,27 @@ def _run(tmp_path, spawn, strategy: str, workers: int, ps: int, restart: bool,
     return r, outcome
 
 
-@pytest.mark.long
-@pytest.mark.multiprocess
-@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
-@pytest.mark.skipif(CGROUP_PROBLEM is not None, reason=f"no CPU cgroups here: {CGROUP_PROBLEM}")
-@pytest.mark.timeout(870)
+def _big_job(test):
+    """The marks every job of this file carries: long tier, real processes, simulated hosts
+    with CPU budgets (skipped, with the reason, where the machine has neither)."""
+    for mark in (pytest.mark.timeout(870),
+                 pytest.mark.skipif(CGROUP_PROBLEM is not None,
+                                    reason=f"no CPU cgroups here: {CGROUP_PROBLEM}"),
+                 pytest.mark.skipif(HOSTS_PROBLEM is not None,
+                                    reason=f"no simulated hosts here: {HOSTS_PROBLEM}"),
+                 pytest.mark.multiprocess, pytest.mark.long):
+        test = mark(test)
+    return test
+
+
+@_big_job
 def test_ps_with_16_workers_and_4_ps_survives_a_killed_worker(tmp_path, spawn):
     r, _ = _run(tmp_path, spawn, "ps", 16, 4, restart=True)
     # The coordinator gave the restarted worker work again, and every worker some.
     assert len(r["steps_per_worker"]) == 16 and all(v > 0 for v in r["steps_per_worker"].values())
 
 
-@pytest.mark.long
-@pytest.mark.multiprocess
-@pytest.mark.skipif(HOSTS_PROBLEM is not None, reason=f"no simulated hosts here: {HOSTS_PROBLEM}")
-@pytest.mark.skipif(CGROUP_PROBLEM is not None, reason=f"no CPU cgroups here: {CGROUP_PROBLEM}")
-@pytest.mark.timeout(870)
+@_big_job
 def test_ps_sync_with_8_workers_and_2_ps_survives_a_killed_worker(tmp_path, spawn):
     r, _ = _run(tmp_path, spawn, "ps-sync", 8, 2, restart=False,
                 extra=["--replicas-to-aggregate", "7"])
