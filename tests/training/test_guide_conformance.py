@@ -147,7 +147,7 @@ def test_the_guides_train_as_fit_in_one_process(tmp_path, capsys, strategy, name
 # In the default tier: under ps-sync the first example and the GAN (each
 # optimizer.apply one K-of-N average on ps:0, the GAN's two in order; its noise
 # generator's state shared), and the distiller under pipeline (its own compute_loss
-# on the last stage's output; 29 s); every other cluster cell, the multiworker GAN
+# on the last stage's output; 29-40 s under shared load); every other cluster cell, the multiworker GAN
 # among them, in the long tier (make test's budget).
 FAST_CLUSTER = {("ps-sync", "FIRST"), ("ps-sync", "GAN"), ("pipeline", "DISTILLATION")}
 CLUSTER = [pytest.param(s, n, marks=[pytest.mark.multiprocess]
