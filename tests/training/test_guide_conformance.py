@@ -146,15 +146,17 @@ def test_the_guides_train_as_fit_in_one_process(tmp_path, capsys, strategy, name
 
 # In the default tier: under ps-sync the first example and the GAN (each
 # optimizer.apply one K-of-N average on ps:0, the GAN's two in order; its noise
-# generator's state shared); every other cluster cell, the multiworker GAN among
-# them, in the long tier (make test's budget).
-FAST_CLUSTER = {("ps-sync", "FIRST"), ("ps-sync", "GAN")}
+# generator's state shared), and the distiller under pipeline (its own compute_loss
+# on the last stage's output; 29-40 s under shared load); every other cluster cell, the multiworker GAN
+# among them, in the long tier (make test's budget).
+FAST_CLUSTER = {("ps-sync", "FIRST"), ("ps-sync", "GAN"), ("pipeline", "DISTILLATION")}
 CLUSTER = [pytest.param(s, n, marks=[pytest.mark.multiprocess]
                         + ([] if (s, n) in FAST_CLUSTER else [pytest.mark.long]),
                         id=f"{s}-{n}")
            for s in CLUSTERS for n in JUDGED
-           # pipeline refuses a model's own train_step and compute_loss (below).
-           if s != "pipeline" or n == "OWN_TEST_STEP"]
+           # pipeline refuses a model's own train_step (below); it runs a model's own
+           # compute_loss on the last stage's output.
+           if s != "pipeline" or n in ("OWN_TEST_STEP", "DISTILLATION")]
 
 
 @pytest.mark.parametrize("strategy,name", CLUSTER)
@@ -176,7 +178,6 @@ def _checked(name):
 @pytest.mark.parametrize("strategy,name,says", [
     *[("pipeline", n, "overrides train_step, which pipeline cannot honour")
       for n in ("FIRST", "LOWER_LEVEL", "SAMPLE_WEIGHTS", "GAN", "FEATURES_ONLY")],
-    ("pipeline", "DISTILLATION", "overrides compute_loss, which pipeline cannot honour"),
 ])
 def test_what_a_strategy_cannot_honour_of_the_guides_is_one_line(strategy, name, says):
     from tfdist.protocol import ConfigError
@@ -190,6 +191,65 @@ def test_what_a_strategy_cannot_honour_of_the_guides_is_one_line(strategy, name,
     assert says in line and "\n" not in line, line
     for other in ("none", "mirrored", "multiworker", "ps", "ps-sync"):
         contract.check(kinds.get(other), checked)
+
+
+def _own_loss_model(calls_itself: bool, regularized: bool):
+    import keras
+
+    class OwnLoss(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.student = keras.Sequential([
+                keras.Input((4,)),
+                keras.layers.Dense(3, kernel_regularizer="l2" if regularized else None)])
+
+        def call(self, x):
+            return self.student(x)
+
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                         allow_empty=False):
+            again = self(x) if calls_itself else y_pred
+            return keras.ops.mean(keras.ops.square(again - y_pred)) + keras.ops.mean(y_pred)
+
+    model = OwnLoss()
+    model.compile(optimizer="adam")
+    return model
+
+
+@pytest.mark.parametrize("calls_itself,regularized,says", [
+    (True, False, "compute_loss calls the model itself, which pipeline cannot honour: the "
+                  "model is cut into stages"),
+    (False, True, "has losses of its own (regularizers, add_loss), which pipeline cannot"),
+    (False, False, None),  # y_pred alone: honoured
+])
+def test_a_compute_loss_pipeline_cannot_give_y_pred_alone_is_one_line(calls_itself, regularized,
+                                                                       says):
+    """A model's own compute_loss runs on the last stage's output; one that calls the
+    whole model again, or whose model has losses the stages add where they run, is
+    refused before the run (probed once on the first example)."""
+    import types
+
+    import numpy as np
+
+    from tfdist.protocol import ConfigError
+    from tfdist.strategies import kinds
+    from tfdist.training.workload import contract
+
+    model = _own_loss_model(calls_itself, regularized)
+    checked = types.SimpleNamespace(
+        local_model=model, task=object(), spec=types.SimpleNamespace(name="t"),
+        example=(np.ones((1, 4), "float32"), np.zeros((1, 3), "float32")))
+    for other in ("none", "mirrored", "multiworker", "ps", "ps-sync"):
+        contract.check(kinds.get(other), checked)
+    if says is None:
+        contract.check(kinds.get("pipeline"), checked)
+        assert "call" not in model.__dict__  # the probe's counter is gone again
+        return
+    with pytest.raises(ConfigError) as refused:
+        contract.check(kinds.get("pipeline"), checked)
+    line = str(refused.value)
+    assert says in line and "\n" not in line, line
+    assert "call" not in model.__dict__
 
 
 @pytest.mark.long  # the in-process check above is the default tier's

@@ -41,13 +41,40 @@ DATA = [(rng.normal(size=(BATCH, 12)).astype("float32"), rng.integers(0, 5, size
 POISONED = [tuple(a.copy() for a in b) for b in DATA]
 POISONED[1][0][5, 3] = np.inf
 
+class Distiller(keras.Model):
+    """The guide's knowledge distillation: its own compute_loss calls a (frozen) teacher
+    on x and mixes its softened output with the student's, without a compiled loss."""
+    def __init__(self, student, teacher):
+        super().__init__()
+        self.teacher, self.student = teacher, student
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, allow_empty=False):
+        teacher_pred = self.teacher(x, training=False)
+        student_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, y_pred)
+        soft = keras.losses.KLDivergence()(keras.ops.softmax(teacher_pred / 10.0, axis=1),
+                                           keras.ops.softmax(y_pred / 10.0, axis=1))
+        return 0.1 * student_loss + 0.9 * soft * 100.0
+    def call(self, x):
+        return self.student(x)
+
+OWN_LOSS = False  # set per case below: build() makes the distiller
+
 def build(optimizer, dtype=None, jit=False):
     keras.utils.set_random_seed(3)
+    # The distiller's student has no regularizers: its compute_loss adds no model losses.
     model = keras.Sequential(
         [keras.Input((12,))]
         + [keras.layers.Dense(16, activation="relu", dtype=dtype,
-                              kernel_regularizer=keras.regularizers.L2(1e-3)) for _ in range(3)]
+                              kernel_regularizer=None if OWN_LOSS else keras.regularizers.L2(1e-3))
+           for _ in range(3)]
         + [keras.layers.Dense(5, dtype="float32")])
+    if OWN_LOSS:
+        teacher = keras.Sequential([keras.Input((12,)), keras.layers.Dense(
+            5, use_bias=False, kernel_initializer=keras.initializers.Constant(
+                np.random.default_rng(1).normal(size=(12, 5))))], name="teacher")
+        teacher.trainable = False
+        model = Distiller(model, teacher)
+        model.compile(optimizer=optimizer(), metrics=["accuracy"], jit_compile=jit)
+        return model
     model.compile(optimizer=optimizer(),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"], weighted_metrics=["accuracy"], jit_compile=jit)
@@ -66,10 +93,11 @@ def pipelined(optimizer, weighted, n, dtype, steps, jit, data):
         pipeline=st.PipelinePlan(S, M, 1, schedule="dataflow"), total_steps=steps,
         accumulation_steps=n, task=types.SimpleNamespace(name="t"),
         optimizer=types.SimpleNamespace(library=False))
+    task.local_model = model  # what a distiller's compute_loss calls: the chief's model
     state = pt.build_pipeline_state(plan, task, None)
     step_plan = st.PipelinePlan(S, M * n, 1, schedule="dataflow")
     step = pt.make_pipeline_step(state, model._compile_loss, TrainMetrics(model), step_plan, n,
-                                 jit_compile=jit)
+                                 jit_compile=jit, own_loss=pt.own_loss_of(model))
     global_step = tf.Variable(0, dtype=tf.int64)
     call = pt.make_call(step, global_step, steps, n)
     batches = [b if weighted else b[:2] for b in data[:steps * n]]
@@ -110,19 +138,25 @@ CASES = {
         keras.optimizers.Adam(1e-2, global_clipnorm=0.05)), True, 1, None, 4),
     # Each stage's forward and backward one XLA cluster on its task (Keras: the step's).
     "jit": (lambda: keras.optimizers.Adam(1e-2), True, 1, None, 3, True),
+    # A model's own compute_loss (build() makes the distiller for this case),
+    # on the last stage's output, its teacher held on the chief (stages.forward_chain).
+    "own_compute_loss": (lambda: keras.optimizers.Adam(1e-2), False, 1, None, 3),
 }
 out = {}
 for name in sys.argv[1:]:
+    OWN_LOSS = name == "own_compute_loss"
     args = (CASES[name] + (False,))[:6] + (POISONED if name.startswith("loss_scale") else DATA,)
     state = pipelined(*args)
     ref = keras_fit(*args)
     got = state.model.get_weights()
-    initial = build(args[0], args[3]).get_weights()
+    initial = [w.numpy() for w in build(args[0], args[3]).trainable_weights]
     scales = [float(o.dynamic_scale.numpy()) for o in state.optimizers[0]
               if hasattr(o, "dynamic_scale")]
     out[name] = {
         "diff": max(float(np.abs(a - b).max()) for a, b in zip(got, ref.get_weights())),
-        "moved": min(float(np.abs(a - b).max()) for a, b in zip(ref.get_weights(), initial)),
+        "moved": min(float(np.abs(a.numpy() - b).max())
+                     for a, b in zip(ref.trainable_weights, initial)),
+        "weights": len(got),
         "scales": scales,
         "keras_scale": float(ref.optimizer.dynamic_scale.numpy())
             if hasattr(ref.optimizer, "dynamic_scale") else None,
@@ -136,7 +170,7 @@ print("RESULT " + json.dumps(out))
 
 # In the default tier (one child process, about a minute): the cases whose update
 # crosses the stages; the others in the long tier.
-FAST = ("global_clipnorm", "loss_scale", "jit")
+FAST = ("global_clipnorm", "loss_scale", "jit", "own_compute_loss")
 SLOW = ("sample_weight", "accumulation", "ema", "loss_scale_clipped")
 
 
@@ -253,3 +287,14 @@ def test_one_stages_non_finite_gradient_makes_every_stage_skip():
     for a, b in zip([g.numpy() for stage in got for g in stage[0]],
                     [g for stage in grads for g in stage]):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_models_own_compute_loss_makes_kerass_update(stepped):
+    """The guide's distiller: its call runs the student, which is cut into the stages
+    (``stages.forward_chain``); its own ``compute_loss`` runs on the last stage's output
+    with the teacher the chief holds, and the backward starts from its gradient. The
+    student's weights are Keras's own after three steps; the teacher's stay the
+    chief's, in the model's order."""
+    got = stepped["own_compute_loss"]
+    _same_update(got)
+    assert got["weights"] == 1 + 8  # the teacher's kernel, then the student's four layers

@@ -39,7 +39,7 @@ import time
 import keras
 import tensorflow as tf
 
-from tfdist.training.workload import data
+from tfdist.training.workload import contract, data
 
 from tfdist.training.pipeline import stages as stage_cut
 from tfdist.training.pipeline import updates
@@ -57,14 +57,20 @@ def stage_device(worker: int) -> str:
 class StagedModel:
     """The stages of one copy seen as one model: the weights in the task's
     model's order (stage 0's first), for evaluation, hashing and the
-    finite-weights check, which read ``weights`` only."""
+    finite-weights check, which read ``weights`` only. ``held``: {position in
+    the task model's weights: variable} of the weights outside the cut (a
+    distiller's teacher, which only its ``compute_loss`` calls), the chief's
+    own, not trained."""
 
-    def __init__(self, models):
+    def __init__(self, models, held=None):
         self.stages = list(models)
+        self.held = dict(held or {})
 
     @property
     def weights(self):
-        return [w for m in self.stages for w in m.weights]
+        staged = iter([w for m in self.stages for w in m.weights])
+        n = len(self.held) + sum(len(m.weights) for m in self.stages)
+        return [self.held[i] if i in self.held else next(staged) for i in range(n)]
 
     @property
     def trainable_weights(self):
@@ -85,11 +91,11 @@ class PipelineState:
 
     sharded = None  # a pipeline's state is cut by stage, never split over the workers
 
-    def __init__(self, copies, optimizers, devices, cut: str, global_clipnorm=None):
+    def __init__(self, copies, optimizers, devices, cut: str, global_clipnorm=None, held=None):
         self.copies, self.optimizers, self.devices, self.cut = copies, optimizers, devices, cut
         # The whole model's (training.pipeline.updates); the stages' optimizers clip none.
         self.global_clipnorm = global_clipnorm
-        self.model = StagedModel(copies[0])
+        self.model = StagedModel(copies[0], held)
         self.optimizer = optimizers[0][0]
         # On the client (make_master_device_default=False keeps them local).
         self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
@@ -176,7 +182,22 @@ def build_pipeline_state(plan, task, strategy) -> PipelineState:
         optimizers.append(opts)
         devices.append(devs)
     clip = None if plan.optimizer.library else updates.global_clipnorm(model.optimizer)
-    return PipelineState(copies, optimizers, devices, cut, clip)
+    return PipelineState(copies, optimizers, devices, cut, clip, _held(task, model, local))
+
+
+def _held(task, model, local) -> dict:
+    """{position: variable} of ``model``'s weights that no stage holds (the cut shares
+    the model's layers, so a stage's weights are the model's own variables): the
+    chief's model's (``task.local_model``, which its ``compute_loss`` calls) at
+    those positions."""
+    if callable(getattr(task, "stages", None)):
+        return {}  # the task's own stages line up with every weight (stages.local_stages)
+    staged = {id(w) for m in local for w in m.weights}
+    positions = [i for i, w in enumerate(model.weights) if id(w) not in staged]
+    if not positions:
+        return {}
+    chief = getattr(task, "local_model", model).weights
+    return {i: chief[i] for i in positions}
 
 
 def _split(structure, n: int) -> list:
@@ -206,13 +227,17 @@ class _CopyPass:
     between its stages (activations forward, their gradients backward), each slot's
     tape, each stage's summed gradients, slot times and end stamps. ``ws``: the
     micro-batches' sample weights (or None), beside their labels on the last stage;
-    ``optimizers``: the copy's, whose ``scale_loss`` each stage's loss takes."""
+    ``optimizers``: the copy's, whose ``scale_loss`` each stage's loss takes;
+    ``own_loss``: a model's own ``compute_loss(x, y, y_pred, sample_weight)`` (or
+    None: the compiled loss), with ``fs``, the micro-batches' features on the last
+    stage, which it is given."""
 
     def __init__(self, stages, devices, anchors, clock, compile_loss, metrics, xs, ys,
                  plan: stage_cut.PipelinePlan, after=None, optimizers=None, ws=None,
-                 calls=None):
+                 calls=None, own_loss=None, fs=None):
         self.stages, self.devices, self.anchors, self.clock = stages, devices, anchors, clock
         self.optimizers, self.ws = optimizers, ws
+        self.own_loss, self.fs = own_loss, fs
         # Per stage, the end stamp of its previous update in the same call (or
         # None): every slot's start follows it, so the time a slot's input
         # waits for the stage's new weights is not counted as busy.
@@ -303,7 +328,10 @@ class _CopyPass:
                 w = None if self.ws is None else self.ws[m]
                 # Keras's reduction divides the weighted sum by the micro-batch's
                 # size, so the mean of M equal micro-batches is the batch's.
-                loss = self.compile_loss(y, out, sample_weight=w)
+                if self.own_loss is None:
+                    loss = self.compile_loss(y, out, sample_weight=w)
+                else:  # under this tape, which watches ``out``: dLoss/dy_pred starts the backward
+                    loss = self.own_loss(self.fs[m], y, out, w)
                 self.losses.append(loss)
                 self.values.append(self.metrics.batch_values(y, out, w))
                 # The copy's batch mean is the mean of its M micro-batch means.
@@ -455,15 +483,29 @@ def _update_stage(s: int, passes: list[_CopyPass], copies, optimizers, devices, 
             passes[p].ends[s].append(end)  # the stage's last stamp: its update's end
 
 
+def _targets(features, labels, sample_weight, own_loss: bool):
+    """What travels to a copy's last stage: its labels, and its sample weights and
+    (for a model's own ``compute_loss``, which may read them) its features when
+    there are."""
+    targets = {"y": labels}
+    if sample_weight is not None:
+        targets["w"] = sample_weight
+    if own_loss:
+        targets["x"] = features
+    return targets
+
+
 def make_pipeline_step(state: PipelineState, compile_loss, metrics,
                        plan: stage_cut.PipelinePlan, accumulation: int = 1,
-                       jit_compile: bool = False):
+                       jit_compile: bool = False, own_loss=None):
     """``step(features, labels, sample_weight=None)``: one step over every copy of
     ``plan`` (its S, M and schedule; P is ``state``'s copies); returns (mean loss,
     mean metric values, slot times, each copy's update end stamps per stage).
     ``after``: the previous step's end stamps in the same traced call, which each
     stage's slots start after. ``accumulation``: batches the step's micro-batches
     come from (``plan``'s M counts them all), for the learning-rate schedule.
+    ``own_loss``: a model's own ``compute_loss(x, y, y_pred, sample_weight)``, run on
+    the last stage's task in place of ``compile_loss`` (its features travel there too).
 
     What crosses between tasks is only what the step needs: each copy's
     features once to its first stage and its labels once to its last (each
@@ -495,7 +537,7 @@ def make_pipeline_step(state: PipelineState, compile_loss, metrics,
     def step(features, labels, sample_weight=None, after=None):
         per_copy_x = _split(features, P) if P > 1 else [features]
         # The labels and sample weights travel together, to each copy's last stage.
-        targets = labels if sample_weight is None else (labels, sample_weight)
+        targets = _targets(features, labels, sample_weight, own_loss is not None)
         per_copy_t = _split(targets, P) if P > 1 else [targets]
         passes, copy_means = [], []
         for p in range(P):
@@ -503,11 +545,11 @@ def make_pipeline_step(state: PipelineState, compile_loss, metrics,
                 xs = _split(per_copy_x[p], M)  # one transfer of the copy's batch
             with tf.device(devices[p][S - 1][1]):
                 ts = _split(per_copy_t[p], M)
-            ys, ws = (ts, None) if sample_weight is None else (
-                [t[0] for t in ts], [t[1] for t in ts])
+            ys, ws, fs = ([t.get(k) for t in ts] for k in ("y", "w", "x"))
             copy = _CopyPass(copies[p], devices[p], anchors[p], clock, compile_loss, metrics,
-                             xs, ys, plan, after[p] if after else None, optimizers[p], ws,
-                             calls[p])
+                             xs, ys, plan, after[p] if after else None, optimizers[p],
+                             None if sample_weight is None else ws, calls[p], own_loss,
+                             None if own_loss is None else fs)
             copy.build(orders, plan.schedule)
             passes.append(copy)
             with tf.device(devices[p][S - 1][1]):
@@ -641,6 +683,21 @@ def count_transfers(concrete) -> dict:
     return {"total": len(pairs) + len(control), "control": len(control), **kinds}
 
 
+def own_loss_of(model):
+    """A model's own ``compute_loss`` as ``loss(x, y, y_pred, sample_weight)``, or None
+    (the compiled loss). It runs on the chief's whole model object, given the last
+    stage's output as ``y_pred``: what it calls besides (the guide's frozen teacher)
+    is not cut, and one that calls the model itself is refused before the run
+    (``contract.check``)."""
+    if not contract.overrides(model, "compute_loss"):
+        return None
+
+    def loss(x, y, y_pred, sample_weight):
+        return contract.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+
+    return loss
+
+
 class PipelineTrainer(Trainer):
     """``pipeline`` on the chief: owns the model's stages placed on the workers (and their
     optimizers, per copy), the step over micro-batches in --schedule's order, keeping the copies
@@ -670,7 +727,8 @@ class PipelineTrainer(Trainer):
         compile_loss = task.local_model._compile_loss  # pylint: disable=protected-access
         # compile(jit_compile=True): each stage's forward and backward with XLA.
         jit = getattr(task.local_model, "jit_compile", False) is True
-        step = make_pipeline_step(state, compile_loss, train_metrics, self.step_plan, n, jit)
+        step = make_pipeline_step(state, compile_loss, train_metrics, self.step_plan, n, jit,
+                                  own_loss_of(task.local_model))
         global_step = state.global_step
         # One traced function per number of steps a call runs (at most
         # MAX_STEPS_PER_CALL, and a cadence's remainder), made when first used.
@@ -700,6 +758,12 @@ class PipelineTrainer(Trainer):
             note = stage_cut.imbalance([m.count_params() for m in state.copies[0]])
             if note:
                 print(f"pipeline: {note}", flush=True)
+            held = sum(int(math.prod(w.shape)) for w in state.model.held.values()
+                       if w.trainable)
+            if held:  # fit would train them too, through the model's own compute_loss
+                print(f"pipeline: {held} trainable parameters outside the cut (what only "
+                      "compute_loss calls, e.g. a teacher) stay as built: no stage trains "
+                      "them", flush=True)
 
     def _on_sigterm(self, *_):
         self._preempted = True

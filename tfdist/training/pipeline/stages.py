@@ -1,7 +1,8 @@
 """How a model is cut into pipeline stages (``--strategy pipeline``).
 
 A task's Sequential model, or a functional model that is a chain of layers
-(one input, each layer fed by the one before), is cut into ``S`` consecutive
+(one input, each layer fed by the one before), or a model whose ``call`` runs one
+such sub-model (``forward_chain``: the guide's distiller), is cut into ``S`` consecutive
 stages balanced by parameter count; ``--stages 3,5`` names the layers where
 stages 1, 2, ... begin instead. A task whose model is not a chain provides
 ``stages()`` returning a list of Keras models, applied one after the other.
@@ -225,6 +226,37 @@ def chain_layers(model) -> list | None:
     return layers if previous is model.outputs[0] else None
 
 
+def forward_chain(model):
+    """The sub-model that is the whole forward of ``model``, when ``model`` is no
+    chain itself but its ``call`` runs one sub-model that is (the guide's
+    distiller: ``call(x) = self.student(x)``, with a teacher only its
+    ``compute_loss`` calls); None otherwise. Found by calling ``model.call`` once
+    on a symbolic input shaped as each chain sub-model's."""
+    import keras
+
+    for sub in [layer for layer in getattr(model, "layers", [])
+                if isinstance(layer, keras.Model) and _single_input(layer) is not None
+                and chain_layers(layer) is not None]:
+        inp = keras.Input(shape=tuple(sub.inputs[0].shape[1:]), dtype=sub.inputs[0].dtype)
+        try:
+            out = model.call(inp)
+        except Exception:  # pylint: disable=broad-except  # another sub-model's input shape
+            continue
+        history = getattr(out, "_keras_history", None)
+        if history is None or history.operation is not sub:
+            continue
+        node = sub._inbound_nodes[history.node_index]  # pylint: disable=protected-access
+        if len(node.input_tensors) == 1 and node.input_tensors[0] is inp:
+            return sub
+    return None
+
+
+def _single_input(model):
+    """A built model's single input (None without one)."""
+    inputs = getattr(model, "inputs", None) or []
+    return inputs[0] if len(inputs) == 1 else None
+
+
 def _params(layer) -> int:
     import math
 
@@ -285,7 +317,9 @@ def local_stages(task, model, plan: PipelinePlan, name: str = "task") -> tuple[l
         for var, value in zip([w for m in given for w in m.weights], model.get_weights()):
             var.assign(value)  # the stages start from build_model()'s (seeded) weights
         return list(given), f"{len(given)} stages from the task's stages()"
-    layers = chain_layers(model)
+    layers, chain = chain_layers(model), model
+    if layers is None and (chain := forward_chain(model)) is not None:
+        layers = chain_layers(chain)  # the forward's chain; what else the model holds stays whole
     if layers is None:
         raise ConfigError(f"task {name}: its model {type(model).__name__} "
                           f"{getattr(model, 'name', '')!r} is not a chain of layers; {HOW}")
@@ -299,7 +333,7 @@ def local_stages(task, model, plan: PipelinePlan, name: str = "task") -> tuple[l
         bounds = plan.boundaries
     else:
         bounds = balance(counts, plan.stages)
-    first_input = model.inputs[0]
+    first_input = chain.inputs[0]
     stages, parts = [], []
     for s, (a, b) in enumerate(ranges(bounds, len(layers))):
         source = first_input if a == 0 else layers[a - 1].output

@@ -170,6 +170,64 @@ def class_weights(dataset, class_weight: dict):
     return dataset.map(weigh)
 
 
+def calls_itself(model):
+    """A context in which every call of ``model`` (its ``call``, as ``model(x)`` makes
+    it) is counted: it yields the list the calls are appended to."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def counting():
+        calls, own = [], model.call
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return own(*args, **kwargs)
+
+        # On the instance, which Keras's __call__ looks up; bypassing its __setattr__,
+        # which would track the function as state.
+        model.__dict__["call"] = counted
+        try:
+            yield calls
+        finally:
+            del model.__dict__["call"]
+
+    return counting()
+
+
+def probe_compute_loss(model, example) -> tuple[bool, bool]:
+    """``model.compute_loss`` run once on ``example`` (a batch as the dataset yields
+    it) with the model's own output as ``y_pred``: whether it calls the model again
+    (the whole model's forward: ``self(x)``), and whether the model has losses of
+    its own (regularizers, ``add_loss``) after that forward."""
+    if example is None:
+        return False, False
+    parts = example if isinstance(example, tuple) else (example,)
+    x, y = parts[0], parts[1] if len(parts) > 1 else None
+    weight = parts[2] if len(parts) == 3 else None
+    y_pred = model(x, training=False)
+    own_losses = bool(model.losses)
+    with calls_itself(model) as calls:
+        compute_loss(model, x, y, y_pred, weight, training=False)
+    model.reset_metrics()
+    return bool(calls), own_losses
+
+
+def _check_own_loss(kind, model, example, who: str) -> None:
+    """Refuse, in one line, a model's own ``compute_loss`` the strategy's step cannot
+    give ``y_pred`` alone (``kind.compute_loss_calling_model_refusal``) or whose
+    treatment of the model's own losses it cannot tell."""
+    calls, own_losses = probe_compute_loss(model, example)
+    if calls:
+        raise ConfigError(f"{who}the model's compute_loss calls the model itself, which "
+                          f"{kind.name} cannot honour: {kind.compute_loss_calling_model_refusal}; "
+                          "compute the loss from y_pred, or train it under another strategy")
+    if own_losses:
+        raise ConfigError(f"{who}the model overrides compute_loss and has losses of its own "
+                          f"(regularizers, add_loss), which {kind.name} cannot honour: "
+                          f"{kind.compute_loss_model_losses_refusal}; drop them, or train it "
+                          "under another strategy")
+
+
 def check(kind, checked, gradient_dtype: str = "float32") -> None:
     """Refuse, in one line, what the run's strategy cannot honour of the task's model.
 
@@ -188,6 +246,8 @@ def check(kind, checked, gradient_dtype: str = "float32") -> None:
         raise ConfigError(f"{who}the model overrides compute_loss, which {kind.name} cannot "
                           f"honour: {kind.own_compute_loss_refusal}; train it under another "
                           "strategy")
+    elif overrides(model, "compute_loss") and kind.compute_loss_calling_model_refusal:
+        _check_own_loss(kind, model, checked.example, who)
     if getattr(model, "run_eagerly", False):
         raise ConfigError(f"{who}the model is compiled with run_eagerly=True; a distributed "
                           "step is always traced (tf.function), so compile without it "
