@@ -32,7 +32,9 @@ def task_pid(marker: str, role: str, index: int) -> int:
 
 @pytest.mark.timeout(700)
 def test_a_worker_killed_during_the_sharded_evaluation(tmp_path, spawn):
-    from test_shared_evaluation import _test_split, assert_equal_to_one_process, evaluate_saved
+    from test_shared_evaluation import assert_equal_to_one_process, evaluate_saved
+
+    from tfdist.training.workload import tasks
 
     model_dir = str(tmp_path / "run")
     p = spawn(launch_cmd("ps", "--workers", "2", "--ps", "1", "--timeout", "600",
@@ -51,4 +53,5 @@ def test_a_worker_killed_during_the_sharded_evaluation(tmp_path, spawn):
     assert record["where"] == "workers" and record["shards"] == 20, record
     assert record["examples"] == TEST_EXAMPLES == sum(record["examples_per_member"].values())
     assert set(record["examples_per_member"]) <= {"worker:0", "worker:1"}
-    assert_equal_to_one_process(results, evaluate_saved(model_dir, _test_split("mnist-cnn", ())))
+    assert_equal_to_one_process(results, evaluate_saved(
+        model_dir, tasks.load(tasks.parse_spec("mnist-cnn", [])).dataset("test")))
