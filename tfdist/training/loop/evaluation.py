@@ -314,6 +314,8 @@ class Evaluator:
         count = min(shards.count, batches)
         bounds = [batch_range(batches, count, s) for s in range(count)]
         merge = ShardMerge(count)
+        # The line an operator (and the test that kills a worker meanwhile) waits on.
+        print(f"the {self.split} split: {count} shards scheduled on the workers", flush=True)
         for shard, states, examples, worker in shards.run(local, initial, self.split,
                                                           self.batch_size, bounds):
             merge.add(shard, states, examples, worker)
