@@ -4,12 +4,15 @@
 
 ``DIR/runs/<name>/`` holds each run's ``results.json`` and ``outcome.json``
 (``results/scale/measure.sh`` runs them: ``launch.py --hosts N --host-cpus C``,
-one simulated host per worker, the chief and the ps on one more).
+one simulated host per worker, the chief and the ps on one more);
+``DIR/digest.json``, where present, lists runs whose files were not kept by
+what the predictor reads of them.
 ``DIR/plan.json`` names the runs the predictor's costs are fitted on
 (``fit``: the one-worker profile of each task, then one cost per run: the
-byte CPU, the kernel's, the chief's dispatch) and those measured after the
-fit to check it (``held_out``); every other run is a point the model was not
-fitted on either. Written:
+byte CPU, the kernel's, the chief's dispatch, ps:0's sync) and those measured
+after the fit to check it (``held_out``); every other run is a point the model
+was not fitted on either; ``seen`` lists held-out runs the model's form was
+revised after (checked, no longer held out). Written:
 ``DIR/scale.md`` (examples/s and scaling efficiency per cell, predicted against
 measured with the error), ``DIR/scale.json`` and ``DIR/scale.png`` (measured
 points on the predicted curves), and ``DIR/predicted_1024.png`` (the
@@ -35,16 +38,32 @@ BIG = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
 
 def load(directory: str) -> tuple[dict[str, pr.Measured], dict]:
-    """Every run under ``directory/runs`` that finished, and ``plan.json``."""
-    runs = {}
+    """Every run under ``directory/runs`` that finished, those ``digest.json`` lists
+    (runs whose own files were not kept), and ``plan.json``."""
+    runs = digest(os.path.join(directory, "digest.json"))
     root = os.path.join(directory, "runs")
-    for name in sorted(os.listdir(root)):
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else ():
         try:
             runs[name] = pr.read_run(os.path.join(root, name))
         except (pr.PredictError, KeyError):
             continue  # a run that failed: scale.md lists it from runs.log
     with open(os.path.join(directory, "plan.json")) as f:
-        return runs, json.load(f)
+        return dict(sorted(runs.items())), json.load(f)
+
+
+def digest(path: str) -> dict[str, pr.Measured]:
+    """``{run: Measured}`` from a digest: per run, the fields ``read_run`` takes from its
+    records (the 23 CNN runs of batches A-D kept only these); {} when there is none."""
+    try:
+        with open(path) as f:
+            listed = json.load(f)["runs"]
+    except FileNotFoundError:
+        return {}
+    return {name: pr.Measured(
+        r["strategy"], pr.Target(r["workers"], ps=r["ps"], link_bits_per_sec=r["link_bits_per_sec"],
+                                 cores=r["cores"], per_worker_batch=r["per_worker_batch"],
+                                 machine_cores=r["machine_cores"]),
+        r["examples_per_sec"], r["params"], r["task"]) for name, r in listed.items()}
 
 
 def _solve(low: float, high: float, too_fast, steps: int = 60) -> float:
@@ -56,14 +75,15 @@ def _solve(low: float, high: float, too_fast, steps: int = 60) -> float:
 
 
 FIT_RANGES = {"cpu_per_byte": 1e-6, "ring_cpu_per_byte": 1e-6, "kernel_per_byte": 1e-6,
-              "dispatch_seconds": 1.0}
+              "dispatch_seconds": 1.0, "sync_seconds": 1.0}
 
 
 def fit(runs: dict[str, pr.Measured], plan: dict) -> tuple[dict[str, pr.Profile], dict]:
     """Each task's profile and the costs, fitted in ``plan['fit']``'s order: ``{run: what}``,
     ``profile`` (a one-worker run: its compute) or a cost solved so the run is predicted
-    exactly (one of ``FIT_RANGES``)."""
-    costs = dict(pr.CALIBRATION)
+    exactly (one of ``FIT_RANGES``); ``plan['costs']``, where given, replaces the
+    calibration's costs before the fit (another task's fitted costs)."""
+    costs = {**pr.CALIBRATION, **plan.get("costs", {})}
     profiles: dict[str, pr.Profile] = {}
     for name, what in plan["fit"].items():
         run = runs[name]
@@ -86,13 +106,17 @@ def fit(runs: dict[str, pr.Measured], plan: dict) -> tuple[dict[str, pr.Profile]
 def rows(runs: dict[str, pr.Measured], plan: dict, profiles: dict[str, pr.Profile]) -> list[dict]:
     """One row per run: measured and predicted examples/s, the error, the bound, its role."""
     out = []
-    ones = {_cell(r): r.examples_per_sec for r in runs.values() if r.target.workers == 1}
+    ones: dict[tuple, float] = {}
+    for r in runs.values():  # a cell measured again keeps its first one-worker run
+        if r.target.workers == 1:
+            ones.setdefault(_cell(r), r.examples_per_sec)
     for name, run in runs.items():
         if run.task not in profiles:
             continue
         p = pr.predict(profiles[run.task], run.target, run.strategy)
         one = ones.get(_cell(run))
         role = ("fit" if name in plan["fit"] else
+                "seen" if name in plan.get("seen", ()) else
                 "held out" if name in plan.get("held_out", ()) else "checked")
         out.append({"run": name, "task": run.task, "strategy": run.strategy,
                     "workers": run.target.workers, "ps": run.target.ps,
@@ -159,11 +183,13 @@ def crossovers(profile: pr.Profile) -> list[dict]:
 
 
 HEADER = ["# Scaling curves, measured and predicted", "",
-          "Each row one run (`runs/<name>/`: its `results.json` and `outcome.json`; "
+          "Each row one run (`runs/<name>/`: its `results.json` and `outcome.json`, or "
+          "what `digest.json` kept of them; "
           "`measure.sh` ran them, `runs.log` says when and at what load). *Efficiency*: "
           "examples/s ÷ (workers × the one-worker run's of the same curve). *Predicted*: "
           "`bench.py --predict-check` (`tfdist/bench/scale.py`); *role*: fitted on, checked "
-          "against, or held out (named in `plan.json` before it was measured).", ""]
+          "against, held out (named in `plan.json` before it was measured), or seen (held out, "
+          "but the model was revised after it).", ""]
 WINNERS_NOTE = ("Hosts of one core, a ps per 8 workers on its own machine, 50 µs per message "
                 "round; the CNN's profile, and the same compute with 100 times the parameters. "
                 "Each cell: the fastest, its examples/s, how far ahead of the next, its bound.")
