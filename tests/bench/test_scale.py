@@ -2,6 +2,7 @@
 runs, each run's error and role, the summary, the predicted crossovers, and the command."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -102,6 +103,31 @@ def test_a_digest_lists_runs_whose_files_were_not_kept(measured):
     assert roles["ps2d"] == "checked" and roles["mw2s"] == "seen"
     # A held-out point the model was revised after is checked, not held out.
     assert scale.summary(table)["held_out"] == 0 and scale.summary(table)["points"] == 3
+
+
+def test_a_held_out_cell_measured_twice_is_checked_against_its_runs_mean(measured):
+    root, _ = measured
+    runs, plan = scale.load(str(root))
+    again = runs["mw2s"].examples_per_sec * 1.5
+    runs["mw2s-rerun"] = pr.Measured("multiworker", runs["mw2s"].target, again, CNN, "mnist-cnn")
+    plan = {**plan, "held_out": ["mw2s", "mw2s-rerun"]}
+    table = scale.rows(runs, plan, scale.fit(runs, plan)[0])
+    numbers = scale.summary(table)
+    assert numbers["held_out"] == 2
+    # predicted = the first run's rate; the mean is 1.25 times it
+    assert numbers["held_out_cells"] == {"mw2s": pytest.approx(1 / 1.25 - 1, rel=1e-3)}
+    text = "\n".join(scale.render(table, {}, {}, numbers))
+    assert "Held-out cells against the mean of their runs: mw2s -20.0%" in text
+    assert "| held out (measured again) |" in text
+
+
+def test_a_fit_run_no_cost_reproduces_is_named(measured):
+    root, _ = measured
+    runs, plan = scale.load(str(root))
+    # Ten times faster than its compute alone allows: no byte CPU of 0 or more matches it.
+    runs["ps1"] = replace(runs["ps1"], examples_per_sec=runs["ps1"].examples_per_sec * 10)
+    numbers = scale.summary(scale.rows(runs, plan, scale.fit(runs, plan)[0]))
+    assert numbers["unmatched_fits"] == ["ps1"]
 
 
 def test_crossovers_are_where_the_leader_changes():

@@ -124,7 +124,7 @@ def rows(runs: dict[str, pr.Measured], plan: dict, profiles: dict[str, pr.Profil
                                                                  run.target.link_bits_per_sec),
                     "measured": run.examples_per_sec, "predicted": p.examples_per_sec,
                     "error": pr.error(p.examples_per_sec, run.examples_per_sec),
-                    "bound": p.bound, "role": role,
+                    "bound": p.bound, "role": role, "again": name.endswith(RERUN),
                     "efficiency": (run.examples_per_sec / (run.target.workers * one)
                                    if one else None)})
     return sorted(out, key=lambda r: (r["task"], r["link"], r["strategy"], r["ps"], r["workers"]))
@@ -139,13 +139,27 @@ def _cell(run: pr.Measured) -> tuple:
             None if mw else t.link_bits_per_sec, t.per_worker_batch)
 
 
+RERUN = "-rerun"  # measure.sh's tag for a cell measured again
+
+
 def summary(table: list[dict]) -> dict:
-    """The median and largest absolute error over the points not fitted, and the held-out ones."""
+    """The median and largest absolute error over the points not fitted, and the held-out
+    ones; each held-out cell against the mean of its runs (NAME and NAME-rerun); the fit
+    runs the model cannot reproduce (more than 1 % off: no cost in range matches them)."""
     checked = [abs(r["error"]) for r in table if r["role"] != "fit"]
     held = [abs(r["error"]) for r in table if r["role"] == "held out"]
+    cells: dict[str, list[dict]] = {}
+    for r in table:
+        if r["role"] == "held out":
+            cells.setdefault(r["run"].removesuffix(RERUN), []).append(r)
+    held_cells = {name: pr.error(rs[0]["predicted"], sum(r["measured"] for r in rs) / len(rs))
+                  for name, rs in cells.items()}
     return {"points": len(checked), "median_abs_error": pr.median(checked),
             "max_abs_error": max(checked, default=None),
-            "held_out": len(held), "held_out_max_abs_error": max(held, default=None)}
+            "held_out": len(held), "held_out_max_abs_error": max(held, default=None),
+            "held_out_cells": held_cells,
+            "unmatched_fits": [r["run"] for r in table
+                               if r["role"] == "fit" and abs(r["error"]) > 0.01]}
 
 
 def render(table: list[dict], costs: dict, profiles: dict, numbers: dict) -> list[str]:
@@ -158,12 +172,20 @@ def render(table: list[dict], costs: dict, profiles: dict, numbers: dict) -> lis
         eff = f"{r['efficiency']:.2f}" if r["efficiency"] is not None else ""
         lines.append(f"| {r['task']} | {r['strategy']} | {ps} | {r['workers']} | {r['cores']:g} "
                      f"| {r['link']} | {r['measured']:,.0f} | {eff} | {r['predicted']:,.0f} "
-                     f"| {r['error']:+.1%} | {r['bound']} | {r['role']} |")
+                     f"| {r['error']:+.1%} | {r['bound']} | {r['role']}"
+                     f"{' (measured again)' if r.get('again') else ''} |")
     lines += ["", f"Over the {numbers['points']} points not fitted: median absolute error "
               f"{numbers['median_abs_error']:.1%}, largest {numbers['max_abs_error']:.1%}"
               + (f"; the {numbers['held_out']} held-out points (measured after the fit): "
                  f"largest {numbers['held_out_max_abs_error']:.1%}" if numbers["held_out"] else "")
-              + ".", "", "Fitted costs: " + ", ".join(f"{k} {v:.4g}" for k, v in costs.items())
+              + ".", ""]
+    if len(numbers.get("held_out_cells", {})) < numbers["held_out"]:  # a cell measured twice
+        lines += ["Held-out cells against the mean of their runs: " + "; ".join(
+            f"{name} {err:+.1%}" for name, err in numbers["held_out_cells"].items()) + ".", ""]
+    if numbers.get("unmatched_fits"):
+        lines += ["Fit runs no cost in range reproduces (the model's form does not fit them): "
+                  + ", ".join(numbers["unmatched_fits"]) + ".", ""]
+    lines += ["Fitted costs: " + ", ".join(f"{k} {v:.4g}" for k, v in costs.items())
               + "; profiles: " + "; ".join(
                   f"{t}: {p.compute_seconds * 1e3:.2f} ms per step at {p.per_worker_batch} "
                   f"examples on {p.cores:g} cores" for t, p in profiles.items())]
@@ -267,7 +289,8 @@ def plot(table: list[dict], profiles: dict, directory: str) -> list[str]:
         ax.plot([p["workers"] for p in pts], [p["predicted"] for p in pts], "--", color=colour)
     ax.set_xlabel("workers (each host its own CPU budget)")
     ax.set_ylabel("examples/s")
-    ax.set_title("Measured (points) and predicted (dashed)")
+    ax.set_title("Measured (points) and predicted (dashed): "
+                 + ", ".join(sorted({r["task"] for r in table})))
     ax.legend(fontsize=7)
     written.append(_save(fig, plt, directory, "scale.png"))
     for task, profile in profiles.items():
