@@ -130,6 +130,11 @@ def test_a_fit_run_no_cost_reproduces_is_named(measured):
     assert numbers["unmatched_fits"] == ["ps1"]
 
 
+def test_a_rate_no_table_names_is_written_as_tc_would_set_it():
+    assert [scale.rate_name(r) for r in (None, 100e6, 300e6, 1e9, 2.5e9)] == [
+        "unshaped", "100 Mbit/s", "300 Mbit/s", "1 Gbit/s", "2.5 Gbit/s"]
+
+
 def test_crossovers_are_where_the_leader_changes():
     profile = pr.Profile("mnist-cnn", CNN, 64, 0.010, 1.0)
     found = scale.crossovers(profile)

@@ -120,14 +120,21 @@ def rows(runs: dict[str, pr.Measured], plan: dict, profiles: dict[str, pr.Profil
                 "held out" if name in plan.get("held_out", ()) else "checked")
         out.append({"run": name, "task": run.task, "strategy": run.strategy,
                     "workers": run.target.workers, "ps": run.target.ps,
-                    "cores": run.target.cores, "link": RATES.get(run.target.link_bits_per_sec,
-                                                                 run.target.link_bits_per_sec),
+                    "cores": run.target.cores, "link": rate_name(run.target.link_bits_per_sec),
                     "measured": run.examples_per_sec, "predicted": p.examples_per_sec,
                     "error": pr.error(p.examples_per_sec, run.examples_per_sec),
                     "bound": p.bound, "role": role, "again": name.endswith(RERUN),
                     "efficiency": (run.examples_per_sec / (run.target.workers * one)
                                    if one else None)})
     return sorted(out, key=lambda r: (r["task"], r["link"], r["strategy"], r["ps"], r["workers"]))
+
+
+def rate_name(bits_per_sec: float | None) -> str:
+    """A link rate as the tables write it: ``unshaped``, ``300 Mbit/s``, ``1 Gbit/s``."""
+    if bits_per_sec in RATES:
+        return RATES[bits_per_sec]
+    return (f"{bits_per_sec / 1e9:g} Gbit/s" if bits_per_sec >= 1e9
+            else f"{bits_per_sec / 1e6:g} Mbit/s")
 
 
 def _cell(run: pr.Measured) -> tuple:
