@@ -283,12 +283,12 @@ def plot(table: list[dict], profiles: dict, directory: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     written = []
-    fig, ax = plt.subplots(figsize=(7, 4.4))
+    fig, ax = plt.subplots(figsize=(9, 4.4))
     curves = {}
     for r in table:
         curves.setdefault((r["task"], r["strategy"], r["ps"], r["link"]), []).append(r)
     for i, (key, pts) in enumerate(sorted(curves.items())):
-        colour = f"C{i % 10}"
+        colour = plt.cm.tab20(i % 20)  # more curves than the default cycle's 10 colours
         pts = sorted(pts, key=lambda r: r["workers"])
         label = f"{key[1]}{'' if pr.all_reduces(key[1]) else ' ' + str(key[2]) + ' ps'}, {key[3]}"
         ax.plot([p["workers"] for p in pts], [p["measured"] for p in pts], "o", color=colour,
@@ -298,7 +298,7 @@ def plot(table: list[dict], profiles: dict, directory: str) -> list[str]:
     ax.set_ylabel("examples/s")
     ax.set_title("Measured (points) and predicted (dashed): "
                  + ", ".join(sorted({r["task"] for r in table})))
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     written.append(_save(fig, plt, directory, "scale.png"))
     for task, profile in profiles.items():
         fig, axes = plt.subplots(1, 3, figsize=(13, 4.2), sharey=True)
