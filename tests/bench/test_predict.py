@@ -94,23 +94,30 @@ def test_async_ps_unshaped_is_bound_by_compute_or_the_chief():
     assert p.bound == "ps fan-in"
 
 
-def test_ps_sync_is_the_longer_of_a_workers_cycle_and_the_ps_hosts_turns():
+def test_ps_sync_is_a_chain_of_reads_compute_pushes_and_the_sync():
     rate = []
     for n in (1, 2, 4):
         p = pr.predict(PROFILE, pr.Target(n, link_bits_per_sec=MBIT100), "ps-sync")
-        # The ps host: n weights out, then n gradients in; the workers compute meanwhile.
-        cycle = 0.032 + link_s(8 * CNN)
-        assert p.step_seconds == pytest.approx(max(cycle, link_s(n * 8 * CNN)), rel=1e-5)
+        # Every worker waits for the same token: the n reads share the ps host's link
+        # out, the n pushes its link in, and the compute sits between them.
+        assert p.step_seconds == pytest.approx(0.032 + link_s(n * 8 * CNN), rel=1e-5)
         rate.append(p.examples_per_sec)
     # Each update carries n batches and moves n weights and n gradients: the rate
     # levels off at one batch per weights-and-gradients transfer.
-    assert rate[0] < rate[1] <= rate[2] <= 64 / link_s(8 * CNN) * 1.0001
+    assert rate[0] < rate[1] < rate[2] <= 64 / link_s(8 * CNN) * 1.0001
     assert p.bound == "ps fan-in"
     assert p.byteps_seconds < link_s(4 * 8 * CNN)
-    # Unshaped, a worker's cycle bounds until the ps host's CPU (its bytes) exceeds it.
+    # The reads hide under the forward pass as far as the overlap goes; ps:0's
+    # aggregation waits out in full, on its host's budget.
+    hiding = replace(PROFILE, hidden=0.5, sync_seconds=0.002)
+    p = pr.predict(hiding, pr.Target(2, link_bits_per_sec=MBIT100), "ps-sync")
+    assert p.step_seconds == pytest.approx(
+        0.032 + link_s(2 * 8 * CNN) - 0.5 * 0.032 + 0.002 / 0.5, rel=1e-5)
+    # Unshaped, the chain bounds until the ps host's CPU (its bytes) exceeds it.
     costly = replace(PROFILE, cpu_per_byte=5e-9)
     few = pr.predict(costly, pr.Target(2), "ps-sync")
     assert few.bound == "compute"
+    assert few.step_seconds == pytest.approx(0.032 + 5e-9 * 8 * CNN / 0.5)
     many = pr.predict(costly, pr.Target(16), "ps-sync")
     assert many.bound == "ps fan-in"
     assert many.step_seconds == pytest.approx(5e-9 * 16 * 8 * CNN / 0.5)

@@ -2,6 +2,7 @@
 runs, each run's error and role, the summary, the predicted crossovers, and the command."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -64,6 +65,16 @@ def test_the_fit_recovers_the_costs_that_made_the_runs(measured):
     assert numbers["points"] == 2 and numbers["held_out"] == 1
 
 
+def test_costs_given_in_the_plan_start_the_fit(measured):
+    root, _ = measured
+    runs, plan = scale.load(str(root))
+    plan = {"fit": {"mw1": "profile", "ps1": "cpu_per_byte"},
+            "costs": {"dispatch_seconds": 0.003, "kernel_per_byte": 3e-9}}
+    profiles, costs = scale.fit(runs, plan)
+    assert costs["dispatch_seconds"] == 0.003 and profiles["mnist-cnn"].kernel_per_byte == 3e-9
+    assert costs["cpu_per_byte"] == pytest.approx(2e-9, rel=1e-4)
+
+
 def test_an_error_is_reported_against_the_measurement(measured):
     root, _ = measured
     runs, plan = scale.load(str(root))
@@ -74,6 +85,54 @@ def test_an_error_is_reported_against_the_measurement(measured):
     assert row["error"] == pytest.approx(1.0, rel=1e-4)  # predicted twice what ran
     assert scale.summary(scale.rows(slower, plan, profiles))["max_abs_error"] == pytest.approx(
         1.0, rel=1e-4)
+
+
+def test_a_digest_lists_runs_whose_files_were_not_kept(measured):
+    root, _ = measured
+    run = scale.load(str(root))[0]["ps2"]
+    listed = {"strategy": "ps", "workers": 2, "ps": 1, "cores": 0.4, "link_bits_per_sec": None,
+              "per_worker_batch": 64, "params": CNN, "machine_cores": 2.0,
+              "examples_per_sec": run.examples_per_sec, "task": "mnist-cnn"}
+    (root / "digest.json").write_text(json.dumps({"runs": {"ps2d": listed}}))
+    plan = {**json.loads((root / "plan.json").read_text()), "seen": ["mw2s"]}
+    (root / "plan.json").write_text(json.dumps(plan))
+    runs, plan = scale.load(str(root))
+    assert runs["ps2d"] == run  # read as its files would be
+    table = scale.rows(runs, plan, scale.fit(runs, plan)[0])
+    roles = {r["run"]: r["role"] for r in table}
+    assert roles["ps2d"] == "checked" and roles["mw2s"] == "seen"
+    # A held-out point the model was revised after is checked, not held out.
+    assert scale.summary(table)["held_out"] == 0 and scale.summary(table)["points"] == 3
+
+
+def test_a_held_out_cell_measured_twice_is_checked_against_its_runs_mean(measured):
+    root, _ = measured
+    runs, plan = scale.load(str(root))
+    again = runs["mw2s"].examples_per_sec * 1.5
+    runs["mw2s-rerun"] = pr.Measured("multiworker", runs["mw2s"].target, again, CNN, "mnist-cnn")
+    plan = {**plan, "held_out": ["mw2s", "mw2s-rerun"]}
+    table = scale.rows(runs, plan, scale.fit(runs, plan)[0])
+    numbers = scale.summary(table)
+    assert numbers["held_out"] == 2
+    # predicted = the first run's rate; the mean is 1.25 times it
+    assert numbers["held_out_cells"] == {"mw2s": pytest.approx(1 / 1.25 - 1, rel=1e-3)}
+    text = "\n".join(scale.render(table, {}, {}, numbers))
+    assert "Held-out cells against the mean of their runs: mw2s -20.0%" in text
+    assert "| held out (measured again) |" in text
+
+
+def test_a_fit_run_no_cost_reproduces_is_named(measured):
+    root, _ = measured
+    runs, plan = scale.load(str(root))
+    # Ten times faster than its compute alone allows: no byte CPU of 0 or more matches it.
+    runs["ps1"] = replace(runs["ps1"], examples_per_sec=runs["ps1"].examples_per_sec * 10)
+    numbers = scale.summary(scale.rows(runs, plan, scale.fit(runs, plan)[0]))
+    assert numbers["unmatched_fits"] == ["ps1"]
+
+
+def test_a_rate_no_table_names_is_written_as_tc_would_set_it():
+    assert [scale.rate_name(r) for r in (None, 100e6, 300e6, 1e9, 2.5e9)] == [
+        "unshaped", "100 Mbit/s", "300 Mbit/s", "1 Gbit/s", "2.5 Gbit/s"]
 
 
 def test_crossovers_are_where_the_leader_changes():

@@ -35,10 +35,13 @@ Per strategy (N workers, k ps, W the weights' bytes, G the gradients'):
   give N cycles' worth of steps unless the ps hosts' links (each step's W out
   and G in, spread over the ps hosts) or their CPU bound them first: the
   ps fan-in.
-* ``ps-sync`` (K = N): an update waits for N gradients, then sends the new
-  weights to every worker: the ps host's outgoing N W and incoming N G take
-  turns (``traffic.serial``), while the workers compute; the longer of a
-  worker's read-compute-push and the ps host's share bounds the update. BytePS's communication optimum
+* ``ps-sync`` (K = N): an update is a chain: every worker waits for the same
+  token, reads W (the N reads share the ps host's link out), computes, pushes
+  G (the N pushes share its link in), and ps:0 averages and applies the N
+  gradients and hands out the next tokens (``sync_seconds`` of its CPU) while
+  every worker waits; the reads run partly under the forward pass (the
+  overlap's share). The ps host's CPU (its bytes, the dispatch, the sync) is a
+  floor under the chain. BytePS's communication optimum
   for n workers and k CPU servers, 2n(n-1)M / ((n^2 + kn - 2k) B), is given
   beside it as the bound a synchronous design with k servers could reach.
 
@@ -69,7 +72,8 @@ STRATEGIES = ("multiworker", "ps", "ps-sync")
 # table) measured before; the others fitted on results/scale's runs
 # (bench/scale.py, plan.json: which runs, and which points were left out).
 CALIBRATION = {"cpu_per_byte": 0.0, "hidden": 0.36, "dispatch_seconds": 0.0,
-               "kernel_per_byte": 0.0, "ring_cpu_per_byte": 0.0, "ps_link_use": 0.7}
+               "kernel_per_byte": 0.0, "ring_cpu_per_byte": 0.0, "ps_link_use": 0.7,
+               "sync_seconds": 0.0}
 TERMS = ("compute", "link", "ps fan-in", "all-reduce ring", "shared machine")
 SHARDED = ("optimizer", "gradients")
 
@@ -110,6 +114,9 @@ class Profile:
     # for: the kernel's softirq work on the simulated hosts' virtual links. It
     # slows a step only when the hosts' budgets leave the machine no core free.
     kernel_per_byte: float = 0.0
+    # CPU-seconds (on one core) ps:0 spends per ps-sync update while the workers
+    # wait: dequeuing and averaging the K gradients, applying them, the tokens.
+    sync_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -244,28 +251,34 @@ def _ps(profile: Profile, target: Target) -> Prediction:
 
 
 def _ps_sync(profile: Profile, target: Target) -> Prediction:
-    """K = N: the ps host's N W out and N G in take turns with the compute."""
+    """K = N: one update is a chain (token, reads, compute, pushes, aggregation), not
+    the workers' compute overlapping the ps host's transfers."""
     n, (w, g) = target.workers, _sizes(profile, target)
     compute = _compute(profile, target)
+    cores = target.cores or profile.cores
     names = ([f"worker:{i}" for i in range(n)] + [f"ps:{j}" for j in range(target.ps)])
     host_of = {name: i for i, name in enumerate(names[:n])}
     host_of.update({f"ps:{j}": n + (j if target.ps_own_hosts else 0) for j in range(target.ps)})
     flows = trafficlib.predict("ps-sync", host_of, profile.params, target.gradient_dtype)
     busiest = max((h for i, h in flows.items() if i >= n), key=lambda h: h["tx"] + h["rx"])
+    # Every worker waits for the same update's token, so the N reads start together
+    # and share the ps host's link out, then the N pushes share its link in: the
+    # last worker's step holds both whole. The reads run partly under the forward
+    # pass (each layer's weights are read as it needs them): the overlap's share.
     fan_link = _link_seconds(busiest["tx"] + busiest["rx"], target) + 2 * target.latency
+    exposed = max(0.0, fan_link - profile.hidden * compute)
+    # ps:0 dequeues and averages the N gradients, applies them and hands out the
+    # tokens while every worker waits: CPU on the ps host's budget, per update.
+    sync = profile.sync_seconds / cores
     fan_cpu = (_host_cpu(profile, target, busiest["tx"] + busiest["rx"])
-               + profile.dispatch_seconds / (target.cores or profile.cores))
+               + (profile.dispatch_seconds + profile.sync_seconds) / cores)
     worker_cpu = _host_cpu(profile, target, w + g)
-    worker_link = _link_seconds(w + g, target)
-    # A worker reads, computes and pushes in turn; the ps host serves the N
-    # workers' transfers while the others compute, so the longer of the two
-    # bounds an update (its own out and in take turns: fan_link is their sum).
-    step = max(compute + worker_cpu + worker_link, fan_link, fan_cpu)
-    terms = {"compute": compute + worker_cpu, "link": worker_link,
-             "ps fan-in": max(fan_link, fan_cpu)}
-    cores = target.cores or profile.cores
+    # The ps host's CPU is a floor too: its bytes, the chief's dispatch, the sync.
+    step = max(compute + worker_cpu + exposed + sync, fan_cpu)
+    terms = {"compute": compute + worker_cpu, "link": _link_seconds(w + g, target),
+             "ps fan-in": max(exposed + sync, fan_cpu)}
     demand = (n * (compute + worker_cpu) * cores + profile.dispatch_seconds
-              + profile.cpu_per_byte * (busiest["tx"] + busiest["rx"]))
+              + profile.sync_seconds + profile.cpu_per_byte * (busiest["tx"] + busiest["rx"]))
     moved = sum(h["tx"] for h in flows.values())
     out = _prediction("ps-sync", n, profile, target, step, terms, demand=demand, moved=moved)
     if target.link_bits_per_sec:

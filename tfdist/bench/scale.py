@@ -4,12 +4,15 @@
 
 ``DIR/runs/<name>/`` holds each run's ``results.json`` and ``outcome.json``
 (``results/scale/measure.sh`` runs them: ``launch.py --hosts N --host-cpus C``,
-one simulated host per worker, the chief and the ps on one more).
+one simulated host per worker, the chief and the ps on one more);
+``DIR/digest.json``, where present, lists runs whose files were not kept by
+what the predictor reads of them.
 ``DIR/plan.json`` names the runs the predictor's costs are fitted on
 (``fit``: the one-worker profile of each task, then one cost per run: the
-byte CPU, the kernel's, the chief's dispatch) and those measured after the
-fit to check it (``held_out``); every other run is a point the model was not
-fitted on either. Written:
+byte CPU, the kernel's, the chief's dispatch, ps:0's sync) and those measured
+after the fit to check it (``held_out``); every other run is a point the model
+was not fitted on either; ``seen`` lists held-out runs the model's form was
+revised after (checked, no longer held out). Written:
 ``DIR/scale.md`` (examples/s and scaling efficiency per cell, predicted against
 measured with the error), ``DIR/scale.json`` and ``DIR/scale.png`` (measured
 points on the predicted curves), and ``DIR/predicted_1024.png`` (the
@@ -35,16 +38,32 @@ BIG = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
 
 def load(directory: str) -> tuple[dict[str, pr.Measured], dict]:
-    """Every run under ``directory/runs`` that finished, and ``plan.json``."""
-    runs = {}
+    """Every run under ``directory/runs`` that finished, those ``digest.json`` lists
+    (runs whose own files were not kept), and ``plan.json``."""
+    runs = digest(os.path.join(directory, "digest.json"))
     root = os.path.join(directory, "runs")
-    for name in sorted(os.listdir(root)):
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else ():
         try:
             runs[name] = pr.read_run(os.path.join(root, name))
         except (pr.PredictError, KeyError):
             continue  # a run that failed: scale.md lists it from runs.log
     with open(os.path.join(directory, "plan.json")) as f:
-        return runs, json.load(f)
+        return dict(sorted(runs.items())), json.load(f)
+
+
+def digest(path: str) -> dict[str, pr.Measured]:
+    """``{run: Measured}`` from a digest: per run, the fields ``read_run`` takes from its
+    records (the 23 CNN runs of batches A-D kept only these); {} when there is none."""
+    try:
+        with open(path) as f:
+            listed = json.load(f)["runs"]
+    except FileNotFoundError:
+        return {}
+    return {name: pr.Measured(
+        r["strategy"], pr.Target(r["workers"], ps=r["ps"], link_bits_per_sec=r["link_bits_per_sec"],
+                                 cores=r["cores"], per_worker_batch=r["per_worker_batch"],
+                                 machine_cores=r["machine_cores"]),
+        r["examples_per_sec"], r["params"], r["task"]) for name, r in listed.items()}
 
 
 def _solve(low: float, high: float, too_fast, steps: int = 60) -> float:
@@ -56,14 +75,15 @@ def _solve(low: float, high: float, too_fast, steps: int = 60) -> float:
 
 
 FIT_RANGES = {"cpu_per_byte": 1e-6, "ring_cpu_per_byte": 1e-6, "kernel_per_byte": 1e-6,
-              "dispatch_seconds": 1.0}
+              "dispatch_seconds": 1.0, "sync_seconds": 1.0}
 
 
 def fit(runs: dict[str, pr.Measured], plan: dict) -> tuple[dict[str, pr.Profile], dict]:
     """Each task's profile and the costs, fitted in ``plan['fit']``'s order: ``{run: what}``,
     ``profile`` (a one-worker run: its compute) or a cost solved so the run is predicted
-    exactly (one of ``FIT_RANGES``)."""
-    costs = dict(pr.CALIBRATION)
+    exactly (one of ``FIT_RANGES``); ``plan['costs']``, where given, replaces the
+    calibration's costs before the fit (another task's fitted costs)."""
+    costs = {**pr.CALIBRATION, **plan.get("costs", {})}
     profiles: dict[str, pr.Profile] = {}
     for name, what in plan["fit"].items():
         run = runs[name]
@@ -86,24 +106,35 @@ def fit(runs: dict[str, pr.Measured], plan: dict) -> tuple[dict[str, pr.Profile]
 def rows(runs: dict[str, pr.Measured], plan: dict, profiles: dict[str, pr.Profile]) -> list[dict]:
     """One row per run: measured and predicted examples/s, the error, the bound, its role."""
     out = []
-    ones = {_cell(r): r.examples_per_sec for r in runs.values() if r.target.workers == 1}
+    ones: dict[tuple, float] = {}
+    for r in runs.values():  # a cell measured again keeps its first one-worker run
+        if r.target.workers == 1:
+            ones.setdefault(_cell(r), r.examples_per_sec)
     for name, run in runs.items():
         if run.task not in profiles:
             continue
         p = pr.predict(profiles[run.task], run.target, run.strategy)
         one = ones.get(_cell(run))
         role = ("fit" if name in plan["fit"] else
+                "seen" if name in plan.get("seen", ()) else
                 "held out" if name in plan.get("held_out", ()) else "checked")
         out.append({"run": name, "task": run.task, "strategy": run.strategy,
                     "workers": run.target.workers, "ps": run.target.ps,
-                    "cores": run.target.cores, "link": RATES.get(run.target.link_bits_per_sec,
-                                                                 run.target.link_bits_per_sec),
+                    "cores": run.target.cores, "link": rate_name(run.target.link_bits_per_sec),
                     "measured": run.examples_per_sec, "predicted": p.examples_per_sec,
                     "error": pr.error(p.examples_per_sec, run.examples_per_sec),
-                    "bound": p.bound, "role": role,
+                    "bound": p.bound, "role": role, "again": name.endswith(RERUN),
                     "efficiency": (run.examples_per_sec / (run.target.workers * one)
                                    if one else None)})
     return sorted(out, key=lambda r: (r["task"], r["link"], r["strategy"], r["ps"], r["workers"]))
+
+
+def rate_name(bits_per_sec: float | None) -> str:
+    """A link rate as the tables write it: ``unshaped``, ``300 Mbit/s``, ``1 Gbit/s``."""
+    if bits_per_sec in RATES:
+        return RATES[bits_per_sec]
+    return (f"{bits_per_sec / 1e9:g} Gbit/s" if bits_per_sec >= 1e9
+            else f"{bits_per_sec / 1e6:g} Mbit/s")
 
 
 def _cell(run: pr.Measured) -> tuple:
@@ -115,13 +146,27 @@ def _cell(run: pr.Measured) -> tuple:
             None if mw else t.link_bits_per_sec, t.per_worker_batch)
 
 
+RERUN = "-rerun"  # measure.sh's tag for a cell measured again
+
+
 def summary(table: list[dict]) -> dict:
-    """The median and largest absolute error over the points not fitted, and the held-out ones."""
+    """The median and largest absolute error over the points not fitted, and the held-out
+    ones; each held-out cell against the mean of its runs (NAME and NAME-rerun); the fit
+    runs the model cannot reproduce (more than 1 % off: no cost in range matches them)."""
     checked = [abs(r["error"]) for r in table if r["role"] != "fit"]
     held = [abs(r["error"]) for r in table if r["role"] == "held out"]
+    cells: dict[str, list[dict]] = {}
+    for r in table:
+        if r["role"] == "held out":
+            cells.setdefault(r["run"].removesuffix(RERUN), []).append(r)
+    held_cells = {name: pr.error(rs[0]["predicted"], sum(r["measured"] for r in rs) / len(rs))
+                  for name, rs in cells.items()}
     return {"points": len(checked), "median_abs_error": pr.median(checked),
             "max_abs_error": max(checked, default=None),
-            "held_out": len(held), "held_out_max_abs_error": max(held, default=None)}
+            "held_out": len(held), "held_out_max_abs_error": max(held, default=None),
+            "held_out_cells": held_cells,
+            "unmatched_fits": [r["run"] for r in table
+                               if r["role"] == "fit" and abs(r["error"]) > 0.01]}
 
 
 def render(table: list[dict], costs: dict, profiles: dict, numbers: dict) -> list[str]:
@@ -134,12 +179,20 @@ def render(table: list[dict], costs: dict, profiles: dict, numbers: dict) -> lis
         eff = f"{r['efficiency']:.2f}" if r["efficiency"] is not None else ""
         lines.append(f"| {r['task']} | {r['strategy']} | {ps} | {r['workers']} | {r['cores']:g} "
                      f"| {r['link']} | {r['measured']:,.0f} | {eff} | {r['predicted']:,.0f} "
-                     f"| {r['error']:+.1%} | {r['bound']} | {r['role']} |")
+                     f"| {r['error']:+.1%} | {r['bound']} | {r['role']}"
+                     f"{' (measured again)' if r.get('again') else ''} |")
     lines += ["", f"Over the {numbers['points']} points not fitted: median absolute error "
               f"{numbers['median_abs_error']:.1%}, largest {numbers['max_abs_error']:.1%}"
               + (f"; the {numbers['held_out']} held-out points (measured after the fit): "
                  f"largest {numbers['held_out_max_abs_error']:.1%}" if numbers["held_out"] else "")
-              + ".", "", "Fitted costs: " + ", ".join(f"{k} {v:.4g}" for k, v in costs.items())
+              + ".", ""]
+    if len(numbers.get("held_out_cells", {})) < numbers["held_out"]:  # a cell measured twice
+        lines += ["Held-out cells against the mean of their runs: " + "; ".join(
+            f"{name} {err:+.1%}" for name, err in numbers["held_out_cells"].items()) + ".", ""]
+    if numbers.get("unmatched_fits"):
+        lines += ["Fit runs no cost in range reproduces (the model's form does not fit them): "
+                  + ", ".join(numbers["unmatched_fits"]) + ".", ""]
+    lines += ["Fitted costs: " + ", ".join(f"{k} {v:.4g}" for k, v in costs.items())
               + "; profiles: " + "; ".join(
                   f"{t}: {p.compute_seconds * 1e3:.2f} ms per step at {p.per_worker_batch} "
                   f"examples on {p.cores:g} cores" for t, p in profiles.items())]
@@ -159,11 +212,13 @@ def crossovers(profile: pr.Profile) -> list[dict]:
 
 
 HEADER = ["# Scaling curves, measured and predicted", "",
-          "Each row one run (`runs/<name>/`: its `results.json` and `outcome.json`; "
+          "Each row one run (`runs/<name>/`: its `results.json` and `outcome.json`, or "
+          "what `digest.json` kept of them; "
           "`measure.sh` ran them, `runs.log` says when and at what load). *Efficiency*: "
           "examples/s ÷ (workers × the one-worker run's of the same curve). *Predicted*: "
           "`bench.py --predict-check` (`tfdist/bench/scale.py`); *role*: fitted on, checked "
-          "against, or held out (named in `plan.json` before it was measured).", ""]
+          "against, held out (named in `plan.json` before it was measured), or seen (held out, "
+          "but the model was revised after it).", ""]
 WINNERS_NOTE = ("Hosts of one core, a ps per 8 workers on its own machine, 50 µs per message "
                 "round; the CNN's profile, and the same compute with 100 times the parameters. "
                 "Each cell: the fastest, its examples/s, how far ahead of the next, its bound.")
@@ -228,12 +283,12 @@ def plot(table: list[dict], profiles: dict, directory: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     written = []
-    fig, ax = plt.subplots(figsize=(7, 4.4))
+    fig, ax = plt.subplots(figsize=(9, 4.4))
     curves = {}
     for r in table:
         curves.setdefault((r["task"], r["strategy"], r["ps"], r["link"]), []).append(r)
     for i, (key, pts) in enumerate(sorted(curves.items())):
-        colour = f"C{i % 10}"
+        colour = plt.cm.tab20(i % 20)  # more curves than the default cycle's 10 colours
         pts = sorted(pts, key=lambda r: r["workers"])
         label = f"{key[1]}{'' if pr.all_reduces(key[1]) else ' ' + str(key[2]) + ' ps'}, {key[3]}"
         ax.plot([p["workers"] for p in pts], [p["measured"] for p in pts], "o", color=colour,
@@ -241,8 +296,9 @@ def plot(table: list[dict], profiles: dict, directory: str) -> list[str]:
         ax.plot([p["workers"] for p in pts], [p["predicted"] for p in pts], "--", color=colour)
     ax.set_xlabel("workers (each host its own CPU budget)")
     ax.set_ylabel("examples/s")
-    ax.set_title("Measured (points) and predicted (dashed)")
-    ax.legend(fontsize=7)
+    ax.set_title("Measured (points) and predicted (dashed): "
+                 + ", ".join(sorted({r["task"] for r in table})))
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     written.append(_save(fig, plt, directory, "scale.png"))
     for task, profile in profiles.items():
         fig, axes = plt.subplots(1, 3, figsize=(13, 4.2), sharey=True)
