@@ -256,16 +256,19 @@ class Evaluator:
                 self.members, EvalShards) else self.members.names[
                 self.members.rank]: self.examples}
         elif isinstance(self.members, EvalShards):
-            out, counts = self._sharded_pass()
+            out, counts, made = self._sharded_pass()
         else:
             out, counts = self._shared_pass()
         sharded = isinstance(self.members, EvalShards) and self.shared
+        # The shards made (never more than the split's batches), and those asked when fewer.
+        shards = ({"shards": made, **({"shards_asked": self.members.count}
+                                      if made != self.members.count else {})}
+                  if sharded else {})
         self.record = {
             "split": self.split, "where": ("workers" if sharded else
                                            "members" if self.shared else "chief"),
             "members": len(counts), "batch_size": self.batch_size, "examples": self.examples,
-            "examples_per_member": counts,
-            **({"shards": self.members.count} if sharded else {}),
+            "examples_per_member": counts, **shards,
             "seconds": round(time.perf_counter() - started, 3),
             **({"alone_because": self.alone_because} if self.alone_because else {})}
         return {name: float(value) for name, value in out.items()}
@@ -301,9 +304,10 @@ class Evaluator:
         return pythonify_logs(local.get_metrics_result()), counts
 
 
-    def _sharded_pass(self) -> tuple[dict, dict]:
+    def _sharded_pass(self) -> tuple[dict, dict, int]:
         """Every shard evaluated by a closure on a worker from the same initial metric
-        states, each shard's states merged once, the results read from the sums."""
+        states, each shard's states merged once, the results read from the sums; the
+        shards made last."""
         from keras.src.utils.python_utils import pythonify_logs
 
         local, shards = self.local, self.members
@@ -324,7 +328,8 @@ class Evaluator:
                                f"{self.examples} examples; shards missing: {merge.missing()}")
         for var, summed in zip(variables, merge.states):
             var.assign(summed.astype(keras.backend.standardize_dtype(var.dtype)))
-        return pythonify_logs(local.get_metrics_result()), dict(sorted(merge.per_worker.items()))
+        return (pythonify_logs(local.get_metrics_result()), dict(sorted(merge.per_worker.items())),
+                count)
 
 
 def split_metrics(values: dict[str, float]) -> tuple[float, dict[str, float]]:
