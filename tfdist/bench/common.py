@@ -103,6 +103,11 @@ def hosts_for(kind, workers: int, ps: int) -> int:
     return len(busy) + (1 if len(names) > len(busy) else 0)
 
 
+def cluster_members(kind, workers: int) -> list[str]:
+    """Every task's name in a ``launch.py`` cluster of ``kind`` with ``workers`` workers."""
+    return plans.member_names(kind, workers, kind.min_ps)
+
+
 def cluster_prefix(python: str, kind, workers: int, timeout: float, slow: str | None = None,
                    link_rate: str | None = None, program: str | None = None) -> list[str]:
     """``launch.py`` and its flags for a cluster of ``kind`` (up to the ``--``): ``slow``

@@ -191,6 +191,37 @@ class Evaluator:
         self.alone_because: str | None = None
         self._said = False
         self._task, self.dataset = task, None
+        # Seconds spent preparing (prepare()), and the last pass's terms for the record.
+        self.prepared_seconds: float | None = None
+        self._terms: dict = {}
+
+    def prepare(self) -> None:
+        """Everything a pass needs before its first one, done once: this member's dataset,
+        whether the members share the split, Keras's test function traced on one batch
+        and, when shared, the states' all-reduce traced and run once on zeros. The
+        trainer calls it at its first call, where every member is (so the collectives
+        match), and counts it in the startup; else the first evaluation does. Either
+        way its seconds are the record's ``prepared_seconds``, not its ``seconds``."""
+        if self.dataset is not None:
+            return
+        started = time.perf_counter()
+        self._prepare()
+        if self.evaluates and not self.shared:
+            self._trace_test_function()
+        elif self.shared and isinstance(self.members, EvalMembers):
+            self.members.total(np.zeros(self._state_size()))
+        self.prepared_seconds = round(time.perf_counter() - started, 3)
+
+    def _trace_test_function(self) -> None:
+        """Keras's test function traced on one batch (the shared path's check does it)."""
+        self.local.evaluate(data.eval_dataset(self._task, self.batch_size, self.split).take(1),
+                            verbose=0)
+
+    def _state_size(self) -> int:
+        """Length of the vector the members sum: every metric variable's values, then
+        each member's examples and each member's seconds over its batches."""
+        return (sum(int(np.prod(v.shape)) for v in self.local.metrics_variables)
+                + 2 * len(self.members.names))
 
     def _prepare(self) -> None:
         """This member's dataset, and whether the members share it, decided at the
@@ -244,7 +275,7 @@ class Evaluator:
     def __call__(self, model: keras.Model) -> dict[str, float]:
         """{"loss": ..., metric: ...} of ``model``'s current weights; {} on a member
         that takes no part (the chief evaluates alone)."""
-        self._prepare()
+        self.prepare()
         if not self.evaluates:
             return {}
         started = time.perf_counter()
@@ -270,6 +301,7 @@ class Evaluator:
             "members": len(counts), "batch_size": self.batch_size, "examples": self.examples,
             "examples_per_member": counts, **shards,
             "seconds": round(time.perf_counter() - started, 3),
+            "prepared_seconds": self.prepared_seconds, **self._terms,
             **({"alone_because": self.alone_because} if self.alone_because else {})}
         return {name: float(value) for name, value in out.items()}
 
@@ -285,22 +317,32 @@ class Evaluator:
         from keras.src.utils.python_utils import pythonify_logs
 
         members, local = self.members, self.local
+        started = time.perf_counter()
         if self.shard_examples:
             local.evaluate(self.dataset, verbose=0)
         else:  # more members than batches: this one adds nothing
             local.reset_metrics()
+        batches_seconds = time.perf_counter() - started
         variables = local.metrics_variables
         values = [np.asarray(keras.ops.convert_to_numpy(v), np.float64) for v in variables]
-        mine = np.zeros(len(members.names))
-        mine[members.rank] = self.shard_examples
+        n = len(members.names)
+        # Each member's examples and seconds over its batches, in its own slots.
+        mine = np.zeros(2 * n)
+        mine[members.rank], mine[n + members.rank] = self.shard_examples, batches_seconds
         flat = np.concatenate([v.ravel() for v in values] + [mine])
+        reducing = time.perf_counter()
         total = np.asarray(members.total(flat))
+        all_reduce_seconds = time.perf_counter() - reducing
         offset = 0
         for var, value in zip(variables, values):
             summed = total[offset:offset + value.size].reshape(value.shape)
             var.assign(summed.astype(keras.backend.standardize_dtype(var.dtype)))
             offset += value.size
-        counts = {name: int(round(n)) for name, n in zip(members.names, total[offset:])}
+        counts = {name: int(round(c)) for name, c in zip(members.names, total[offset:offset + n])}
+        # The slower member's batches bound the pass; the all-reduce waits for it.
+        self._terms = {"batch_seconds_per_member": {
+            name: round(float(s), 3) for name, s in zip(members.names, total[offset + n:])},
+            "all_reduce_seconds": round(all_reduce_seconds, 3)}
         return pythonify_logs(local.get_metrics_result()), counts
 
 
