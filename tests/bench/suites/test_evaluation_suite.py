@@ -2,9 +2,10 @@
 
 import pytest
 
-from tfdist.bench.common import BenchError
+from tfdist.bench.common import BenchError, cluster_cores
 from tfdist.bench.suites import evaluation
 from tfdist.cli import bench as cli
+from tfdist.strategies import kinds as strategy_kinds
 
 
 def _plan(*flags):
@@ -20,8 +21,11 @@ def test_the_pairs_are_interleaved_with_every_task_at_half_a_core():
     by = {r.name: " ".join(r.cmd) for r in runs}
     mw, ps = by["eval-multiworker-shared-r1"], by["eval-ps-chief-r2"]
     assert "--slow worker:0=0.5 --slow worker:1=0.5 --" in mw and "chief:0" not in mw
-    for task in ("chief:0", "ps:0", "worker:0", "worker:1"):
-        assert f"--slow {task}=0.5" in ps
+    # Each fraction is of the task's own cores: half a core each, whatever it may use.
+    cores = cluster_cores(strategy_kinds.get("ps"), 2)
+    assert sorted(cores) == ["chief:0", "ps:0", "worker:0", "worker:1"]
+    for task, n in cores.items():
+        assert f"--slow {task}={0.5 / n:g}" in ps
     assert "--strategy ps --workers 2" in ps and "--ps 1" in ps
     for name, cmd in by.items():
         where = "shared" if "-shared-" in name else "chief"

@@ -3,7 +3,7 @@
     python bench.py --suite evaluation --out results/evaluation    # ~10 min on 2 CPU cores
 
 Two workers, every task of the cluster held to half a core (``launch.py --slow
-ROLE:I=0.5`` for each), train ``--model`` for a few steps (``--steps``, else 20)
+ROLE:I=F``, F of its own cores), train ``--model`` for a few steps (``--steps``, else 20)
 with no evaluation on the way, then evaluate the test split once:
 
   multiworker  ``--evaluate-on shared`` (each worker its half of the batches, one
@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from tfdist.bench.common import (BenchError, Run, cell, cluster_members, cluster_prefix,
+from tfdist.bench.common import (BenchError, Run, cell, cluster_cores, cluster_prefix,
                                  machine_description, run_all)
 from tfdist.bench.config import BenchConfig
 from tfdist.strategies import kinds as strategy_kinds
@@ -52,10 +52,12 @@ class EvalRun(Run):
 
 
 def slow_flags(kind) -> list[str]:
-    """``--slow ROLE:I=0.5`` for every task of a 2-worker cluster of ``kind``."""
+    """``--slow ROLE:I=F`` holding every task of a 2-worker cluster of ``kind`` to
+    ``SLOW`` of a core: F is of the task's own cores (the ps chief and the ps may
+    use all of the machine's, a pinned worker its one)."""
     out = []
-    for name in cluster_members(kind, WORKERS):
-        out += ["--slow", f"{name}={SLOW}"]
+    for name, cores in cluster_cores(kind, WORKERS).items():
+        out += ["--slow", f"{name}={SLOW / cores:g}"]
     return out
 
 
