@@ -336,8 +336,11 @@ class Results:
     # "members" (each training member evaluated its range of the split's batches,
     # the metrics' states summed), "workers" (ps: "shards" closures on the
     # workers, each merged once) or "chief", "members" (how many), "batch_size",
-    # "examples", "examples_per_member": {member: examples}, "seconds", and
-    # "alone_because" when the members could not share it}.
+    # "examples", "examples_per_member": {member: examples}, "shards" made (and
+    # "shards_asked" when fewer were made), "seconds" (the pass), "prepared_seconds"
+    # (its preparation, ahead in the startup), "batch_seconds_per_member" and
+    # "all_reduce_seconds" when shared, and "alone_because" when the members could
+    # not share it}.
     evaluation: dict | None = None
     # The sidecar evaluator's history (training.sidecar): {"member", "split",
     # "examples", "evaluations": [{"step", "seconds", "val_<metric>"...}]}, added

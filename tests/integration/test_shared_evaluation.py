@@ -178,7 +178,9 @@ def test_under_ps_the_workers_evaluate_shards_as_one_process(tmp_path, spawn, st
     model_dir, results, _ = run(spawn, tmp_path, f"{TASKS}:{name}", 2, "--steps", "20",
                                 "--eval-every", "10", "--eval-shards", shards, timeout=640,
                                 strategy=strategy, launch_args=("--ps", "1"))
-    assert_sharded(results, 7777, shards=10 if shards == "auto" else min(int(shards), 8))
+    asked = 10 if shards == "auto" else int(shards)
+    assert_sharded(results, 7777, shards=min(asked, 8))
+    assert results["evaluation"].get("shards_asked") == (asked if asked > 8 else None)
     want = evaluate_saved(model_dir, getattr(eval_tasks, name).dataset("test"))
     # Each output's own loss is Keras's batch-size-weighted figure (see above): compared
     # with Keras's at the library's batch, to 1e-3 (a shard's batches have no static size).

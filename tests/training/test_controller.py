@@ -75,6 +75,7 @@ def _run(plan, **trainer_options):
         rates_from=rates.append,
         progress=lambda step, metrics, *a, **k: progress.append((step, dict(metrics))),
         evaluate=lambda *a: pytest.fail("a worker never evaluates"), evaluates=False,
+        prepare_evaluation=lambda: None,  # the real one prepares nothing: evaluates=False
         throughput=types.SimpleNamespace(overall=lambda n: (1.0, 2.0)),
         events=types.SimpleNamespace(emit=lambda *a, **k: None))
     # A task without callbacks or a validation split; no model: the fake computes nothing.

@@ -75,7 +75,21 @@ def test_merged_shards_equal_one_process(name, shards):
         assert got[name] == pytest.approx(want[name], rel=1e-3), name
     record = evaluator.record
     assert record["where"] == "workers" and record["shards"] == shards
+    assert "shards_asked" not in record  # 7,777 examples make 8 batches: every shard made
     assert sum(record["examples_per_member"].values()) == record["examples"] == 7777
+
+
+def test_the_record_says_the_shards_made_and_those_asked():
+    """More shards asked than the split has batches: one shard per batch is made, and
+    the record says both."""
+    task = eval_tasks.BINARY
+    model = task.build_model()
+    evaluator = Evaluator(task, task.build_model(), members=EvalShards(
+        20, _shards_here(task, model)))
+    assert_same(evaluator(model), reference(task, model))
+    record = evaluator.record
+    assert record["shards"] == 8 and record["shards_asked"] == 20, record
+    assert len(record["examples_per_member"]) == 2
 
 
 def test_a_model_the_workers_cannot_map_is_evaluated_on_the_chief(capsys):

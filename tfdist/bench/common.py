@@ -103,6 +103,16 @@ def hosts_for(kind, workers: int, ps: int) -> int:
     return len(busy) + (1 if len(names) > len(busy) else 0)
 
 
+def cluster_cores(kind, workers: int) -> dict[str, int]:
+    """Every task of a ``launch.py`` cluster of ``kind`` with ``workers`` workers, and the
+    cores it may use at full speed on this machine (``launch.py --slow``'s fraction is
+    of them: a task pinned to one core, or one that only serves on all of them)."""
+    total = os.cpu_count() or 1
+    names = plans.member_names(kind, workers, kind.min_ps)
+    shares = plans.share_cores(kind, names, total)
+    return {name: shares[name].cores(total) for name in names}
+
+
 def cluster_prefix(python: str, kind, workers: int, timeout: float, slow: str | None = None,
                    link_rate: str | None = None, program: str | None = None) -> list[str]:
     """``launch.py`` and its flags for a cluster of ``kind`` (up to the ``--``): ``slow``

@@ -66,9 +66,10 @@ class BenchConfig:
     run_timeout: float = option(900.0, "seconds one run may take before it is stopped",
                                 metavar="SECONDS")
     suite: str = option("default", "the suite to run: default, every strategy on a uniform "
-                        "cluster; or scenarios, which strategy when (slow worker, slow links, "
-                        "more workers, tutorial peers, staleness)",
-                        choices=("default", "scenarios"))
+                        "cluster; scenarios, which strategy when (slow worker, slow links, "
+                        "more workers, tutorial peers, staleness); or evaluation, the final "
+                        "evaluation shared by 2 workers at half a core against the chief alone",
+                        choices=("default", "scenarios", "evaluation"))
     # --suite scenarios only.
     scenarios: str | None = option(None, _scenarios_help, metavar="NAME[,NAME...]",
                                    group=SCENARIOS_GROUP, unset="all")

@@ -5,10 +5,12 @@
     python bench.py --steps 40 --eval-every 20 --out /tmp/bench   # a smoke run
     python bench.py --suite scenarios    # which strategy when: slow worker, slow links,
                                          # more workers, tutorial peers (bench/suites/scenarios.py)
+    python bench.py --suite evaluation   # the shared final evaluation against the chief alone
+                                         # (bench/suites/evaluation.py)
 
 The flags become one frozen ``BenchConfig``, run by the suite it names:
 ``bench/suites/default.py`` (every strategy on a uniform cluster; what it measures
-and writes is told there) or ``bench/suites/scenarios.py``. Nothing else reads the
+and writes is told there), ``bench/suites/scenarios.py`` or ``bench/suites/evaluation.py``. Nothing else reads the
 command line.
 """
 
@@ -19,7 +21,7 @@ import sys
 
 from tfdist import flags
 from tfdist.bench import predict, scale
-from tfdist.bench.suites import default as suite, scenarios
+from tfdist.bench.suites import default as suite, evaluation, scenarios
 from tfdist.bench.config import BenchConfig
 
 
@@ -50,6 +52,8 @@ def main(argv=None) -> int:
         return scale.run(config.predict_check)
     if config.suite == "scenarios":
         return scenarios.run(config)
+    if config.suite == "evaluation":
+        return evaluation.run(config)
     return suite.run(config)
 
 

@@ -132,6 +132,10 @@ class Controller:
             self.metrics = self.trainer.drain()
         self.started_ok()
         self.trainer.on_started()
+        with self.trainer.paused():  # the chief's own work, as an evaluation
+            # Every evaluating member is here: its evaluation is prepared (traced) now, in
+            # the startup, where a collective it needs meets the other members'.
+            self.reporter.prepare_evaluation()
         self.startup_seconds = time.perf_counter() - self.started
         self.steady_from = self.trainer.completed
         self.reporter.steady_from(self.steady_from)

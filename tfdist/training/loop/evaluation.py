@@ -1,17 +1,25 @@
 """The task's compiled loss and metrics on a whole split, and the weights' fingerprint.
 
 Keras's ``evaluate`` on a local copy of the weights (a model outside any
-strategy), in one of two ways:
+strategy), in one of three ways:
 
 - on one member (the chief) over the whole split;
-- shared by the members that train in lockstep (``EvalMembers``, given by the
-  trainer): the split's batches (``batch_size`` each, the last one short) are
-  cut into contiguous ranges, one per member (``batch_range``); each member
-  evaluates its range, then the metrics' *states* (their variables: totals,
-  counts, confusion counts) are summed over the members with one collective and
-  every result is computed from the sums. The batches are the ones a single
-  member would evaluate, so the states are the same sums, added in another
-  order.
+- shared by a group of members the trainer gives (``EvalGroup``: its
+  ``prepare`` and ``run_pass`` return the metrics' *states* (their variables:
+  totals, counts, confusion counts) summed over the group, and every result is
+  read from the sums, in one place whatever the group):
+  - ``EvalMembers``, the members that train in lockstep: the split's batches
+    (``batch_size`` each, the last one short) are cut into contiguous ranges,
+    one per member (``batch_range``); each evaluates its range, then one
+    collective sums the states;
+  - ``EvalShards`` (``ps``): the batches cut into shards, each a closure a
+    coordinator schedules on a worker, each shard's states merged once
+    (``ShardMerge``).
+  The batches are the ones a single member would evaluate, so the states are
+  the same sums, added in another order.
+
+What a pass needs before the first one (the sharing check, the test function
+and the all-reduce traced) is prepared once, ahead (``Evaluator.prepare``).
 
 A metric whose state is not known to be a sum over examples, or a model's own
 ``test_step`` whose logs are not its metrics' results (Keras's ``evaluate``
@@ -25,7 +33,7 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import keras
 import numpy as np
@@ -47,6 +55,35 @@ def local_copy(model: keras.Model, local: keras.Model) -> keras.Model:
 
 
 @dataclass(frozen=True)
+class Summed:
+    """A shared pass's outcome: every metric's state summed over the members (in
+    ``local.metrics_variables``' order), the examples each member evaluated, and
+    the fields the record adds for this kind (its terms: shards, seconds)."""
+
+    states: list
+    counts: dict
+    terms: dict
+
+
+class EvalGroup(Protocol):
+    """The members that evaluate a split together (the contract ``Evaluator`` uses).
+
+    ``where``: the record's word for them; ``refusal``: why they cannot, else None;
+    ``prepare(evaluator)``: their share ready before the first pass (every member
+    calls it at the same point); ``run_pass(evaluator)``: the states summed."""
+
+    where: str
+    is_chief: bool
+    refusal: str | None
+
+    def own_name(self, member: str) -> str: ...
+
+    def prepare(self, evaluator: "Evaluator") -> None: ...
+
+    def run_pass(self, evaluator: "Evaluator") -> Summed: ...
+
+
+@dataclass(frozen=True)
 class EvalMembers:
     """The members that evaluate a split together, and this member's place among them.
 
@@ -58,6 +95,56 @@ class EvalMembers:
     rank: int
     is_chief: bool
     total: Callable
+    refusal: str | None = None
+    where = "members"
+
+    def own_name(self, member: str) -> str:
+        return self.names[self.rank]
+
+    def prepare(self, evaluator: "Evaluator") -> None:
+        """This member's range of batches, cached; the all-reduce traced and run on zeros."""
+        batches = -(-evaluator.examples // evaluator.batch_size)
+        lo, hi = batch_range(batches, len(self.names), self.rank)
+        size = evaluator.batch_size
+        # Skipped before batching: a sliced source skips without reading.
+        shard = data.task_split(evaluator.task, evaluator.split).skip(lo * size).take(
+            (hi - lo) * size)
+        # Cached by the first pass, which reads the data as the chief alone's does.
+        evaluator.dataset = shard.batch(size).cache()
+        evaluator.shard_examples = examples_per_member(
+            evaluator.examples, size, len(self.names))[self.rank]
+        variables = evaluator.local.metrics_variables
+        self.total(np.zeros(sum(int(np.prod(v.shape)) for v in variables)
+                            + 2 * len(self.names)))
+
+    def run_pass(self, evaluator: "Evaluator") -> Summed:
+        """This member's batches, then every metric's state, each member's examples and
+        each member's seconds over its batches summed over the members (one collective)."""
+        local, n = evaluator.local, len(self.names)
+        started = time.perf_counter()
+        if evaluator.shard_examples:
+            local.evaluate(evaluator.dataset, verbose=0)
+        else:  # more members than batches: this one adds nothing
+            local.reset_metrics()
+        batches_seconds = time.perf_counter() - started
+        values = [np.asarray(keras.ops.convert_to_numpy(v), np.float64)
+                  for v in local.metrics_variables]
+        # Each member's examples and seconds over its batches, in its own slots.
+        mine = np.zeros(2 * n)
+        mine[self.rank], mine[n + self.rank] = evaluator.shard_examples, batches_seconds
+        reducing = time.perf_counter()
+        total = np.asarray(self.total(np.concatenate([v.ravel() for v in values] + [mine])))
+        all_reduce_seconds = time.perf_counter() - reducing
+        states, offset = [], 0
+        for value in values:
+            states.append(total[offset:offset + value.size].reshape(value.shape))
+            offset += value.size
+        counts = {name: int(round(c)) for name, c in zip(self.names, total[offset:offset + n])}
+        # The slower member's batches bound the pass; the all-reduce waits for it.
+        return Summed(states, counts, {
+            "batch_seconds_per_member": {name: round(float(s), 3) for name, s in
+                                         zip(self.names, total[offset + n:])},
+            "all_reduce_seconds": round(all_reduce_seconds, 3)})
 
 
 @dataclass(frozen=True)
@@ -72,6 +159,35 @@ class EvalShards:
     run: Callable
     refusal: str | None = None
     is_chief: bool = True
+    where = "workers"
+
+    def own_name(self, member: str) -> str:
+        return member
+
+    def prepare(self, evaluator: "Evaluator") -> None:
+        evaluator.dataset = ()  # each shard is read on its worker
+
+    def run_pass(self, evaluator: "Evaluator") -> Summed:
+        """Every shard evaluated by a closure on a worker from the same initial metric
+        states, each shard's states merged once; the shards made (at most one a batch)."""
+        local = evaluator.local
+        local.reset_metrics()
+        initial = [keras.ops.convert_to_numpy(v) for v in local.metrics_variables]
+        batches = -(-evaluator.examples // evaluator.batch_size)
+        count = min(self.count, batches)
+        bounds = [batch_range(batches, count, s) for s in range(count)]
+        merge = ShardMerge(count)
+        # The line an operator (and the test that kills a worker meanwhile) waits on.
+        print(f"the {evaluator.split} split: {count} shards scheduled on the workers", flush=True)
+        for shard, states, examples, worker in self.run(local, initial, evaluator.split,
+                                                        evaluator.batch_size, bounds):
+            merge.add(shard, states, examples, worker)
+        if merge.missing() or merge.examples != evaluator.examples:
+            raise RuntimeError(f"the sharded evaluation merged {merge.examples} of "
+                               f"{evaluator.examples} examples; shards missing: {merge.missing()}")
+        # The shards made, and those asked when fewer were made.
+        return Summed(merge.states, dict(sorted(merge.per_worker.items())), {
+            "shards": count, **({"shards_asked": self.count} if count != self.count else {})})
 
 
 class ShardMerge:
@@ -163,14 +279,6 @@ def count_examples(ds) -> int:
     return int(ds.reduce(tf.constant(0, tf.int64), lambda c, _: c + 1))
 
 
-def _batch_rows(ds) -> int:
-    """Examples in a batched dataset, read once (filling its cache)."""
-    import tensorflow as tf
-
-    return int(ds.reduce(tf.constant(0, tf.int64), lambda c, b: c + tf.cast(
-        tf.shape(tf.nest.flatten(b)[0])[0], tf.int64)))
-
-
 class Evaluator:
     """The compiled loss and every compiled metric over the whole split, once.
 
@@ -182,7 +290,7 @@ class Evaluator:
     """
 
     def __init__(self, task, local: keras.Model, batch_size: int = 1000, split: str = "test",
-                 members: EvalMembers | None = None, member: str = "chief:0"):
+                 members: EvalGroup | None = None, member: str = "chief:0"):
         self.local, self.batch_size, self.split = local, batch_size, split
         self.members, self.member = members, member
         self.examples = count_examples(data.task_split(task, split))
@@ -190,31 +298,39 @@ class Evaluator:
         # Why the members cannot share this split (the chief evaluates it alone).
         self.alone_because: str | None = None
         self._said = False
-        self._task, self.dataset = task, None
+        self.task, self.dataset = task, None
+        self.shard_examples = 0  # this member's examples, when its group cuts the split
+        # Seconds spent preparing (prepare()), for the record.
+        self.prepared_seconds: float | None = None
 
-    def _prepare(self) -> None:
-        """This member's dataset, and whether the members share it, decided at the
-        first evaluation: not before, since ``local`` also serves a task Keras cannot
-        evaluate (a GAN's weights saved and hashed), and every member reaches its
-        first evaluation at the same point, so all of them reach the same collectives."""
+    def prepare(self) -> None:
+        """Everything a pass needs before its first one, done once: whether the members
+        share the split, this member's dataset (its share, the group's ``prepare``:
+        the all-reduce traced and run once on zeros), and Keras's test function traced
+        on one batch. Not at construction, since ``local`` also serves a task Keras
+        cannot evaluate (a GAN's weights saved and hashed). The trainer calls it at its
+        first call, where every member is (so the collectives match), and counts it in
+        the startup; else the first evaluation does, where every member also is. Its
+        seconds are the record's ``prepared_seconds``, not its ``seconds``."""
         if self.dataset is not None:
             return
-        task, batch_size, split, members = self._task, self.batch_size, self.split, self.members
+        started = time.perf_counter()
+        members = self.members
         if members is not None:
-            self.alone_because = ((members.refusal if isinstance(members, EvalShards)
-                                   else None) or self._sharing_refusal(task))
-        if members is None or self.alone_because is not None:
-            self.dataset = data.eval_dataset(task, batch_size, split).cache()
-            return
-        if isinstance(members, EvalShards):
-            self.dataset = ()  # each shard is read on its worker
-            return
-        batches = -(-self.examples // batch_size)
-        lo, hi = batch_range(batches, len(members.names), members.rank)
-        # Skipped before batching: a sliced source skips without reading.
-        shard = data.task_split(task, split).skip(lo * batch_size).take((hi - lo) * batch_size)
-        self.dataset = shard.batch(batch_size).cache()
-        self.shard_examples = _batch_rows(self.dataset)
+            # The sharing check evaluates one batch: the test function is traced then.
+            self.alone_because = members.refusal or self._sharing_refusal()
+        if self.shared:
+            members.prepare(self)
+        else:
+            self.dataset = data.eval_dataset(self.task, self.batch_size, self.split).cache()
+            if members is None and self.evaluates:
+                self._trace_test_function()
+        self.prepared_seconds = round(time.perf_counter() - started, 3)
+
+    def _trace_test_function(self) -> None:
+        """Keras's test function traced on one batch (as the sharing check does)."""
+        self.local.evaluate(data.eval_dataset(self.task, self.batch_size, self.split).take(1),
+                            verbose=0)
 
     @property
     def shared(self) -> bool:
@@ -226,13 +342,14 @@ class Evaluator:
         """Whether this member takes part (every member when shared, else the chief)."""
         return self.shared or self.members is None or self.members.is_chief
 
-    def _sharing_refusal(self, task) -> str | None:
+    def _sharing_refusal(self) -> str | None:
         """Why the members cannot share the split; None when they can. The same
         answer on every member (the same model, one batch of the same split), so
         all of them reach the same collectives. Its evaluation of one batch also
         builds every metric, so every member's state has the same layout."""
-        logs = self.local.evaluate(data.eval_dataset(task, self.batch_size, self.split).take(1),
-                                   verbose=0, return_dict=True)
+        logs = self.local.evaluate(
+            data.eval_dataset(self.task, self.batch_size, self.split).take(1),
+            verbose=0, return_dict=True)
         for metric in leaf_metrics(self.local.metrics):
             why = not_additive(metric)
             if why is not None:
@@ -244,87 +361,43 @@ class Evaluator:
     def __call__(self, model: keras.Model) -> dict[str, float]:
         """{"loss": ..., metric: ...} of ``model``'s current weights; {} on a member
         that takes no part (the chief evaluates alone)."""
-        self._prepare()
+        self.prepare()
         if not self.evaluates:
             return {}
         started = time.perf_counter()
         local_copy(model, self.local)
-        if not self.shared:
+        if self.shared:
+            summed = self.members.run_pass(self)
+            out, counts, where, terms = (self._results_from(summed.states), summed.counts,
+                                         self.members.where, summed.terms)
+        else:
             self._say_alone()
             out = self.local.evaluate(self.dataset, verbose=0, return_dict=True)
-            counts = {self.member if self.members is None or isinstance(
-                self.members, EvalShards) else self.members.names[
-                self.members.rank]: self.examples}
-        elif isinstance(self.members, EvalShards):
-            out, counts = self._sharded_pass()
-        else:
-            out, counts = self._shared_pass()
-        sharded = isinstance(self.members, EvalShards) and self.shared
+            own = self.member if self.members is None else self.members.own_name(self.member)
+            counts, where, terms = {own: self.examples}, "chief", {}
         self.record = {
-            "split": self.split, "where": ("workers" if sharded else
-                                           "members" if self.shared else "chief"),
-            "members": len(counts), "batch_size": self.batch_size, "examples": self.examples,
-            "examples_per_member": counts,
-            **({"shards": self.members.count} if sharded else {}),
+            "split": self.split, "where": where, "members": len(counts),
+            "batch_size": self.batch_size, "examples": self.examples,
+            "examples_per_member": counts, **terms,
             "seconds": round(time.perf_counter() - started, 3),
+            "prepared_seconds": self.prepared_seconds,
             **({"alone_because": self.alone_because} if self.alone_because else {})}
         return {name: float(value) for name, value in out.items()}
+
+    def _results_from(self, states) -> dict:
+        """The metrics' results from states summed over the members, assigned to the
+        local model's metric variables first."""
+        from keras.src.utils.python_utils import pythonify_logs
+
+        for var, summed in zip(self.local.metrics_variables, states):
+            var.assign(np.asarray(summed).astype(keras.backend.standardize_dtype(var.dtype)))
+        return pythonify_logs(self.local.get_metrics_result())
 
     def _say_alone(self) -> None:
         if self.alone_because is not None and not self._said:
             self._said = True
             print(f"the {self.split} split is evaluated on the chief alone: "
                   f"{self.alone_because}", flush=True)
-
-    def _shared_pass(self) -> tuple[dict, dict]:
-        """This member's batches, then every metric's state summed over the members
-        (one collective) and the results read from the sums."""
-        from keras.src.utils.python_utils import pythonify_logs
-
-        members, local = self.members, self.local
-        if self.shard_examples:
-            local.evaluate(self.dataset, verbose=0)
-        else:  # more members than batches: this one adds nothing
-            local.reset_metrics()
-        variables = local.metrics_variables
-        values = [np.asarray(keras.ops.convert_to_numpy(v), np.float64) for v in variables]
-        mine = np.zeros(len(members.names))
-        mine[members.rank] = self.shard_examples
-        flat = np.concatenate([v.ravel() for v in values] + [mine])
-        total = np.asarray(members.total(flat))
-        offset = 0
-        for var, value in zip(variables, values):
-            summed = total[offset:offset + value.size].reshape(value.shape)
-            var.assign(summed.astype(keras.backend.standardize_dtype(var.dtype)))
-            offset += value.size
-        counts = {name: int(round(n)) for name, n in zip(members.names, total[offset:])}
-        return pythonify_logs(local.get_metrics_result()), counts
-
-
-    def _sharded_pass(self) -> tuple[dict, dict]:
-        """Every shard evaluated by a closure on a worker from the same initial metric
-        states, each shard's states merged once, the results read from the sums."""
-        from keras.src.utils.python_utils import pythonify_logs
-
-        local, shards = self.local, self.members
-        local.reset_metrics()
-        variables = local.metrics_variables
-        initial = [keras.ops.convert_to_numpy(v) for v in variables]
-        batches = -(-self.examples // self.batch_size)
-        count = min(shards.count, batches)
-        bounds = [batch_range(batches, count, s) for s in range(count)]
-        merge = ShardMerge(count)
-        # The line an operator (and the test that kills a worker meanwhile) waits on.
-        print(f"the {self.split} split: {count} shards scheduled on the workers", flush=True)
-        for shard, states, examples, worker in shards.run(local, initial, self.split,
-                                                          self.batch_size, bounds):
-            merge.add(shard, states, examples, worker)
-        if merge.missing() or merge.examples != self.examples:
-            raise RuntimeError(f"the sharded evaluation merged {merge.examples} of "
-                               f"{self.examples} examples; shards missing: {merge.missing()}")
-        for var, summed in zip(variables, merge.states):
-            var.assign(summed.astype(keras.backend.standardize_dtype(var.dtype)))
-        return pythonify_logs(local.get_metrics_result()), dict(sorted(merge.per_worker.items()))
 
 
 def split_metrics(values: dict[str, float]) -> tuple[float, dict[str, float]]:

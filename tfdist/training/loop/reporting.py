@@ -178,6 +178,13 @@ class Reporter:
                                    members=self.members, member=self.member)
         return self._eval
 
+    def prepare_evaluation(self) -> None:
+        """The test split's evaluation prepared ahead (``Evaluator.prepare``), at a point
+        every member sharing it reaches: its test function and all-reduce traced then,
+        in the startup, not in the first evaluation."""
+        if self.evaluates and self.checked.not_evaluated is None:
+            self.evaluator().prepare()
+
     @property
     def evaluates(self) -> bool:
         """Whether this member takes part in evaluations: the chief, and every member
