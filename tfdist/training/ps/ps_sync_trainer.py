@@ -616,9 +616,11 @@ class PsSyncTrainer(CoordinatedTrainer):
         closures find the workers free), and training resumes after it with every
         worker's token where it was: none lost, none given twice.
 
-        Why: a worker runs one closure at a time, and between two ``train`` calls each
-        worker's step closure waits on ps:0 for the next update's token, which only
-        the next ``aggregate`` call gives: a closure scheduled behind it never runs.
+        Why: between two ``train`` calls each worker's step closure waits on ps:0 for
+        the next update's token, which only the next ``aggregate`` call gives, so it
+        never ends while the chief evaluates: the coordinator's ``join()`` waited for it
+        forever, and a worker's thread runs one closure at a time, so a shard handed to
+        a thread behind it waits with it.
         """
         self._pause_closures()
         try:

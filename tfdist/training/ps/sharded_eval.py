@@ -16,11 +16,11 @@ for each evaluation. A closure whose worker is lost is run again by the
 coordinator on another worker, from that worker's untouched iterator of the
 same shard; a restarted worker's iterators are made again by the coordinator.
 
-Free workers: a worker runs one closure at a time, so the shards wait behind
-whatever closures the trainer has on the workers. Under ``ps`` the controller's
-drain ended them; ``ps-sync``'s step closures wait on ps:0 for the next
-update's token, which only the chief's next update gives, so its trainer ends
-them for the evaluation and resumes them after it (``quiet``,
+Free workers: a worker's thread runs one closure at a time, so a shard waits
+behind whatever closure the trainer has on that thread. Under ``ps`` the
+controller's drain ended them; ``ps-sync``'s step closures wait on ps:0 for the
+next update's token, which only the chief's next update gives, so its trainer
+ends them for the evaluation and resumes them after it (``quiet``,
 ``PsSyncTrainer.workers_free``).
 """
 
