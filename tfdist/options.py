@@ -211,21 +211,21 @@ class TrainOptions:
     eval_every: int = option(
         0, "steps between evaluations of the task's metrics on its test split, shared by the "
         "training members where they train in lockstep (multiworker), in shards on the "
-        "workers under ps, else on the chief (0: at the end only); their time is "
+        "workers under ps and ps-sync, else on the chief (0: at the end only); their time is "
         "left out of examples/s", metavar="N", group=OUTPUT)
     # Where evaluations run (training.loop.evaluation): "shared" where a trainer
     # names several members (multiworker), else the chief; "chief" always.
     evaluate_on: str = option(
         "shared", "shared: every training member evaluates its range of the split's batches "
-        "and one all-reduce sums the metrics' states (multiworker; ps: the workers "
-        "evaluate --eval-shards shards; elsewhere the chief evaluates); chief: the "
+        "and one all-reduce sums the metrics' states (multiworker; ps, ps-sync: the "
+        "workers evaluate --eval-shards shards; elsewhere the chief evaluates); chief: the "
         "chief evaluates the whole split while the others wait",
         choices=("shared", "chief"), group=OUTPUT)
-    # ps: the evaluation cut into shards the coordinator schedules on the
+    # ps, ps-sync: the evaluation cut into shards the coordinator schedules on the
     # workers (training.ps.sharded_eval); auto: 5 per worker, as tf_keras's
     # pss_evaluation_shards.
     eval_shards: str = option(
-        "auto", "ps: cut each evaluation into S shards of the split's batches, each "
+        "auto", "ps, ps-sync: cut each evaluation into S shards of the split's batches, each "
         "evaluated by one closure on a worker and merged once on the chief (auto: 5 x "
         "workers); elsewhere unused", metavar="S|auto", group=OUTPUT)
     log_every: int = option(100, "steps between progress lines", metavar="N", group=OUTPUT)

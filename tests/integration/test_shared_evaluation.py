@@ -147,14 +147,15 @@ def _test_split(task, options):
 
 @pytest.mark.long
 @pytest.mark.timeout(700)
-@pytest.mark.parametrize("task,options,examples", BUILTINS)
-def test_under_ps_the_chiefs_evaluation_matches_one_process(tmp_path, spawn, task, options,
-                                                            examples):
-    """Under ps the split is cut into 5 x 2 shards the coordinator schedules on the
-    workers (training.ps.sharded_eval), each merged once on the chief, and the figures
-    are one process's."""
+@pytest.mark.parametrize("strategy,task,options,examples", [
+    *(("ps", *builtin) for builtin in BUILTINS), ("ps-sync", *BUILTINS[0])])
+def test_under_ps_the_chiefs_evaluation_matches_one_process(tmp_path, spawn, strategy, task,
+                                                            options, examples):
+    """Under ps and ps-sync the split is cut into 5 x 2 shards the coordinator schedules
+    on the workers (training.ps.sharded_eval), each merged once on the chief, and the
+    figures are one process's."""
     model_dir, results, _ = run(spawn, tmp_path, task, 2, "--steps", "30", *options,
-                                timeout=640, strategy="ps", launch_args=("--ps", "1"))
+                                timeout=640, strategy=strategy, launch_args=("--ps", "1"))
     assert_sharded(results, examples, shards=10)
     assert_equal_to_one_process(results, evaluate_saved(model_dir, _test_split(task, options)))
 
@@ -169,7 +170,8 @@ def assert_sharded(results, examples, shards):
 @pytest.mark.long
 @pytest.mark.timeout(700)
 @pytest.mark.parametrize("strategy,name,shards", [
-    ("ps", "BINARY", "auto"), ("ps", "TWO_OUTPUTS", "3"), ("ps", "SAMPLE_WEIGHTED", "7")])
+    ("ps", "BINARY", "auto"), ("ps", "TWO_OUTPUTS", "3"), ("ps", "SAMPLE_WEIGHTED", "7"),
+    ("ps-sync", "TWO_OUTPUTS", "3"), ("ps-sync", "SAMPLE_WEIGHTED", "7")])
 def test_under_ps_the_workers_evaluate_shards_as_one_process(tmp_path, spawn, strategy, name,
                                                              shards):
     """7,777 examples in 8 batches cut into shards, at the --eval-every point too."""
@@ -194,3 +196,48 @@ def test_under_ps_the_workers_evaluate_shards_as_one_process(tmp_path, spawn, st
     for k in own:
         assert results["test_metrics"][k] == pytest.approx(want[k], rel=1e-3), k
     assert [point["step"] for point in results["eval_curve"]] == [10, 20]
+
+
+# The long tier: ~160 s on a loaded 2-core host (the slowed worker's start-up).
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_under_ps_sync_with_a_backup_worker_the_workers_evaluate_shards_as_one_process(
+        tmp_path, spawn):
+    """ps-sync, K = 1 of 2 (worker:1 slowed: the backup, its step closure often still
+    computing or waiting when the chief stops for an evaluation): the step closures end
+    and the shards run on the workers, at the --eval-every point and at the end, each
+    merged once, the figures one process's; training then resumes with no token lost
+    (every update applied, K = 1 gradient each)."""
+    from tests.training import eval_tasks
+
+    model_dir, results, p = run(spawn, tmp_path, f"{TASKS}:BINARY", 2, "--steps", "20",
+                                "--eval-every", "10", "--replicas-to-aggregate", "1",
+                                timeout=260, strategy="ps-sync",
+                                launch_args=("--ps", "1", "--slow", "worker:1=0.5"))
+    assert_sharded(results, 7777, shards=8)  # auto asks 5 x 2; 8 batches make 8 shards
+    assert_equal_to_one_process(results, evaluate_saved(model_dir,
+                                                        eval_tasks.BINARY.dataset("test")))
+    assert [point["step"] for point in results["eval_curve"]] == [10, 20]
+    assert results["global_steps"] == results["applied_steps"] == 20
+    assert results["aggregated_gradients"] == 20 and results["stale_gradients_applied"] == 0
+    assert results["stuck_workers"] == []
+    said = [line for line in p.lines if "shards scheduled on the workers" in line]
+    assert len(said) == 2 and all(line.startswith("[chief:0]") for line in said), p.output
+
+
+@pytest.mark.long
+@pytest.mark.timeout(500)
+def test_under_ps_sync_the_validation_split_is_evaluated_in_shards(tmp_path, spawn):
+    """Two epochs of 4,000: the validation split (2,222) at each end, in shards on the
+    workers, as one process's; the final evaluation too."""
+    from tests.training import eval_tasks
+
+    model_dir, results, p = run(spawn, tmp_path, f"{TASKS}:VALIDATED", 2, "--epochs", "2",
+                                timeout=420, strategy="ps-sync", launch_args=("--ps", "1"))
+    assert [point["epoch"] for point in results["val_curve"]] == [1, 2]
+    want = evaluate_saved(model_dir, eval_tasks.VALIDATED.dataset("validation"))
+    for name, value in want.items():
+        assert results["val_metrics"][f"val_{name}"] == pytest.approx(value, abs=2e-5), name
+    assert any("the validation split: " in line and "shards scheduled on the workers" in line
+               for line in p.lines), p.output
+    assert_sharded(results, 7777, shards=8)  # auto asks 5 x 2; 8 batches make 8

@@ -117,6 +117,38 @@ def test_tokens_are_given_again_only_after_no_update_for_a_while():
     assert tokens_due(step=0, seen=0, restored=0, since_start=FIRST_REISSUE_AFTER)
 
 
+def test_a_pause_for_the_evaluation_loses_no_token_and_leaves_no_stop():
+    """The sharded evaluation ends every step closure with a STOP (PsSyncTrainer.workers_free):
+    a STOP taken together with a step's token puts that token back (the worker has not
+    computed on it), and the resume takes the pause's STOPs out, keeping the newest token."""
+    import tensorflow as tf
+    from tfdist.training.ps.ps_sync_trainer import STOP, _newest_token, drop_stops
+
+    queue = tf.queue.FIFOQueue(16, [tf.int64], shapes=[[]])
+    take = _newest_token(queue)
+
+    def held():
+        return queue.dequeue_many(queue.size()).numpy().tolist()
+
+    queue.enqueue_many([tf.constant([6, 7, STOP], tf.int64)])
+    assert int(take()) == STOP and held() == [7]
+    # The newest wins, as without a pause.
+    queue.enqueue_many([tf.constant([3, 5, 4], tf.int64)])
+    assert int(take()) == 5 and held() == []
+    # A closure that woke on the STOP alone: nothing to keep, the queue empty.
+    queue.enqueue(tf.constant(STOP, tf.int64))
+    assert int(take()) == STOP and held() == []
+    # The resume: a STOP left by a closure that ended on `stopping` goes; a token stays.
+    queue.enqueue_many([tf.constant([9, STOP], tf.int64)])
+    drop_stops(queue)
+    assert int(take()) == 9
+    queue.enqueue_many([tf.constant([STOP, STOP], tf.int64)])
+    drop_stops(queue)
+    assert held() == []
+    drop_stops(queue)  # nothing held
+    assert held() == []
+
+
 def test_the_kind_names_its_trainer_and_is_never_auto():
     from tfdist.strategies import kinds
 

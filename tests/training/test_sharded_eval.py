@@ -15,7 +15,9 @@ import tensorflow as tf
 from tfdist.protocol import ConfigError
 from tfdist.training.loop.evaluation import Evaluator, EvalShards, ShardMerge
 from tfdist.training.plan import eval_shards
-from tfdist.training.ps.sharded_eval import refusal, stateless_test_steps
+from tfdist.training.ps.sharded_eval import (
+    CoordinatedEvaluation, refusal, stateless_test_steps,
+)
 from tfdist.training.workload import data
 
 from tests.training import eval_tasks
@@ -110,6 +112,71 @@ def test_a_split_variable_is_refused_by_name():
     other = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4)])
     assert refusal(small, small) is None
     assert "split over the ps tasks" in refusal(small, other)
+
+
+# --- free workers (ps-sync) --------------------------------------------------------------
+
+class _Remote:
+    def __init__(self, log, value):
+        self.log, self.value = log, value
+
+    def fetch(self):
+        self.log.append("fetch")
+        return self.value
+
+
+class _Coordinator:
+    """What ``CoordinatedEvaluation.run`` asks of a ``ClusterCoordinator``, logged."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def create_per_worker_dataset(self, fn):
+        return ["a worker's iterator"]
+
+    def schedule(self, fn, args):
+        self.log.append("schedule")
+        shard = int(args[1])
+        return _Remote(self.log, (shard, [np.array([1.0])], 10 + shard, shard % 2))
+
+    def join(self):
+        raise AssertionError("join() also waits for a stuck worker's step closure")
+
+
+def test_shards_are_scheduled_and_fetched_only_while_the_workers_are_free():
+    """ps-sync: every shard is scheduled once the trainer's step closures have ended
+    (``quiet`` entered), each fetched on its own, and the closures resume after the
+    last (``quiet`` left), even when a fetch fails."""
+    import contextlib
+
+    log = []
+
+    @contextlib.contextmanager
+    def quiet():
+        log.append("pause")
+        try:
+            yield
+        finally:
+            log.append("resume")
+
+    task = eval_tasks.BINARY
+    evaluation = CoordinatedEvaluation(_Coordinator(log), task.build_model(), task,
+                                       ["worker:0", "worker:1"], quiet=quiet)
+    local = task.build_model()
+    got = list(evaluation.run(local, [np.zeros(1)], "test", 1000, [(0, 2), (2, 5), (5, 8)]))
+    assert log == ["pause", *["schedule"] * 3, *["fetch"] * 3, "resume"]
+    assert [(s, n, w) for s, _, n, w in got] == [
+        (0, 10, "worker:0"), (1, 11, "worker:1"), (2, 12, "worker:0")]
+
+    def failing():
+        raise RuntimeError("lost")
+
+    log.clear()
+    evaluation.coordinator.schedule = lambda fn, args: type(
+        "Failed", (), {"fetch": staticmethod(failing)})()
+    with pytest.raises(RuntimeError, match="lost"):
+        list(evaluation.run(local, [np.zeros(1)], "test", 1000, [(0, 8)]))
+    assert log == ["pause", "resume"]
 
 
 # --- --eval-shards ---------------------------------------------------------------------------

@@ -150,7 +150,7 @@ class EvalMembers:
 @dataclass(frozen=True)
 class EvalShards:
     """The split cut into ``count`` shards of contiguous batches, each evaluated by one
-    closure a coordinator schedules on a worker (``ps``), on the chief's
+    closure a coordinator schedules on a worker (``ps``, ``ps-sync``), on the chief's
     call: ``run(local, initial_states, split, batch_size, bounds)`` returns each
     closure's ``(shard, states, examples, worker)`` as the coordinator returned it.
     ``refusal``: why this model cannot be evaluated so (the chief does), else None."""

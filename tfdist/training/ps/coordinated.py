@@ -202,15 +202,25 @@ class CoordinatedTrainer(Trainer):
 
     def evaluation_members(self):
         """Each evaluation cut into ``--eval-shards`` shards the coordinator schedules on
-        the workers (``training.ps.sharded_eval``); ``--evaluate-on chief``: the chief
-        alone. ``ps-sync`` overrides it."""
+        the workers (``training.ps.sharded_eval``) while ``workers_free()`` holds;
+        ``--evaluate-on chief``: the chief alone."""
         if self.config.evaluate_on == "chief":
             return None
         from tfdist.training.ps.sharded_eval import CoordinatedEvaluation
 
         evaluation = CoordinatedEvaluation(self.coordinator, self.state.model, self.task.task,
-                                           self.workers)
-        return evaluation.shards(self.plan.eval_shards, self.task.local_model)
+                                           self.workers, quiet=self.workers_free)
+        return evaluation.shards(self.plan.eval_shards, self.task.local_model,
+                                 self.sharded_evaluation_refusal())
+
+    def workers_free(self):
+        """A context in which no step closure holds a worker: under ``ps`` the
+        controller's drain before an evaluation ended them all."""
+        return contextlib.nullcontext()
+
+    def sharded_evaluation_refusal(self) -> str | None:
+        """Why this trainer's workers cannot evaluate shards (the chief then does); None."""
+        return None
 
     def ps_variable_bytes(self) -> dict[str, int]:
         """Bytes of model variables and optimizer slots each ps task holds."""

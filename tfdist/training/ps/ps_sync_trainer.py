@@ -47,6 +47,7 @@ the chief with one line naming the lost or stuck task (exit 75) after
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -257,13 +258,31 @@ def _newest_token(queue):
     the newest token wins, the older ones are steps it was too slow for. Blocks
     while the queue is empty. The newest is the largest, not the last: the chief
     may re-issue the current step's token (see PsSyncTrainer._reissue_tokens) just
-    after the aggregator queued the next one.
+    after the aggregator queued the next one. A STOP taken with a step's token puts
+    that token back: the worker did not compute on it, and after a pause (an
+    evaluation, ``PsSyncTrainer.workers_free``) its next closure takes it.
     """
     def take():
         tokens = queue.dequeue_many(tf.maximum(queue.size(), 1))
-        return tf.where(tf.reduce_any(tf.equal(tokens, STOP)),
-                        tf.constant(STOP, tf.int64), tf.reduce_max(tokens))
+        stop = tf.reduce_any(tf.equal(tokens, STOP))
+        newest = tf.reduce_max(tokens)
+
+        def put_back():
+            with tf.control_dependencies([queue.enqueue(newest)]):
+                return tf.constant(STOP, tf.int64)
+
+        return tf.cond(tf.logical_and(stop, newest > STOP), put_back,
+                       lambda: tf.where(stop, tf.constant(STOP, tf.int64), newest))
     return take
+
+
+def drop_stops(queue) -> None:
+    """Empty ``queue`` (a worker's tokens, none of its closures running), then give back
+    the newest step token it held, if any: the STOPs of a pause go, a token the
+    worker has not computed on stays."""
+    held = queue.dequeue_many(queue.size()).numpy()
+    if (held != STOP).any():
+        queue.enqueue(tf.constant(int(held.max()), tf.int64))
 
 
 def take_token(q: SyncQueues, worker):
@@ -581,11 +600,65 @@ class PsSyncTrainer(CoordinatedTrainer):
                   "update_p99": recent["p99"]}
         return text, fields
 
-    def evaluation_members(self):
-        """The chief evaluates alone: shard closures scheduled after a drain did not
-        return under ps-sync (its workers' calls wait on step tokens), so this trainer
-        keeps the chief's own evaluation."""
+    def sharded_evaluation_refusal(self) -> str | None:
+        """Several applies an update (a GAN's own train_step): between two updates each
+        worker's step waits mid-way for the next apply's token, which only the next
+        update gives; ending it there would queue its last gradient on weights the
+        first apply has not yet changed."""
+        if self._slots > 1:
+            return (f"the model's own train_step makes {self._slots} applies an update, and "
+                    "under ps-sync each worker's step waits between them for the next update")
         return None
+
+    @contextlib.contextmanager
+    def workers_free(self):
+        """No step closure on any worker while the body runs (the sharded evaluation's
+        closures find the workers free), and training resumes after it with every
+        worker's token where it was: none lost, none given twice.
+
+        Why: between two ``train`` calls each worker's step closure waits on ps:0 for
+        the next update's token, which only the next ``aggregate`` call gives, so it
+        never ends while the chief evaluates: the coordinator's ``join()`` waited for it
+        forever, and a worker's thread runs one closure at a time, so a shard handed to
+        a thread behind it waits with it.
+        """
+        self._pause_closures()
+        try:
+            yield
+        finally:
+            self._resume_closures()
+
+    def _pause_closures(self, poll: float = 0.02) -> None:
+        """``stopping`` set, then one STOP in each worker's token queue: a closure waiting
+        for a token wakes and ends (a step's token taken with the STOP is put back), one
+        computing ends once its gradient is queued, one not started ends at once. Waits
+        for them while they keep ending, up to --stuck-timeout after the last: a stuck
+        worker's closure is left running (the shards go to the other workers)."""
+        q = self._q
+        q.stopping.assign(True)
+        for token_queue in q.tokens:
+            token_queue.enqueue(tf.constant(STOP, tf.int64))
+        last, since = -1, time.monotonic()
+        while (finished := int(q.finished.numpy())) < self._scheduled:
+            if finished != last:
+                last, since = finished, time.monotonic()
+            elif time.monotonic() - since > self.patience:
+                print(f"warning: {self.cluster.member_name}: {self._scheduled - finished} step "
+                      f"closure(s) still running {self.patience:g}s (--stuck-timeout) after the "
+                      "evaluation asked them to end; the other workers evaluate its shards",
+                      flush=True)
+                break
+            time.sleep(poll)
+        self._finished_seen = finished
+
+    def _resume_closures(self) -> None:
+        """The STOPs the pause left taken out of the token queues (a step's token in them
+        kept: its worker has not computed it), then ``stopping`` cleared; the next
+        ``train`` schedules closures again."""
+        for token_queue in self._q.tokens:
+            drop_stops(token_queue)
+        self._q.stopping.assign(False)
+        self._finished_seen = int(self._q.finished.numpy())
 
     def result_fields(self, ran: int) -> dict:
         global_steps = int(self.state.global_step.numpy())

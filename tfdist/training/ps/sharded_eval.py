@@ -1,5 +1,4 @@
-"""The evaluation under ``ps``: shards scheduled on the workers (``ps-sync`` keeps the
-chief's own evaluation: shard closures scheduled after its drain did not return).
+"""The evaluation under ``ps`` and ``ps-sync``: shards scheduled on the workers.
 
 tf_keras's ``pss_evaluation_shards``, which Keras 3 dropped, done with the
 chief's ``ClusterCoordinator``: the split's batches are cut into S contiguous
@@ -16,9 +15,18 @@ Exactly once: every worker holds its own iterator of each shard, made afresh
 for each evaluation. A closure whose worker is lost is run again by the
 coordinator on another worker, from that worker's untouched iterator of the
 same shard; a restarted worker's iterators are made again by the coordinator.
+
+Free workers: a worker's thread runs one closure at a time, so a shard waits
+behind whatever closure the trainer has on that thread. Under ``ps`` the
+controller's drain ended them; ``ps-sync``'s step closures wait on ps:0 for the
+next update's token, which only the chief's next update gives, so its trainer
+ends them for the evaluation and resumes them after it (``quiet``,
+``PsSyncTrainer.workers_free``).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import keras
 import numpy as np
@@ -54,16 +62,19 @@ def stateless_test_steps(local: keras.Model, values: list, states: list, batches
 
 class CoordinatedEvaluation:
     """The shards' closures for one trainer: ``model`` (the strategy's, its weights on the
-    ps tasks) read by the workers, ``workers`` their names in the coordinator's order."""
+    ps tasks) read by the workers, ``workers`` their names in the coordinator's order;
+    ``quiet()``: a context in which no other closure holds a worker (the module docstring)."""
 
-    def __init__(self, coordinator, model: keras.Model, task, workers: list[str]):
+    def __init__(self, coordinator, model: keras.Model, task, workers: list[str],
+                 quiet=contextlib.nullcontext):
         self.coordinator, self.model, self.task = coordinator, model, task
-        self.workers = workers
+        self.workers, self.quiet = workers, quiet
         self._datasets: dict[tuple, object] = {}
         self._functions: dict[int, object] = {}
 
-    def shards(self, count: int, local: keras.Model) -> EvalShards:
-        return EvalShards(count, self.run, refusal=refusal(self.model, local))
+    def shards(self, count: int, local: keras.Model, why_not: str | None = None) -> EvalShards:
+        """``why_not``: the trainer's reason the workers cannot evaluate (the chief does)."""
+        return EvalShards(count, self.run, refusal=why_not or refusal(self.model, local))
 
     def _dataset(self, split: str, batch_size: int, lo: int, hi: int):
         """Shard ``[lo, hi)``'s batches as a dataset on every worker, made once."""
@@ -101,16 +112,18 @@ class CoordinatedEvaluation:
 
     def run(self, local: keras.Model, initial: list, split: str, batch_size: int,
             bounds: list[tuple[int, int]]):
-        """Every shard scheduled, then each closure's result as it returned: (shard,
-        states, examples, worker name)."""
+        """Every shard scheduled once the workers are free, then each closure's result
+        as it returned: (shard, states, examples, worker name). Each fetched on its own,
+        not by ``join()``, which would also wait for a closure the trainer left running
+        (a stuck worker's step under ``ps-sync``)."""
         function = self._function(local, initial)
-        remotes = []
-        for shard, (lo, hi) in enumerate(bounds):
-            iterator = iter(self._dataset(split, batch_size, lo, hi))
-            remotes.append(self.coordinator.schedule(
-                function, args=(iterator, tf.constant(shard, tf.int64))))
-        self.coordinator.join()
-        for remote in remotes:
-            shard, states, examples, worker = remote.fetch()
+        with self.quiet():
+            remotes = []
+            for shard, (lo, hi) in enumerate(bounds):
+                iterator = iter(self._dataset(split, batch_size, lo, hi))
+                remotes.append(self.coordinator.schedule(
+                    function, args=(iterator, tf.constant(shard, tf.int64))))
+            results = [remote.fetch() for remote in remotes]
+        for shard, states, examples, worker in results:
             yield (int(shard), [np.asarray(v) for v in states], int(examples),
                    self.workers[int(worker)])
