@@ -79,8 +79,6 @@ class StrategyKind:
     # A model's own compute_loss that calls the model itself (``self(x)``): probed
     # once before the run (workload.contract); "" where that is honoured.
     compute_loss_calling_model_refusal = ""
-    # ... and one whose model has losses of its own (regularizers, add_loss).
-    compute_loss_model_losses_refusal = ""
     # A task's Keras callbacks run on the chief (under ps, on a chief-side copy of
     # the model: training.loop.callbacks); "" where they can.
     callbacks_refusal = ""
@@ -441,13 +439,12 @@ class Pipeline(StrategyKind):
                               "cannot split into stages")
     # A model's own compute_loss runs on the last stage's task, on the chief's whole
     # model object with the last stage's output as y_pred (its teacher, say, is not
-    # cut); only its call of the model itself cannot run there.
+    # cut; the model's own losses are the stages', each weighted as it counts them:
+    # workload.contract.own_losses_weight); only its call of the model itself
+    # cannot run there.
     compute_loss_calling_model_refusal = (
         "the model is cut into stages on the workers, so its whole forward runs on no "
         "task; compute_loss is given the last stage's output as y_pred")
-    compute_loss_model_losses_refusal = (
-        "each stage adds its own layers' losses where it runs, while Keras adds them only if "
-        "the override calls super().compute_loss, which cannot be told from outside")
     # jit_compile=True: each stage's forward and backward is one XLA cluster on its task.
     jit_compiles = "stages"
 

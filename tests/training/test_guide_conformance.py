@@ -193,7 +193,7 @@ def test_what_a_strategy_cannot_honour_of_the_guides_is_one_line(strategy, name,
         contract.check(kinds.get(other), checked)
 
 
-def _own_loss_model(calls_itself: bool, regularized: bool):
+def _own_loss_model(calls_itself: bool, regularized: bool, squares: bool = False):
     import keras
 
     class OwnLoss(keras.Model):
@@ -209,24 +209,30 @@ def _own_loss_model(calls_itself: bool, regularized: bool):
         def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
                          allow_empty=False):
             again = self(x) if calls_itself else y_pred
-            return keras.ops.mean(keras.ops.square(again - y_pred)) + keras.ops.mean(y_pred)
+            loss = keras.ops.mean(keras.ops.square(again - y_pred)) + keras.ops.mean(y_pred)
+            if squares:  # the model's own losses counted otherwise than added
+                loss = loss + keras.ops.square(keras.ops.sum(self.losses))
+            return loss
 
     model = OwnLoss()
     model.compile(optimizer="adam")
     return model
 
 
-@pytest.mark.parametrize("calls_itself,regularized,says", [
-    (True, False, "compute_loss calls the model itself, which pipeline cannot honour: the "
-                  "model is cut into stages"),
-    (False, True, "has losses of its own (regularizers, add_loss), which pipeline cannot"),
-    (False, False, None),  # y_pred alone: honoured
+@pytest.mark.parametrize("calls_itself,regularized,squares,says", [
+    (True, False, False, "compute_loss calls the model itself, which pipeline cannot honour: "
+                         "the model is cut into stages"),
+    # The model's own losses: left out of its loss here (weight 0, as Keras leaves them).
+    (False, True, False, None),
+    (False, True, True, "its loss does not change in proportion to the model's own losses"),
+    (False, False, False, None),  # y_pred alone: honoured
 ])
 def test_a_compute_loss_pipeline_cannot_give_y_pred_alone_is_one_line(calls_itself, regularized,
-                                                                       says):
+                                                                       squares, says):
     """A model's own compute_loss runs on the last stage's output; one that calls the
-    whole model again, or whose model has losses the stages add where they run, is
-    refused before the run (probed once on the first example)."""
+    whole model again is refused before the run (probed once on the first example),
+    and so is one that counts the model's own losses (which each stage adds where it
+    runs) other than in proportion."""
     import types
 
     import numpy as np
@@ -235,7 +241,7 @@ def test_a_compute_loss_pipeline_cannot_give_y_pred_alone_is_one_line(calls_itse
     from tfdist.strategies import kinds
     from tfdist.training.workload import contract
 
-    model = _own_loss_model(calls_itself, regularized)
+    model = _own_loss_model(calls_itself, regularized, squares)
     checked = types.SimpleNamespace(
         local_model=model, task=object(), spec=types.SimpleNamespace(name="t"),
         example=(np.ones((1, 4), "float32"), np.zeros((1, 3), "float32")))
@@ -244,12 +250,43 @@ def test_a_compute_loss_pipeline_cannot_give_y_pred_alone_is_one_line(calls_itse
     if says is None:
         contract.check(kinds.get("pipeline"), checked)
         assert "call" not in model.__dict__  # the probe's counter is gone again
+        if regularized:  # its loss leaves them out: the stages add none of theirs
+            assert contract.own_losses_weight(model, checked.example) == 0.0
+        assert model._losses_override == []  # the probe's override is gone again
         return
     with pytest.raises(ConfigError) as refused:
         contract.check(kinds.get("pipeline"), checked)
     line = str(refused.value)
     assert says in line and "\n" not in line, line
     assert "call" not in model.__dict__
+    assert model._losses_override == []
+
+
+def test_a_compute_loss_calling_the_model_gives_the_stages_no_gradient():
+    """Why that refusal stands (docs/fit-conformance.md): under ``pipeline`` the
+    model object a ``compute_loss`` runs on is the chief's copy, while the trained
+    variables are the stages' (copies of the cut, as the trainer places them). Its
+    ``self(x)`` term then has no gradient for any of them; its ``y_pred`` term has
+    one for every one."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tfdist.training.pipeline import pipeline_trainer, stages
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(3)])
+    local, _ = stages.local_stages(object(), model, stages.PipelinePlan(2, 1, 1))
+    placed = [keras.models.clone_model(s, clone_function=pipeline_trainer._clone_layer)
+              for s in local]
+    x = np.ones((2, 4), "float32")
+    variables = [v for s in placed for v in s.trainable_variables]
+    with tf.GradientTape(persistent=True) as tape:
+        y_pred = placed[1](placed[0](x))
+        again = model(x)  # what self(x) computes inside compute_loss
+        on_itself = tf.reduce_mean(tf.square(again))
+        on_y_pred = tf.reduce_mean(tf.square(y_pred))
+    assert all(g is None for g in tape.gradient(on_itself, variables))
+    assert all(g is not None for g in tape.gradient(on_y_pred, variables))
 
 
 @pytest.mark.long  # the in-process check above is the default tier's

@@ -56,10 +56,64 @@ class Distiller(keras.Model):
     def call(self, x):
         return self.student(x)
 
+class Graph(keras.Model):
+    """A subclassed model whose call is Keras layers and ops on its input, not a chain
+    (a skip connection): traced into a graph and cut at its layer calls."""
+    def __init__(self):
+        super().__init__()
+        self.a = keras.layers.Dense(16, activation="relu",
+                                    kernel_regularizer=keras.regularizers.L2(1e-3))
+        self.b = keras.layers.Dense(16, activation="relu")
+        self.c = keras.layers.Dense(5)
+    def call(self, x, training=False):
+        h = self.a(x)
+        return self.c(self.b(h) + h)
+
+class OwnLosses(keras.Sequential):
+    """A chain with regularizers whose own compute_loss adds them (super()) or not."""
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        if ADDS_OWN:
+            return super().compute_loss(x, y, y_pred, sample_weight, training=training) \
+                + 0.01 * keras.ops.mean(keras.ops.square(y_pred))
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, y_pred)
+
 OWN_LOSS = False  # set per case below: build() makes the distiller
+MODEL = "chain"  # or "two_outputs", "subclassed", "own_losses" (set per case below)
+ADDS_OWN = True
+BOUNDARIES = None  # --stages of the case (the two-output graph's cut)
+
+def two_outputs(optimizer):
+    """A functional DAG: a skip connection, two named outputs, "aux" made early (in
+    stage 0 under BOUNDARIES) and carried forward with two other tensors."""
+    x = keras.Input((12,), name="x")
+    a = keras.layers.Dense(16, activation="relu", name="a",
+                           kernel_regularizer=keras.regularizers.L2(1e-3))(x)
+    aux = keras.layers.Dense(1, name="aux")(a)
+    b = keras.layers.Dense(16, activation="relu", name="b")(a)
+    c = keras.layers.Dense(16, activation="relu", name="c")(keras.layers.Add(name="add")([a, b]))
+    cls = keras.layers.Dense(5, name="cls")(keras.layers.Concatenate(name="cat")([c, b]))
+    model = keras.Model(x, {"cls": cls, "aux": aux})
+    model.compile(optimizer=optimizer(),
+                  loss={"cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                        "aux": "mse"}, loss_weights={"cls": 1.0, "aux": 0.5},
+                  metrics={"cls": ["accuracy"], "aux": ["mae"]})
+    return model
 
 def build(optimizer, dtype=None, jit=False):
     keras.utils.set_random_seed(3)
+    if MODEL == "two_outputs":
+        return two_outputs(optimizer)
+    if MODEL in ("subclassed", "own_losses"):
+        if MODEL == "subclassed":
+            model = Graph()
+        else:
+            model = OwnLosses([keras.Input((12,))] + [keras.layers.Dense(
+                16, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-2))
+                for _ in range(3)] + [keras.layers.Dense(5)])
+        model.compile(optimizer=optimizer(),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        return model
     # The distiller's student has no regularizers: its compute_loss adds no model losses.
     model = keras.Sequential(
         [keras.Input((12,))]
@@ -88,21 +142,24 @@ class Task:
 def pipelined(optimizer, weighted, n, dtype, steps, jit, data):
     task = Task(optimizer, dtype, jit)
     model = task.build_model()
-    model(DATA[0][0][:1]); model.compute_metrics(DATA[0][0][:1], DATA[0][1][:1], model(DATA[0][0][:1]))
+    first = tuple(tf.nest.map_structure(lambda a: a[:1], data[0][:2]))
+    model(first[0]); model.compute_metrics(first[0], first[1], model(first[0]))
     plan = types.SimpleNamespace(
-        pipeline=st.PipelinePlan(S, M, 1, schedule="dataflow"), total_steps=steps,
+        pipeline=st.PipelinePlan(S, M, 1, BOUNDARIES, schedule="dataflow"), total_steps=steps,
         accumulation_steps=n, task=types.SimpleNamespace(name="t"),
         optimizer=types.SimpleNamespace(library=False))
     task.local_model = model  # what a distiller's compute_loss calls: the chief's model
-    state = pt.build_pipeline_state(plan, task, None)
+    state = pt.build_pipeline_state(plan, task, None, example=first)
     step_plan = st.PipelinePlan(S, M * n, 1, schedule="dataflow")
+    own_loss = pt.own_loss_of(model, first)
+    state.own_losses_weight = getattr(own_loss, "own_losses_weight", None)
     step = pt.make_pipeline_step(state, model._compile_loss, TrainMetrics(model), step_plan, n,
-                                 jit_compile=jit, own_loss=pt.own_loss_of(model))
+                                 jit_compile=jit, own_loss=own_loss)
     global_step = tf.Variable(0, dtype=tf.int64)
     call = pt.make_call(step, global_step, steps, n)
     batches = [b if weighted else b[:2] for b in data[:steps * n]]
     it = iter(tf.data.Dataset.from_tensor_slices(
-        tuple(np.stack([b[i] for b in batches]) for i in range(len(batches[0])))))
+        tf.nest.map_structure(lambda *a: np.stack(a), *batches)))
     call(it)
     pt.PipelineTrainer.finish_training(types.SimpleNamespace(state=state))
     # The functions the traced call runs that XLA must compile.
@@ -141,15 +198,36 @@ CASES = {
     # A model's own compute_loss (build() makes the distiller for this case),
     # on the last stage's output, its teacher held on the chief (stages.forward_chain).
     "own_compute_loss": (lambda: keras.optimizers.Adam(1e-2), False, 1, None, 3),
+    # A functional model that is no chain: cut at its layer calls, several tensors
+    # carried across the cut, two outputs from the last stage (stages.graph_stages).
+    "two_outputs": (lambda: keras.optimizers.Adam(1e-2), True, 1, None, 3),
+    # A subclassed model, its call traced into a graph of layer calls and cut there.
+    "subclassed": (lambda: keras.optimizers.Adam(1e-2), False, 1, None, 3),
+    # A model's own compute_loss over a model with regularizers: super().compute_loss
+    # adds them (each stage adds its own), or the override leaves them out (none added).
+    "own_losses_added": (lambda: keras.optimizers.Adam(1e-2), False, 1, None, 3),
+    "own_losses_left_out": (lambda: keras.optimizers.Adam(1e-2), False, 1, None, 3),
 }
+# The two-output model's labels: a dict, as its outputs.
+GRAPH_DATA = [(x, {"cls": y, "aux": x[:, :1]}, w) for x, y, w in DATA]
 out = {}
 for name in sys.argv[1:]:
     OWN_LOSS = name == "own_compute_loss"
-    args = (CASES[name] + (False,))[:6] + (POISONED if name.startswith("loss_scale") else DATA,)
+    MODEL = {"two_outputs": "two_outputs", "subclassed": "subclassed",
+             "own_losses_added": "own_losses", "own_losses_left_out": "own_losses"}.get(name,
+                                                                                      "chain")
+    ADDS_OWN = name == "own_losses_added"
+    # The two-output graph cut after its fourth call ("aux" is made in stage 0).
+    BOUNDARIES = (4,) if name == "two_outputs" else None
+    args = (CASES[name] + (False,))[:6] + (
+        POISONED if name.startswith("loss_scale") else GRAPH_DATA if MODEL == "two_outputs"
+        else DATA,)
     state = pipelined(*args)
     ref = keras_fit(*args)
     got = state.model.get_weights()
-    initial = [w.numpy() for w in build(args[0], args[3]).trainable_weights]
+    fresh = build(args[0], args[3])
+    fresh(DATA[0][0][:1])  # a subclassed model's variables exist after its first call
+    initial = [w.numpy() for w in fresh.trainable_weights]
     scales = [float(o.dynamic_scale.numpy()) for o in state.optimizers[0]
               if hasattr(o, "dynamic_scale")]
     out[name] = {
@@ -164,14 +242,19 @@ for name in sys.argv[1:]:
         "keras_iterations": int(ref.optimizer.iterations.numpy()),
         "steps": args[4],
         "xla": state.xla,
+        "cut": state.cut,
+        "own_losses_weight": state.own_losses_weight,
+        "keras_loss_parts": len(ref.losses),
     }
 print("RESULT " + json.dumps(out))
 '''
 
 # In the default tier (one child process, about a minute): the cases whose update
 # crosses the stages; the others in the long tier.
-FAST = ("global_clipnorm", "loss_scale", "jit", "own_compute_loss")
+FAST = ("global_clipnorm", "loss_scale", "jit", "own_compute_loss", "two_outputs")
 SLOW = ("sample_weight", "accumulation", "ema", "loss_scale_clipped")
+# A model cut as a graph, and a model's own compute_loss over its own losses (long tier).
+GRAPHS = ("subclassed", "own_losses_added", "own_losses_left_out")
 
 
 def _run(cases) -> dict:
@@ -298,3 +381,30 @@ def test_a_models_own_compute_loss_makes_kerass_update(stepped):
     got = stepped["own_compute_loss"]
     _same_update(got)
     assert got["weights"] == 1 + 8  # the teacher's kernel, then the student's four layers
+
+
+def test_a_functional_graph_with_two_outputs_makes_kerass_update(stepped):
+    """Not a chain: cut at its layer calls (``stages.graph_stages``), three tensors
+    carried across the cut (an output made in stage 0 among them), the two outputs'
+    losses, loss weights and sample weights on the last stage; the weights of
+    Keras's ``train_on_batch`` after three steps, in the model's order."""
+    got = stepped["two_outputs"]
+    _same_update(got)
+    assert "3 tensor(s) on" in got["cut"], got["cut"]
+    assert got["weights"] == 10
+
+
+@pytest.mark.long
+def test_a_subclassed_model_and_a_compute_loss_over_the_models_own_losses_make_kerass_update():
+    """A subclassed model traced into its layer calls and cut; a model's own
+    ``compute_loss`` whose model has regularizers: calling ``super().compute_loss``
+    (each stage adds its own, weight 1) or leaving them out (weight 0), as Keras
+    counts them."""
+    stepped = _run(GRAPHS)
+    for case in GRAPHS:
+        _same_update(stepped[case])
+    assert stepped["subclassed"]["cut"].startswith("stage 0: layer calls")
+    assert stepped["own_losses_added"]["own_losses_weight"] == 1.0
+    assert stepped["own_losses_left_out"]["own_losses_weight"] == 0.0
+    # Keras's model has its own losses to count (the 4 layers' regularizers).
+    assert stepped["own_losses_added"]["keras_loss_parts"] > 0

@@ -220,16 +220,86 @@ def test_a_chain_is_cut_into_stages_that_compute_the_model(functional):
     assert [w.shape for m in local for w in m.weights] == whole
 
 
-def test_a_model_that_is_not_a_chain_is_refused_saying_how_to_provide_stages():
+def test_a_functional_graph_is_cut_at_its_layer_calls_carrying_what_later_stages_read():
+    """A residual model with two outputs, the second made early: each cut carries every
+    tensor a later call reads (or that is an output), and the last stage gives the
+    model's outputs in their structure."""
     import keras
+    import numpy as np
 
-    inp = keras.Input((4,))
-    h = keras.layers.Dense(4)(inp)
-    out = keras.layers.Dense(2)(keras.layers.Add()([inp, h]))  # a residual: not a chain
-    model = keras.Model(inp, out)
+    inp = keras.Input((4,), name="x")
+    h = keras.layers.Dense(4, name="h")(inp)
+    aux = keras.layers.Dense(1, name="aux")(h)
+    g = keras.layers.Dense(4, name="g")(h)
+    out = keras.layers.Dense(2, name="out")(keras.layers.Add()([inp, g, h]))
+    model = keras.Model(inp, {"aux": aux, "out": out})
+    local, cut = stages.local_stages(_Task(lambda: model), model,
+                                     stages.make_plan(3, 1, 1, "2,3", 64))
+    # Several tensors cross each cut (aux, an output made early, among them); the
+    # start line says how many.
+    import re
+
+    crossing = [int(n) for n in re.findall(r"(\d+) tensor\(s\) on", cut)]
+    assert len(local) == 3 and len(crossing) == 2 and min(crossing) >= 2, cut
+    x = np.random.default_rng(0).normal(size=(5, 4)).astype("float32")
+    got, want = local[2](local[1](local[0](x))), model(x)
+    assert sorted(got) == ["aux", "out"]
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-6)
+    # The stages hold the model's own variables, each once.
+    staged = [id(w) for m in local for w in m.weights]
+    assert sorted(staged) == sorted(id(w) for w in model.weights)
+
+
+def test_a_subclassed_model_is_traced_into_a_graph_of_layer_calls_and_cut():
+    import keras
+    import numpy as np
+
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = keras.layers.Dense(8), keras.layers.Dense(3)
+
+        def call(self, x, training=False):
+            h = self.a(x)
+            return self.b(keras.ops.relu(h) + h)  # Keras ops between layers
+
+    model = Net()  # not built: its variables are made by the trace
+    x = np.random.default_rng(0).normal(size=(5, 4)).astype("float32")
+    local, cut = stages.local_stages(_Task(lambda: model), model,
+                                     stages.make_plan(2, 1, 1, None, 64), example=(x[:1],))
+    assert "stage 1" in cut and len(local) == 2
+    np.testing.assert_allclose(local[1](local[0](x)), model(x), rtol=1e-6)
+
+
+def test_a_model_whose_call_cannot_be_traced_is_refused_saying_how_to_provide_stages():
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    class Eager(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.a = keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.a(tf.math.cumsum(x, axis=1))  # a TensorFlow op: no Keras node
+
+    class Shared(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = keras.layers.Dense(4), keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.b(self.a(self.a(x)))  # one layer's weights used twice
+
+    example = (np.ones((1, 4), "float32"),)
     pp = stages.make_plan(2, 1, 1, None, 64)
-    with pytest.raises(ConfigError, match="is not a chain of layers; provide stages: .*stages\\(\\)"):
-        stages.local_stages(_Task(lambda: model), model, pp)
+    for model, says in ((Eager(), "its call could not be traced"),
+                        (Shared(), "its layer 'dense")):
+        with pytest.raises(ConfigError, match=f"{says}.*provide stages: .*stages\\(\\)") as err:
+            stages.local_stages(_Task(lambda m=model: m), model, pp, example=example)
+        assert "\n" not in str(err.value)
 
 
 def test_a_task_may_provide_its_own_stages():

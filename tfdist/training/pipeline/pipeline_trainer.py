@@ -60,14 +60,22 @@ class StagedModel:
     finite-weights check, which read ``weights`` only. ``held``: {position in
     the task model's weights: variable} of the weights outside the cut (a
     distiller's teacher, which only its ``compute_loss`` calls), the chief's
-    own, not trained."""
+    own, not trained. ``layout``: for each position of the task model's weights,
+    (stage, index in that stage's weights), or None where ``held`` has it; None:
+    the stages' weights in stage order (a chain's cut, a task's ``stages()``). A
+    graph's stages order their weights as their own graphs do, which need not be
+    the model's order."""
 
-    def __init__(self, models, held=None):
+    def __init__(self, models, held=None, layout=None):
         self.stages = list(models)
         self.held = dict(held or {})
+        self.layout = layout
 
     @property
     def weights(self):
+        if self.layout is not None:
+            return [self.held[i] if where is None else self.stages[where[0]].weights[where[1]]
+                    for i, where in enumerate(self.layout)]
         staged = iter([w for m in self.stages for w in m.weights])
         n = len(self.held) + sum(len(m.weights) for m in self.stages)
         return [self.held[i] if i in self.held else next(staged) for i in range(n)]
@@ -91,11 +99,12 @@ class PipelineState:
 
     sharded = None  # a pipeline's state is cut by stage, never split over the workers
 
-    def __init__(self, copies, optimizers, devices, cut: str, global_clipnorm=None, held=None):
+    def __init__(self, copies, optimizers, devices, cut: str, global_clipnorm=None, held=None,
+                 layout=None):
         self.copies, self.optimizers, self.devices, self.cut = copies, optimizers, devices, cut
         # The whole model's (training.pipeline.updates); the stages' optimizers clip none.
         self.global_clipnorm = global_clipnorm
-        self.model = StagedModel(copies[0], held)
+        self.model = StagedModel(copies[0], held, layout)
         self.optimizer = optimizers[0][0]
         # On the client (make_master_device_default=False keeps them local).
         self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step")
@@ -158,11 +167,12 @@ def _clone_layer(layer):
     return type(layer).from_config(layer.get_config())
 
 
-def build_pipeline_state(plan, task, strategy) -> PipelineState:
-    """The task's model, cut and placed: one stage per worker, per copy."""
+def build_pipeline_state(plan, task, strategy, example=None) -> PipelineState:
+    """The task's model, cut and placed: one stage per worker, per copy. ``example``:
+    the first training batch, whose features a subclassed model is traced with."""
     pp = plan.pipeline
     model = task.build_model()  # first after the seed: one process's initial weights
-    local, cut = stage_cut.local_stages(task, model, pp, plan.task.name)
+    local, cut = stage_cut.local_stages(task, model, pp, plan.task.name, example)
     copies, optimizers, devices = [], [], []
     for p in range(pp.pipelines):
         row, opts, devs = [], [], []
@@ -182,7 +192,18 @@ def build_pipeline_state(plan, task, strategy) -> PipelineState:
         optimizers.append(opts)
         devices.append(devs)
     clip = None if plan.optimizer.library else updates.global_clipnorm(model.optimizer)
-    return PipelineState(copies, optimizers, devices, cut, clip, _held(task, model, local))
+    return PipelineState(copies, optimizers, devices, cut, clip, _held(task, model, local),
+                         _layout(task, model, local))
+
+
+def _layout(task, model, local) -> list | None:
+    """Where each of ``model``'s weights is among the stages' (``StagedModel``): found
+    by identity, since a cut's stages share the model's layers (None for a task's
+    own ``stages()``, whose weights line up in order)."""
+    if callable(getattr(task, "stages", None)):
+        return None
+    where = {id(w): (s, j) for s, m in enumerate(local) for j, w in enumerate(m.weights)}
+    return [where.get(id(w)) for w in model.weights]
 
 
 def _held(task, model, local) -> dict:
@@ -298,9 +319,9 @@ class _CopyPass:
                 deps.append(self.forward_end.pop((s, m)))
             # The slot starts once its input is here: waiting for it is idle.
             source = self.acts if kind == "F" else self.grads_in
-            if (s, m) in source:
-                source[(s, m)] = tf.identity(source[(s, m)])
-                deps.append(source[(s, m)])
+            if (s, m) in source:  # a tensor, or the several a graph's cut carries
+                source[(s, m)] = tf.nest.map_structure(tf.identity, source[(s, m)])
+                deps += tf.nest.flatten(source[(s, m)])
             with tf.control_dependencies(deps):
                 start = self.clock(self.anchors[s])
             with tf.control_dependencies([start]):
@@ -308,7 +329,7 @@ class _CopyPass:
                     out = self._forward(s, m)
                 else:
                     out = self._backward(s, m)
-            with tf.control_dependencies(out):
+            with tf.control_dependencies(tf.nest.flatten(out)):
                 end = self.clock(self.anchors[s])
             if kind == "F":
                 self.forward_end[(s, m)] = end
@@ -351,7 +372,8 @@ class _CopyPass:
         tape, h, out, loss = self.tapes.pop((s, m))
         g = self.grads_in.pop((s, m), None)
         variables = self.stages[s].trainable_variables
-        sources = ([h] if s > 0 else []) + list(variables)
+        hs = tf.nest.flatten(h) if s > 0 else []  # a graph's cut carries several
+        sources = hs + list(variables)
         with weight_grads.recording(self.products[s]):
             if g is None:
                 grads = tape.gradient(loss, sources)
@@ -361,28 +383,35 @@ class _CopyPass:
                 grads = tape.gradient([out, loss], sources,
                                       output_gradients=[g, tf.ones_like(loss)])
         if s > 0:
-            self.grads_in[(s - 1, m)], grads = grads[0], grads[1:]
+            # A carried tensor no later node differentiates through: its gradient is 0.
+            back = [tf.zeros_like(x) if d is None else d for x, d in zip(hs, grads)]
+            self.grads_in[(s - 1, m)] = tf.nest.pack_sequence_as(h, back)
+            grads = grads[len(hs):]
         # None where the tape had nothing for a variable (its products' weight
         # gradients are made apart, once per step when deferred).
         self.acc[s] = [a if b is None else b if a is None else a + b
                        for a, b in zip(self.acc[s], grads)]
         done = [a for a in self.acc[s] if a is not None] + self.products[s].pending()
-        return done + ([self.grads_in[(s - 1, m)]] if s > 0 else [])
+        return done + (tf.nest.flatten(self.grads_in[(s - 1, m)]) if s > 0 else [])
 
     def gradients(self, s) -> list:
         """Stage ``s``'s gradients summed over the micro-batches, one per variable."""
         return self.products[s].weight_gradients(self.acc[s])
 
 
-def _stage_call(stage, jit: bool):
+def _stage_call(stage, jit: bool, own_losses_weight: float = 1.0):
     """``call(h) -> (output, the stage's own losses summed, or None)``: the stage's
     forward in training mode; with ``jit`` one XLA cluster on the stage's task (the
-    tape then differentiates the compiled function, so its backward is one too)."""
+    tape then differentiates the compiled function, so its backward is one too).
+    ``own_losses_weight``: how the loss counts them (a model's own ``compute_loss``
+    may leave them out: 0, as Keras then trains without them)."""
 
     def call(h):
         out = stage(h, training=True)
-        extra = stage.losses
-        return out, (tf.add_n([tf.reduce_sum(x) for x in extra]) if extra else None)
+        extra = stage.losses if own_losses_weight else []
+        total = tf.add_n([tf.reduce_sum(x) for x in extra]) if extra else None
+        return out, (total if total is None or own_losses_weight == 1.0
+                     else own_losses_weight * total)
 
     return tf.function(call, jit_compile=True, autograph=False) if jit else call
 
@@ -527,7 +556,8 @@ def make_pipeline_step(state: PipelineState, compile_loss, metrics,
     anchors = _clock_anchors(devices)
     # jit_compile: each stage's forward (and so its backward) one XLA cluster on its
     # task; the transfers, the loss and the update stay outside it.
-    calls = [[_stage_call(stage, jit_compile) for stage in row] for row in copies]
+    weight = getattr(own_loss, "own_losses_weight", 1.0)
+    calls = [[_stage_call(stage, jit_compile, weight) for stage in row] for row in copies]
 
     @tf.function(autograph=False)
     def clock(anchor):
@@ -683,18 +713,26 @@ def count_transfers(concrete) -> dict:
     return {"total": len(pairs) + len(control), "control": len(control), **kinds}
 
 
-def own_loss_of(model):
+def own_loss_of(model, example=None):
     """A model's own ``compute_loss`` as ``loss(x, y, y_pred, sample_weight)``, or None
     (the compiled loss). It runs on the chief's whole model object, given the last
     stage's output as ``y_pred``: what it calls besides (the guide's frozen teacher)
     is not cut, and one that calls the model itself is refused before the run
-    (``contract.check``)."""
+    (``contract.check``). The model's own losses (regularizers, ``add_loss``) are
+    the stages', each added on its own task: what ``super().compute_loss`` would add
+    of them is 0 here, and ``loss.own_losses_weight`` (probed on ``example``, the
+    first training batch: 1 when it adds them, 0 when it leaves them out) weighs
+    each stage's instead."""
     if not contract.overrides(model, "compute_loss"):
         return None
 
     def loss(x, y, y_pred, sample_weight):
-        return contract.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+        with contract.own_losses_as(model, tf.zeros((), tf.float32)):
+            return contract.compute_loss(model, x, y, y_pred, sample_weight, training=True)
 
+    loss.own_losses_weight = 1.0
+    if example is not None and contract.probe_compute_loss(model, example)[1]:
+        loss.own_losses_weight = contract.own_losses_weight(model, example)
     return loss
 
 
@@ -707,7 +745,7 @@ class PipelineTrainer(Trainer):
 
     @staticmethod
     def build_state(plan, task, strategy, example=None, own_optimizers=None):
-        return build_pipeline_state(plan, task, strategy)
+        return build_pipeline_state(plan, task, strategy, example)
 
     def __init__(self, *, plan, bundle, task, state, checkpointer, start_step, train_metrics):
         super().__init__(plan=plan, bundle=bundle, task=task, state=state,
@@ -728,7 +766,7 @@ class PipelineTrainer(Trainer):
         # compile(jit_compile=True): each stage's forward and backward with XLA.
         jit = getattr(task.local_model, "jit_compile", False) is True
         step = make_pipeline_step(state, compile_loss, train_metrics, self.step_plan, n, jit,
-                                  own_loss_of(task.local_model))
+                                  own_loss_of(task.local_model, task.example))
         global_step = state.global_step
         # One traced function per number of steps a call runs (at most
         # MAX_STEPS_PER_CALL, and a cadence's remainder), made when first used.

@@ -4,9 +4,11 @@ A task's Sequential model, or a functional model that is a chain of layers
 (one input, each layer fed by the one before), or a model whose ``call`` runs one
 such sub-model (``forward_chain``: the guide's distiller), is cut into ``S`` consecutive
 stages balanced by parameter count; ``--stages 3,5`` names the layers where
-stages 1, 2, ... begin instead. A task whose model is not a chain provides
-``stages()`` returning a list of Keras models, applied one after the other.
-Anything else is refused in one line saying how to provide stages.
+stages 1, 2, ... begin instead. Any other model is cut as a graph of layer calls
+(``graph_stages``: a functional model's, or a subclassed model's ``call`` traced on
+symbolic inputs), each cut carrying every tensor later calls read. A task may
+provide ``stages()`` instead, a list of Keras models applied one after the other.
+What cannot be traced is refused in one line saying how to provide stages.
 
 The cutting itself (``PipelinePlan``, ``parse_boundaries``, ``balance``,
 ``check_boundaries``) is pure Python: the plan and its tests need no
@@ -22,9 +24,9 @@ from typing import Sequence
 
 from tfdist.protocol import ConfigError
 
-HOW = ("provide stages: a Sequential model or a functional chain of layers is cut "
-       "automatically; otherwise give the task a stages() method returning a list of Keras "
-       "models applied one after the other")
+HOW = ("provide stages: a Keras model whose forward is a graph of layer calls (functional, "
+       "or a call tracing into one) is cut automatically; otherwise give the task a stages() "
+       "method returning a list of Keras models applied one after the other")
 
 
 @dataclass(frozen=True)
@@ -283,13 +285,19 @@ def imbalance(params: Sequence[int]) -> str:
             "bubble; a cut with stages of equal work (--stages) avoids that (docs/pipeline.md)")
 
 
-def local_stages(task, model, plan: PipelinePlan, name: str = "task") -> tuple[list, str]:
+def local_stages(task, model, plan: PipelinePlan, name: str = "task",
+                 example=None) -> tuple[list, str]:
     """The stages as local Keras models sharing ``model``'s layers (and so its
     initial weights), and a one-line description of the cut.
 
     ``task.stages()`` when the task has it (its models' weights must line
     up with ``model``'s, so evaluation and checkpoints see one model);
-    otherwise ``model`` cut as a chain. ConfigError (one line) otherwise.
+    otherwise ``model`` cut as a chain, or as a graph of layer calls
+    (``graph_stages``: a functional model that is no chain, a subclassed model
+    whose ``call`` traces into one). ConfigError (one line) otherwise.
+    ``example``: a batch of the features' structure (the first training element),
+    which a subclassed model's trace takes its input shapes from (read from the
+    task's data when not given and needed).
     """
     import keras
 
@@ -321,8 +329,7 @@ def local_stages(task, model, plan: PipelinePlan, name: str = "task") -> tuple[l
     if layers is None and (chain := forward_chain(model)) is not None:
         layers = chain_layers(chain)  # the forward's chain; what else the model holds stays whole
     if layers is None:
-        raise ConfigError(f"task {name}: its model {type(model).__name__} "
-                          f"{getattr(model, 'name', '')!r} is not a chain of layers; {HOW}")
+        return graph_stages(traced_graph(model, task, example, name), plan, name)
     counts = [_params(layer) for layer in layers]
     if plan.stages > len(layers):
         raise ConfigError(
@@ -353,3 +360,186 @@ def check_cut(plan, task) -> str:
     local, cut = local_stages(task, task.build_model(), plan.pipeline, plan.task.name)
     del local
     return cut
+
+
+def _first_element(task):
+    """The first training element of ``task`` as a batch of one (None when its data
+    cannot be read here): the input shapes a subclassed model is traced with."""
+    from tfdist.training.workload import contract
+
+    try:
+        dataset = contract.as_dataset(task.dataset("train"), "dataset('train')")
+        return next(iter(dataset.batch(1).take(1)))
+    except Exception:  # pylint: disable=broad-except  # the task's own checks say why
+        return None
+
+
+# --- a graph of layer calls ---------------------------------------------------------
+
+
+@dataclass
+class LayerGraph:
+    """A model's forward as Keras nodes: ``inputs`` (symbolic, the features'
+    structure), ``nodes`` (each one call of a layer or a Keras op, in an order
+    where every node follows the nodes it reads), ``outputs`` (the model's output
+    structure of symbolic tensors)."""
+
+    inputs: object
+    nodes: list
+    outputs: object
+
+
+def _symbolic_inputs(model, example):
+    """Fresh ``keras.Input``s in the structure of the model's inputs (a functional
+    model's own), or of ``example``'s features (a batch); None without either."""
+    import keras
+    import tensorflow as tf
+
+    from tfdist.training.workload import contract
+
+    given = getattr(model, "_inputs_struct", None)
+    if given is None and example is not None:
+        given = contract.features_of(example)
+    if given is None:
+        return None
+
+    def fresh(t):
+        return keras.Input(shape=tuple(t.shape[1:]), dtype=getattr(t.dtype, "name", t.dtype),
+                           name=getattr(t, "name", None) if hasattr(t, "_keras_history") else None)
+
+    return tf.nest.map_structure(fresh, given)
+
+
+def traced_graph(model, task, example, name: str) -> LayerGraph:
+    """``model.call`` run once on symbolic inputs (in training mode, as the stages
+    run): every layer and Keras op it calls records a node, so a functional model's
+    graph and a subclassed model's ``call`` (as long as it calls Keras layers and
+    ops on its inputs) give the same kind of graph. ConfigError (one line) when the
+    call cannot be traced, or when a layer with weights is called twice (its
+    weights would have to live on two stages)."""
+    import inspect as pyinspect
+
+    if example is None and getattr(model, "_inputs_struct", None) is None:
+        example = _first_element(task)  # only a subclassed model's trace needs it
+    inputs = _symbolic_inputs(model, example)
+    what = f"task {name}: its model {type(model).__name__} {getattr(model, 'name', '')!r}"
+    if inputs is None:
+        raise ConfigError(f"{what} has no input shape to trace its call with; {HOW}")
+    kwargs = {"training": True} if "training" in pyinspect.signature(model.call).parameters \
+        else {}
+    try:
+        outputs = model.call(inputs, **kwargs)
+    except Exception as err:  # pylint: disable=broad-except  # Python Keras cannot trace
+        first = (str(err).strip().splitlines() or [""])[0][:160]
+        raise ConfigError(f"{what} is not a chain of layers, and its call could not be traced "
+                          f"on symbolic inputs ({type(err).__name__}: {first}); {HOW}") from None
+    nodes = _nodes_back_to(outputs, inputs)
+    if nodes is None:
+        raise ConfigError(f"{what} is not a chain of layers, and its call computes its output "
+                          f"from something other than Keras layers and ops on its inputs; {HOW}")
+    seen = {}
+    for node in nodes:
+        op = node.operation
+        if getattr(op, "weights", None) and seen.setdefault(id(op), node) is not node:
+            raise ConfigError(f"{what}: its layer {op.name!r} is called more than once in a "
+                              f"forward, and the cut places a layer's weights on one stage; {HOW}")
+    return LayerGraph(inputs, nodes, outputs)
+
+
+def _nodes_back_to(outputs, inputs) -> list | None:
+    """The nodes that make ``outputs`` from ``inputs``, every node after the nodes it
+    reads (a depth-first walk from the outputs, in their order); None when a tensor
+    on the way has no node (it was not made by a Keras layer or op)."""
+    import tensorflow as tf
+
+    known = {id(t) for t in tf.nest.flatten(inputs)}
+    order, done = [], set()
+
+    def visit(tensor) -> bool:
+        if id(tensor) in known:
+            return True
+        history = getattr(tensor, "_keras_history", None)
+        if history is None:
+            return False
+        node = history.operation._inbound_nodes[history.node_index]  # pylint: disable=protected-access
+        if id(node) in done:
+            return True
+        if not all(visit(t) for t in node.input_tensors):
+            return False
+        done.add(id(node))
+        order.append(node)
+        return True
+
+    return order if all(visit(t) for t in tf.nest.flatten(outputs)) else None
+
+
+def _node_params(node) -> int:
+    import math
+
+    return int(sum(math.prod(w.shape) for w in getattr(node.operation, "weights", [])))
+
+
+def carried(graph: LayerGraph, end: int) -> list:
+    """The symbolic tensors that cross the cut before node ``end``: those made before
+    it (or the model's inputs) that a later node reads or that are outputs, in a
+    fixed order (the order they were made, outputs produced early among them)."""
+    import tensorflow as tf
+
+    made = list(tf.nest.flatten(graph.inputs))
+    for node in graph.nodes[:end]:
+        made += list(tf.nest.flatten(node.outputs))
+    needed = {id(t) for node in graph.nodes[end:] for t in node.input_tensors}
+    needed |= {id(t) for t in tf.nest.flatten(graph.outputs)}
+    out, seen = [], set()
+    for t in made:
+        if id(t) in needed and id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def graph_stages(graph: LayerGraph, plan: PipelinePlan, name: str) -> tuple[list, str]:
+    """The graph's nodes cut into ``plan.stages`` stages at node boundaries
+    (balanced by parameter count, or ``--stages`` as node indices), each a Keras
+    model over the model's own layers: stage 0 takes the model's inputs, every
+    later stage the tensors carried across its cut (one tensor, or a list), and
+    the last gives the model's outputs, in their structure."""
+    import keras
+    import tensorflow as tf
+
+    counts = [_node_params(node) for node in graph.nodes]
+    if plan.stages > len(counts):
+        raise ConfigError(
+            f"task {name}: cannot cut its {len(counts)} layer call(s) into {plan.stages} stages "
+            f"(workers per pipeline copy); use at most {len(counts)} workers per copy")
+    if plan.boundaries is not None:
+        check_boundaries(plan.boundaries, len(counts))
+        bounds = plan.boundaries
+    else:
+        bounds = balance(counts, plan.stages)
+    stages, parts = [], []
+    spans = ranges(bounds, len(counts))
+    for s, (a, b) in enumerate(spans):
+        sources = carried(graph, a)
+        if a == 0:  # the model's inputs, in their structure (the features')
+            stage_in = graph.inputs
+            values = {id(t): t for t in tf.nest.flatten(graph.inputs)}
+        else:
+            fresh = [keras.Input(shape=tuple(t.shape[1:]), dtype=t.dtype,
+                                 name=f"stage{s}_in{i}") for i, t in enumerate(sources)]
+            stage_in = fresh[0] if len(fresh) == 1 else fresh
+            values = {id(t): f for t, f in zip(sources, fresh)}
+        for node in graph.nodes[a:b]:
+            args, kwargs = node.arguments.fill_in(values)
+            made = node.operation(*args, **kwargs)
+            values.update(zip([id(t) for t in tf.nest.flatten(node.outputs)],
+                              tf.nest.flatten(made)))
+        if s == len(spans) - 1:
+            stage_out = tf.nest.map_structure(lambda t: values[id(t)], graph.outputs)
+        else:
+            after = [values[id(t)] for t in carried(graph, b)]
+            stage_out = after[0] if len(after) == 1 else after
+        stages.append(keras.Model(stage_in, stage_out, name=f"stage{s}"))
+        width = "" if s == len(spans) - 1 else f", {len(carried(graph, b))} tensor(s) on"
+        parts.append(f"stage {s}: layer calls {a}-{b - 1} ({sum(counts[a:b])} params{width})")
+    return stages, "; ".join(parts)

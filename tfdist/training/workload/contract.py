@@ -212,20 +212,57 @@ def probe_compute_loss(model, example) -> tuple[bool, bool]:
     return bool(calls), own_losses
 
 
+@contextlib.contextmanager
+def own_losses_as(model, value):
+    """A context in which ``model.losses`` is ``[value]`` (Keras's own
+    ``_losses_override``, which ``Layer.losses`` returns when set): what
+    ``super().compute_loss`` adds of the model's own losses is then ``value``."""
+    model._losses_override = [value]  # pylint: disable=protected-access
+    try:
+        yield
+    finally:
+        model._losses_override = []  # pylint: disable=protected-access
+
+
+def own_losses_weight(model, example, who: str = "") -> float:
+    """How a model's own ``compute_loss`` counts the model's own losses (regularizers,
+    ``add_loss``), probed on ``example`` with their sum set to 0, 1 and 2: the change
+    of its loss per unit (1.0 when it calls ``super().compute_loss``, which adds them;
+    0.0 when it leaves them out). ConfigError (one line) when the loss does not
+    change in proportion (then no weight on each stage's own losses gives its loss)."""
+    import numpy as np
+
+    parts = example if isinstance(example, tuple) else (example,)
+    x, y = parts[0], parts[1] if len(parts) > 1 else None
+    weight = parts[2] if len(parts) == 3 else None
+    y_pred = model(x, training=False)
+    seen = []
+    for value in (0.0, 1.0, 2.0):
+        with own_losses_as(model, np.float32(value)):
+            seen.append(float(compute_loss(model, x, y, y_pred, weight, training=False)))
+    model.reset_metrics()
+    slope = seen[1] - seen[0]
+    if not np.isclose(seen[2] - seen[0], 2 * slope, rtol=1e-4, atol=1e-5):
+        raise ConfigError(f"{who}the model overrides compute_loss and its loss does not change in "
+                          f"proportion to the model's own losses (regularizers, add_loss: "
+                          f"{seen[0]:.6g}, {seen[1]:.6g}, {seen[2]:.6g} at a sum of 0, 1, 2), "
+                          "which pipeline cannot honour: each stage adds its own layers' losses "
+                          "where it runs; add them as super().compute_loss does, or train it "
+                          "under another strategy")
+    return round(slope, 4)
+
+
 def _check_own_loss(kind, model, example, who: str) -> None:
     """Refuse, in one line, a model's own ``compute_loss`` the strategy's step cannot
-    give ``y_pred`` alone (``kind.compute_loss_calling_model_refusal``) or whose
-    treatment of the model's own losses it cannot tell."""
+    give ``y_pred`` alone (``kind.compute_loss_calling_model_refusal``), or whose
+    loss counts the model's own losses in a way the stages cannot add up."""
     calls, own_losses = probe_compute_loss(model, example)
     if calls:
         raise ConfigError(f"{who}the model's compute_loss calls the model itself, which "
                           f"{kind.name} cannot honour: {kind.compute_loss_calling_model_refusal}; "
                           "compute the loss from y_pred, or train it under another strategy")
     if own_losses:
-        raise ConfigError(f"{who}the model overrides compute_loss and has losses of its own "
-                          f"(regularizers, add_loss), which {kind.name} cannot honour: "
-                          f"{kind.compute_loss_model_losses_refusal}; drop them, or train it "
-                          "under another strategy")
+        own_losses_weight(model, example, who)
 
 
 def check(kind, checked, gradient_dtype: str = "float32") -> None:
@@ -396,7 +433,8 @@ CONTRACT = {
                      "cannot evaluate trains and is said not evaluated",
         "predict_step": "honoured: the saved model.keras keeps it",
         "compute_loss": "honoured: the library's step calls model.compute_loss, with or "
-                        "without its training argument (refused under pipeline)",
+                        "without its training argument; under pipeline on the last stage's "
+                        "output (one that calls the model itself refused)",
         "compute_metrics": "honoured: called by a model's own train_step; evaluation uses it",
     },
 }
