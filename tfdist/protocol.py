@@ -448,9 +448,12 @@ class LaunchOutcome:
     # "throttled_seconds" (how long its quota held them back)}.
     host_cpus: dict | None = None
     # Seconds from the launcher starting the members to the first one's first
-    # step (its "started" event), and the launcher's own CPU time over the job.
+    # step (its "started" event), the launcher's own CPU time over the job, and
+    # the job's wall time (members started to the last attempt's end,
+    # relaunches included).
     first_step_seconds: float | None = None
     launcher_cpu_seconds: float | None = None
+    job_seconds: float | None = None
     # --evaluator: each sidecar evaluator's {"status": "finished", "failed",
     # "killed" or "stopped" (by the launcher, still running), "exit_code"} in
     # the last attempt; never part of the job's exit code.

@@ -490,3 +490,21 @@ def test_the_default_global_batch_is_per_replica_times_replicas(strategy, cluste
                        timeout=60)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["global_batch_size"] == expected
+
+
+def test_scale_gives_the_first_step_the_launchers_cpu_and_the_jobs_wall_time():
+    import time
+
+    from tfdist.launcher import outcome
+
+    started = time.time() - 30.0
+    # A relaunch appends to the same events file: the job's first step is the earliest.
+    events = {"worker:0": [protocol.Event(protocol.STARTED, "worker:0", 0, started + 12.0),
+                           protocol.Event(protocol.STARTED, "worker:0", 50, started + 25.0)],
+              "worker:1": [protocol.Event(protocol.STARTED, "worker:1", 0, started + 12.5)]}
+    lines = []
+    figures = outcome.scale(events, started, lines.append)
+    assert figures["first_step_seconds"] == 12.0
+    assert 30.0 <= figures["job_seconds"] < 40.0 and figures["launcher_cpu_seconds"] > 0
+    assert lines[0].startswith("[launch] launcher CPU ") and "first step 12 s" in lines[0]
+    assert outcome.scale({}, started, lines.append)["first_step_seconds"] is None

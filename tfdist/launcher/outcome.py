@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import time
 from dataclasses import dataclass
 
 from tfdist import protocol
@@ -97,15 +98,17 @@ def rates_of(config: LaunchConfig, events: dict, log) -> dict:
 def scale(events: dict[str, list[protocol.Event]], started: float, log) -> dict:
     """What a job's size costs before and around its steps: the seconds from the
     launcher starting the members to the first member's first step (its
-    ``started`` event: after its first call, start-up and tracing included), and
-    the launcher's own CPU time (its polling, pumps and hooks; the members' not)."""
+    ``started`` event: after its first call, start-up and tracing included), the
+    launcher's own CPU time (its polling, pumps and hooks; the members' not), and
+    the job's wall time from the members' start to now (its end)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     firsts = [e.time for evs in events.values() for e in evs if e.kind == protocol.STARTED]
     first = round(min(firsts) - started, 1) if firsts else None
     cpu = round(usage.ru_utime + usage.ru_stime, 2)
-    log(f"[launch] launcher CPU {cpu:g} s" + (f"; first step {first:g} s after the members "
-                                              "were started" if first is not None else ""))
-    return {"first_step_seconds": first, "launcher_cpu_seconds": cpu}
+    wall = round(time.time() - started, 1)
+    log(f"[launch] launcher CPU {cpu:g} s over {wall:g} s" + (
+        f"; first step {first:g} s after the members were started" if first is not None else ""))
+    return {"first_step_seconds": first, "launcher_cpu_seconds": cpu, "job_seconds": wall}
 
 
 def log_recovery(membership, injector, restarts: int, attempt: int, log) -> None:
