@@ -277,6 +277,11 @@ class EveryOtherGANModel(GANModel):
     """The GAN whose generator trains on even steps only: its apply is in a ``tf.cond``
     on the discriminator's update count, so the applies vary from step to step."""
 
+    def compile(self, d_optimizer, g_optimizer, loss_fn):
+        super().compile(d_optimizer, g_optimizer, loss_fn)
+        # Its slots made here: TensorFlow cannot create a variable inside a tf.cond.
+        self.g_optimizer.build(self.generator.trainable_weights)
+
     def apply_generator(self, grads):
         def apply():
             super(EveryOtherGANModel, self).apply_generator(grads)
