@@ -244,6 +244,14 @@ class QueuedApply:
             self._entered.pop().__exit__(None, None, None)
 
 
+def _unordered(next_creator, **kwargs):
+    """A variable the step makes on its first trace (a compiled metric's state), its
+    initial value free of the waits' control dependencies: tf.function lifts it out of
+    the trace, which it cannot do for a value that waits on a token."""
+    with tf.control_dependencies(None):
+        return next_creator(**kwargs)
+
+
 def make_own_work_fn(strategy, model, train_metrics, q: OwnQueues, workers: int,
                      accumulation: int, *, take_token, stop: int, xla: bool = False):
     """The worker closure for a model's own train_step: take the newest token that
@@ -254,7 +262,7 @@ def make_own_work_fn(strategy, model, train_metrics, q: OwnQueues, workers: int,
         handler = QueuedApply(q, accumulation, len(train_metrics.names), take_token, stop)
         handler.worker = worker
         # The step's weight reads come after its token (so after its update).
-        with tf.control_dependencies([started]):
+        with tf.control_dependencies([started]), tf.variable_creator_scope(_unordered):
             logs = own_train_steps(model, handler, batches, xla)
         loss = (tf.reshape(tf.cast(logs["loss"], tf.float32), []) if train_metrics.has_loss
                 else tf.constant(0.0))
