@@ -7,6 +7,8 @@ the knowledge-distillation example, with the guides' structure and names:
 - ``FIRST``: the guide's first example: a ``train_step`` returning
   ``{m.name: m.result() for m in self.metrics}``; with a compiled loss and
   metrics Keras nests the compiled metrics' results under ``compile_metrics``.
+- ``DIRECT_UPDATE``: the first example with no optimizer: ``train_step`` moves each
+  trained variable itself (``var.assign_sub(rate * gradient)``).
 - ``LOWER_LEVEL``: "going lower-level": ``compile(optimizer=...)`` with no
   loss, the model's own ``Mean``/``MeanAbsoluteError`` trackers and a
   ``metrics`` property. Keras's own ``evaluate`` cannot run it (no loss, no
@@ -15,6 +17,8 @@ the knowledge-distillation example, with the guides' structure and names:
 - ``OWN_TEST_STEP``: "providing your own evaluation step".
 - ``GAN``: the end-to-end GAN: ``compile(d_optimizer, g_optimizer, loss_fn)``,
   two optimizers applied in ``train_step``, data = images only.
+- ``GAN_EVERY_OTHER``: the GAN whose generator's apply is in a ``tf.cond`` taken on
+  even steps only: the applies vary from step to step.
 - ``DISTILLATION``: ``compute_loss`` overridden (without ``training``),
   ``super().compile(optimizer=..., metrics=...)`` without a loss; the
   teacher's weights are planted (the map that made the labels).
@@ -72,6 +76,35 @@ class FirstModel(keras.Model):
 class First(_Task):
     def build_model(self):
         model = _regressor(FirstModel)
+        model.compile(optimizer=self.optimizer(), loss="mse", metrics=["mae"])
+        return model
+
+
+class DirectUpdateModel(keras.Model):
+    """The first example with no optimizer: ``train_step`` moves each trained variable
+    itself, ``var.assign_sub(rate * gradient)`` (plain SGD by hand)."""
+
+    rate = 0.05
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        trainable_vars = self.trainable_variables
+        for var, grad in zip(trainable_vars, tape.gradient(loss, trainable_vars)):
+            var.assign_sub(self.rate * grad)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class DirectUpdate(_Task):
+    def build_model(self):
+        model = _regressor(DirectUpdateModel)
         model.compile(optimizer=self.optimizer(), loss="mse", metrics=["mae"])
         return model
 
@@ -229,11 +262,34 @@ class GANModel(keras.Model):
             predictions = self.discriminator(self.generator(random_latent_vectors))
             g_loss = self.loss_fn(misleading_labels, predictions)
         grads = tape.gradient(g_loss, self.generator.trainable_weights)
-        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights))
+        self.apply_generator(grads)
 
         self.d_loss_tracker.update_state(d_loss)
         self.g_loss_tracker.update_state(g_loss)
         return {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
+
+
+    def apply_generator(self, grads):
+        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights))
+
+
+class EveryOtherGANModel(GANModel):
+    """The GAN whose generator trains on even steps only: its apply is in a ``tf.cond``
+    on the discriminator's update count, so the applies vary from step to step."""
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn):
+        super().compile(d_optimizer, g_optimizer, loss_fn)
+        # Its slots made here: TensorFlow cannot create a variable inside a tf.cond.
+        self.g_optimizer.build(self.generator.trainable_weights)
+
+    def apply_generator(self, grads):
+        def apply():
+            super(EveryOtherGANModel, self).apply_generator(grads)
+            return tf.constant(True)
+
+        # The discriminator's count, read after its update of this step: step + 1.
+        return tf.cond(tf.equal(self.d_optimizer.iterations % 2, 1), apply,
+                       lambda: tf.constant(False))
 
 
 def images(split):
@@ -247,6 +303,8 @@ def images(split):
 
 
 class Gan:
+    model_class = GANModel
+
     def build_model(self):
         discriminator = keras.Sequential([
             keras.Input((IMAGE, IMAGE, 1)),
@@ -262,7 +320,8 @@ class Gan:
             keras.layers.Dense(IMAGE * IMAGE),
             keras.layers.Reshape((IMAGE, IMAGE, 1)),
         ], name="generator")
-        gan = GANModel(discriminator=discriminator, generator=generator, latent_dim=LATENT)
+        gan = self.model_class(discriminator=discriminator, generator=generator,
+                               latent_dim=LATENT)
         gan.compile(d_optimizer=keras.optimizers.Adam(learning_rate=3e-3),
                     g_optimizer=keras.optimizers.Adam(learning_rate=3e-3),
                     loss_fn=keras.losses.BinaryCrossentropy(from_logits=True))
@@ -270,6 +329,12 @@ class Gan:
 
     def dataset(self, split):
         return tf.data.Dataset.from_tensor_slices(images(split))  # images only
+
+
+class GanEveryOther(Gan):
+    """The GAN that skips its generator's apply on odd steps (``EveryOtherGANModel``)."""
+
+    model_class = EveryOtherGANModel
 
 
 class GanJit(Gan):
@@ -395,6 +460,8 @@ SAMPLE_WEIGHTS = SampleWeights()
 OWN_TEST_STEP = OwnTestStep()
 GAN = Gan()
 GAN_JIT = GanJit()
+GAN_EVERY_OTHER = GanEveryOther()
+DIRECT_UPDATE = DirectUpdate()
 DISTILLATION = Distillation()
 FEATURES_ONLY = FeaturesOnly()
 

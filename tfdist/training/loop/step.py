@@ -370,7 +370,8 @@ def own_train_steps(model, handler, batches, xla: bool = False):
     from tfdist.training.workload.apply_route import ApplyRoute, optimizer_attrs
     from tfdist.training.workload.xla_calls import compiled_calls
 
-    route = ApplyRoute(model, optimizer_attrs(model))
+    route = ApplyRoute(model, optimizer_attrs(model),
+                       assigns=getattr(handler, "routes_assigns", False))
     logs = None
     with route.routed(handler), (compiled_calls(model) if xla else contextlib.nullcontext()):
         for i, batch in enumerate(batches):

@@ -57,7 +57,6 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tfdist.protocol import ConfigError
 from tfdist.training.workload import data
 from tfdist.training.workload.apply_route import original_apply
 from tfdist.training.ps import own_step
@@ -459,20 +458,18 @@ class PsSyncTrainer(CoordinatedTrainer):
         strategy = bundle.strategy
         self.k = plan.gradients_per_update
         num_metrics = len(train_metrics.names)
-        # The applies of one update: the library's step makes one; a model's own
-        # train_step one per optimizer.apply it makes (training.ps.own_step).
-        if train_metrics.own_step and local_replicas(strategy) > 1:
-            raise ConfigError(
-                f"a model's own train_step under ps-sync takes one replica per worker, and "
-                f"{self.cluster.member_name} has {local_replicas(strategy)}; hide all but one "
-                "GPU per worker (CUDA_VISIBLE_DEVICES)")
-        slots = (own_step.slots_of(state.model, task.own_applies) if train_metrics.own_step
-                 else [(state.optimizer, state.model.trainable_variables)])
-        self._slots = len(slots)
+        # The library's step makes one apply an update; a model's own train_step the
+        # applies it makes, as its workers announce them (training.ps.own_step).
         self._q = make_queues(len(self.workers),
-                              [sum(int(np.prod(v.shape)) for v in vs) for _, vs in slots],
+                              [] if train_metrics.own_step else
+                              [sum(int(np.prod(v.shape)) for v in state.model.trainable_variables)],
                               num_metrics, self.config.gradient_dtype)
-        self._q.applies.assign(self.applied_before * self._slots)
+        self._own = None
+        if train_metrics.own_step:
+            self._own = own_step.make_own_queues(self._q, len(self.workers), num_metrics, PS0,
+                                                 self.config.gradient_dtype)
+        else:
+            self._q.applies.assign(self.applied_before)
         dataset_fn = data.make_dataset_fn(task.task, plan.examples_per_gradient, seed=None,
                                           synthetic=self.config.synthetic_data,
                                           in_memory=plan.in_memory)
@@ -480,17 +477,23 @@ class PsSyncTrainer(CoordinatedTrainer):
             lambda: strategy.distribute_datasets_from_function(dataset_fn)))
         if train_metrics.own_step:
             self._work = own_step.make_own_work_fn(
-                strategy, state.model, train_metrics, self._q, slots, len(self.workers),
+                strategy, state.model, train_metrics, self._own, len(self.workers),
                 plan.accumulation_steps, take_token=take_token, stop=STOP,
                 xla=xla_part(state.model, bundle.kind) == "values")
+            # Made at the first train(): the keys are known once the closure is traced.
+            self._aggregate, self._own_keys = None, -1
+            self._make_aggregate = lambda: _Caller(own_step.make_own_aggregate_fn(
+                self._own, state.global_step, self.k, len(self.workers), num_metrics, PS0,
+                plan.accumulation_steps))
         else:
             self._work = make_work_fn(strategy, state.model, state.optimizer, train_metrics,
                                       self._q, state.global_step, len(self.workers),
                                       plan.accumulation_steps,
                                       xla_part(state.model, bundle.kind) == "values")
-        self._aggregate = _Caller(make_aggregate_fn(
-            self._q, slots, state.global_step, self.k, len(self.workers), num_metrics,
-            plan.accumulation_steps))
+            self._aggregate = _Caller(make_aggregate_fn(
+                self._q, [(state.optimizer, state.model.trainable_variables)],
+                state.global_step, self.k, len(self.workers), num_metrics,
+                plan.accumulation_steps))
         self._scheduled = 0
         self._finished_seen = 0
         self._stuck_workers: list[dict] = []
@@ -503,8 +506,10 @@ class PsSyncTrainer(CoordinatedTrainer):
         self._last_time: float | None = None
         self._intervals: list[float] = []
         # The first tokens: every worker may compute on the restored step.
+        first = (self.applied_before if self._own is None
+                 else int(self._own.current.numpy()))
         for token_queue in self._q.tokens:
-            token_queue.enqueue(tf.constant(self.applied_before * self._slots, tf.int64))
+            token_queue.enqueue(tf.constant(first, tf.int64))
         self.listen_for_sigterm()
 
     # --- the controller's interface ------------------------------------------
@@ -513,6 +518,10 @@ class PsSyncTrainer(CoordinatedTrainer):
         """Apply ``num_steps`` updates; returns once they are applied."""
         n = tf.constant(num_steps)
         self._top_up(n)
+        if self._own is not None and self._own_keys != len(self._own.keys.applies):
+            # The closure's trace met its applies (again, if it was traced again).
+            self._own_keys = len(self._own.keys.applies)
+            self._aggregate = self._make_aggregate()
         waiting_since = self._quiet_since = time.monotonic()
 
         def check():
@@ -556,15 +565,17 @@ class PsSyncTrainer(CoordinatedTrainer):
             self._scheduled += 1
 
     def _reissue_tokens(self, step: int) -> None:
-        """Give the current apply's token (the apply index on ps:0: ``step`` itself when
-        an update is one apply) to every worker that has none queued.
+        """Give the current token (the library's step: the global step; a model's own
+        train_step: the newest apply's, ``own_step.token_of``) to every worker that has
+        none queued.
 
         Safe at any time: a worker takes the largest token it holds, and the
         aggregator accepts one gradient per worker per update, so a token
         for a step already over is skipped and a second gradient for the
         same step is dropped.
         """
-        index = int(self._q.applies.numpy())  # step x the applies of an update, or on
+        index = int(self._q.applies.numpy() if self._own is None
+                    else self._own.current.numpy())
         for token_queue in self._q.tokens:
             if int(token_queue.size().numpy()) == 0:
                 token_queue.enqueue(tf.constant(index, tf.int64))

@@ -16,6 +16,14 @@ or queue the gradients on ps:0 for the K-of-N average; outside ``routed`` the
 optimizers are Keras's own again (a checkpoint, a callback, ps:0's update see
 the plain objects).
 
+A ``train_step`` may also change a trained variable itself (``var.assign_sub(lr *
+grad)``, ``assign``, ``assign_add``) with no optimizer. A handler that says
+``routes_assigns`` (ps-sync's: each worker's change of a ps variable would be
+one more update) has them routed too, as applies of ``DIRECT``: the delta is the
+"gradient" (``assign_sub(d)``: ``d``; ``assign_add(d)``: ``-d``; ``assign(x)``:
+the variable minus ``x``), and ``DIRECT.apply`` subtracts what it is given, so
+ps:0 subtracts the mean of the K workers' deltas: the synchronous update.
+
 A ``LossScaleOptimizer`` is routed as a whole (its ``apply`` receives the
 scaled gradients the step made with its ``scale_loss``); its inner optimizer is
 never routed, so when a handler calls ``original_apply`` the unscaling, the
@@ -55,6 +63,27 @@ def original_apply(optimizer, grads, variables) -> None:
     type(optimizer).apply(optimizer, list(grads), list(variables))
 
 
+class DirectUpdate:
+    """The "optimizer" a routed change of a trained variable is applied with: its
+    ``apply`` subtracts the given deltas (its own variables' plain ``assign_sub``)."""
+
+    name = "direct_update"
+
+    def apply(self, deltas, variables) -> None:
+        for delta, variable in zip(deltas, variables):
+            type(variable).assign_sub(variable, tf_cast(delta, variable.dtype))
+
+
+DIRECT = DirectUpdate()
+ASSIGNS = ("assign", "assign_add", "assign_sub")
+
+
+def tf_cast(value, dtype):
+    import tensorflow as tf
+
+    return tf.cast(value, dtype)
+
+
 # The route open in this thread (tf.distribute traces each replica of a MirroredStrategy
 # in a thread of its own, each with its own route); and how many routes have patched
 # each optimizer, so the last one to close restores it.
@@ -74,8 +103,28 @@ def _routed_apply(optimizer):
         if trainable_variables is None:  # as Keras: the variables it was built with
             trainable_variables = optimizer._trainable_variables  # pylint: disable=protected-access
         slot, route.slot = route.slot, route.slot + 1
-        return route.handler(slot, optimizer, list(grads), list(trainable_variables))
+        route.busy = True
+        try:
+            return route.handler(slot, optimizer, list(grads), list(trainable_variables))
+        finally:
+            route.busy = False
     return apply
+
+
+def _routed_assign(variable, how: str):
+    own = getattr(type(variable), how)
+
+    def assign(value, *args, **kwargs):
+        route = getattr(_local, "route", None)
+        if route is None or not route.assigns or route.busy:
+            return own(variable, value, *args, **kwargs)
+        value = tf_cast(value, variable.dtype)
+        delta = {"assign_sub": lambda: value, "assign_add": lambda: -value,
+                 "assign": lambda: tf_cast(variable.value, variable.dtype) - value}[how]()
+        slot, route.slot = route.slot, route.slot + 1
+        route.handler(slot, DIRECT, [delta], [variable])
+        return variable
+    return assign
 
 
 class ApplyRoute:
@@ -83,10 +132,13 @@ class ApplyRoute:
     the step is traced in this thread (``routed``); ``slot`` counts the applies made
     since the last ``new_call`` (one ``train_step`` call)."""
 
-    def __init__(self, model, attrs=()):
+    def __init__(self, model, attrs=(), assigns: bool = False):
         self.optimizers = optimizers_of(model, attrs)
+        # With ``assigns``: the trained variables whose direct changes are routed.
+        self.assigns = list(model.trainable_variables) if assigns else []
         self.slot = 0
         self.handler = None
+        self.busy = False  # a handler's own update (Keras's apply) is not routed
 
     def new_call(self) -> None:
         """A ``train_step`` call begins: its first apply is slot 0."""
@@ -104,6 +156,11 @@ class ApplyRoute:
                 _patched[id(o)] = _patched.get(id(o), 0) + 1
                 if _patched[id(o)] == 1:
                     o.apply = _routed_apply(o)  # an instance attribute over Keras's method
+            for v in self.assigns:
+                _patched[id(v)] = _patched.get(id(v), 0) + 1
+                if _patched[id(v)] == 1:
+                    for how in ASSIGNS:  # bypassing a tracking __setattr__
+                        v.__dict__[how] = _routed_assign(v, how)
         try:
             yield self
         finally:
@@ -114,6 +171,12 @@ class ApplyRoute:
                     if not _patched[id(o)]:
                         del _patched[id(o)]
                         del o.apply
+                for v in self.assigns:
+                    _patched[id(v)] -= 1
+                    if not _patched[id(v)]:
+                        del _patched[id(v)]
+                        for how in ASSIGNS:
+                            del v.__dict__[how]
 
 
 def record_applies(model, attrs, run) -> tuple[object, list]:
