@@ -612,13 +612,13 @@ class PsSyncTrainer(CoordinatedTrainer):
         return text, fields
 
     def sharded_evaluation_refusal(self) -> str | None:
-        """Several applies an update (a GAN's own train_step): between two updates each
-        worker's step waits mid-way for the next apply's token, which only the next
-        update gives; ending it there would queue its last gradient on weights the
-        first apply has not yet changed."""
-        if self._slots > 1:
-            return (f"the model's own train_step makes {self._slots} applies an update, and "
-                    "under ps-sync each worker's step waits between them for the next update")
+        """A model's own train_step (training.ps.own_step): after each apply a worker's
+        step waits on ps:0 for that apply's token, and between two updates every
+        worker has already queued its next step's first gradient and waits there for
+        the next update; ending its closure there would drop that queued gradient."""
+        if self._own is not None:
+            return ("the model's own train_step under ps-sync: between two updates each "
+                    "worker's step waits mid-way on ps:0 for the next update's token")
         return None
 
     @contextlib.contextmanager
