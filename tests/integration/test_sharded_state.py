@@ -112,3 +112,61 @@ def test_sharded_checkpoint_resumes_at_another_worker_count(tmp_path, spawn):
         assert len(hashes) == 3 and set(hashes.values()) == {results["weights_sha256"]}, name
         accuracy[name] = results["test_accuracy"]
     assert abs(accuracy["sharded3"] - accuracy["plain3"]) <= 0.005, accuracy
+
+
+def _wide(*args):
+    """wide-mlp narrowed to a four-layer chain of 63 k parameters, in 8 KiB buckets (its
+    widest kernels cut into blocks of rows), with the run's other arguments."""
+    return ("--task-option", "width=96", "--all-reduce-bucket", "8k", *args)
+
+
+def start_wide(spawn, model_dir, *train_args, workers=2, steps=30, timeout=LONG):
+    return spawn(launch_cmd("multiworker", "--workers", str(workers), "--timeout",
+                            str(timeout - 20),
+                            train_args=["--task", "wide-mlp", "--steps", str(steps),
+                                        "--log-every", "10", "--model-dir", str(model_dir),
+                                        *train_args]))
+
+
+@pytest.mark.long
+@pytest.mark.timeout(900)
+def test_weights_sharded_matches_plain_and_resumes_either_way(tmp_path, spawn):
+    """--shard-state weights (layer by layer: each layer's shard gathered in its forward
+    pass and again in its backward pass, its gradients reduce-scattered there) makes the
+    plain update: with two workers the same bytes as plain multiworker, every worker on
+    the same weights; its checkpoint resumes plain and at three workers, a plain one
+    resumes under it."""
+    w = ("--shard-state", "weights")
+    # SGD, 16-bit gradients (the reduce-scatter in bfloat16) and two batches a step.
+    sgd = ("--optimizer", "sgd", "--gradient-dtype", "bfloat16",
+           "--gradient-accumulation-steps", "2")
+    runs = {"w30": (w, 30), "p30": ((), 30), "w10": (w, 10), "p10": ((), 10),
+            "wsgd": (w + sgd, 30), "psgd": (sgd, 30)}
+    first = {n: start_wide(spawn, tmp_path / n, *_wide(*CONSTANT, *a), steps=s)
+             for n, (a, s) in runs.items()}
+    out = {n: finish_job(p, tmp_path / n, timeout=LONG) for n, p in first.items()}
+    sharded, hashes = out["w30"]
+    assert sharded["shard_state"] == "weights" and sharded["global_steps"] == 30
+    assert set(hashes) == {"worker:0", "worker:1"}
+    assert set(hashes.values()) == {sharded["weights_sha256"]}
+    assert sharded["weights_sha256"] == out["p30"][0]["weights_sha256"]
+    # The weights held while stepping: a shard plus the largest layer gathered.
+    held = sharded["state_bytes"]["worker:1"]
+    assert held["weights"] < out["p30"][0]["state_bytes"]["worker:1"]["weights"]
+    wsgd, hashes = out["wsgd"]
+    assert wsgd["global_steps"] == 30 and len(hashes) == 2 and len(set(hashes.values())) == 1
+    assert abs(wsgd["test_accuracy"] - out["psgd"][0]["test_accuracy"]) <= 0.005
+    _copy(tmp_path / "w10", tmp_path / "w10-plain")
+    _copy(tmp_path / "w10", tmp_path / "w10-three")
+    cases = {"w10": (w, 2), "w10-plain": ((), 2), "p10": (w, 2), "w10-three": (w, 3)}
+    second = {n: start_wide(spawn, tmp_path / n, *_wide(*CONSTANT, *a), workers=k)
+              for n, (a, k) in cases.items()}
+    for name, p in second.items():
+        results, hashes = finish_job(p, tmp_path / name, timeout=LONG)
+        assert any("resumed from" in line and "at step 10" in line for line in p.lines), name
+        assert results["global_steps"] == 30, name
+        assert len(set(hashes.values())) == 1 and len(hashes) == cases[name][1], name
+        if cases[name][1] == 2:  # two workers: the same bytes as the uninterrupted run
+            assert set(hashes.values()) == {sharded["weights_sha256"]}, name
+        else:
+            assert abs(results["test_accuracy"] - sharded["test_accuracy"]) <= 0.005, name
