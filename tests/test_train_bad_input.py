@@ -239,8 +239,6 @@ BAD_FLAGS = [
     Row("shard-state-under-pipeline", tfc(PS_FREE, "chief"), ("--strategy=pipeline",
                                                               "--shard-state=optimizer"),
         ("--strategy pipeline", "stage")),
-    Row("shard-state-weights", workers(*W2), ("--shard-state=weights",),
-        ("--shard-state weights", "not built")),
     Row("shard-state-carried", workers(*W2), ("--shard-state=optimizer", "--carry-all-reduce=on"),
         ("--carry-all-reduce on", "reduce-scatter")),
 ]

@@ -112,3 +112,77 @@ def test_sharded_checkpoint_resumes_at_another_worker_count(tmp_path, spawn):
         assert len(hashes) == 3 and set(hashes.values()) == {results["weights_sha256"]}, name
         accuracy[name] = results["test_accuracy"]
     assert abs(accuracy["sharded3"] - accuracy["plain3"]) <= 0.005, accuracy
+
+
+def _wide(*args):
+    """wide-mlp narrowed to a four-layer chain of 63 k parameters, in 8 KiB buckets (its
+    widest kernels cut into blocks of rows), with the run's other arguments."""
+    return ("--task-option", "width=96", "--all-reduce-bucket", "8k", *args)
+
+
+def start_wide(spawn, model_dir, *train_args, workers=2, steps=30, timeout=2 * LONG):
+    # Several jobs of TensorFlow processes start at once on two cores: time to trace.
+    return spawn(launch_cmd("multiworker", "--workers", str(workers), "--timeout",
+                            str(timeout - 20),
+                            train_args=["--task", "wide-mlp", "--steps", str(steps),
+                                        "--log-every", "10", "--model-dir", str(model_dir),
+                                        "--startup-timeout", str(timeout - 100),
+                                        *train_args]))
+
+
+WEIGHTS = ("--shard-state", "weights")
+
+
+@pytest.mark.long
+@pytest.mark.timeout(1500)
+def test_weights_sharded_makes_the_plain_update(tmp_path, spawn):
+    """--shard-state weights (layer by layer: each layer's shard gathered in its forward
+    pass and again in its backward pass, its gradients reduce-scattered there) makes the
+    plain update: with two workers the same bytes as plain multiworker, every worker on
+    the same weights; with SGD, 16-bit gradients (the reduce-scatter in bfloat16) and two
+    batches a step, plain's accuracy."""
+    sgd = ("--optimizer", "sgd", "--gradient-dtype", "bfloat16",
+           "--gradient-accumulation-steps", "2")
+    runs = {"w": WEIGHTS, "p": (), "wsgd": WEIGHTS + sgd, "psgd": sgd}
+    started = {n: start_wide(spawn, tmp_path / n, *_wide(*CONSTANT, *a))
+               for n, a in runs.items()}
+    out = {n: finish_job(p, tmp_path / n, timeout=2 * LONG) for n, p in started.items()}
+    sharded, hashes = out["w"]
+    assert sharded["shard_state"] == "weights" and sharded["global_steps"] == 30
+    assert set(hashes) == {"worker:0", "worker:1"}
+    assert set(hashes.values()) == {sharded["weights_sha256"]}
+    assert sharded["weights_sha256"] == out["p"][0]["weights_sha256"]
+    # The weights held while stepping: a shard plus the largest layer gathered.
+    held = sharded["state_bytes"]["worker:1"]
+    assert held["weights"] < out["p"][0]["state_bytes"]["worker:1"]["weights"]
+    wsgd, hashes = out["wsgd"]
+    assert wsgd["global_steps"] == 30 and len(hashes) == 2 and len(set(hashes.values())) == 1
+    assert abs(wsgd["test_accuracy"] - out["psgd"][0]["test_accuracy"]) <= 0.005
+
+
+@pytest.mark.long
+@pytest.mark.timeout(1500)
+def test_weights_sharded_checkpoints_resume_plain_sharded_and_at_three_workers(tmp_path,
+                                                                                spawn):
+    """A weights-sharded checkpoint resumes under weights, under plain and at three
+    workers; a plain one resumes under weights. The two-worker continuations are the
+    same update (the same bytes); the three-worker one agrees on accuracy."""
+    first = {n: start_wide(spawn, tmp_path / n, *_wide(*CONSTANT, *a), steps=10)
+             for n, a in {"w10": WEIGHTS, "p10": ()}.items()}
+    for n, p in first.items():
+        finish_job(p, tmp_path / n, timeout=2 * LONG)
+    _copy(tmp_path / "w10", tmp_path / "w10-plain")
+    _copy(tmp_path / "w10", tmp_path / "w10-three")
+    cases = {"w10": (WEIGHTS, 2), "w10-plain": ((), 2), "p10": (WEIGHTS, 2),
+             "w10-three": (WEIGHTS, 3)}
+    second = {n: start_wide(spawn, tmp_path / n, *_wide(*CONSTANT, *a), workers=k)
+              for n, (a, k) in cases.items()}
+    ends = {}
+    for name, p in second.items():
+        results, hashes = finish_job(p, tmp_path / name, timeout=2 * LONG)
+        assert any("resumed from" in line and "at step 10" in line for line in p.lines), name
+        assert results["global_steps"] == 30, name
+        assert len(set(hashes.values())) == 1 and len(hashes) == cases[name][1], name
+        ends[name] = results
+    assert len({ends[n]["weights_sha256"] for n in ("w10", "w10-plain", "p10")}) == 1
+    assert abs(ends["w10-three"]["test_accuracy"] - ends["w10"]["test_accuracy"]) <= 0.005

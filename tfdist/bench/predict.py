@@ -160,7 +160,7 @@ def check(target: Target, strategy: str) -> None:
                            f"{', '.join(trafficlib.DTYPE_BYTES)}")
     if target.shard_state not in ("off", *SHARDED):
         raise PredictError(f"--shard-state {target.shard_state!r} cannot be predicted; allowed: "
-                           f"off, {', '.join(SHARDED)} (weights is not built)")
+                           f"off, {', '.join(SHARDED)} (weights: its re-gathers are not modelled)")
     if target.shard_state != "off" and not all_reduces(strategy):
         raise PredictError(f"--shard-state {target.shard_state} is multiworker's only; "
                            f"{strategy} holds its state on the ps tasks")

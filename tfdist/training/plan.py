@@ -318,9 +318,6 @@ def eval_shards(value: str, workers: int) -> int:
     return shards
 
 
-# What the sharded update (training.sync.zero) builds; "weights" (ZeRO stage 3) is named
-# by the flag so that it is refused with its reason, not as an unknown word.
-BUILT_SHARD_LEVELS = ("off", "optimizer", "gradients")
 
 
 def _shard_state(config: TrainConfig, kind: StrategyKind, replicas: int,
@@ -335,9 +332,6 @@ def _shard_state(config: TrainConfig, kind: StrategyKind, replicas: int,
                         if not other.shard_state_refusal)
         raise ConfigError(f"{flag} cannot be honoured under --strategy {kind.name}: "
                           f"{kind.shard_state_refusal}; use --strategy {able}, or drop the flag")
-    if level not in BUILT_SHARD_LEVELS:
-        raise ConfigError(f"{flag} (ZeRO stage 3: only a shard of the weights held between "
-                          "steps) is not built; use --shard-state optimizer or gradients")
     why = None
     if replicas != config.cluster.num_workers:
         why = (f"the workers have {replicas} replicas in all, and the sharded update takes "

@@ -69,7 +69,7 @@ def build_state(plan, task, strategy, example=None, own_optimizers=None,
     ``g_optimizer``), each built here with the variables it updates: their
     slots are made where the strategy puts variables (replicated, or on the
     ps), before a checkpoint restore fills them, and the checkpoint holds
-    them (the model tracks its attributes). ``shard(optimizer, variables)`` (``--shard-state``)
+    them (the model tracks its attributes). ``shard(optimizer, model)`` (``--shard-state``)
     builds the optimizer outside the scope and returns this worker's shard of the state.
     """
     policy = sharding.ShardingPolicy(plan.sharding.partitioner, plan.sharding.num_shards,
@@ -121,7 +121,7 @@ def build_state(plan, task, strategy, example=None, own_optimizers=None,
             0, dtype=tf.int64, trainable=False, name="completed_steps",
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
-    sharded = None if shard is None else shard(opt, model.trainable_variables)
+    sharded = None if shard is None else shard(opt, model)
     # Split variables are saved whole, so a run resumes on another number of ps.
     # A keras.random.SeedGenerator's state (a GAN's noise) is not reached through
     # the model's checkpoint dependencies; saved beside it, a resumed run draws

@@ -20,7 +20,7 @@ from tfdist.training.workload import data
 from tfdist.training.loop.evaluation import EvalMembers, local_copy, weights_sha256
 from tfdist.training.loop.lifetime import keep_alive_until_exit
 from tfdist.strategies.kinds import DEFAULT_BUCKET_BYTES
-from tfdist.training.sync import carried, zero
+from tfdist.training.sync import carried, zero, zero3
 from tfdist.training.sync.carry_trial import CARRIED, CarryTrial
 from tfdist.training.sync.preemption import preemption_handler
 from tfdist.training.loop.step import make_replica_sum, make_step_fn, make_train_fn, xla_part
@@ -91,16 +91,21 @@ class SyncTrainer(Trainer):
     @staticmethod
     def build_state(plan, task, strategy, example=None, own_optimizers=None):
         """The whole model; with ``--shard-state``, the optimizer's slots as this worker's
-        shard (``sync.zero``)."""
+        shard (``sync.zero``; the weights too: ``sync.zero3``)."""
         from tfdist.training.loop.state import build_state
 
         shard = None
         if plan.shard_state != "off":
             members = plan.kind.training_members(plan.cluster)
 
-            def shard(optimizer, variables):
-                return zero.ShardedState(plan.shard_state, strategy, optimizer, variables,
-                                         members.index(plan.cluster.member_name),
+            def shard(optimizer, model):
+                member = members.index(plan.cluster.member_name)
+                if plan.shard_state == "weights":
+                    return zero3.WeightShardedState(strategy, optimizer, model.trainable_variables,
+                                                    member, plan.config.bucket_bytes, model,
+                                                    plan.accumulation_steps)
+                return zero.ShardedState(plan.shard_state, strategy, optimizer,
+                                         model.trainable_variables, member,
                                          plan.config.bucket_bytes)
 
         return build_state(plan, task, strategy, example, own_optimizers, shard)

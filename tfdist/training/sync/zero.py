@@ -134,10 +134,7 @@ class ShardedState:
         workers = strategy.num_replicas_in_sync
         self.coll = Collectives(workers, self.device)
         self.rank = self.coll.rank(member)
-        sizes = [int(np.prod(v.shape)) for v in self.variables]
-        rows = [int(np.prod(v.shape[1:])) if len(v.shape) > 1 else 1 for v in self.variables]
-        self.layout = ShardLayout.plan(sizes, workers, (bucket_bytes or BUCKET_BYTES) // 4,
-                                       rows)
+        self.layout = self._plan(workers, (bucket_bytes or BUCKET_BYTES) // 4)
         self.pieces = self.layout.pieces(self.rank)
         self._cache: dict[tuple[str, int], tf.Tensor] = {}  # (slot, bucket): gathered
         with tf.device(self.device):
@@ -145,6 +142,12 @@ class ShardedState:
                                        trainable=False, name="weights_shard")
             self.shard_optimizer, self.slots = _shard_optimizer(optimizer, self.flat, level)
         self._build_views(optimizer)
+
+    def _plan(self, workers: int, bucket_elements: int) -> ShardLayout:
+        """The variables laid end to end in buckets (``shard_layout``)."""
+        sizes = [int(np.prod(v.shape)) for v in self.variables]
+        rows = [int(np.prod(v.shape[1:])) if len(v.shape) > 1 else 1 for v in self.variables]
+        return ShardLayout.plan(sizes, workers, bucket_elements, rows)
 
     def _build_views(self, optimizer) -> None:
         """The model's optimizer built with a ``SlotView`` for each slot it would make."""
