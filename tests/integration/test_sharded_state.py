@@ -143,21 +143,23 @@ def test_weights_sharded_makes_the_plain_update(tmp_path, spawn):
     batches a step, plain's accuracy."""
     sgd = ("--optimizer", "sgd", "--gradient-dtype", "bfloat16",
            "--gradient-accumulation-steps", "2")
-    runs = {"w": WEIGHTS, "p": (), "wsgd": WEIGHTS + sgd, "psgd": sgd}
+    # No name a prefix of another: finish_job looks for processes by their model dir.
+    runs = {"adam-weights": WEIGHTS, "adam-plain": (), "sgd-weights": WEIGHTS + sgd,
+            "sgd-plain": sgd}
     started = {n: start_wide(spawn, tmp_path / n, *_wide(*CONSTANT, *a))
                for n, a in runs.items()}
     out = {n: finish_job(p, tmp_path / n, timeout=2 * LONG) for n, p in started.items()}
-    sharded, hashes = out["w"]
+    sharded, hashes = out["adam-weights"]
     assert sharded["shard_state"] == "weights" and sharded["global_steps"] == 30
     assert set(hashes) == {"worker:0", "worker:1"}
     assert set(hashes.values()) == {sharded["weights_sha256"]}
-    assert sharded["weights_sha256"] == out["p"][0]["weights_sha256"]
+    assert sharded["weights_sha256"] == out["adam-plain"][0]["weights_sha256"]
     # The weights held while stepping: a shard plus the largest layer gathered.
     held = sharded["state_bytes"]["worker:1"]
-    assert held["weights"] < out["p"][0]["state_bytes"]["worker:1"]["weights"]
-    wsgd, hashes = out["wsgd"]
+    assert held["weights"] < out["adam-plain"][0]["state_bytes"]["worker:1"]["weights"]
+    wsgd, hashes = out["sgd-weights"]
     assert wsgd["global_steps"] == 30 and len(hashes) == 2 and len(set(hashes.values())) == 1
-    assert abs(wsgd["test_accuracy"] - out["psgd"][0]["test_accuracy"]) <= 0.005
+    assert abs(wsgd["test_accuracy"] - out["sgd-plain"][0]["test_accuracy"]) <= 0.005
 
 
 @pytest.mark.long
@@ -168,13 +170,13 @@ def test_weights_sharded_checkpoints_resume_plain_sharded_and_at_three_workers(t
     workers; a plain one resumes under weights. The two-worker continuations are the
     same update (the same bytes); the three-worker one agrees on accuracy."""
     first = {n: start_wide(spawn, tmp_path / n, *_wide(*CONSTANT, *a), steps=10)
-             for n, a in {"w10": WEIGHTS, "p10": ()}.items()}
+             for n, a in {"sharded10": WEIGHTS, "plain10": ()}.items()}
     for n, p in first.items():
         finish_job(p, tmp_path / n, timeout=2 * LONG)
-    _copy(tmp_path / "w10", tmp_path / "w10-plain")
-    _copy(tmp_path / "w10", tmp_path / "w10-three")
-    cases = {"w10": (WEIGHTS, 2), "w10-plain": ((), 2), "p10": (WEIGHTS, 2),
-             "w10-three": (WEIGHTS, 3)}
+    _copy(tmp_path / "sharded10", tmp_path / "as-plain")
+    _copy(tmp_path / "sharded10", tmp_path / "at-three")
+    cases = {"sharded10": (WEIGHTS, 2), "as-plain": ((), 2), "plain10": (WEIGHTS, 2),
+             "at-three": (WEIGHTS, 3)}
     second = {n: start_wide(spawn, tmp_path / n, *_wide(*CONSTANT, *a), workers=k)
               for n, (a, k) in cases.items()}
     ends = {}
@@ -184,5 +186,5 @@ def test_weights_sharded_checkpoints_resume_plain_sharded_and_at_three_workers(t
         assert results["global_steps"] == 30, name
         assert len(set(hashes.values())) == 1 and len(hashes) == cases[name][1], name
         ends[name] = results
-    assert len({ends[n]["weights_sha256"] for n in ("w10", "w10-plain", "p10")}) == 1
-    assert abs(ends["w10-three"]["test_accuracy"] - ends["w10"]["test_accuracy"]) <= 0.005
+    assert len({ends[n]["weights_sha256"] for n in ("sharded10", "as-plain", "plain10")}) == 1
+    assert abs(ends["at-three"]["test_accuracy"] - ends["sharded10"]["test_accuracy"]) <= 0.005
