@@ -56,6 +56,17 @@ def _regressor(cls):
 # --- the first example ----------------------------------------------------------
 
 
+def _metrics_logs(model, loss, *args, **kwargs):
+    """The guides' metric update: the loss tracker gets the loss, every other metric
+    ``update_state(*args, **kwargs)``; the logs are every metric's result."""
+    for metric in model.metrics:
+        if metric.name == "loss":
+            metric.update_state(loss)
+        else:
+            metric.update_state(*args, **kwargs)
+    return {m.name: m.result() for m in model.metrics}
+
+
 class FirstModel(keras.Model):
     def train_step(self, data):
         x, y = data
@@ -64,49 +75,35 @@ class FirstModel(keras.Model):
             loss = self.compute_loss(y=y, y_pred=y_pred)
         trainable_vars = self.trainable_variables
         gradients = tape.gradient(loss, trainable_vars)
-        self.optimizer.apply(gradients, trainable_vars)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
+        self.move(gradients, trainable_vars)
+        return _metrics_logs(self, loss, y, y_pred)
+
+    def move(self, gradients, variables):
+        self.optimizer.apply(gradients, variables)
 
 
 class First(_Task):
+    model_class = FirstModel
+
     def build_model(self):
-        model = _regressor(FirstModel)
+        model = _regressor(self.model_class)
         model.compile(optimizer=self.optimizer(), loss="mse", metrics=["mae"])
         return model
 
 
-class DirectUpdateModel(keras.Model):
+class DirectUpdateModel(FirstModel):
     """The first example with no optimizer: ``train_step`` moves each trained variable
     itself, ``var.assign_sub(rate * gradient)`` (plain SGD by hand)."""
 
     rate = 0.05
 
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            loss = self.compute_loss(y=y, y_pred=y_pred)
-        trainable_vars = self.trainable_variables
-        for var, grad in zip(trainable_vars, tape.gradient(loss, trainable_vars)):
+    def move(self, gradients, variables):
+        for var, grad in zip(variables, gradients):
             var.assign_sub(self.rate * grad)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
 
 
-class DirectUpdate(_Task):
-    def build_model(self):
-        model = _regressor(DirectUpdateModel)
-        model.compile(optimizer=self.optimizer(), loss="mse", metrics=["mae"])
-        return model
+class DirectUpdate(First):
+    model_class = DirectUpdateModel
 
 
 # --- going lower-level ------------------------------------------------------------
@@ -159,12 +156,7 @@ class WeightedModel(keras.Model):
         trainable_vars = self.trainable_variables
         gradients = tape.gradient(loss, trainable_vars)
         self.optimizer.apply(gradients, trainable_vars)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred, sample_weight=sample_weight)
-        return {m.name: m.result() for m in self.metrics}
+        return _metrics_logs(self, loss, y, y_pred, sample_weight=sample_weight)
 
 
 def class_2_share(y_true, y_pred):
@@ -196,12 +188,7 @@ class TestStepModel(keras.Model):
         x, y = data
         y_pred = self(x, training=False)
         loss = self.compute_loss(y=y, y_pred=y_pred)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
+        return _metrics_logs(self, loss, y, y_pred)
 
 
 class OwnTestStep(_Task):
@@ -423,23 +410,13 @@ class AutoencoderModel(keras.Model):
             loss = self.compute_loss(y=x, y_pred=x_pred)
         self.optimizer.apply(tape.gradient(loss, self.trainable_variables),
                              self.trainable_variables)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(x, x_pred)
-        return {m.name: m.result() for m in self.metrics}
+        return _metrics_logs(self, loss, x, x_pred)
 
     def test_step(self, data):
         (x,) = data
         x_pred = self(x, training=False)
         loss = self.compute_loss(y=x, y_pred=x_pred)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(x, x_pred)
-        return {m.name: m.result() for m in self.metrics}
+        return _metrics_logs(self, loss, x, x_pred)
 
 
 class FeaturesOnly(_Task):

@@ -122,10 +122,10 @@ def test_a_pause_for_the_evaluation_loses_no_token_and_leaves_no_stop():
     a STOP taken together with a step's token puts that token back (the worker has not
     computed on it), and the resume takes the pause's STOPs out, keeping the newest token."""
     import tensorflow as tf
-    from tfdist.training.ps.ps_sync_trainer import STOP, _newest_token, drop_stops
+    from tfdist.training.ps.ps_sync_trainer import STOP, newest_token, drop_stops
 
     queue = tf.queue.FIFOQueue(16, [tf.int64], shapes=[[]])
-    take = _newest_token(queue)
+    take = newest_token(queue)
 
     def held():
         return queue.dequeue_many(queue.size()).numpy().tolist()

@@ -96,6 +96,21 @@ def to_wire(grads, dtype: str = "float32") -> list:
     return [None if g is None else tf.cast(g, wire) for g in grads]
 
 
+def step_args(iterator, accumulation: int):
+    """A step's arguments from ``iterator``: its batch, or a tuple of the
+    ``accumulation`` batches one update averages."""
+    if accumulation == 1:
+        return next(iterator)
+    return tuple(next(iterator) for _ in range(accumulation))
+
+
+def gradients_of(one_batch, batches, accumulation: int):
+    """``one_batch`` on the step's one batch, or ``accumulate``d over its batches."""
+    if accumulation == 1:
+        return one_batch(*batches)
+    return accumulate(one_batch, batches)
+
+
 def accumulate(one_batch, batches):
     """``one_batch(*batch) -> (gradients, loss, metric values)`` over each of
     ``batches``, as their means: Keras's accumulation ((sum of N gradients) / N,

@@ -187,6 +187,19 @@ def balance(params: list[int], stages: int) -> tuple[int, ...]:
     return tuple(reversed(bounds))
 
 
+def _cut_bounds(counts: list[int], plan, name: str, what: str) -> tuple[int, ...]:
+    """Where the stages begin among ``counts`` (each part's parameters): the plan's
+    ``--stage-boundaries``, else balanced by parameters; too few parts is one line."""
+    if plan.stages > len(counts):
+        raise ConfigError(
+            f"task {name}: cannot cut its {len(counts)} {what} into {plan.stages} stages "
+            f"(workers per pipeline copy); use at most {len(counts)} workers per copy")
+    if plan.boundaries is not None:
+        check_boundaries(plan.boundaries, len(counts))
+        return plan.boundaries
+    return balance(counts, plan.stages)
+
+
 def check_boundaries(boundaries: tuple[int, ...], layers: int) -> None:
     if boundaries[-1] >= layers:
         raise ConfigError(
@@ -331,15 +344,7 @@ def local_stages(task, model, plan: PipelinePlan, name: str = "task",
     if layers is None:
         return graph_stages(traced_graph(model, task, example, name), plan, name)
     counts = [_params(layer) for layer in layers]
-    if plan.stages > len(layers):
-        raise ConfigError(
-            f"task {name}: cannot cut its {len(layers)} layer(s) into {plan.stages} stages "
-            f"(workers per pipeline copy); use at most {len(layers)} workers per copy")
-    if plan.boundaries is not None:
-        check_boundaries(plan.boundaries, len(layers))
-        bounds = plan.boundaries
-    else:
-        bounds = balance(counts, plan.stages)
+    bounds = _cut_bounds(counts, plan, name, "layer(s)")
     first_input = chain.inputs[0]
     stages, parts = [], []
     for s, (a, b) in enumerate(ranges(bounds, len(layers))):
@@ -508,15 +513,7 @@ def graph_stages(graph: LayerGraph, plan: PipelinePlan, name: str) -> tuple[list
     import tensorflow as tf
 
     counts = [_node_params(node) for node in graph.nodes]
-    if plan.stages > len(counts):
-        raise ConfigError(
-            f"task {name}: cannot cut its {len(counts)} layer call(s) into {plan.stages} stages "
-            f"(workers per pipeline copy); use at most {len(counts)} workers per copy")
-    if plan.boundaries is not None:
-        check_boundaries(plan.boundaries, len(counts))
-        bounds = plan.boundaries
-    else:
-        bounds = balance(counts, plan.stages)
+    bounds = _cut_bounds(counts, plan, name, "layer call(s)")
     stages, parts = [], []
     spans = ranges(bounds, len(counts))
     for s, (a, b) in enumerate(spans):

@@ -249,7 +249,7 @@ def replica_gradient_fn(model, optimizer, train_metrics, accumulation: int, jit:
     return replica_gradient
 
 
-def _newest_token(queue):
+def newest_token(queue):
     """A branch taking everything ``queue`` holds and returning its newest token (STOP
     if any is STOP).
 
@@ -286,7 +286,7 @@ def drop_stops(queue) -> None:
 
 def take_token(q: SyncQueues, worker):
     """The newest token in ``worker``'s queue (blocks while it is empty)."""
-    return tf.switch_case(tf.cast(worker, tf.int32), [_newest_token(t) for t in q.tokens])
+    return tf.switch_case(tf.cast(worker, tf.int32), [newest_token(t) for t in q.tokens])
 
 
 def make_work_fn(strategy, model, optimizer, train_metrics, q: SyncQueues, global_step,

@@ -210,10 +210,7 @@ class ShardedState:
             metric_sum = tf.zeros([num_metrics], tf.float32)
             staleness = tf.TensorArray(tf.int64, size=num_steps)
             for i in tf.range(num_steps):
-                if accumulation == 1:
-                    args = next(iterator)
-                else:
-                    args = tuple(next(iterator) for _ in range(accumulation))
+                args = steplib.step_args(iterator, accumulation)
                 loss, values, rows = strategy.run(replica_step, args=args)
                 self._update([strategy.experimental_local_results(r)[0] for r in rows],
                              accumulation)
@@ -236,10 +233,7 @@ class ShardedState:
         optimizer, layout = self.optimizer, self.layout
 
         def replica_step(*batches):
-            if accumulation == 1:
-                grads, loss, values = one_batch(*batches)
-            else:
-                grads, loss, values = steplib.accumulate(one_batch, batches)
+            grads, loss, values = steplib.gradients_of(one_batch, batches, accumulation)
             grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
                      for g, v in zip(grads, self.variables)]
             grads = optimizer._clip_gradients(steplib.to_wire(grads, gradient_dtype))

@@ -222,10 +222,7 @@ class WeightShardedState(zero.ShardedState):
         num_metrics = len(metrics.names)
 
         def replica_step(*batches):
-            if accumulation == 1:
-                grads, loss, values = one_batch(*batches)
-            else:
-                grads, loss, values = steplib.accumulate(one_batch, batches)
+            grads, loss, values = steplib.gradients_of(one_batch, batches, accumulation)
             return loss, values, grads[0]
 
         @tf.function
@@ -236,10 +233,7 @@ class WeightShardedState(zero.ShardedState):
             metric_sum = tf.zeros([num_metrics], tf.float32)
             staleness = tf.TensorArray(tf.int64, size=steps)
             for i in tf.range(steps):
-                if accumulation == 1:
-                    args = next(iterator)
-                else:
-                    args = tuple(next(iterator) for _ in range(accumulation))
+                args = steplib.step_args(iterator, accumulation)
                 loss, values, grad = strategy.run(replica_step, args=args)
                 applied = self._apply(strategy.experimental_local_results(grad)[0],
                                       accumulation)
