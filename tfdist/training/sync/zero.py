@@ -206,22 +206,42 @@ class ShardedState:
 
         @tf.function
         def train_fn(iterator, num_steps):
+            with tf.control_dependencies(self._call_start()):
+                steps = tf.identity(num_steps)
             loss_sum = tf.constant(0.0)
             metric_sum = tf.zeros([num_metrics], tf.float32)
-            staleness = tf.TensorArray(tf.int64, size=num_steps)
-            for i in tf.range(num_steps):
+            staleness = tf.TensorArray(tf.int64, size=steps)
+            for i in tf.range(steps):
                 args = steplib.step_args(iterator, accumulation)
-                loss, values, rows = strategy.run(replica_step, args=args)
-                self._update([strategy.experimental_local_results(r)[0] for r in rows],
-                             accumulation)
-                with tf.control_dependencies(steplib.after_updates(self.variables)):
+                loss, values, update = strategy.run(replica_step, args=args)
+                with tf.control_dependencies(self._step_update(update, accumulation)):
                     global_step.assign_add(1)
                 loss_sum, metric_sum = steplib.add_step(strategy, loss_sum, metric_sum, loss,
                                                         values)
                 staleness = staleness.write(i, tf.constant(0, tf.int64))
+            with tf.control_dependencies([loss_sum, metric_sum]):
+                ended = self._call_end()
+            with tf.control_dependencies(ended):
+                loss_sum, metric_sum = tf.identity(loss_sum), tf.identity(metric_sum)
             return steplib.call_outputs(num_steps, loss_sum, metric_sum, staleness)
 
         return train_fn
+
+    # The hooks of a call that ``weights`` (``zero3``) overrides.
+
+    def _call_start(self) -> list:
+        """What the call's steps wait on (nothing here)."""
+        return []
+
+    def _call_end(self) -> list:
+        """What the call's outputs wait on, after its steps (nothing here)."""
+        return []
+
+    def _step_update(self, rows, accumulation: int) -> list:
+        """A step's update from its replica's bucket rows; what the global step waits on."""
+        self._update([self.strategy.experimental_local_results(r)[0] for r in rows],
+                     accumulation)
+        return steplib.after_updates(self.variables)
 
     def _replica_step(self, state, metrics, gradient_dtype: str, accumulation: int):
         """One replica's gradients, clipped as Keras clips them before an all-reduce, as

@@ -214,41 +214,29 @@ class WeightShardedState(zero.ShardedState):
 
     # --- the call of n steps ---------------------------------------------------------------
 
-    def make_train_fn(self, state, metrics, gradient_dtype: str, accumulation: int):
-        """``train_fn(iterator, num_steps)``: the model's variables released, ``num_steps``
-        sharded steps, the shards gathered back into the model's variables."""
-        strategy, global_step = self.strategy, state.global_step
+    def _replica_step(self, state, metrics, gradient_dtype: str, accumulation: int):
+        """One replica's step: its shard gradient (already reduce-scattered, layer by
+        layer, in the backward pass), loss and metric values."""
         one_batch = self._one_batch(metrics, gradient_dtype)
-        num_metrics = len(metrics.names)
 
         def replica_step(*batches):
             grads, loss, values = steplib.gradients_of(one_batch, batches, accumulation)
             return loss, values, grads[0]
 
-        @tf.function
-        def train_fn(iterator, num_steps):
-            with tf.control_dependencies(self._release()):
-                steps = tf.identity(num_steps)
-            loss_sum = tf.constant(0.0)
-            metric_sum = tf.zeros([num_metrics], tf.float32)
-            staleness = tf.TensorArray(tf.int64, size=steps)
-            for i in tf.range(steps):
-                args = steplib.step_args(iterator, accumulation)
-                loss, values, grad = strategy.run(replica_step, args=args)
-                applied = self._apply(strategy.experimental_local_results(grad)[0],
-                                      accumulation)
-                with tf.control_dependencies([applied]):
-                    global_step.assign_add(1)
-                loss_sum, metric_sum = steplib.add_step(strategy, loss_sum, metric_sum, loss,
-                                                        values)
-                staleness = staleness.write(i, tf.constant(0, tf.int64))
-            with tf.control_dependencies([loss_sum, metric_sum]):
-                written = self._gather_into_model()
-            with tf.control_dependencies(written):  # the call ends with the model whole
-                loss_sum, metric_sum = tf.identity(loss_sum), tf.identity(metric_sum)
-            return steplib.call_outputs(num_steps, loss_sum, metric_sum, staleness)
+        return replica_step
 
-        return train_fn
+    # The call (``zero.ShardedState.make_train_fn``): the model's variables released
+    # before its steps, the shards gathered back into them after (the call ends with the
+    # model whole), the summed shard gradient applied at each step.
+
+    def _call_start(self) -> list:
+        return self._release()
+
+    def _call_end(self) -> list:
+        return self._gather_into_model()
+
+    def _step_update(self, grad, accumulation: int) -> list:
+        return [self._apply(self.strategy.experimental_local_results(grad)[0], accumulation)]
 
     def _apply(self, grad, accumulation: int):
         """The summed shard gradient applied to the shard; returns the updated shard."""
