@@ -170,7 +170,7 @@ class EvalShards:
 
     def prepare(self, evaluator: "Evaluator") -> None:
         evaluator.dataset = ()  # each shard is read on its worker
-        if self.ready is not None:
+        if self.ready is not None and evaluator.examples:  # an empty split schedules nothing
             local = evaluator.local
             local.reset_metrics()
             initial = [keras.ops.convert_to_numpy(v) for v in local.metrics_variables]
