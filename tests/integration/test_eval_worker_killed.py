@@ -49,8 +49,9 @@ def test_a_worker_killed_during_the_sharded_evaluation(tmp_path, spawn):
     assert descendants_alive(model_dir) == []
     results = read_results(model_dir)
     record = results["evaluation"]
-    # The count asked (10 batches of 1,000 make 10 shards of it).
-    assert record["where"] == "workers" and record["shards"] == 20, record
+    # The count asked, 20, and the shards made: 10 batches of 1,000 make 10 of them.
+    assert record["where"] == "workers" and record["shards"] == 10, record
+    assert record["shards_asked"] == 20, record
     assert record["examples"] == TEST_EXAMPLES == sum(record["examples_per_member"].values())
     assert set(record["examples_per_member"]) <= {"worker:0", "worker:1"}
     assert_equal_to_one_process(results, evaluate_saved(

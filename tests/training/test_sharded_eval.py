@@ -94,6 +94,45 @@ def test_the_record_says_the_shards_made_and_those_asked():
     assert len(record["examples_per_member"]) == 2
 
 
+def test_the_record_sums_each_workers_seconds_in_its_merged_shards():
+    """Closures that report their own seconds: each worker's merged shards' seconds are
+    summed in the record; a shard returned twice counts once."""
+    task = eval_tasks.BINARY
+    model = task.build_model()
+    timed = _shards_here(task, model, returned_twice=(0,))
+
+    def run(*args):
+        for shard, states, examples, worker in timed(*args):
+            yield shard, states, examples, worker, 0.25 + shard
+
+    evaluator = Evaluator(task, task.build_model(), members=EvalShards(4, run))
+    assert_same(evaluator(model), reference(task, model))
+    # Shards 0 and 2 on worker:0, 1 and 3 on worker:1 (shard % 2); shard 0 returned twice.
+    assert evaluator.record["batch_seconds_per_member"] == {"worker:0": 2.5, "worker:1": 4.5}
+
+
+def test_the_workers_split_is_held_as_tensors_when_its_shapes_are_fixed():
+    """The split a worker holds: its elements in memory when every one has the same
+    shape (a shard's skip reads nothing), the task's own dataset otherwise."""
+    from tfdist.training.ps.sharded_eval import whole_split
+
+    task = eval_tasks.BINARY
+    held = whole_split(task, "test")
+    assert [int(x) for x in held.cardinality().numpy().reshape(-1)] == [7777]
+    want = list(data.task_split(task, "test").skip(7000).take(3).as_numpy_iterator())
+    got = list(held.skip(7000).take(3).as_numpy_iterator())
+    assert len(got) == 3
+    for a, b in zip(got, want):
+        tf.nest.map_structure(np.testing.assert_array_equal, a, b)
+
+    class Ragged:
+        def dataset(self, split):
+            return tf.data.Dataset.range(1, 4).map(lambda n: tf.ones([n]))
+
+    ragged = whole_split(Ragged(), "test")
+    assert [list(x) for x in ragged.as_numpy_iterator()] == [[1.0], [1.0, 1.0], [1.0] * 3]
+
+
 def test_a_model_the_workers_cannot_map_is_evaluated_on_the_chief(capsys):
     task = eval_tasks.BINARY
     model = task.build_model()
@@ -132,12 +171,12 @@ class _Coordinator:
         self.log = log
 
     def create_per_worker_dataset(self, fn):
-        return ["a worker's iterator"]
+        return type("PerWorkerDataset", (), {"build": lambda self: ["a worker's split"]})()
 
     def schedule(self, fn, args):
         self.log.append("schedule")
         shard = int(args[1])
-        return _Remote(self.log, (shard, [np.array([1.0])], 10 + shard, shard % 2))
+        return _Remote(self.log, (shard, [np.array([1.0])], 10 + shard, shard % 2, 0.5))
 
     def join(self):
         raise AssertionError("join() also waits for a stuck worker's step closure")
@@ -165,8 +204,8 @@ def test_shards_are_scheduled_and_fetched_only_while_the_workers_are_free():
     local = task.build_model()
     got = list(evaluation.run(local, [np.zeros(1)], "test", 1000, [(0, 2), (2, 5), (5, 8)]))
     assert log == ["pause", *["schedule"] * 3, *["fetch"] * 3, "resume"]
-    assert [(s, n, w) for s, _, n, w in got] == [
-        (0, 10, "worker:0"), (1, 11, "worker:1"), (2, 12, "worker:0")]
+    assert [(s, n, w, t) for s, _, n, w, t in got] == [
+        (0, 10, "worker:0", 0.5), (1, 11, "worker:1", 0.5), (2, 12, "worker:0", 0.5)]
 
     def failing():
         raise RuntimeError("lost")

@@ -152,13 +152,17 @@ class EvalShards:
     """The split cut into ``count`` shards of contiguous batches, each evaluated by one
     closure a coordinator schedules on a worker (``ps``, ``ps-sync``), on the chief's
     call: ``run(local, initial_states, split, batch_size, bounds)`` returns each
-    closure's ``(shard, states, examples, worker)`` as the coordinator returned it.
+    closure's ``(shard, states, examples, worker[, seconds])`` as the coordinator
+    returned it (``seconds``: the closure's own on its worker, when measured);
+    ``ready(local, initial_states, split, batch_size)``, when given, prepares the
+    workers' side ahead of the first pass.
     ``refusal``: why this model cannot be evaluated so (the chief does), else None."""
 
     count: int
     run: Callable
     refusal: str | None = None
     is_chief: bool = True
+    ready: Callable | None = None
     where = "workers"
 
     def own_name(self, member: str) -> str:
@@ -166,6 +170,11 @@ class EvalShards:
 
     def prepare(self, evaluator: "Evaluator") -> None:
         evaluator.dataset = ()  # each shard is read on its worker
+        if self.ready is not None and evaluator.examples:  # an empty split schedules nothing
+            local = evaluator.local
+            local.reset_metrics()
+            initial = [keras.ops.convert_to_numpy(v) for v in local.metrics_variables]
+            self.ready(local, initial, evaluator.split, evaluator.batch_size)
 
     def run_pass(self, evaluator: "Evaluator") -> Summed:
         """Every shard evaluated by a closure on a worker from the same initial metric
@@ -176,18 +185,22 @@ class EvalShards:
         batches = -(-evaluator.examples // evaluator.batch_size)
         count = min(self.count, batches)
         bounds = [batch_range(batches, count, s) for s in range(count)]
-        merge = ShardMerge(count)
+        merge, busy = ShardMerge(count), {}
         # The line an operator (and the test that kills a worker meanwhile) waits on.
         print(f"the {evaluator.split} split: {count} shards scheduled on the workers", flush=True)
-        for shard, states, examples, worker in self.run(local, initial, evaluator.split,
-                                                        evaluator.batch_size, bounds):
-            merge.add(shard, states, examples, worker)
+        for shard, states, examples, worker, *seconds in self.run(
+                local, initial, evaluator.split, evaluator.batch_size, bounds):
+            if merge.add(shard, states, examples, worker) and seconds:
+                busy[worker] = busy.get(worker, 0.0) + seconds[0]
         if merge.missing() or merge.examples != evaluator.examples:
             raise RuntimeError(f"the sharded evaluation merged {merge.examples} of "
                                f"{evaluator.examples} examples; shards missing: {merge.missing()}")
-        # The shards made, and those asked when fewer were made.
+        # The shards made, and those asked when fewer were made; each worker's seconds in
+        # its merged closures (the rest of the pass is the coordinator's dispatch and wait).
         return Summed(merge.states, dict(sorted(merge.per_worker.items())), {
-            "shards": count, **({"shards_asked": self.count} if count != self.count else {})})
+            "shards": count, **({"shards_asked": self.count} if count != self.count else {}),
+            **({"batch_seconds_per_member": {w: round(s, 3) for w, s in sorted(busy.items())}}
+               if busy else {})})
 
 
 class ShardMerge:
