@@ -179,15 +179,19 @@ def test_weights_sharded_checkpoints_resume_plain_sharded_and_at_three_workers(t
                                                                                 spawn):
     """A weights-sharded checkpoint resumes under weights, under plain and at three
     workers; a plain one resumes under weights. The two-worker continuations are the
-    same update (the same bytes); the three-worker one agrees on accuracy."""
+    same update (the same bytes); the three-worker one agrees on accuracy with plain's
+    three-worker continuation of the same checkpoint (three workers split each global
+    batch otherwise than two, so their runs see other batches: against a two-worker
+    continuation the accuracy differed by 0.014)."""
     first = {n: start_wide(spawn, tmp_path / n, *_wide(*CONSTANT, *a), steps=10)
              for n, a in {"sharded10": WEIGHTS, "plain10": ()}.items()}
     for n, p in first.items():
         finish_job(p, tmp_path / n, timeout=2 * LONG)
     _copy(tmp_path / "sharded10", tmp_path / "as-plain")
     _copy(tmp_path / "sharded10", tmp_path / "at-three")
+    _copy(tmp_path / "sharded10", tmp_path / "plain-three")
     cases = {"sharded10": (WEIGHTS, 2), "as-plain": ((), 2), "plain10": (WEIGHTS, 2),
-             "at-three": (WEIGHTS, 3)}
+             "at-three": (WEIGHTS, 3), "plain-three": ((), 3)}
     second = {n: start_wide(spawn, tmp_path / n, *_wide(*CONSTANT, *a), workers=k)
               for n, (a, k) in cases.items()}
     ends = {}
@@ -198,4 +202,4 @@ def test_weights_sharded_checkpoints_resume_plain_sharded_and_at_three_workers(t
         assert len(set(hashes.values())) == 1 and len(hashes) == cases[name][1], name
         ends[name] = results
     assert len({ends[n]["weights_sha256"] for n in ("sharded10", "as-plain", "plain10")}) == 1
-    assert abs(ends["at-three"]["test_accuracy"] - ends["sharded10"]["test_accuracy"]) <= 0.005
+    assert abs(ends["at-three"]["test_accuracy"] - ends["plain-three"]["test_accuracy"]) <= 0.005
