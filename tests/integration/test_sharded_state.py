@@ -154,9 +154,20 @@ def test_weights_sharded_makes_the_plain_update(tmp_path, spawn):
     assert set(hashes) == {"worker:0", "worker:1"}
     assert set(hashes.values()) == {sharded["weights_sha256"]}
     assert sharded["weights_sha256"] == out["adam-plain"][0]["weights_sha256"]
-    # The weights held while stepping: a shard plus the largest layer gathered.
+    # The state held while stepping, as docs/sharding.md counts it: the weights shard plus
+    # the largest layer gathered (784 x 64 + 64), that layer's gradient plus the summed
+    # shard, Adam's two slots of the shard. Here the largest layer is 79 % of the model,
+    # so at two workers the weights held (0.5 + 0.79 of the model) exceed plain's whole
+    # model: the weights level saves only where each layer is small against the model.
     held = sharded["state_bytes"]["worker:1"]
-    assert held["weights"] < out["adam-plain"][0]["state_bytes"]["worker:1"]["weights"]
+    plain = out["adam-plain"][0]["state_bytes"]["worker:1"]
+    total, largest = plain["weights"] // 4, 784 * 64 + 64
+    assert total == 63_338 and plain["slots"] == 2 * 4 * total
+    shard = held["slots"] // (2 * 4)
+    # Half the model, each bucket's padding to a multiple of two at most (~40 buckets).
+    assert total <= 2 * shard <= total + 40, (shard, total)
+    assert held == {"weights": 4 * (shard + largest), "gradients": 4 * (largest + shard),
+                    "slots": 2 * 4 * shard}, held
     wsgd, hashes = out["sgd-weights"]
     assert wsgd["global_steps"] == 30 and len(hashes) == 2 and len(set(hashes.values())) == 1
     assert abs(wsgd["test_accuracy"] - out["sgd-plain"][0]["test_accuracy"]) <= 0.005
@@ -168,15 +179,19 @@ def test_weights_sharded_checkpoints_resume_plain_sharded_and_at_three_workers(t
                                                                                 spawn):
     """A weights-sharded checkpoint resumes under weights, under plain and at three
     workers; a plain one resumes under weights. The two-worker continuations are the
-    same update (the same bytes); the three-worker one agrees on accuracy."""
+    same update (the same bytes); the three-worker one agrees on accuracy with plain's
+    three-worker continuation of the same checkpoint (three workers split each global
+    batch otherwise than two, so their runs see other batches: against a two-worker
+    continuation the accuracy differed by 0.014)."""
     first = {n: start_wide(spawn, tmp_path / n, *_wide(*CONSTANT, *a), steps=10)
              for n, a in {"sharded10": WEIGHTS, "plain10": ()}.items()}
     for n, p in first.items():
         finish_job(p, tmp_path / n, timeout=2 * LONG)
     _copy(tmp_path / "sharded10", tmp_path / "as-plain")
     _copy(tmp_path / "sharded10", tmp_path / "at-three")
+    _copy(tmp_path / "sharded10", tmp_path / "plain-three")
     cases = {"sharded10": (WEIGHTS, 2), "as-plain": ((), 2), "plain10": (WEIGHTS, 2),
-             "at-three": (WEIGHTS, 3)}
+             "at-three": (WEIGHTS, 3), "plain-three": ((), 3)}
     second = {n: start_wide(spawn, tmp_path / n, *_wide(*CONSTANT, *a), workers=k)
               for n, (a, k) in cases.items()}
     ends = {}
@@ -187,4 +202,4 @@ def test_weights_sharded_checkpoints_resume_plain_sharded_and_at_three_workers(t
         assert len(set(hashes.values())) == 1 and len(hashes) == cases[name][1], name
         ends[name] = results
     assert len({ends[n]["weights_sha256"] for n in ("sharded10", "as-plain", "plain10")}) == 1
-    assert abs(ends["at-three"]["test_accuracy"] - ends["sharded10"]["test_accuracy"]) <= 0.005
+    assert abs(ends["at-three"]["test_accuracy"] - ends["plain-three"]["test_accuracy"]) <= 0.005
