@@ -413,6 +413,8 @@ class Pipeline(StrategyKind):
     ``--schedule``'s order);
     ``--pipelines P`` runs P such copies over P x S workers, data-parallel
     (``training.pipeline.pipeline_trainer``). Workers only serve a ``tf.distribute.Server``.
+    A model the cut cannot carry trains placed: whole on the chief, its layers' weights
+    and computation on the workers (``training.pipeline.placed``).
     """
 
     name = "pipeline"

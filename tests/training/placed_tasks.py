@@ -32,7 +32,7 @@ class SharedLayer(keras.Model):
 
     def __init__(self):
         super().__init__()
-        self.mix = keras.layers.Dense(FEATURES, activation="relu")
+        self.mix = keras.layers.Dense(FEATURES, activation="tanh")
         self.hidden = keras.layers.Dense(32, activation="relu")
         self.out = keras.layers.Dense(CLASSES, activation="softmax")
 
