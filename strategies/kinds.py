@@ -28,7 +28,9 @@ DEFAULT_BUCKET_BYTES = 256 * 1024
 
 # The training loops a kind may name (``StrategyKind.trainer``); the
 # training side maps each to its trainer class (training.loop.controller).
-LOOPS = ("sync", "ps", "ps-sync", "pipeline")
+# "placed" is no kind's own: a pipelined kind's run takes it for a model the cut
+# cannot carry (RunPlan.trainer).
+LOOPS = ("sync", "ps", "ps-sync", "pipeline", "placed")
 
 
 @dataclass(frozen=True)
@@ -71,14 +73,10 @@ class StrategyKind:
     pipelined = False
     # What of Keras's training contract the strategy cannot honour, each the
     # reason given in the one line that refuses it (tfdist.training.workload.contract):
-    # a model's own train_step and optimizer options ({option: reason}). Empty:
-    # honoured as model.fit honours it.
-    own_train_step_refusal = ""
-    # A model's own compute_loss (the library's step calls it); "" where honoured.
-    own_compute_loss_refusal = ""
-    # A model's own compute_loss that calls the model itself (``self(x)``): probed
-    # once before the run (workload.contract); "" where that is honoured.
-    compute_loss_calling_model_refusal = ""
+    # optimizer options ({option: reason}). Empty: honoured as model.fit honours it.
+    # A model the pipelined kind's cut cannot carry trains placed there instead
+    # (trains_uncut_placed, training.pipeline.placed).
+    trains_uncut_placed = False
     # A task's Keras callbacks run on the chief (under ps, on a chief-side copy of
     # the model: training.loop.callbacks); "" where they can.
     callbacks_refusal = ""
@@ -415,6 +413,8 @@ class Pipeline(StrategyKind):
     ``--schedule``'s order);
     ``--pipelines P`` runs P such copies over P x S workers, data-parallel
     (``training.pipeline.pipeline_trainer``). Workers only serve a ``tf.distribute.Server``.
+    A model the cut cannot carry trains placed: whole on the chief, its layers' weights
+    and computation on the workers (``training.pipeline.placed``).
     """
 
     name = "pipeline"
@@ -429,22 +429,14 @@ class Pipeline(StrategyKind):
     # the examples/s of pinned stages on dense-chain S = 2 (docs/pipeline.md).
     pins_busy_tasks = False
     shard_state_refusal = "each worker already holds only its stage's weights and slots"
-    # What of Keras's fit contract the pipeline step does not carry over: it is the
-    # chief's own step over stages that each have their own optimizer. What acts on
-    # the whole model (global_clipnorm, a LossScaleOptimizer's scale, accumulation)
-    # the step does across the stages (training.pipeline.updates).
-    own_train_step_refusal = ("the chief's pipeline step cuts the model into stages on the "
-                              "workers and runs each stage's forward and backward there; a "
-                              "train_step is one function over the whole model, which the cut "
-                              "cannot split into stages")
-    # A model's own compute_loss runs on the last stage's task, on the chief's whole
-    # model object with the last stage's output as y_pred (its teacher, say, is not
-    # cut; the model's own losses are the stages', each weighted as it counts them:
-    # workload.contract.own_losses_weight); only its call of the model itself
-    # cannot run there.
-    compute_loss_calling_model_refusal = (
-        "the model is cut into stages on the workers, so its whole forward runs on no "
-        "task; compute_loss is given the last stage's output as y_pred")
+    # What the cut into stages cannot carry (a model's own train_step, a compute_loss
+    # calling the model itself or counting its own losses otherwise than in proportion,
+    # a call the trace cannot follow) is not refused: the model then trains placed,
+    # whole on the chief with its weights and layers' computation on the workers
+    # (training.pipeline.placed, RunPlan.trainer). What acts on the whole model
+    # (global_clipnorm, a LossScaleOptimizer's scale, accumulation) the cut's step
+    # does across the stages (training.pipeline.updates).
+    trains_uncut_placed = True
     # jit_compile=True: each stage's forward and backward is one XLA cluster on its task.
     jit_compiles = "stages"
 

@@ -136,9 +136,9 @@ def test_one_process_strategies_train_as_fit(tmp_path, capsys, strategy, name):
         assert float(re.search(r" loss ([0-9.]+)", line).group(1)) > 0.0, line
 
 
-# What each cluster strategy refuses (the refusal tests below check the line).
-REFUSED = {# The pipeline step over stages (docs/pipeline.md): model parallelism.
-           "pipeline": ("FLIPPED_TRAIN_STEP", "OWN_STEP_ACCUMULATION", "OWN_STEP_JIT")}
+# What the pipeline's cut cannot carry (a model's own train_step): trained placed
+# (training.pipeline.placed; the default tier's launch is tests/training/test_placed.py).
+PLACED = ("FLIPPED_TRAIN_STEP", "OWN_STEP_ACCUMULATION", "OWN_STEP_JIT")
 # What the pipeline cuts as a graph of layer calls (no chain): a subclassed model's
 # traced call, functional models with two outputs (stages.graph_stages).
 GRAPHS = ("SUBCLASSED", "TWO_OUTPUTS", "LIST_OUTPUTS")
@@ -152,13 +152,15 @@ CLUSTER_FAST = (("multiworker", "GRADIENT_ACCUMULATION"), ("pipeline", "SAMPLE_W
 CLUSTER = [pytest.param(s, n, marks=[pytest.mark.multiprocess]
                         + ([] if (s, n) in CLUSTER_FAST else [pytest.mark.long]),
                         id=f"{s}-{n}")
-           for s in CLUSTERS for n in METRICS if n not in REFUSED.get(s, ())]
+           for s in CLUSTERS for n in METRICS]
 
 
 @pytest.mark.parametrize("strategy,name", CLUSTER)
 def test_cluster_strategies_train_as_fit(tmp_path, spawn, strategy, name):
     results = launched_results(tmp_path, spawn, strategy, SPEC + name, log_every=60)
     _compare(name, results, PS_TOLERANCE if strategy == "ps" else SYNC_TOLERANCE, strategy)
+    if strategy == "pipeline":
+        assert results["pipeline"]["mode"] == ("placed" if name in PLACED else "cut")
 
 
 # --- refused in one line -----------------------------------------------------------
@@ -171,22 +173,26 @@ def _checked(name):
     return tasks.inspect(spec, tasks.load(spec), steps_given=False)
 
 
-@pytest.mark.parametrize("strategy,name,says", [
-    ("pipeline", "FLIPPED_TRAIN_STEP", "overrides train_step, which pipeline cannot honour"),
-])
-def test_what_a_strategy_cannot_honour_is_one_line(strategy, name, says):
-    from tfdist.protocol import ConfigError
+@pytest.mark.parametrize("name", PLACED)
+def test_what_the_pipelines_cut_cannot_carry_is_placed_with_its_reason(name):
+    """Every strategy takes a model's own train_step; under pipeline the plan says it
+    trains placed, and why, in the words of its one notice line."""
+    import types
+
     from tfdist.strategies import kinds
+    from tfdist.training.pipeline import placed, stages
     from tfdist.training.workload import contract
 
-    with pytest.raises(ConfigError) as refused:
-        contract.check(kinds.get(strategy), _checked(name))
-    line = str(refused.value)
-    assert says in line and "\n" not in line, line
-    # Every other strategy takes it.
-    for other in kinds.names(include_auto=False):
-        if other != strategy and name not in REFUSED.get(other, ()):
-            contract.check(kinds.get(other), _checked(name))
+    checked = _checked(name)
+    for kind in kinds.all_kinds().values():
+        contract.check(kind, checked)
+    config = types.SimpleNamespace(cluster=types.SimpleNamespace(num_members=lambda role: 2),
+                                   pipelines=1, stages=None)
+    why = placed.why_placed(kinds.get("pipeline"), checked, config)
+    assert why == "its model overrides train_step, which the cut into stages cannot carry"
+    assert placed.why_placed(kinds.get("multiworker"), checked, config) is None
+    plan = stages.make_plan(2, 2, 1, None, 64, None, placed=why)
+    assert plan.describe()["mode"] == "placed" and plan.unused == "--micro-batches 2"
 
 
 @pytest.mark.parametrize("name", GRAPHS)

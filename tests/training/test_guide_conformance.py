@@ -46,7 +46,11 @@ JUDGED = {
 # 0.683): a margin of its own, which an untrained generator or a collapsed
 # discriminator still lands far outside.
 GAN_SEEDS, GAN_MARGIN, GAN_PS_MARGIN = (0, 1, 2), 0.1, 0.35
-GAN_MARGINS = {"ps": GAN_PS_MARGIN, "ps-sync": 0.2}
+# pipeline trains the GAN placed (the none loop); with jit_compile=True each call of its
+# models is one XLA function of the weights' values, not the step compiled whole as fit
+# compiles it, and its logs are the uncompiled GAN's (measured d 0.744 / g 0.683, none's
+# GAN 0.743 / 0.682): 0.001 above fit's XLA range widened by GAN_MARGIN.
+GAN_MARGINS = {"ps": GAN_PS_MARGIN, "ps-sync": 0.2, "pipeline": 0.12}
 # The logs each task's own train_step gives, as fit's History names them.
 TRAIN_LOGS = {
     "FIRST": {"loss", "mae"},
@@ -164,10 +168,9 @@ CLUSTER = [pytest.param(s, n, marks=[pytest.mark.multiprocess]
                         + ([] if (s, n) in FAST_CLUSTER else [pytest.mark.long]),
                         id=f"{s}-{n}")
            for s in CLUSTERS for n in JUDGED
-           # pipeline refuses a model's own train_step (below); it runs a model's own
-           # compute_loss on the last stage's output.
-           if (s != "pipeline" or n in ("OWN_TEST_STEP", "DISTILLATION"))
-           and (s == "ps-sync" or n not in PS_SYNC_ONLY)]
+           # pipeline trains a model's own train_step placed (training.pipeline.placed);
+           # it runs a model's own compute_loss on the last stage's output.
+           if s == "ps-sync" or n not in PS_SYNC_ONLY]
 
 
 @pytest.mark.parametrize("strategy,name", CLUSTER)
@@ -186,22 +189,28 @@ def _checked(name):
     return tasks.inspect(spec, tasks.load(spec), steps_given=False)
 
 
-@pytest.mark.parametrize("strategy,name,says", [
-    *[("pipeline", n, "overrides train_step, which pipeline cannot honour")
-      for n in ("FIRST", "LOWER_LEVEL", "SAMPLE_WEIGHTS", "GAN", "FEATURES_ONLY")],
-])
-def test_what_a_strategy_cannot_honour_of_the_guides_is_one_line(strategy, name, says):
-    from tfdist.protocol import ConfigError
+def _pipeline_config(workers=2):
+    import types
+
+    return types.SimpleNamespace(cluster=types.SimpleNamespace(num_members=lambda role: workers),
+                                 pipelines=1, stages=None)
+
+
+@pytest.mark.parametrize("name", ["FIRST", "LOWER_LEVEL", "SAMPLE_WEIGHTS", "GAN",
+                                  "FEATURES_ONLY"])
+def test_a_guides_own_train_step_trains_placed_under_pipeline(name):
+    """Every strategy takes the guides' own train_step; under pipeline the plan trains
+    it placed, and the reason is the notice line's."""
     from tfdist.strategies import kinds
+    from tfdist.training.pipeline import placed
     from tfdist.training.workload import contract
 
     checked = _checked(name)
-    with pytest.raises(ConfigError) as refused:
-        contract.check(kinds.get(strategy), checked)
-    line = str(refused.value)
-    assert says in line and "\n" not in line, line
-    for other in ("none", "mirrored", "multiworker", "ps", "ps-sync"):
-        contract.check(kinds.get(other), checked)
+    for kind in kinds.all_kinds().values():
+        contract.check(kind, checked)
+    why = placed.why_placed(kinds.get("pipeline"), checked, _pipeline_config())
+    assert why == "its model overrides train_step, which the cut into stages cannot carry"
+    assert placed.why_placed(kinds.get("ps-sync"), checked, _pipeline_config()) is None
 
 
 def _own_loss_model(calls_itself: bool, regularized: bool, squares: bool = False):
@@ -231,53 +240,52 @@ def _own_loss_model(calls_itself: bool, regularized: bool, squares: bool = False
 
 
 @pytest.mark.parametrize("calls_itself,regularized,squares,says", [
-    (True, False, False, "compute_loss calls the model itself, which pipeline cannot honour: "
-                         "the model is cut into stages"),
+    (True, False, False, "its model's compute_loss calls the model itself, which the cut "
+                         "into stages cannot carry"),
     # The model's own losses: left out of its loss here (weight 0, as Keras leaves them).
     (False, True, False, None),
-    (False, True, True, "its loss does not change in proportion to the model's own losses"),
-    (False, False, False, None),  # y_pred alone: honoured
+    (False, True, True, "its model overrides compute_loss and its loss does not change in "
+                        "proportion to the model's own losses"),
+    (False, False, False, None),  # y_pred alone: cut, on the last stage's output
 ])
-def test_a_compute_loss_pipeline_cannot_give_y_pred_alone_is_one_line(calls_itself, regularized,
-                                                                       squares, says):
+def test_a_compute_loss_the_cut_cannot_carry_trains_placed(calls_itself, regularized,
+                                                           squares, says):
     """A model's own compute_loss runs on the last stage's output; one that calls the
-    whole model again is refused before the run (probed once on the first example),
-    and so is one that counts the model's own losses (which each stage adds where it
-    runs) other than in proportion."""
+    whole model again, or counts the model's own losses (which each stage adds where
+    it runs) other than in proportion, trains placed (probed once on the first
+    example), with the reason its notice line gives."""
     import types
 
     import numpy as np
 
-    from tfdist.protocol import ConfigError
     from tfdist.strategies import kinds
+    from tfdist.training.pipeline import placed
     from tfdist.training.workload import contract
 
     model = _own_loss_model(calls_itself, regularized, squares)
     checked = types.SimpleNamespace(
-        local_model=model, task=object(), spec=types.SimpleNamespace(name="t"),
+        local_model=model, task=types.SimpleNamespace(build_model=lambda: _own_loss_model(
+            calls_itself, regularized, squares)), spec=types.SimpleNamespace(name="t"),
         example=(np.ones((1, 4), "float32"), np.zeros((1, 3), "float32")))
-    for other in ("none", "mirrored", "multiworker", "ps", "ps-sync"):
-        contract.check(kinds.get(other), checked)
+    for kind in kinds.all_kinds().values():
+        contract.check(kind, checked)
+    # One worker: the student is one layer, which cuts into one stage only.
+    why = placed.why_placed(kinds.get("pipeline"), checked, _pipeline_config(workers=1))
+    assert "call" not in model.__dict__  # the probe's counter is gone again
+    assert model._losses_override == []  # the probe's override is gone again
     if says is None:
-        contract.check(kinds.get("pipeline"), checked)
-        assert "call" not in model.__dict__  # the probe's counter is gone again
+        assert why is None, why
         if regularized:  # its loss leaves them out: the stages add none of theirs
             assert contract.own_losses_weight(model, checked.example) == 0.0
-        assert model._losses_override == []  # the probe's override is gone again
         return
-    with pytest.raises(ConfigError) as refused:
-        contract.check(kinds.get("pipeline"), checked)
-    line = str(refused.value)
-    assert says in line and "\n" not in line, line
-    assert "call" not in model.__dict__
-    assert model._losses_override == []
+    assert why.startswith(says) and "\n" not in why, why
 
 
 def test_a_compute_loss_calling_the_model_gives_the_stages_no_gradient():
-    """Why that refusal stands (docs/fit-conformance.md): under ``pipeline`` the
-    model object a ``compute_loss`` runs on is the chief's copy, while the trained
-    variables are the stages' (copies of the cut, as the trainer places them). Its
-    ``self(x)`` term then has no gradient for any of them; its ``y_pred`` term has
+    """Why such a model trains placed rather than cut (docs/fit-conformance.md): under
+    the cut the model object a ``compute_loss`` runs on is the chief's copy, while the
+    trained variables are the stages' (copies of the cut, as the trainer places them).
+    Its ``self(x)`` term then has no gradient for any of them; its ``y_pred`` term has
     one for every one."""
     import keras
     import numpy as np
@@ -298,24 +306,6 @@ def test_a_compute_loss_calling_the_model_gives_the_stages_no_gradient():
         on_y_pred = tf.reduce_mean(tf.square(y_pred))
     assert all(g is None for g in tape.gradient(on_itself, variables))
     assert all(g is not None for g in tape.gradient(on_y_pred, variables))
-
-
-@pytest.mark.long  # the in-process check above is the default tier's
-@pytest.mark.parametrize("strategy,cluster", [
-    ("pipeline", ["--workers", "2"]),
-])
-def test_the_launch_refuses_the_gan_in_one_line_with_exit_2(tmp_path, strategy, cluster):
-    import subprocess
-    import sys
-
-    run_dir = tmp_path / "run"
-    p = subprocess.run([sys.executable, str(REPO / "launch.py"), "--strategy", strategy,
-                        *cluster, "--", "--task", SPEC + "GAN", "--model-dir", str(run_dir)],
-                       cwd=REPO, capture_output=True, text=True, timeout=240)
-    err = p.stderr.strip().splitlines()
-    assert p.returncode == 2 and len(err) == 1, p.stdout + p.stderr
-    assert f"overrides train_step, which {strategy} cannot honour" in err[0], err
-    assert not run_dir.exists()
 
 
 @pytest.mark.parametrize("body,says", [

@@ -272,7 +272,9 @@ def test_a_subclassed_model_is_traced_into_a_graph_of_layer_calls_and_cut():
     np.testing.assert_allclose(local[1](local[0](x)), model(x), rtol=1e-6)
 
 
-def test_a_model_whose_call_cannot_be_traced_is_refused_saying_how_to_provide_stages():
+def test_a_model_whose_call_cannot_be_traced_cannot_be_cut_saying_how_to_provide_stages():
+    """The cut's own line (CannotCut): under pipeline such a model trains placed
+    (tests/training/test_placed.py); a task's stages() cuts it."""
     import keras
     import numpy as np
     import tensorflow as tf
@@ -297,9 +299,9 @@ def test_a_model_whose_call_cannot_be_traced_is_refused_saying_how_to_provide_st
     pp = stages.make_plan(2, 1, 1, None, 64)
     for model, says in ((Eager(), "its call could not be traced"),
                         (Shared(), "its layer 'dense")):
-        with pytest.raises(ConfigError, match=f"{says}.*provide stages: .*stages\\(\\)") as err:
+        with pytest.raises(stages.CannotCut, match=f"{says}.*provide stages: .*stages\\(\\)") as err:
             stages.local_stages(_Task(lambda m=model: m), model, pp, example=example)
-        assert "\n" not in str(err.value)
+        assert "\n" not in str(err.value) and isinstance(err.value, ConfigError)
 
 
 def test_a_task_may_provide_its_own_stages():

@@ -1,7 +1,7 @@
 """Build a run's ready-made objects and hand them to the one controller.
 
 Flax's ``train_and_evaluate``: the state, the checkpointer, the strategy's
-trainer (chosen by ``StrategyKind.trainer``) and the reporter, then
+trainer (chosen by ``RunPlan.trainer``: the kind's) and the reporter, then
 ``Controller.run()``. This is the one module that names every trainer, so the
 loop (``training.loop``) never imports a strategy's sub-package.
 """
@@ -23,14 +23,23 @@ from tfdist.training.loop.reporting import Reporter
 from tfdist.training.loop.step import TrainMetrics
 from tfdist.training.loop.trainer import Trainer
 from tfdist.training.pipeline.pipeline_trainer import PipelineTrainer
+from tfdist.training.pipeline.placed import Placed
 from tfdist.training.ps.ps_sync_trainer import PsSyncTrainer
 from tfdist.training.ps.ps_trainer import PsTrainer
 from tfdist.training.sync.sync_trainer import SyncTrainer
 
+
+
+class PlacedTrainer(Placed, SyncTrainer):
+    """A pipelined run's model the cut cannot carry: the ``none`` loop's trainer over the
+    model placed on the workers (``training.pipeline.placed``)."""
+
+
 # Each strategy kind names its loop (StrategyKind.trainer); the classes are named here,
 # on the training side, so strategies/ never names a training module.
 TRAINERS: dict[str, type[Trainer]] = {"sync": SyncTrainer, "ps": PsTrainer,
-                                      "ps-sync": PsSyncTrainer, "pipeline": PipelineTrainer}
+                                      "ps-sync": PsSyncTrainer, "pipeline": PipelineTrainer,
+                                      "placed": PlacedTrainer}
 
 
 
@@ -47,7 +56,7 @@ def train_and_evaluate(plan, bundle, checked, started_ok=lambda: None,
     trainer = None
     try:
         keras.utils.set_random_seed(config.seed)
-        trainer_class = TRAINERS[plan.kind.trainer]
+        trainer_class = TRAINERS[plan.trainer]
         state = trainer_class.build_state(plan, checked.task, bundle.strategy, checked.example,
                                           checked.own_optimizers)
         checkpointer = Checkpointer(state, config.model_dir, cluster.is_chief, cluster.member_name,

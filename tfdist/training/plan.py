@@ -97,6 +97,13 @@ class RunPlan:
     eval_shards: int = 1
 
     @property
+    def trainer(self) -> str:
+        """The training loop (one of ``kinds.LOOPS``): the kind's, or ``placed`` for a
+        pipelined kind's model the cut cannot carry (``training.pipeline.placed``)."""
+        return "placed" if self.pipeline is not None and self.pipeline.placed else \
+            self.kind.trainer
+
+    @property
     def examples_per_gradient(self) -> int:
         """Each of the K gradients behind one update is computed on global/K examples."""
         return self.global_batch_size // self.gradients_per_update
@@ -220,14 +227,16 @@ def request(config: TrainConfig, task_object=None) -> RunRequest:
 def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
             train_examples: int | None = None, test_examples: int | None = None,
             task_accumulation: int | None = None, own_train_step: bool = False,
-            task_steps_per_execution: int | None = None) -> RunPlan:
+            task_steps_per_execution: int | None = None,
+            placed: str | None = None) -> RunPlan:
     """The one place a run is planned; ConfigError for anything that cannot run.
 
     ``train_examples`` None with no ``--steps``: the task's size is not known
     yet (a user's task before it is inspected), and the plan says so by
     raising; callers that only check flags pass ``--steps``-free built-ins.
     A bare ``TrainConfig`` is read first (``request``). The ``task_*`` and
-    ``own_train_step`` keywords: what the inspected task says (``contract.plan_facts``).
+    ``own_train_step`` keywords: what the inspected task says (``contract.plan_facts``);
+    ``placed``: why a pipelined kind trains the model placed (``placed.why_placed``).
     """
     if isinstance(run, TrainConfig):
         run = request(run)
@@ -282,12 +291,9 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
         raise ConfigError(
             f"{flag}={value} means {total} steps, more than the {MAX_STEPS} a run may ask for; "
             f"use fewer (one epoch is {steps_per_epoch} steps)")
-    pipeline = (pipeline_stages.make_plan(cluster.num_members("worker"), config.micro_batches,
-                                          config.pipelines, config.stages, batch,
-                                          config.schedule)
-                if kind.pipelined else None)
     return RunPlan(
-        pipeline=pipeline, config=config, cluster=cluster, kind=kind, task=spec,
+        pipeline=_pipeline(config, kind, batch, placed), config=config, cluster=cluster,
+        kind=kind, task=spec,
         gradients_per_update=k, global_batch_size=batch, batch_chosen=chosen,
         replicas=replicas, devices=devices, train_examples=train_examples,
         test_examples=test_examples, total_steps=total, steps_per_epoch=steps_per_epoch,
@@ -296,6 +302,15 @@ def resolve(run: RunRequest | TrainConfig, gpus: list[str], *,
         shard_state=_shard_state(config, kind, replicas, own_train_step),
         steps_per_execution=_steps_per_execution(config, spec, task_steps_per_execution),
         eval_shards=eval_shards(config.eval_shards, cluster.num_members("worker")))
+
+
+def _pipeline(config: TrainConfig, kind: StrategyKind, batch: int, placed: str | None):
+    """A pipelined kind's cut (or placement: ``placed``), None for any other kind."""
+    if not kind.pipelined:
+        return None
+    return pipeline_stages.make_plan(config.cluster.num_members("worker"), config.micro_batches,
+                                     config.pipelines, config.stages, batch, config.schedule,
+                                     placed)
 
 
 # --eval-shards auto: shards per worker, as tf_keras's pss_evaluation_shards="auto".

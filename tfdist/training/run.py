@@ -53,7 +53,8 @@ def preflight(run_request: RunRequest, gpus: list[str] | None = None) -> RunPlan
                                 steps_given=run_request.config.steps is not None)
         contract.check(kind, checked, run_request.config.gradient_dtype)
         train_n, test_n = checked.info.train_examples, checked.info.test_examples
-        facts = contract.plan_facts(checked)
+        facts = {**contract.plan_facts(checked),
+                 "placed": _why_placed(kind, checked, run_request.config)}
     elif train_n is None:
         # A task that does not read data (a ps, a worker under ps) needs
         # no sizes; its steps are the chief's.
@@ -67,13 +68,23 @@ def preflight(run_request: RunRequest, gpus: list[str] | None = None) -> RunPlan
         from tfdist.training import sidecar
 
         sidecar.check(plan)
-    if plan.pipeline is not None and kind.reads_data(cluster):
+    if plan.pipeline is not None and not plan.pipeline.placed and kind.reads_data(cluster):
         # More stages than layers, bad --stages, a model that is not a chain:
         # one line now, not after every worker has started.
         from tfdist.training.pipeline.stages import check_cut
 
         check_cut(plan, tasks.load(spec, plan.config.data_dir))
     return plan
+
+
+def _why_placed(kind, checked, config) -> str | None:
+    """Why a pipelined kind trains the task's model placed, not cut (None: cut, or not
+    pipelined): ``training.pipeline.placed.why_placed``."""
+    if not kind.pipelined:
+        return None
+    from tfdist.training.pipeline.placed import why_placed
+
+    return why_placed(kind, checked, config)
 
 
 def _with_steps(config: TrainConfig) -> TrainConfig:
@@ -204,7 +215,8 @@ def build_and_plan(run_request: RunRequest, task, gpus: list[str]):
     contract.check(kind, checked, config.gradient_dtype)
     info = checked.info
     plan = resolve(run_request, gpus, train_examples=info.train_examples,
-                   test_examples=info.test_examples, **contract.plan_facts(checked))
+                   test_examples=info.test_examples, **contract.plan_facts(checked),
+                   placed=_why_placed(kind, checked, config))
     check_task_dirs(plan)
     for note in (plan.strategy_note(), plan.batch_note()):
         if note:

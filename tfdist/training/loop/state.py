@@ -53,16 +53,25 @@ class TrainState:
     sharded: object = None
 
 
+def build_model(task, example=None):
+    """The task's model with its variables made: one not built yet (subclassed: its
+    layers make their variables on the first call) is called on ``example``'s
+    features, as ``fit`` builds it on the first batch; a model without a ``call``
+    of its own (a GAN's, whose ``train_step`` calls its sub-models) is not called."""
+    model = task.build_model()
+    if example is not None and (not model.built or not model.trainable_variables) and (
+            contract.overrides(model, "call") or not model.trainable_variables):
+        model(contract.features_of(example), training=False)
+    return model
+
+
 def build_state(plan, task, strategy, example=None, own_optimizers=None,
                 shard=None) -> TrainState:
     """The task's model, the plan's optimizer and the step counters, in ``strategy``'s scope.
 
-    ``example``: a batch of one training element (``CheckedTask.example``).
-    A model not built yet (subclassed: its layers make their variables on
-    the first call) is called on its features before the optimizer is
-    built, as ``fit`` builds it on the first batch; otherwise the optimizer
-    would know none of its variables. A model without a ``call`` of its own
-    (a GAN's, whose ``train_step`` calls its sub-models) is not called.
+    ``example``: a batch of one training element (``CheckedTask.example``), on
+    which a model not built yet is called (``build_model``) before the optimizer
+    is built; otherwise the optimizer would know none of its variables.
 
     ``own_optimizers`` (``CheckedTask.own_optimizers``): the other optimizers
     the model's own ``train_step`` applies (a GAN's ``d_optimizer``,
@@ -82,12 +91,9 @@ def build_state(plan, task, strategy, example=None, own_optimizers=None,
         # TensorFlow's own partitioned variables).
         try:
             with sharding.sharding_scope(policy):
-                model = task.build_model()
+                model = build_model(task, example)
         except sharding.ShardingError as err:
             raise ConfigError(f"task {plan.task.name}: {err}") from None
-        if example is not None and (not model.built or not model.trainable_variables) and (
-                contract.overrides(model, "call") or not model.trainable_variables):
-            model(contract.features_of(example), training=False)
         opt = model.optimizer
         if plan.optimizer.library:
             o = plan.optimizer

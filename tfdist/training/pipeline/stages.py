@@ -29,6 +29,12 @@ HOW = ("provide stages: a Keras model whose forward is a graph of layer calls (f
        "method returning a list of Keras models applied one after the other")
 
 
+class CannotCut(ConfigError):
+    """A model the cut cannot see as layer calls (its ``call`` cannot be traced, or it
+    calls a layer with weights twice): under ``pipeline`` such a model trains placed
+    (``training.pipeline.placed``) unless the task gives ``stages()``."""
+
+
 @dataclass(frozen=True)
 class PipelinePlan:
     """The pipeline of a run: S stages, M micro-batches per step, P copies."""
@@ -38,6 +44,11 @@ class PipelinePlan:
     pipelines: int  # P: data-parallel copies of the S-stage pipeline
     boundaries: tuple[int, ...] | None = None  # --stages: the first layer of stages 1..S-1
     schedule: str = "dataflow"  # --schedule: dataflow | gpipe | 1f1b
+    # Why the model trains placed (training.pipeline.placed) rather than cut: the one
+    # line's reason; None: cut into stages.
+    placed: str | None = None
+    # What the flags asked of the cut that a placed run leaves aside (said at start).
+    unused: str = ""
 
     def slots(self, stage: int) -> list[tuple[str, int]]:
         """Stage ``stage``'s order of work in a step: ("F", m) forwards and ("B", m)
@@ -75,7 +86,10 @@ class PipelinePlan:
         return (self.stages - 1) / (self.micro_batches + self.stages - 1)
 
     def describe(self) -> dict:
-        return {"stages": self.stages, "micro_batches": self.micro_batches,
+        if self.placed:
+            return {"mode": "placed", "workers": self.stages, "placed_because": self.placed,
+                    "micro_batches": 1, "pipelines": 1}
+        return {"mode": "cut", "stages": self.stages, "micro_batches": self.micro_batches,
                 "pipelines": self.pipelines,
                 "boundaries": list(self.boundaries) if self.boundaries else None,
                 "schedule": self.schedule,
@@ -124,8 +138,12 @@ def parse_boundaries(text: str | None) -> tuple[int, ...] | None:
 
 
 def make_plan(workers: int, micro_batches: int, pipelines: int, stages_text: str | None,
-              global_batch: int, schedule: str | None = None) -> PipelinePlan:
-    """The pipeline for ``workers`` worker tasks; ConfigError (one line) for what cannot run."""
+              global_batch: int, schedule: str | None = None,
+              placed: str | None = None) -> PipelinePlan:
+    """The pipeline for ``workers`` worker tasks; ConfigError (one line) for what cannot run.
+    ``placed``: why the model trains placed (``placed_plan``), None to cut it."""
+    if placed:
+        return placed_plan(workers, micro_batches, pipelines, stages_text, schedule, placed)
     if pipelines < 1 or micro_batches < 1:
         raise ConfigError(f"--pipelines={pipelines} --micro-batches={micro_batches}: both "
                           "must be at least 1")
@@ -154,6 +172,23 @@ def make_plan(workers: int, micro_batches: int, pipelines: int, stages_text: str
             f"steady one-forward-one-backward phase (it needs M >= S); use --micro-batches "
             f"{stages} or more, or --schedule dataflow")
     return PipelinePlan(stages, micro_batches, pipelines, boundaries, schedule)
+
+
+def placed_plan(workers: int, micro_batches: int, pipelines: int, stages_text: str | None,
+                schedule: str | None, why: str) -> PipelinePlan:
+    """A placed run's plan: every worker holds a part of one model, one batch at a time.
+    What only a cut defines (copies, stage boundaries) is refused in one line; the
+    micro-batches and schedule, which only order a cut's work, are left aside and said."""
+    if pipelines != 1:
+        raise ConfigError(f"--pipelines {pipelines}: the task's model trains placed, not cut "
+                          f"({why}), and a placed model has one copy; drop --pipelines")
+    if stages_text:
+        raise ConfigError(f"--stages {stages_text}: the task's model trains placed, not cut "
+                          f"({why}), so there are no stage boundaries to set; drop --stages")
+    unused = [f"--micro-batches {micro_batches}" if micro_batches > 1 else "",
+              f"--schedule {schedule}" if schedule and schedule != "dataflow" else ""]
+    return PipelinePlan(workers, 1, 1, None, "dataflow", why,
+                        ", ".join(u for u in unused if u))
 
 
 def balance(params: list[int], stages: int) -> tuple[int, ...]:
@@ -429,24 +464,24 @@ def traced_graph(model, task, example, name: str) -> LayerGraph:
     inputs = _symbolic_inputs(model, example)
     what = f"task {name}: its model {type(model).__name__} {getattr(model, 'name', '')!r}"
     if inputs is None:
-        raise ConfigError(f"{what} has no input shape to trace its call with; {HOW}")
+        raise CannotCut(f"{what} has no input shape to trace its call with; {HOW}")
     kwargs = {"training": True} if "training" in pyinspect.signature(model.call).parameters \
         else {}
     try:
         outputs = model.call(inputs, **kwargs)
     except Exception as err:  # pylint: disable=broad-except  # Python Keras cannot trace
         first = (str(err).strip().splitlines() or [""])[0][:160]
-        raise ConfigError(f"{what} is not a chain of layers, and its call could not be traced "
+        raise CannotCut(f"{what} is not a chain of layers, and its call could not be traced "
                           f"on symbolic inputs ({type(err).__name__}: {first}); {HOW}") from None
     nodes = _nodes_back_to(outputs, inputs)
     if nodes is None:
-        raise ConfigError(f"{what} is not a chain of layers, and its call computes its output "
+        raise CannotCut(f"{what} is not a chain of layers, and its call computes its output "
                           f"from something other than Keras layers and ops on its inputs; {HOW}")
     seen = {}
     for node in nodes:
         op = node.operation
         if getattr(op, "weights", None) and seen.setdefault(id(op), node) is not node:
-            raise ConfigError(f"{what}: its layer {op.name!r} is called more than once in a "
+            raise CannotCut(f"{what}: its layer {op.name!r} is called more than once in a "
                               f"forward, and the cut places a layer's weights on one stage; {HOW}")
     return LayerGraph(inputs, nodes, outputs)
 

@@ -115,7 +115,7 @@ class SyncTrainer(Trainer):
                          checkpointer=checkpointer, start_step=start_step,
                          train_metrics=train_metrics)
         strategy = bundle.strategy
-        tasks = bundle.kind.training_members(self.cluster)
+        tasks = self.training_members()
         if len(tasks) > 1:
             agree_on_start_step(strategy, start_step, self.cluster.member_name, tasks,
                                 self.config.model_dir)
@@ -139,8 +139,19 @@ class SyncTrainer(Trainer):
         # every peer is): until the handler takes SIGTERM over, TensorFlow's
         # own notifier swallows it and the preemption would go unnoticed.
         self._previous_sigterm = signal.getsignal(signal.SIGTERM)
-        self._handler = preemption_handler(
-            strategy, self._save_preempted, lambda: self.completed)
+        self._handler = self._preemption_handler(strategy)
+
+    def training_members(self) -> list[str]:
+        """The tasks that run this loop's steps in lockstep (the strategy kind's)."""
+        return self.bundle.kind.training_members(self.cluster)
+
+    def _xla_part(self, model) -> str | None:
+        """What of the step XLA compiles for a ``jit_compile=True`` model (``xla_part``)."""
+        return xla_part(model, self.bundle.kind)
+
+    def _preemption_handler(self, strategy):
+        """TensorFlow's preemption handler over the training tasks (``sync.preemption``)."""
+        return preemption_handler(strategy, self._save_preempted, lambda: self.completed)
 
     _carried = None  # sync.carried's calls, where each step's all-reduce is carried over
     _carrying = False  # the calls run the carried step (else the plain one)
@@ -166,7 +177,7 @@ class SyncTrainer(Trainer):
         if state.sharded is not None:  # the sharded step; nothing to carry
             state.sharded.start()
             return state.sharded.make_train_fn(state, train_metrics, dtype, n)
-        jit = xla_part(state.model, self.bundle.kind)
+        jit = self._xla_part(state.model)
         plain = make_train_fn(strategy, make_step_fn(state, train_metrics, dtype, n, jit), state,
                               len(train_metrics.names), batches_per_step=n)
         # The plan refuses the flag where gradients are not all-reduced between processes.
@@ -239,7 +250,7 @@ class SyncTrainer(Trainer):
         """Every worker's peak resident memory so far (``VmHWM``), by one small gather
         at each drain, so the chief's results record holds every worker's."""
         own = own_peak_rss()
-        tasks = self.bundle.kind.training_members(self.cluster)
+        tasks = self.training_members()
         if not self.in_lockstep():
             return {self.cluster.member_name: own}
         strategy = self.bundle.strategy
@@ -264,12 +275,12 @@ class SyncTrainer(Trainer):
         return False  # the preemption handler stops the run itself
 
     def in_lockstep(self) -> bool:
-        return len(self.bundle.kind.training_members(self.cluster)) > 1
+        return len(self.training_members()) > 1
 
     def evaluation_members(self) -> EvalMembers | None:
         """Every training task, when there are several (multiworker): each evaluates
         its range of the split's batches, one all-reduce sums the metrics' states."""
-        names = self.bundle.kind.training_members(self.cluster)
+        names = self.training_members()
         if len(names) < 2 or self.config.evaluate_on == "chief":
             return None
         total = make_replica_sum(self.bundle.strategy, once_per_task=True)
@@ -287,10 +298,10 @@ class SyncTrainer(Trainer):
             "all_reduce_carried": self._carrying,
             "carry_trial": (None if self._trial_result is None
                             else dataclasses.asdict(self._trial_result)),
-            "steps_per_worker": {name: ran for name in self.bundle.kind.training_members(self.cluster)},
+            "steps_per_worker": {name: ran for name in self.training_members()},
             "shard_state": self.plan.shard_state,
             "state_bytes": {name: self._state_bytes()
-                            for name in self.bundle.kind.training_members(self.cluster)},
+                            for name in self.training_members()},
             "peak_rss_bytes_per_worker": self._peaks,
         }
 
@@ -307,7 +318,7 @@ class SyncTrainer(Trainer):
         The preemption handler's threads are stopped before (``close``): they
         read the key-value store of the chief's coordination service.
         """
-        if len(self.bundle.kind.training_members(self.cluster)) < 2:
+        if len(self.training_members()) < 2:
             return
         from tensorflow.python.eager import context
 

@@ -246,23 +246,9 @@ def own_losses_weight(model, example, who: str = "") -> float:
         raise ConfigError(f"{who}the model overrides compute_loss and its loss does not change in "
                           f"proportion to the model's own losses (regularizers, add_loss: "
                           f"{seen[0]:.6g}, {seen[1]:.6g}, {seen[2]:.6g} at a sum of 0, 1, 2), "
-                          "which pipeline cannot honour: each stage adds its own layers' losses "
-                          "where it runs; add them as super().compute_loss does, or train it "
-                          "under another strategy")
+                          "which the cut into stages cannot carry: each stage adds its own "
+                          "layers' losses where it runs")
     return round(slope, 4)
-
-
-def _check_own_loss(kind, model, example, who: str) -> None:
-    """Refuse, in one line, a model's own ``compute_loss`` the strategy's step cannot
-    give ``y_pred`` alone (``kind.compute_loss_calling_model_refusal``), or whose
-    loss counts the model's own losses in a way the stages cannot add up."""
-    calls, own_losses = probe_compute_loss(model, example)
-    if calls:
-        raise ConfigError(f"{who}the model's compute_loss calls the model itself, which "
-                          f"{kind.name} cannot honour: {kind.compute_loss_calling_model_refusal}; "
-                          "compute the loss from y_pred, or train it under another strategy")
-    if own_losses:
-        own_losses_weight(model, example, who)
 
 
 def check(kind, checked, gradient_dtype: str = "float32") -> None:
@@ -273,18 +259,6 @@ def check(kind, checked, gradient_dtype: str = "float32") -> None:
     """
     model, task = checked.local_model, checked.task
     who = f"task {checked.spec.name!r}: "
-    if overrides(model, "train_step"):
-        why = kind.own_train_step_refusal
-        if why:
-            raise ConfigError(f"{who}the model overrides train_step, which {kind.name} cannot "
-                              f"honour: {why}; train it under another strategy, or move the "
-                              "logic into call()/compute_loss()")
-    elif overrides(model, "compute_loss") and kind.own_compute_loss_refusal:
-        raise ConfigError(f"{who}the model overrides compute_loss, which {kind.name} cannot "
-                          f"honour: {kind.own_compute_loss_refusal}; train it under another "
-                          "strategy")
-    elif overrides(model, "compute_loss") and kind.compute_loss_calling_model_refusal:
-        _check_own_loss(kind, model, checked.example, who)
     if getattr(model, "run_eagerly", False):
         raise ConfigError(f"{who}the model is compiled with run_eagerly=True; a distributed "
                           "step is always traced (tf.function), so compile without it "
@@ -428,13 +402,14 @@ CONTRACT = {
                       "flattens them, features-only data, the other optimizers it applies "
                       "built and checkpointed, every optimizer's apply routed through the "
                       "library's gradient path (--gradient-dtype, accumulation, ps-sync's "
-                      "K-of-N average); refused under pipeline",
+                      "K-of-N average); under pipeline the model trains placed (the none "
+                      "loop, its weights and layers on the workers)",
         "test_step": "honoured: evaluation is Keras's evaluate on a local copy; a model Keras "
                      "cannot evaluate trains and is said not evaluated",
         "predict_step": "honoured: the saved model.keras keeps it",
         "compute_loss": "honoured: the library's step calls model.compute_loss, with or "
                         "without its training argument; under pipeline on the last stage's "
-                        "output (one that calls the model itself refused)",
+                        "output (one that calls the model itself: trained placed)",
         "compute_metrics": "honoured: called by a model's own train_step; evaluation uses it",
     },
 }
