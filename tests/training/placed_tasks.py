@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tests.training.fit_tasks import CLASSES, FEATURES, Blobs
+from tests.training.fit_tasks import CLASSES, FEATURES, Blobs, Net
 
 
 def _compiled(model, optimizer, loss="sparse_categorical_crossentropy"):
@@ -40,16 +40,8 @@ class SharedLayer(keras.Model):
         return self.out(self.hidden(self.mix(self.mix(x))))
 
 
-class CallsItself(keras.Model):
+class CallsItself(Net):
     """A compute_loss that calls the model itself (its y_pred left aside)."""
-
-    def __init__(self):
-        super().__init__()
-        self.hidden = keras.layers.Dense(32, activation="relu")
-        self.out = keras.layers.Dense(CLASSES, activation="softmax")
-
-    def call(self, x, training=False):
-        return self.out(self.hidden(x))
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
         again = self(x, training=training)
