@@ -171,17 +171,14 @@ class EvalShards:
     def prepare(self, evaluator: "Evaluator") -> None:
         evaluator.dataset = ()  # each shard is read on its worker
         if self.ready is not None and evaluator.examples:  # an empty split schedules nothing
-            local = evaluator.local
-            local.reset_metrics()
-            initial = [keras.ops.convert_to_numpy(v) for v in local.metrics_variables]
-            self.ready(local, initial, evaluator.split, evaluator.batch_size)
+            self.ready(evaluator.local, fresh_states(evaluator.local), evaluator.split,
+                       evaluator.batch_size)
 
     def run_pass(self, evaluator: "Evaluator") -> Summed:
         """Every shard evaluated by a closure on a worker from the same initial metric
         states, each shard's states merged once; the shards made (at most one a batch)."""
         local = evaluator.local
-        local.reset_metrics()
-        initial = [keras.ops.convert_to_numpy(v) for v in local.metrics_variables]
+        initial = fresh_states(local)
         batches = -(-evaluator.examples // evaluator.batch_size)
         count = min(self.count, batches)
         bounds = [batch_range(batches, count, s) for s in range(count)]
@@ -201,6 +198,12 @@ class EvalShards:
             "shards": count, **({"shards_asked": self.count} if count != self.count else {}),
             **({"batch_seconds_per_member": {w: round(s, 3) for w, s in sorted(busy.items())}}
                if busy else {})})
+
+
+def fresh_states(local) -> list:
+    """``local``'s metric states reset, as values: what every shard starts from."""
+    local.reset_metrics()
+    return [keras.ops.convert_to_numpy(v) for v in local.metrics_variables]
 
 
 class ShardMerge:
