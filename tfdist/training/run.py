@@ -47,7 +47,7 @@ def preflight(run_request: RunRequest, gpus: list[str] | None = None) -> RunPlan
     """
     cluster, kind, spec = run_request.config.cluster, run_request.kind, run_request.task
     train_n, test_n = tasks.static_sizes(spec)
-    facts = {}
+    facts, cut_checked = {}, False
     if train_n is None and kind.reads_data(cluster):
         checked = tasks.inspect(spec, tasks.load(spec, run_request.config.data_dir),
                                 steps_given=run_request.config.steps is not None)
@@ -55,6 +55,9 @@ def preflight(run_request: RunRequest, gpus: list[str] | None = None) -> RunPlan
         train_n, test_n = checked.info.train_examples, checked.info.test_examples
         facts = {**contract.plan_facts(checked),
                  "placed": _why_placed(kind, checked, run_request.config)}
+        # Under a pipelined kind why_placed has cut a fresh build of the model as the
+        # run will (its one line raised), or found the model trains placed.
+        cut_checked = kind.pipelined and kind.trains_uncut_placed
     elif train_n is None:
         # A task that does not read data (a ps, a worker under ps) needs
         # no sizes; its steps are the chief's.
@@ -68,7 +71,7 @@ def preflight(run_request: RunRequest, gpus: list[str] | None = None) -> RunPlan
         from tfdist.training import sidecar
 
         sidecar.check(plan)
-    if plan.pipeline is not None and not plan.pipeline.placed and kind.reads_data(cluster):
+    if plan.pipeline is not None and not cut_checked and kind.reads_data(cluster):
         # More stages than layers, bad --stages, a model that is not a chain:
         # one line now, not after every worker has started.
         from tfdist.training.pipeline.stages import check_cut
