@@ -8,8 +8,9 @@ runs the chief's local model's own ``test_step`` on each of its shard's
 batches inside a ``keras.StatelessScope`` mapping the local model's weights to
 those values and its metrics' variables to fresh states, so nothing is
 assigned on the worker: the closure returns its shard's id, the metric states,
-its example count and its worker's index, and the chief merges each shard
-once (``training.loop.evaluation.ShardMerge``).
+its example count, its worker's index and its seconds, packed in one tensor
+(``pack``), and the chief merges each shard once
+(``training.loop.evaluation.ShardMerge``).
 
 Exactly once: every worker holds the whole split (one dataset per worker, its
 elements read and decoded once, on the worker, when it is made), and a
@@ -66,6 +67,29 @@ def stateless_test_steps(local: keras.Model, values: list, states: list, batches
         states = [tf.convert_to_tensor(scope.get_current_value(v)) for v in variables]
         examples += tf.cast(tf.shape(tf.nest.flatten(batch)[0])[0], tf.int64)
     return states, examples
+
+
+def pack(numbers: list, states: list) -> tf.Tensor:
+    """A closure's result as one float64 vector: the coordinator copies each tensor a
+    closure returns to the chief on its own, one after another, before that worker gets
+    its next closure (the MNIST CNN's shard returned 8). float64 holds every float32
+    state and every count below 2**53 exactly."""
+    parts = [tf.cast(tf.stack([tf.cast(n, tf.float64) for n in numbers]), tf.float64)]
+    parts += [tf.reshape(tf.cast(v, tf.float64), [-1]) for v in states]
+    return tf.concat(parts, axis=0)
+
+
+def unpack(packed, like: list) -> tuple[list[float], list[np.ndarray]]:
+    """``pack``'s four numbers and the states, shaped and typed as ``like``'s arrays."""
+    flat, like = np.asarray(packed), [np.asarray(ref) for ref in like]
+    expected = sum(ref.size for ref in like)
+    if flat.size != 4 + expected:
+        raise ValueError(f"a shard returned {flat.size - 4} state values, expected {expected}")
+    numbers, at, states = [float(x) for x in flat[:4]], 4, []
+    for ref in like:
+        states.append(flat[at:at + ref.size].reshape(ref.shape).astype(ref.dtype))
+        at += ref.size
+    return numbers, states
 
 
 def whole_split(task, split: str):
@@ -136,7 +160,7 @@ class CoordinatedEvaluation:
             with tf.control_dependencies([*states, examples]):
                 # The closure's own seconds on its worker (the record's terms).
                 seconds = tf.timestamp() - began
-            return shard, states, examples, tf.cast(worker, tf.int64), seconds
+            return pack([shard, examples, worker, seconds], states)
 
         self._functions[key] = evaluate_shard
         return evaluate_shard
@@ -156,7 +180,7 @@ class CoordinatedEvaluation:
         with self.quiet():
             for _ in range(self.WARM_ROUNDS):
                 remotes = [self._schedule(function, split, -1, 0, 1) for _ in self.workers]
-                warmed.update(int(remote.fetch()[3]) for remote in remotes)
+                warmed.update(int(unpack(remote.fetch(), initial)[0][2]) for remote in remotes)
                 if len(warmed) == len(self.workers):
                     break
 
@@ -172,6 +196,6 @@ class CoordinatedEvaluation:
             remotes = [self._schedule(function, split, shard, lo, hi)
                        for shard, (lo, hi) in enumerate(bounds)]
             results = [remote.fetch() for remote in remotes]
-        for shard, states, examples, worker, seconds in results:
-            yield (int(shard), [np.asarray(v) for v in states], int(examples),
-                   self.workers[int(worker)], float(seconds))
+        for packed in results:
+            (shard, examples, worker, seconds), states = unpack(packed, initial)
+            yield int(shard), states, int(examples), self.workers[int(worker)], float(seconds)
