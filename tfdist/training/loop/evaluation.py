@@ -37,6 +37,7 @@ from typing import Callable, Protocol
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tfdist.training.workload import data
 
@@ -110,7 +111,7 @@ class EvalMembers:
         shard = data.task_split(evaluator.task, evaluator.split).skip(lo * size).take(
             (hi - lo) * size)
         # Cached by the first pass, which reads the data as the chief alone's does.
-        evaluator.dataset = shard.batch(size).cache()
+        evaluator.dataset = shard.batch(size).prefetch(tf.data.AUTOTUNE).cache()
         evaluator.shard_examples = examples_per_member(
             evaluator.examples, size, len(self.names))[self.rank]
         variables = evaluator.local.metrics_variables
