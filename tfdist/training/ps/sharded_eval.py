@@ -74,7 +74,7 @@ def pack(numbers: list, states: list) -> tf.Tensor:
     closure returns to the chief on its own, one after another, before that worker gets
     its next closure (the MNIST CNN's shard returned 8). float64 holds every float32
     state and every count below 2**53 exactly."""
-    parts = [tf.cast(tf.stack([tf.cast(n, tf.float64) for n in numbers]), tf.float64)]
+    parts = [tf.stack([tf.cast(n, tf.float64) for n in numbers])]
     parts += [tf.reshape(tf.cast(v, tf.float64), [-1]) for v in states]
     return tf.concat(parts, axis=0)
 
